@@ -1,0 +1,247 @@
+//! Environment knobs. Every knob is read as `COMM_<NAME>` first and `NCCL_<NAME>` second, so
+//! deployments tuned for NCCL keep working unchanged.
+
+use std::time::Duration;
+
+/// The value of `COMM_<name>`, else `NCCL_<name>`, ignoring empty values.
+pub fn var(name: &str) -> Option<String> {
+    ["COMM_", "NCCL_"].iter().find_map(|prefix| {
+        std::env::var(format!("{prefix}{name}"))
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+    })
+}
+
+/// A knob parsed as an integer; an unparsable value is logged and ignored.
+pub fn int(name: &str) -> Option<i64> {
+    let raw = var(name)?;
+    match raw.trim().parse::<i64>() {
+        Ok(v) => Some(v),
+        Err(_) => {
+            crate::warn!("ignoring {name}={raw:?}: not an integer");
+            None
+        }
+    }
+}
+
+/// A knob read as a boolean: 1/true/yes/on are true, 0/false/no/off are false.
+pub fn flag(name: &str) -> Option<bool> {
+    let raw = var(name)?;
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => {
+            crate::warn!("ignoring {name}={raw:?}: not a boolean");
+            None
+        }
+    }
+}
+
+/// A knob holding a byte size, with optional K/M/G suffix (binary units).
+pub fn size(name: &str) -> Option<usize> {
+    let raw = var(name)?;
+    match parse_size(&raw) {
+        Some(v) => Some(v),
+        None => {
+            crate::warn!("ignoring {name}={raw:?}: not a size");
+            None
+        }
+    }
+}
+
+/// A knob holding seconds (fractions allowed). Zero or negative means "no limit" and gives None.
+pub fn seconds(name: &str) -> Option<Option<Duration>> {
+    let raw = var(name)?;
+    match raw.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Some(Some(Duration::from_secs_f64(v))),
+        Ok(_) => Some(None),
+        Err(_) => {
+            crate::warn!("ignoring {name}={raw:?}: not a number of seconds");
+            None
+        }
+    }
+}
+
+pub fn parse_size(raw: &str) -> Option<usize> {
+    let s = raw.trim();
+    let (digits, mult) = match s.chars().last()? {
+        'k' | 'K' => (&s[..s.len() - 1], 1usize << 10),
+        'm' | 'M' => (&s[..s.len() - 1], 1 << 20),
+        'g' | 'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+/// A documented knob. `name` is read as COMM_<name> and, when `nccl` is set, NCCL_<name>.
+pub struct Knob {
+    pub name: &'static str,
+    pub nccl: bool,
+    pub default: &'static str,
+    pub doc: &'static str,
+}
+
+/// Every knob the library reads (ncclParam* serves these, README documents them).
+pub const KNOBS: &[Knob] = &[
+    Knob {
+        name: "DEBUG",
+        nccl: true,
+        default: "",
+        doc: "log level: VERSION, WARN, INFO or TRACE",
+    },
+    Knob {
+        name: "DEBUG_FILE",
+        nccl: true,
+        default: "",
+        doc: "log to this file instead of stderr (%h host, %p pid)",
+    },
+    Knob {
+        name: "ALGO",
+        nccl: true,
+        default: "",
+        doc: "allowed algorithms, e.g. ring,tree or ^direct",
+    },
+    Knob {
+        name: "COMM_ID",
+        nccl: true,
+        default: "",
+        doc: "host:port of the bootstrap root, instead of a unique id",
+    },
+    Knob {
+        name: "SOCKET_IFNAME",
+        nccl: true,
+        default: "",
+        doc: "interfaces to use: prefixes, ^excluded, =exact",
+    },
+    Knob {
+        name: "SOCKET_FAMILY",
+        nccl: true,
+        default: "",
+        doc: "AF_INET or AF_INET6",
+    },
+    Knob {
+        name: "COMM_BLOCKING",
+        nccl: true,
+        default: "1",
+        doc: "default of ncclConfig_t.blocking",
+    },
+    Knob {
+        name: "INIT_TIMEOUT",
+        nccl: false,
+        default: "600",
+        doc: "seconds an init waits for all ranks (0 = forever)",
+    },
+    Knob {
+        name: "BOOTSTRAP_HANDSHAKE_TIMEOUT",
+        nccl: false,
+        default: "5",
+        doc: "seconds a connecting peer has to authenticate",
+    },
+    Knob {
+        name: "TIMEOUT",
+        nccl: false,
+        default: "0",
+        doc: "seconds an operation may go without progress before ncclTimeout (0 = never)",
+    },
+    Knob {
+        name: "WARN_AFTER",
+        nccl: false,
+        default: "60",
+        doc: "seconds without progress before a warning names the ranks waited for",
+    },
+    Knob {
+        name: "SPIN_US",
+        nccl: false,
+        default: "50",
+        doc: "microseconds to spin before sleeping (0 when ranks outnumber cores)",
+    },
+    Knob {
+        name: "SLICE_BYTES",
+        nccl: false,
+        default: "524288",
+        doc: "pipeline slice of ring and tree algorithms",
+    },
+    Knob {
+        name: "DIRECT_MAX_BYTES",
+        nccl: false,
+        default: "65536",
+        doc: "largest all-reduce done one-shot (depends on rank count)",
+    },
+    Knob {
+        name: "TREE_MAX_BYTES",
+        nccl: false,
+        default: "262144",
+        doc: "largest message that prefers the tree to the ring",
+    },
+    Knob {
+        name: "SHM_SLOTS",
+        nccl: false,
+        default: "16",
+        doc: "slots per shared-memory FIFO",
+    },
+    Knob {
+        name: "SHM_SLOT_BYTES",
+        nccl: false,
+        default: "65536",
+        doc: "bytes per shared-memory FIFO slot",
+    },
+    Knob {
+        name: "SHM_PULL",
+        nccl: false,
+        default: "1",
+        doc: "let receivers copy large messages straight from the sender",
+    },
+    Knob {
+        name: "SHM_PULL_THRESHOLD",
+        nccl: false,
+        default: "32768",
+        doc: "smallest message sent by pull",
+    },
+    Knob {
+        name: "HOSTID",
+        nccl: true,
+        default: "",
+        doc: "extra text mixed into the host identity",
+    },
+];
+
+pub fn knob(key: &str) -> Option<&'static Knob> {
+    let bare = key
+        .strip_prefix("COMM_")
+        .or_else(|| key.strip_prefix("NCCL_"))?;
+    KNOBS
+        .iter()
+        .find(|k| k.name == bare && (k.nccl || key.starts_with("COMM_")))
+}
+
+/// The value a knob has now: from the environment, else its default.
+pub fn knob_value(k: &Knob) -> String {
+    var(k.name)
+        .filter(|_| k.nccl || std::env::var(format!("COMM_{}", k.name)).is_ok())
+        .unwrap_or_else(|| k.default.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("8"), Some(8));
+        assert_eq!(parse_size("4K"), Some(4096));
+        assert_eq!(parse_size("2m"), Some(2 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
+
+    #[test]
+    fn comm_prefix_wins_over_nccl() {
+        std::env::set_var("COMM_ENVTEST_A", "1");
+        std::env::set_var("NCCL_ENVTEST_A", "2");
+        std::env::set_var("NCCL_ENVTEST_B", "3");
+        assert_eq!(var("ENVTEST_A").as_deref(), Some("1"));
+        assert_eq!(var("ENVTEST_B").as_deref(), Some("3"));
+        assert_eq!(var("ENVTEST_C"), None);
+    }
+}

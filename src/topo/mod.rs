@@ -1,0 +1,138 @@
+//! Who is where: the identity of this host and process, and which transport reaches each peer.
+
+use parking_lot::Mutex;
+use std::hash::{Hash, Hasher};
+
+/// What a rank tells its peers about where it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Equal for processes that can share memory: same kernel boot, same hostname, same network
+    /// namespace (abstract unix sockets are per network namespace).
+    pub host_hash: u64,
+    /// Random per process, so ranks that are threads of one process recognise each other even
+    /// across pid namespaces.
+    pub process_token: u64,
+    pub pid: u32,
+    pub hostname: String,
+}
+
+/// How a rank reaches one peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// The peer is this rank.
+    SelfRank,
+    /// A thread of this same process: direct pointers.
+    SameProcess,
+    /// Another process on this host: shared memory.
+    SameHost,
+    /// Another host: the network.
+    Network,
+}
+
+fn identify() -> Placement {
+    let hostname = crate::log::hostname();
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (hostname.as_str(), boot_id.trim(), netns.as_str()).hash(&mut h);
+    if let Some(extra) = crate::env::var("HOSTID") {
+        extra.hash(&mut h);
+    }
+    let mut token = [0u8; 8];
+    getrandom::getrandom(&mut token).expect("the OS random source is unavailable");
+    Placement {
+        host_hash: h.finish(),
+        process_token: u64::from_ne_bytes(token),
+        pid: std::process::id(),
+        hostname,
+    }
+}
+
+static THIS_PROCESS: Mutex<Option<Placement>> = Mutex::new(None);
+
+/// Where this process runs. Recomputed in a child after fork(), which must not pass for its
+/// parent.
+pub fn this_process() -> Placement {
+    let mut slot = THIS_PROCESS.lock();
+    match &*slot {
+        Some(p) if p.pid == std::process::id() => p.clone(),
+        _ => {
+            let p = identify();
+            *slot = Some(p.clone());
+            p
+        }
+    }
+}
+
+impl Placement {
+    pub fn path_to(&self, peer: &Placement, is_self: bool) -> Path {
+        if is_self {
+            Path::SelfRank
+        } else if peer.host_hash != self.host_hash {
+            Path::Network
+        } else if peer.process_token == self.process_token {
+            Path::SameProcess
+        } else {
+            Path::SameHost
+        }
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.host_hash.to_le_bytes());
+        out.extend_from_slice(&self.process_token.to_le_bytes());
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&(self.hostname.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.hostname.as_bytes());
+    }
+
+    pub fn decode(r: &mut crate::wire::Reader<'_>) -> crate::error::Result<Placement> {
+        Ok(Placement {
+            host_hash: r.u64()?,
+            process_token: r.u64()?,
+            pid: r.u32()?,
+            hostname: r.string()?,
+        })
+    }
+}
+
+/// CPUs this process may run on: more local ranks than this means waits must yield the core.
+pub fn usable_cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_follow_host_and_process_identity() {
+        let me = this_process();
+        assert_eq!(me.path_to(&me, true), Path::SelfRank);
+        assert_eq!(me.path_to(&me, false), Path::SameProcess);
+        let other_proc = Placement {
+            process_token: me.process_token ^ 1,
+            ..me.clone()
+        };
+        assert_eq!(me.path_to(&other_proc, false), Path::SameHost);
+        let other_host = Placement {
+            host_hash: me.host_hash ^ 1,
+            ..other_proc
+        };
+        assert_eq!(me.path_to(&other_host, false), Path::Network);
+    }
+
+    #[test]
+    fn placement_round_trips_through_bytes() {
+        let me = this_process();
+        assert_eq!(me, this_process());
+        let mut buf = Vec::new();
+        me.encode(&mut buf);
+        let mut r = crate::wire::Reader::new(&buf);
+        assert_eq!(Placement::decode(&mut r).unwrap(), me);
+        assert!(r.is_empty());
+    }
+}
