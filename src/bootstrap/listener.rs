@@ -1,0 +1,440 @@
+//! Every rank's listener: a thread that accepts connections, runs their handshakes side by side
+//! from one poll loop (a silent or half-open client only costs a slot until its handshake deadline)
+//! and keeps each authenticated connection, keyed by what it is for, until someone asks for it.
+//! Connections for a sub-communicator may arrive long before this rank calls `sub`; they wait here.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::auth::{Lookup, ServerHandshake, Step};
+use super::net::{self, pollfd, Waiter, SLICE};
+use crate::error::{Error, Result};
+
+/// Handshakes in flight at once; beyond this the oldest is dropped, so a flood of idle sockets
+/// cannot exhaust descriptors.
+pub(crate) const MAX_PENDING: usize = 1024;
+
+const PEER_CTX_LABEL: &[u8] = b"comm-peer-v1";
+const PEER_CTX_BYTES: usize = PEER_CTX_LABEL.len() + 8 + 1 + 8 + 4 + 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// The ring of the communicator whose tag is `tag`.
+    Ring = 1,
+    /// The ring of a sub-communicator (`key` is its tag), set up over the parent's listeners.
+    Sub = 2,
+}
+
+/// What a rank-to-rank connection is for; bound into its handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PeerCtx {
+    pub tag: u64,
+    pub purpose: Purpose,
+    pub key: u64,
+    pub from: u32,
+    pub to: u32,
+}
+
+impl PeerCtx {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(PEER_CTX_BYTES);
+        b.extend_from_slice(PEER_CTX_LABEL);
+        b.extend_from_slice(&self.tag.to_le_bytes());
+        b.push(self.purpose as u8);
+        b.extend_from_slice(&self.key.to_le_bytes());
+        b.extend_from_slice(&self.from.to_le_bytes());
+        b.extend_from_slice(&self.to.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<PeerCtx> {
+        if b.len() != PEER_CTX_BYTES || !b.starts_with(PEER_CTX_LABEL) {
+            return None;
+        }
+        let b = &b[PEER_CTX_LABEL.len()..];
+        let purpose = match b[8] {
+            1 => Purpose::Ring,
+            2 => Purpose::Sub,
+            _ => return None,
+        };
+        Some(PeerCtx {
+            tag: u64::from_le_bytes(b[0..8].try_into().ok()?),
+            purpose,
+            key: u64::from_le_bytes(b[9..17].try_into().ok()?),
+            from: u32::from_le_bytes(b[17..21].try_into().ok()?),
+            to: u32::from_le_bytes(b[21..25].try_into().ok()?),
+        })
+    }
+}
+
+/// Whom a listener serves: connections must be addressed to this rank of this communicator.
+#[derive(Clone)]
+pub(crate) struct Identity {
+    pub secret: [u8; 32],
+    pub tag: u64,
+    pub rank: usize,
+    pub nranks: usize,
+}
+
+impl Identity {
+    /// The secret a client asking for `ctx` must prove, or why it is refused.
+    fn admit(&self, ctx: &[u8]) -> std::result::Result<[u8; 32], String> {
+        let Some(c) = PeerCtx::decode(ctx) else {
+            return Err("not a bootstrap peer connection (unknown context)".into());
+        };
+        if c.tag != self.tag {
+            return Err(format!(
+                "belongs to another communicator (tag {:016x}, this one is {:016x})",
+                c.tag, self.tag
+            ));
+        }
+        if c.to as usize != self.rank {
+            return Err(format!(
+                "is addressed to rank {} but this is rank {}",
+                c.to, self.rank
+            ));
+        }
+        if c.from as usize >= self.nranks {
+            return Err(format!(
+                "claims to come from rank {} of a communicator of {} ranks",
+                c.from, self.nranks
+            ));
+        }
+        Ok(self.secret)
+    }
+}
+
+/// An accepted connection whose server-side handshake is under way, driven without blocking.
+pub(crate) struct Handshaking {
+    stream: TcpStream,
+    pub peer: SocketAddr,
+    pub deadline: Option<Instant>,
+    hs: ServerHandshake,
+    inbuf: Vec<u8>,
+    filled: usize,
+    out: Vec<u8>,
+    out_off: usize,
+    finished: bool,
+}
+
+pub(crate) enum Progress {
+    Pending,
+    Done,
+    Failed(String),
+}
+
+impl Handshaking {
+    pub fn new(stream: TcpStream, peer: SocketAddr, timeout: Option<Duration>) -> Handshaking {
+        Handshaking {
+            stream,
+            peer,
+            deadline: timeout.map(|t| Instant::now() + t),
+            hs: ServerHandshake::new(),
+            inbuf: Vec::new(),
+            filled: 0,
+            out: Vec::new(),
+            out_off: 0,
+            finished: false,
+        }
+    }
+
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    pub fn events(&self) -> i16 {
+        if self.out_off < self.out.len() {
+            libc::POLLOUT
+        } else {
+            libc::POLLIN
+        }
+    }
+
+    pub fn context(&self) -> &[u8] {
+        self.hs.context()
+    }
+
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
+    }
+
+    pub fn progress(&mut self, lookup: &Lookup<'_>) -> Progress {
+        loop {
+            while self.out_off < self.out.len() {
+                match (&self.stream).write(&self.out[self.out_off..]) {
+                    Ok(0) => return Progress::Failed("closed the connection".into()),
+                    Ok(n) => self.out_off += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::Pending,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Progress::Failed(format!("write failed: {e}")),
+                }
+            }
+            if self.finished {
+                return Progress::Done;
+            }
+            let need = self.hs.need();
+            if self.inbuf.len() != need {
+                self.inbuf.resize(need, 0);
+            }
+            while self.filled < need {
+                match (&self.stream).read(&mut self.inbuf[self.filled..]) {
+                    Ok(0) => {
+                        return Progress::Failed(
+                            "closed the connection in the middle of the handshake".into(),
+                        )
+                    }
+                    Ok(n) => self.filled += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::Pending,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Progress::Failed(format!("read failed: {e}")),
+                }
+            }
+            self.filled = 0;
+            match self.hs.on_message(&self.inbuf, lookup) {
+                Step::Reply(r) => {
+                    self.out = r;
+                    self.out_off = 0;
+                }
+                Step::Done(r) => {
+                    self.out = r;
+                    self.out_off = 0;
+                    self.finished = true;
+                }
+                Step::Refuse(r, why) => {
+                    // One attempt to say no; the peer learns it either way when we close.
+                    let _ = (&self.stream).write(&r);
+                    return Progress::Failed(why);
+                }
+            }
+        }
+    }
+}
+
+/// Accepts every queued connection. The flag is false when out of descriptors, in which case the
+/// caller stops watching the listener for a moment instead of spinning on it.
+pub(crate) fn accept_all(
+    listener: &TcpListener,
+    timeout: Option<Duration>,
+    label: &str,
+) -> (Vec<Handshaking>, bool) {
+    let mut fresh = Vec::new();
+    loop {
+        match listener.accept() {
+            Ok((s, peer)) => {
+                if let Err(e) = s.set_nonblocking(true).and_then(|_| s.set_nodelay(true)) {
+                    crate::warn!("{label}: dropped connection from {peer}: {e}");
+                    continue;
+                }
+                crate::trace!("{label}: connection from {peer}");
+                fresh.push(Handshaking::new(s, peer, timeout));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return (fresh, true),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => {}
+            Err(e) => {
+                let hint = match e.raw_os_error() {
+                    Some(libc::EMFILE) | Some(libc::ENFILE) => {
+                        " (out of file descriptors: raise `ulimit -n`, or spread ranks over more roots)"
+                    }
+                    _ => "",
+                };
+                crate::warn!("{label}: accept failed: {e}{hint}");
+                return (fresh, false);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    stash: Mutex<HashMap<Vec<u8>, VecDeque<TcpStream>>>,
+    arrived: Condvar,
+}
+
+pub(crate) struct Listener {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    /// Dropping it wakes the thread (its end of the pair reads EOF) and tells it to stop.
+    stop: Option<UnixStream>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Listener {
+    pub fn start(
+        ip: IpAddr,
+        me: Identity,
+        handshake_timeout: Option<Duration>,
+    ) -> Result<Listener> {
+        let listener = net::listen(SocketAddr::new(ip, 0))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::from_io("bootstrap listener address", e))?;
+        let (stop, stopped) =
+            UnixStream::pair().map_err(|e| Error::from_io("bootstrap listener wake-up pair", e))?;
+        let shared = Arc::new(Shared::default());
+        let thread_shared = shared.clone();
+        let label = format!("bootstrap listener of rank {} ({addr})", me.rank);
+        let thread = std::thread::Builder::new()
+            .name(format!("comm-boot-{}", me.rank))
+            .spawn(move || {
+                serve(
+                    listener,
+                    stopped,
+                    thread_shared,
+                    me,
+                    handshake_timeout,
+                    label,
+                )
+            })
+            .map_err(|e| Error::from_io("starting the bootstrap listener thread", e))?;
+        Ok(Listener {
+            addr,
+            shared,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The next authenticated connection whose context is `ctx`, waiting for it if needed.
+    pub fn take(&self, ctx: &[u8], w: Waiter<'_>, what: &dyn Fn() -> String) -> Result<TcpStream> {
+        let mut stash = self.shared.stash.lock();
+        loop {
+            if let Some(queue) = stash.get_mut(ctx) {
+                let stream = queue.pop_front();
+                if queue.is_empty() {
+                    stash.remove(ctx);
+                }
+                if let Some(s) = stream {
+                    return Ok(s);
+                }
+            }
+            w.check(what)?;
+            let slice = w.slice();
+            self.shared.arrived.wait_for(&mut stash, slice);
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    listener: TcpListener,
+    stopped: UnixStream,
+    shared: Arc<Shared>,
+    me: Identity,
+    handshake_timeout: Option<Duration>,
+    label: String,
+) {
+    let lookup = |ctx: &[u8]| me.admit(ctx);
+    let mut pending: Vec<Handshaking> = Vec::new();
+    let mut paused_until: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if paused_until.is_some_and(|t| now >= t) {
+            paused_until = None;
+        }
+        // Sleep until an event, the nearest handshake deadline or the end of a pause.
+        let wake = pending
+            .iter()
+            .filter_map(|p| p.deadline)
+            .chain(paused_until)
+            .min()
+            .map(|t| t.saturating_duration_since(now));
+        let mut fds = Vec::with_capacity(2 + pending.len());
+        fds.push(pollfd(stopped.as_raw_fd(), libc::POLLIN));
+        // A negative descriptor is skipped by poll, which keeps the indexes below fixed.
+        let lfd = if paused_until.is_some() {
+            -1
+        } else {
+            listener.as_raw_fd()
+        };
+        fds.push(pollfd(lfd, libc::POLLIN));
+        fds.extend(
+            pending
+                .iter()
+                .map(|p| pollfd(p.stream().as_raw_fd(), p.events())),
+        );
+        if let Err(e) = net::poll(&mut fds, wake) {
+            crate::warn!("{label}: {e}");
+            std::thread::sleep(SLICE);
+            continue;
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        let now = Instant::now();
+        let mut kept = Vec::with_capacity(pending.len());
+        for (i, mut p) in pending.into_iter().enumerate() {
+            let outcome = if fds[2 + i].revents != 0 {
+                p.progress(&lookup)
+            } else {
+                Progress::Pending
+            };
+            match outcome {
+                Progress::Done => {
+                    let ctx = p.context().to_vec();
+                    if let Some(c) = PeerCtx::decode(&ctx) {
+                        crate::trace!(
+                            "{label}: rank {} ({}) connected for {:?}",
+                            c.from,
+                            p.peer,
+                            c.purpose
+                        );
+                    }
+                    shared
+                        .stash
+                        .lock()
+                        .entry(ctx)
+                        .or_default()
+                        .push_back(p.into_stream());
+                    shared.arrived.notify_all();
+                }
+                Progress::Failed(why) => {
+                    crate::warn!("{label}: refused connection from {}: {why}", p.peer);
+                }
+                Progress::Pending if p.deadline.is_some_and(|d| now >= d) => {
+                    crate::warn!(
+                        "{label}: refused connection from {}: no complete handshake within {:?} (silent or half-open client)",
+                        p.peer,
+                        handshake_timeout.unwrap_or_default()
+                    );
+                }
+                Progress::Pending => kept.push(p),
+            }
+        }
+        pending = kept;
+        if fds[1].revents != 0 {
+            let (fresh, healthy) = accept_all(&listener, handshake_timeout, &label);
+            if !healthy {
+                paused_until = Some(Instant::now() + SLICE);
+            }
+            pending.extend(fresh);
+            while pending.len() > MAX_PENDING {
+                let old = pending.remove(0);
+                crate::warn!(
+                    "{label}: refused connection from {}: too many unfinished handshakes",
+                    old.peer
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! Bootstrap: the unique id, an authenticated TCP rendezvous, and out-of-band collectives
+//! (allgather, barrier, broadcast) between the ranks of a communicator.
+//!
+//! `new_unique_id` (ncclGetUniqueId) picks a local address, makes a random secret and starts a root
+//! thread listening there; the id carries both. Each rank starts a listener of its own, checks in
+//! with the root, learns its successor's listener address, and the ranks close a ring over which
+//! they exchange everything else (first of all every rank's listener address). Every connection,
+//! to the root or between ranks, opens with the HMAC challenge/response of [`auth`], bound to what
+//! the connection is for; anything that fails it is logged and dropped without disturbing the
+//! rendezvous.
+//!
+//! Environment:
+//! - `COMM_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME`, `COMM_SOCKET_FAMILY`: see [`local_ip`].
+//! - `NCCL_COMM_ID=host:port`: the root listens there and is started by rank 0 inside `init`;
+//!   `COMM_SECRET` then supplies the secret (see [`new_unique_id`]).
+//! - `COMM_INIT_TIMEOUT` (seconds, default 600, 0 = forever): see [`init_timeout`].
+//! - `COMM_BOOTSTRAP_HANDSHAKE_TIMEOUT` (seconds, default 5): how long a root or listener keeps a
+//!   connection that has not completed its handshake.
+
+pub mod auth;
+mod id;
+mod iface;
+mod listener;
+mod net;
+mod ring;
+mod root;
+
+#[cfg(test)]
+mod tests;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+pub use id::{new_unique_id, UniqueId};
+pub use iface::local_ip;
+
+use crate::error::{ErrorKind, Result};
+use listener::{Identity, Listener, PeerCtx, Purpose};
+use net::Waiter;
+use ring::Ring;
+use root::{CheckIn, RootSession};
+
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
+const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// COMM_INIT_TIMEOUT in seconds (0 or negative: wait forever; default 600 s).
+pub fn init_timeout() -> Option<Duration> {
+    crate::env::seconds("INIT_TIMEOUT").unwrap_or(Some(DEFAULT_INIT_TIMEOUT))
+}
+
+/// COMM_BOOTSTRAP_HANDSHAKE_TIMEOUT in seconds (0 or negative: no limit; default 5 s).
+pub(crate) fn handshake_timeout() -> Option<Duration> {
+    crate::env::seconds("BOOTSTRAP_HANDSHAKE_TIMEOUT").unwrap_or(Some(DEFAULT_HANDSHAKE_TIMEOUT))
+}
+
+/// "rank 3" or "ranks 3, 5-7" for an ascending list.
+pub(crate) fn describe_ranks(ranks: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        parts.push(if j == i {
+            ranks[i].to_string()
+        } else {
+            format!("{}-{}", ranks[i], ranks[j])
+        });
+        i = j + 1;
+    }
+    let plural = ranks.len() != 1;
+    format!("rank{} {}", if plural { "s" } else { "" }, parts.join(", "))
+}
+
+/// One rank's view of a communicator's bootstrap network.
+pub struct Bootstrap {
+    rank: usize,
+    nranks: usize,
+    tag: u64,
+    secret: [u8; 32],
+    /// Every rank's listener, indexed by rank: where `sub` reaches the members.
+    addrs: Vec<SocketAddr>,
+    listener: Listener,
+    ring: Mutex<Ring>,
+    abort: Arc<AtomicBool>,
+}
+
+/// The communicator's secret and tag, the same on every rank that holds the same ids.
+fn comm_identity(ids: &[UniqueId]) -> ([u8; 32], u64) {
+    let bytes: Vec<[u8; UNIQUE_ID_BYTES]> = ids.iter().map(UniqueId::to_bytes).collect();
+    let mut parts: Vec<&[u8]> = vec![b"comm-secret-v1"];
+    parts.extend(bytes.iter().map(|b| &b[..]));
+    let secret = auth::hmac(&ids[0].secret, &parts);
+    (secret, tag_of(&secret))
+}
+
+fn tag_of(secret: &[u8; 32]) -> u64 {
+    let h = auth::hmac(secret, &[b"comm-tag-v1"]);
+    u64::from_le_bytes(h[..8].try_into().unwrap())
+}
+
+/// Where this rank's listener binds: a loopback root means a single-host job, so loopback serves;
+/// otherwise the configured interface.
+fn listen_ip(root: SocketAddr) -> Result<IpAddr> {
+    if root.ip().is_loopback() {
+        Ok(net::loopback_like(root.ip()))
+    } else {
+        local_ip()
+    }
+}
+
+impl Bootstrap {
+    /// Rendezvous `nranks` ranks through the root(s) named in `ids`; see the module documentation.
+    ///
+    /// With several ids (ncclCommInitRankScalable) rank r checks in with root r * ids.len() / nranks.
+    /// Fails after `timeout` with ErrorKind::Timeout naming the ranks that never arrived, or Remote
+    /// when the root or a peer vanished.
+    pub fn init(
+        ids: &[UniqueId],
+        rank: usize,
+        nranks: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Bootstrap> {
+        if ids.is_empty() {
+            return crate::invalid_arg!("no unique id given");
+        }
+        if nranks == 0 || nranks > u32::MAX as usize {
+            return crate::invalid_arg!("nranks {nranks} is out of range");
+        }
+        if rank >= nranks {
+            return crate::invalid_arg!(
+                "rank {rank} is out of range for a communicator of {nranks} ranks"
+            );
+        }
+        if ids.len() > nranks {
+            return crate::invalid_arg!(
+                "{} unique ids for {nranks} ranks: there can be at most one root per rank",
+                ids.len()
+            );
+        }
+        let started = Instant::now();
+        let abort = Arc::new(AtomicBool::new(false));
+        let w = Waiter::new(timeout.map(|t| started + t), &abort);
+        let (secret, tag) = comm_identity(ids);
+        let nroots = ids.len();
+        let my_root = root::root_of(rank, nranks, nroots);
+        let id = &ids[my_root];
+        let first_of_block = rank == root::first_of(my_root, nranks, nroots);
+        if id.root_at_init && first_of_block {
+            let l = net::listen(id.root).map_err(|e| {
+                e.context(format!(
+                    "rank {rank} starts the bootstrap root at NCCL_COMM_ID={}",
+                    id.root
+                ))
+            })?;
+            root::spawn(l, id, root::RootConfig::from_env())?;
+        }
+
+        let listener = Listener::start(
+            listen_ip(id.root)?,
+            Identity {
+                secret,
+                tag,
+                rank,
+                nranks,
+            },
+            handshake_timeout(),
+        )?;
+        let me = CheckIn {
+            rank: rank as u32,
+            nranks: nranks as u32,
+            nroots: nroots as u32,
+            root_index: my_root as u32,
+            tag,
+            listen: listener.addr(),
+        };
+        let session = RootSession::open(id, root::CHECK_IN, &me, w)?;
+        // The first rank of a block is the successor of the previous block's last rank, which
+        // only the previous root can introduce to it.
+        let announce = if nroots > 1 && first_of_block {
+            let prev_root = root::root_of((rank + nranks - 1) % nranks, nranks, nroots);
+            let announcement = CheckIn {
+                root_index: prev_root as u32,
+                ..me
+            };
+            Some(RootSession::open(
+                &ids[prev_root],
+                root::ANNOUNCE,
+                &announcement,
+                w,
+            )?)
+        } else {
+            None
+        };
+        let ready = session.wait_ready(w, started)?;
+        if let Some(a) = &announce {
+            a.wait_ready(w, started)?;
+        }
+        let next_addr = net::Dec::new(&ready).addr()?;
+        drop((session, announce));
+
+        let ring = if nranks == 1 {
+            Ring::solo()
+        } else {
+            let ctx = |from: usize, to: usize| PeerCtx {
+                tag,
+                purpose: Purpose::Ring,
+                key: 0,
+                from: from as u32,
+                to: to as u32,
+            };
+            let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+            form_ring(
+                &listener,
+                &secret,
+                (next, next_addr, ctx(rank, next)),
+                (prev, ctx(prev, rank)),
+                rank,
+                nranks,
+                w,
+            )?
+        };
+        let boot =
+            Bootstrap::assemble(rank, nranks, tag, secret, listener, ring, abort.clone(), w)?;
+        if rank == 0 {
+            crate::info!(
+                "bootstrap: {nranks} ranks connected in {:.3} s (root {})",
+                started.elapsed().as_secs_f64(),
+                ids[0].root
+            );
+        }
+        Ok(boot)
+    }
+
+    /// Exchanges listener addresses over a freshly formed ring and wraps everything up.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        rank: usize,
+        nranks: usize,
+        tag: u64,
+        secret: [u8; 32],
+        listener: Listener,
+        mut ring: Ring,
+        abort: Arc<AtomicBool>,
+        w: Waiter<'_>,
+    ) -> Result<Bootstrap> {
+        let mine = net::encode_addr(&listener.addr());
+        let all = ring.allgather(&mine, ring::ALLGATHER, w)?;
+        let addrs = all
+            .iter()
+            .map(|b| net::Dec::new(b).addr())
+            .collect::<Result<Vec<_>>>()?;
+        crate::trace!(
+            "bootstrap: rank {rank}/{nranks} ready, listening on {}",
+            listener.addr()
+        );
+        Ok(Bootstrap {
+            rank,
+            nranks,
+            tag,
+            secret,
+            addrs,
+            listener,
+            ring: Mutex::new(ring),
+            abort,
+        })
+    }
+
+    /// A new bootstrap among `members` (ranks of self); member i becomes rank i. Every member
+    /// calls it with the same list and `tag`; non-members take no part and may be dead.
+    pub fn sub(&self, members: &[usize], tag: u64, timeout: Option<Duration>) -> Result<Bootstrap> {
+        if members.is_empty() {
+            return crate::invalid_arg!("sub-communicator with no members");
+        }
+        let mut seen = vec![false; self.nranks];
+        for &m in members {
+            if m >= self.nranks {
+                return crate::invalid_arg!(
+                    "member rank {m} is out of range for a communicator of {} ranks",
+                    self.nranks
+                );
+            }
+            if std::mem::replace(&mut seen[m], true) {
+                return crate::invalid_arg!("rank {m} appears twice among the members");
+            }
+        }
+        let Some(i) = members.iter().position(|&m| m == self.rank) else {
+            return crate::invalid_usage!(
+                "rank {} builds a sub-communicator it is not a member of",
+                self.rank
+            );
+        };
+        let n = members.len();
+        let started = Instant::now();
+        let w = Waiter::new(timeout.map(|t| started + t), &self.abort);
+
+        // Member lists are part of the derivation: two groups given the same tag still differ.
+        let list: Vec<u8> = members
+            .iter()
+            .flat_map(|&m| (m as u32).to_le_bytes())
+            .collect();
+        let secret = auth::hmac(
+            &self.secret,
+            &[
+                b"comm-sub-secret-v1",
+                &tag.to_le_bytes(),
+                &(n as u64).to_le_bytes(),
+                &list,
+            ],
+        );
+        let child_tag = tag_of(&secret);
+        let listener = Listener::start(
+            self.listener.addr().ip(),
+            Identity {
+                secret,
+                tag: child_tag,
+                rank: i,
+                nranks: n,
+            },
+            handshake_timeout(),
+        )?;
+        let ring = if n == 1 {
+            Ring::solo()
+        } else {
+            let (next, prev) = (members[(i + 1) % n], members[(i + n - 1) % n]);
+            let ctx = |from: usize, to: usize| PeerCtx {
+                tag: self.tag,
+                purpose: Purpose::Sub,
+                key: child_tag,
+                from: from as u32,
+                to: to as u32,
+            };
+            form_ring(
+                &self.listener,
+                &self.secret,
+                (next, self.addrs[next], ctx(self.rank, next)),
+                (prev, ctx(prev, self.rank)),
+                i,
+                n,
+                w,
+            )
+            .map_err(|e| e.context(format!("sub-communicator {tag:#x} of {n} ranks")))?
+        };
+        let child = Bootstrap::assemble(
+            i,
+            n,
+            child_tag,
+            secret,
+            listener,
+            ring,
+            Arc::new(AtomicBool::new(false)),
+            w,
+        )
+        .map_err(|e| e.context(format!("sub-communicator {tag:#x} of {n} ranks")))?;
+        crate::trace!(
+            "bootstrap: rank {} is rank {i} of sub-communicator {tag:#x} ({n} ranks)",
+            self.rank
+        );
+        Ok(child)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// The transports reuse it to authenticate their own connections.
+    pub fn secret(&self) -> &[u8; 32] {
+        &self.secret
+    }
+
+    /// Every rank's contribution, indexed by rank (contributions may differ in length).
+    pub fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let w = Waiter::new(None, &self.abort);
+        self.ring.lock().allgather(mine, ring::ALLGATHER, w)
+    }
+
+    pub fn barrier(&self) -> Result<()> {
+        let w = Waiter::new(None, &self.abort);
+        self.ring
+            .lock()
+            .allgather(&[], ring::BARRIER, w)
+            .map(|_| ())
+    }
+
+    /// Rank `root`'s bytes, delivered to everyone.
+    pub fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+        if root >= self.nranks {
+            return crate::invalid_arg!(
+                "broadcast root {root} is out of range for a communicator of {} ranks",
+                self.nranks
+            );
+        }
+        let w = Waiter::new(None, &self.abort);
+        self.ring.lock().broadcast(root, data, w)
+    }
+
+    /// Setting the flag makes any call blocked in this bootstrap return an error within ~100 ms.
+    pub fn abort_handle(&self) -> Arc<AtomicBool> {
+        self.abort.clone()
+    }
+}
+
+/// Connects to the successor and takes the predecessor's connection from our listener.
+fn form_ring(
+    listener: &Listener,
+    secret: &[u8; 32],
+    next: (usize, SocketAddr, PeerCtx),
+    prev: (usize, PeerCtx),
+    rank: usize,
+    nranks: usize,
+    w: Waiter<'_>,
+) -> Result<Ring> {
+    let (next_rank, next_addr, next_ctx) = next;
+    let (prev_rank, prev_ctx) = prev;
+    let who = format!("rank {next_rank} ({next_addr})");
+    let to_next = net::connect(next_addr, w, false, &who)?;
+    let mut wire = auth::TcpWire {
+        stream: &to_next,
+        waiter: w,
+        peer: &who,
+    };
+    auth::client_on(&mut wire, secret, &next_ctx.encode())?;
+    let from_prev = listener
+        .take(&prev_ctx.encode(), w, &|| {
+            format!("rank {prev_rank} to connect to this rank's bootstrap listener")
+        })
+        .map_err(|e| match e.kind {
+            ErrorKind::Timeout => e.context(format!("rank {rank} of {nranks}")),
+            _ => e,
+        })?;
+    Ok(Ring::new(rank, nranks, Some(to_next), Some(from_prev)))
+}
