@@ -1,0 +1,338 @@
+//! Schedules: what one rank does, step by step, to carry out a collective. Independent of memory
+//! kinds and transports: a step names logical buffers and byte ranges; an executor resolves them
+//! to addresses and carries the step out over whatever reaches the peer.
+//!
+//! Steps are listed in an order that respects data flow; an executor may run any step whose
+//! inputs are final (it derives that from the byte ranges each step reads and writes) and must
+//! keep, per peer, sends in list order and receives in list order.
+
+pub mod direct;
+pub mod pairwise;
+pub mod ring;
+pub mod tree;
+pub mod tuner;
+
+pub use tuner::Algorithm;
+
+/// The buffers a schedule refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The caller's send buffer.
+    Send,
+    /// The caller's receive buffer.
+    Recv,
+    /// Temporary space the executor provides (`Schedule::scratch` bytes).
+    Scratch,
+}
+
+/// `len` bytes at `offset` of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Region {
+    pub buf: Buf,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Region {
+    pub fn new(buf: Buf, offset: usize, len: usize) -> Region {
+        Region { buf, offset, len }
+    }
+}
+
+/// A source of data. `input` marks this rank's own contribution to a reduction, untouched so
+/// far: per-rank scaling (PreMulSum, floating-point Avg) applies to it exactly once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub region: Region,
+    pub input: bool,
+}
+
+impl Operand {
+    pub fn input(region: Region) -> Operand {
+        Operand {
+            region,
+            input: true,
+        }
+    }
+
+    pub fn partial(region: Region) -> Operand {
+        Operand {
+            region,
+            input: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Make `src` available to `peer`; its next receive from this rank gets it.
+    Send { peer: usize, src: Operand },
+    /// Take the next message from `peer` into `dst`, first combining it with `reduce_with` when
+    /// given. `last` marks the step that produces final values (an integer average divides there).
+    Recv {
+        peer: usize,
+        dst: Region,
+        reduce_with: Option<Operand>,
+        last: bool,
+    },
+    /// `dst = a` or `dst = a (+) b`, locally.
+    Local {
+        dst: Region,
+        a: Operand,
+        b: Option<Operand>,
+        last: bool,
+    },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Schedule {
+    pub steps: Vec<Step>,
+    /// Bytes of scratch space the steps use.
+    pub scratch: usize,
+}
+
+impl Schedule {
+    fn push(&mut self, step: Step) {
+        let len = match step {
+            Step::Send { src, .. } => src.region.len,
+            Step::Recv { dst, .. } | Step::Local { dst, .. } => dst.len,
+        };
+        if len > 0 {
+            self.steps.push(step);
+        }
+    }
+}
+
+/// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
+/// elements; `elem` is the element size in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce {
+        count: usize,
+    },
+    Broadcast {
+        count: usize,
+        root: usize,
+    },
+    Reduce {
+        count: usize,
+        root: usize,
+    },
+    /// `count` elements from each rank.
+    AllGather {
+        count: usize,
+    },
+    /// `count` result elements per rank.
+    ReduceScatter {
+        count: usize,
+    },
+    /// `count` elements to each peer.
+    AlltoAll {
+        count: usize,
+    },
+    /// Per-peer element counts and displacements.
+    AlltoAllv {
+        send_counts: Vec<usize>,
+        send_displs: Vec<usize>,
+        recv_counts: Vec<usize>,
+        recv_displs: Vec<usize>,
+    },
+    Gather {
+        count: usize,
+        root: usize,
+    },
+    Scatter {
+        count: usize,
+        root: usize,
+    },
+    Send {
+        peer: usize,
+        count: usize,
+    },
+    Recv {
+        peer: usize,
+        count: usize,
+    },
+}
+
+impl Collective {
+    /// Whether data is combined (and the reduction op matters).
+    pub fn reduces(&self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce { .. }
+                | Collective::Reduce { .. }
+                | Collective::ReduceScatter { .. }
+        )
+    }
+
+    /// The message-tag kind of this operation.
+    pub fn kind(&self) -> u8 {
+        use crate::transport::kind;
+        match self {
+            Collective::AllReduce { .. } => kind::ALL_REDUCE,
+            Collective::Broadcast { .. } => kind::BROADCAST,
+            Collective::Reduce { .. } => kind::REDUCE,
+            Collective::AllGather { .. } => kind::ALL_GATHER,
+            Collective::ReduceScatter { .. } => kind::REDUCE_SCATTER,
+            Collective::AlltoAll { .. } => kind::ALL_TO_ALL,
+            Collective::AlltoAllv { .. } => kind::ALL_TO_ALL_V,
+            Collective::Gather { .. } => kind::GATHER,
+            Collective::Scatter { .. } => kind::SCATTER,
+            Collective::Send { .. } | Collective::Recv { .. } => kind::P2P,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        crate::transport::kind::name(self.kind())
+    }
+}
+
+/// Who runs the schedule: its rank, the rank count, the element size, and whether the caller's
+/// send and receive buffers overlap (some schedules then keep a copy of the input in scratch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub rank: usize,
+    pub nranks: usize,
+    pub elem: usize,
+    pub in_place: bool,
+    /// Upper bound of one pipelined message, in bytes.
+    pub slice_bytes: usize,
+}
+
+impl Shape {
+    pub fn next(&self) -> usize {
+        (self.rank + 1) % self.nranks
+    }
+
+    pub fn prev(&self) -> usize {
+        (self.rank + self.nranks - 1) % self.nranks
+    }
+
+    /// `(rank + k) mod nranks` for any signed k.
+    pub fn rel(&self, k: isize) -> usize {
+        (self.rank as isize + k).rem_euclid(self.nranks as isize) as usize
+    }
+
+    /// Splits `[offset, offset + bytes)` into pipeline slices of whole elements.
+    pub fn slices(&self, buf: Buf, offset: usize, bytes: usize) -> Vec<Region> {
+        let per = (self.slice_bytes / self.elem).max(1) * self.elem;
+        let mut out = Vec::with_capacity(bytes.div_ceil(per).max(1));
+        let mut at = 0;
+        while at < bytes {
+            let n = per.min(bytes - at);
+            out.push(Region::new(buf, offset + at, n));
+            at += n;
+        }
+        out
+    }
+}
+
+/// `count` elements cut into `parts` nearly equal pieces (the first `count % parts` one larger):
+/// `(start, len)` in elements.
+pub fn partition(count: usize, parts: usize) -> Vec<(usize, usize)> {
+    let base = count / parts;
+    let extra = count % parts;
+    let mut start = 0;
+    (0..parts)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            let piece = (start, len);
+            start += len;
+            piece
+        })
+        .collect()
+}
+
+/// The schedule of `coll` for `shape` with `algo` (the tuner's choice or the caller's override).
+pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
+    let e = shape.elem;
+    match coll {
+        Collective::AllReduce { count } => match algo {
+            Algorithm::Direct => direct::all_reduce(*count, shape),
+            Algorithm::Tree => tree::all_reduce(*count, shape),
+            Algorithm::Ring => ring::all_reduce(*count, shape),
+        },
+        Collective::Broadcast { count, root } => match algo {
+            Algorithm::Tree => tree::broadcast(*count, *root, shape),
+            _ => ring::broadcast(*count, *root, shape),
+        },
+        Collective::Reduce { count, root } => match algo {
+            Algorithm::Tree => tree::reduce(*count, *root, shape),
+            _ => ring::reduce(*count, *root, shape),
+        },
+        Collective::AllGather { count } => ring::all_gather(*count, shape),
+        Collective::ReduceScatter { count } => ring::reduce_scatter(*count, shape),
+        Collective::AlltoAll { count } => {
+            let counts = vec![*count; shape.nranks];
+            let displs: Vec<usize> = (0..shape.nranks).map(|p| p * count).collect();
+            pairwise::all_to_all_v(&counts, &displs, &counts, &displs, shape)
+        }
+        Collective::AlltoAllv {
+            send_counts,
+            send_displs,
+            recv_counts,
+            recv_displs,
+        } => pairwise::all_to_all_v(send_counts, send_displs, recv_counts, recv_displs, shape),
+        Collective::Gather { count, root } => direct::gather(*count, *root, shape),
+        Collective::Scatter { count, root } => direct::scatter(*count, *root, shape),
+        Collective::Send { peer, count } => {
+            let mut s = Schedule::default();
+            s.push(Step::Send {
+                peer: *peer,
+                src: Operand::partial(Region::new(Buf::Send, 0, count * e)),
+            });
+            s
+        }
+        Collective::Recv { peer, count } => {
+            let mut s = Schedule::default();
+            s.push(Step::Recv {
+                peer: *peer,
+                dst: Region::new(Buf::Recv, 0, count * e),
+                reduce_with: None,
+                last: false,
+            });
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod sim;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_covers_everything_once() {
+        for count in [0, 1, 7, 8, 9, 1000] {
+            for parts in 1..9 {
+                let p = partition(count, parts);
+                assert_eq!(p.len(), parts);
+                assert_eq!(p.iter().map(|x| x.1).sum::<usize>(), count);
+                for w in p.windows(2) {
+                    assert_eq!(w[0].0 + w[0].1, w[1].0);
+                    assert!(w[0].1 >= w[1].1 && w[0].1 - w[1].1 <= 1);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slices_are_whole_elements_and_cover_the_range() {
+        let shape = Shape {
+            rank: 0,
+            nranks: 2,
+            elem: 4,
+            in_place: false,
+            slice_bytes: 10,
+        };
+        let s = shape.slices(Buf::Recv, 100, 28);
+        assert_eq!(
+            s.iter().map(|r| (r.offset, r.len)).collect::<Vec<_>>(),
+            vec![(100, 8), (108, 8), (116, 8), (124, 4)]
+        );
+        assert!(shape.slices(Buf::Recv, 0, 0).is_empty());
+    }
+}

@@ -1,0 +1,282 @@
+//! Ring and chain schedules: bandwidth-optimal for large messages. Each rank talks only to its
+//! ring neighbours, and every chunk is cut into slices so that a rank forwards slice j while
+//! its neighbour is still busy with slice j+1.
+
+use super::{partition, Buf, Operand, Region, Schedule, Shape, Step};
+
+/// Reduce-scatter around the ring, then all-gather around it. After the first phase rank r holds
+/// the final value of chunk r+1; the second phase passes the final chunks on.
+pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+    let (n, e) = (shape.nranks, shape.elem);
+    let mut s = Schedule::default();
+    if n == 1 {
+        s.push(Step::Local {
+            dst: Region::new(Buf::Recv, 0, count * e),
+            a: Operand::input(Region::new(Buf::Send, 0, count * e)),
+            b: None,
+            last: true,
+        });
+        return s;
+    }
+    let chunks = partition(count, n);
+    let chunk = |buf, c: usize| shape.slices(buf, chunks[c].0 * e, chunks[c].1 * e);
+    for step in 0..n - 1 {
+        let send_c = shape.rel(-(step as isize));
+        let recv_c = shape.rel(-(step as isize) - 1);
+        for r in chunk(if step == 0 { Buf::Send } else { Buf::Recv }, send_c) {
+            let src = if step == 0 {
+                Operand::input(r)
+            } else {
+                Operand::partial(r)
+            };
+            s.push(Step::Send {
+                peer: shape.next(),
+                src,
+            });
+        }
+        for (dst, mine) in chunk(Buf::Recv, recv_c)
+            .into_iter()
+            .zip(chunk(Buf::Send, recv_c))
+        {
+            s.push(Step::Recv {
+                peer: shape.prev(),
+                dst,
+                reduce_with: Some(Operand::input(mine)),
+                last: step == n - 2,
+            });
+        }
+    }
+    for step in 0..n - 1 {
+        let send_c = shape.rel(1 - step as isize);
+        let recv_c = shape.rel(-(step as isize));
+        for r in chunk(Buf::Recv, send_c) {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand::partial(r),
+            });
+        }
+        for dst in chunk(Buf::Recv, recv_c) {
+            s.push(Step::Recv {
+                peer: shape.prev(),
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        }
+    }
+    s
+}
+
+/// Each rank forwards its own block, then every block it receives, to the next rank.
+pub fn all_gather(count: usize, shape: &Shape) -> Schedule {
+    let (n, bytes) = (shape.nranks, count * shape.elem);
+    let mut s = Schedule::default();
+    s.push(Step::Local {
+        dst: Region::new(Buf::Recv, shape.rank * bytes, bytes),
+        a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+        b: None,
+        last: false,
+    });
+    for step in 0..n.saturating_sub(1) {
+        let send_b = shape.rel(-(step as isize));
+        let recv_b = shape.rel(-(step as isize) - 1);
+        let src = if step == 0 {
+            shape.slices(Buf::Send, 0, bytes)
+        } else {
+            shape.slices(Buf::Recv, send_b * bytes, bytes)
+        };
+        for r in src {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand::partial(r),
+            });
+        }
+        for dst in shape.slices(Buf::Recv, recv_b * bytes, bytes) {
+            s.push(Step::Recv {
+                peer: shape.prev(),
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        }
+    }
+    s
+}
+
+/// Partial sums travel around the ring through two alternating scratch chunks; the last hop
+/// lands each chunk, complete, in its owner's receive buffer.
+pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
+    let (n, bytes) = (shape.nranks, count * shape.elem);
+    let mut s = Schedule::default();
+    if n == 1 {
+        s.push(Step::Local {
+            dst: Region::new(Buf::Recv, 0, bytes),
+            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
+            b: None,
+            last: true,
+        });
+        return s;
+    }
+    s.scratch = 2 * bytes;
+    let scratch = |step: usize| Region::new(Buf::Scratch, (step % 2) * bytes, bytes);
+    for step in 0..n - 1 {
+        let send_c = shape.rel(-(step as isize) - 1);
+        let recv_c = shape.rel(-(step as isize) - 2);
+        let src = if step == 0 {
+            shape.slices(Buf::Send, send_c * bytes, bytes)
+        } else {
+            let r = scratch(step - 1);
+            shape.slices(Buf::Scratch, r.offset, bytes)
+        };
+        for r in src {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand {
+                    region: r,
+                    input: step == 0,
+                },
+            });
+        }
+        let last = step == n - 2;
+        let dst = if last {
+            shape.slices(Buf::Recv, 0, bytes)
+        } else {
+            shape.slices(Buf::Scratch, scratch(step).offset, bytes)
+        };
+        for (dst, mine) in dst
+            .into_iter()
+            .zip(shape.slices(Buf::Send, recv_c * bytes, bytes))
+        {
+            s.push(Step::Recv {
+                peer: shape.prev(),
+                dst,
+                reduce_with: Some(Operand::input(mine)),
+                last,
+            });
+        }
+    }
+    s
+}
+
+/// A pipelined chain from the root around the ring.
+pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
+    let (n, bytes) = (shape.nranks, count * shape.elem);
+    let mut s = Schedule::default();
+    let pos = (shape.rank + n - root) % n;
+    if pos == 0 {
+        s.push(Step::Local {
+            dst: Region::new(Buf::Recv, 0, bytes),
+            a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+            b: None,
+            last: false,
+        });
+        if n > 1 {
+            for r in shape.slices(Buf::Send, 0, bytes) {
+                s.push(Step::Send {
+                    peer: shape.next(),
+                    src: Operand::partial(r),
+                });
+            }
+        }
+        return s;
+    }
+    for dst in shape.slices(Buf::Recv, 0, bytes) {
+        s.push(Step::Recv {
+            peer: shape.prev(),
+            dst,
+            reduce_with: None,
+            last: false,
+        });
+        if pos < n - 1 {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand::partial(dst),
+            });
+        }
+    }
+    s
+}
+
+/// A pipelined chain that starts after the root and ends at it, each rank adding its input.
+pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
+    let (n, bytes) = (shape.nranks, count * shape.elem);
+    let mut s = Schedule::default();
+    if n == 1 {
+        s.push(Step::Local {
+            dst: Region::new(Buf::Recv, 0, bytes),
+            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
+            b: None,
+            last: true,
+        });
+        return s;
+    }
+    // Position along the chain: root+1 is first, the root is last.
+    let pos = (shape.rank + n - root - 1) % n;
+    if pos == 0 {
+        for r in shape.slices(Buf::Send, 0, bytes) {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand::input(r),
+            });
+        }
+        return s;
+    }
+    let is_root = pos == n - 1;
+    if !is_root {
+        s.scratch = bytes;
+    }
+    let dst_buf = if is_root { Buf::Recv } else { Buf::Scratch };
+    for (dst, mine) in shape
+        .slices(dst_buf, 0, bytes)
+        .into_iter()
+        .zip(shape.slices(Buf::Send, 0, bytes))
+    {
+        s.push(Step::Recv {
+            peer: shape.prev(),
+            dst,
+            reduce_with: Some(Operand::input(mine)),
+            last: is_root,
+        });
+        if !is_root {
+            s.push(Step::Send {
+                peer: shape.next(),
+                src: Operand::partial(dst),
+            });
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::sim;
+
+    #[test]
+    fn ring_collectives_compute_the_reference_result() {
+        for n in 1..=6 {
+            for count in [0, 1, 5, 13, 64] {
+                for slice_elems in [1, 3, 1000] {
+                    sim::check_all_reduce(n, count, slice_elems, super::super::Algorithm::Ring);
+                    sim::check_all_gather(n, count, slice_elems);
+                    sim::check_reduce_scatter(n, count, slice_elems);
+                    for root in 0..n {
+                        sim::check_broadcast(
+                            n,
+                            count,
+                            root,
+                            slice_elems,
+                            super::super::Algorithm::Ring,
+                        );
+                        sim::check_reduce(
+                            n,
+                            count,
+                            root,
+                            slice_elems,
+                            super::super::Algorithm::Ring,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Binomial-tree schedules: a message crosses log2(n) hops instead of n-1, which wins when
+//! latency dominates and the ranks are many. Every chunk is sliced so the levels of the tree
+//! work on different slices at once.
+
+use super::{Buf, Operand, Region, Schedule, Shape, Step};
+
+/// Parent and children of `rank` in the binomial tree rooted at `root`: the node at relative
+/// position v receives from v minus its lowest set bit and sends to v + 2^k for every 2^k below
+/// that bit. Children come smallest subtree first.
+pub fn binomial(rank: usize, root: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+    let v = (rank + n - root) % n;
+    let abs = |rel: usize| (rel + root) % n;
+    let mut children = Vec::new();
+    let mut mask = 1;
+    while mask < n {
+        if v & mask != 0 {
+            break;
+        }
+        if v + mask < n {
+            children.push(abs(v + mask));
+        }
+        mask <<= 1;
+    }
+    let parent = (v != 0).then(|| abs(v - (v & v.wrapping_neg())));
+    (parent, children)
+}
+
+/// Reduce up the tree towards `root`; partial sums accumulate in `acc_buf`.
+fn reduce_into(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, acc_buf: Buf) {
+    let (parent, children) = binomial(shape.rank, root, shape.nranks);
+    let slices = shape.slices(Buf::Send, 0, bytes);
+    for mine in slices {
+        let acc = Region::new(acc_buf, mine.offset, mine.len);
+        if children.is_empty() {
+            match parent {
+                Some(p) => s.push(Step::Send {
+                    peer: p,
+                    src: Operand::input(mine),
+                }),
+                None => s.push(Step::Local {
+                    dst: acc,
+                    a: Operand::input(mine),
+                    b: None,
+                    last: true,
+                }),
+            }
+            continue;
+        }
+        for (i, &c) in children.iter().enumerate() {
+            let with = if i == 0 {
+                Operand::input(mine)
+            } else {
+                Operand::partial(acc)
+            };
+            s.push(Step::Recv {
+                peer: c,
+                dst: acc,
+                reduce_with: Some(with),
+                last: parent.is_none() && i == children.len() - 1,
+            });
+        }
+        if let Some(p) = parent {
+            s.push(Step::Send {
+                peer: p,
+                src: Operand::partial(acc),
+            });
+        }
+    }
+}
+
+/// Broadcast down the tree from `root`, of data found in `src` at the root.
+fn broadcast_from(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, src: Buf) {
+    let (parent, children) = binomial(shape.rank, root, shape.nranks);
+    for dst in shape.slices(Buf::Recv, 0, bytes) {
+        let from = match parent {
+            Some(p) => {
+                s.push(Step::Recv {
+                    peer: p,
+                    dst,
+                    reduce_with: None,
+                    last: false,
+                });
+                dst
+            }
+            None => Region::new(src, dst.offset, dst.len),
+        };
+        // Largest subtree first: it has the longest way to go.
+        for &c in children.iter().rev() {
+            s.push(Step::Send {
+                peer: c,
+                src: Operand::partial(from),
+            });
+        }
+    }
+}
+
+pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
+    let bytes = count * shape.elem;
+    let mut s = Schedule::default();
+    if shape.rank == root {
+        s.push(Step::Local {
+            dst: Region::new(Buf::Recv, 0, bytes),
+            a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+            b: None,
+            last: false,
+        });
+    }
+    broadcast_from(&mut s, bytes, root, shape, Buf::Send);
+    s
+}
+
+pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
+    let bytes = count * shape.elem;
+    let mut s = Schedule::default();
+    let acc = if shape.rank == root {
+        Buf::Recv
+    } else {
+        s.scratch = bytes;
+        Buf::Scratch
+    };
+    reduce_into(&mut s, bytes, root, shape, acc);
+    s
+}
+
+/// Reduce to rank 0, then broadcast from it: the result is computed once, so every rank gets
+/// the same bits.
+pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+    let bytes = count * shape.elem;
+    let mut s = Schedule::default();
+    reduce_into(&mut s, bytes, 0, shape, Buf::Recv);
+    if shape.nranks > 1 {
+        broadcast_from(&mut s, bytes, 0, shape, Buf::Recv);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{sim, Algorithm};
+    use super::binomial;
+
+    #[test]
+    fn binomial_tree_is_a_spanning_tree() {
+        for n in 1..=17 {
+            for root in 0..n {
+                let mut seen_as_child = vec![0; n];
+                for r in 0..n {
+                    let (parent, children) = binomial(r, root, n);
+                    assert_eq!(parent.is_none(), r == root);
+                    for c in children {
+                        seen_as_child[c] += 1;
+                        assert_eq!(binomial(c, root, n).0, Some(r));
+                    }
+                }
+                for (r, seen) in seen_as_child.iter().enumerate() {
+                    assert_eq!(*seen, usize::from(r != root), "n={n} root={root} r={r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tree_collectives_compute_the_reference_result() {
+        for n in 1..=9 {
+            for count in [0, 1, 5, 13] {
+                for slice_elems in [1, 4, 1000] {
+                    sim::check_all_reduce(n, count, slice_elems, Algorithm::Tree);
+                    for root in 0..n {
+                        sim::check_broadcast(n, count, root, slice_elems, Algorithm::Tree);
+                        sim::check_reduce(n, count, root, slice_elems, Algorithm::Tree);
+                    }
+                }
+            }
+        }
+    }
+}

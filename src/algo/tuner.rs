@@ -1,0 +1,143 @@
+//! Picks the algorithm for a collective from its size, the rank count and the transports, unless
+//! `COMM_ALGO` / `NCCL_ALGO` overrides it.
+
+use super::Collective;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    Ring,
+    Tree,
+    Direct,
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+            Algorithm::Direct => "direct",
+        }
+    }
+
+    /// NCCL_ALGO syntax: a comma-separated list, case-insensitive (`Ring`, `Tree`, plus our
+    /// `Direct`); a leading `^` excludes the listed ones. Unknown names are ignored.
+    pub fn parse_list(spec: &str) -> Vec<Algorithm> {
+        let (exclude, list) = match spec.trim().strip_prefix('^') {
+            Some(rest) => (true, rest),
+            None => (false, spec.trim()),
+        };
+        let named: Vec<Algorithm> = list
+            .split(',')
+            .filter_map(|w| match w.trim().to_ascii_lowercase().as_str() {
+                "ring" => Some(Algorithm::Ring),
+                "tree" => Some(Algorithm::Tree),
+                "direct" | "oneshot" | "one_shot" => Some(Algorithm::Direct),
+                _ => None,
+            })
+            .collect();
+        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::Direct];
+        if exclude {
+            all.into_iter().filter(|a| !named.contains(a)).collect()
+        } else {
+            named
+        }
+    }
+}
+
+/// What the tuner knows about the communicator.
+#[derive(Clone, Debug)]
+pub struct Tuner {
+    /// Algorithms allowed by COMM_ALGO / NCCL_ALGO (all when unset).
+    pub allowed: Vec<Algorithm>,
+    /// All-reduces up to this many bytes go one-shot (every rank reads every input).
+    pub direct_max: usize,
+    /// Messages up to this many bytes prefer the tree over the ring.
+    pub tree_max: usize,
+}
+
+impl Tuner {
+    pub fn from_env(nranks: usize) -> Tuner {
+        let allowed = crate::env::var("ALGO")
+            .map(|s| Algorithm::parse_list(&s))
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| vec![Algorithm::Ring, Algorithm::Tree, Algorithm::Direct]);
+        // One-shot sends n-1 copies of the input from every rank: worth it only while the
+        // message is tiny compared to what the ring's 2(n-1) latency hops cost.
+        let direct_max = crate::env::size("DIRECT_MAX_BYTES").unwrap_or(match nranks {
+            0..=2 => 64 << 10,
+            3..=4 => 32 << 10,
+            _ => 8 << 10,
+        });
+        let tree_max = crate::env::size("TREE_MAX_BYTES").unwrap_or(256 << 10);
+        Tuner {
+            allowed,
+            direct_max,
+            tree_max,
+        }
+    }
+
+    pub fn choose(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
+        let ok = |a: Algorithm| self.allowed.contains(&a);
+        match coll {
+            Collective::AllReduce { .. } => {
+                if ok(Algorithm::Direct) && bytes <= self.direct_max {
+                    Algorithm::Direct
+                } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= self.tree_max {
+                    Algorithm::Tree
+                } else if ok(Algorithm::Ring) {
+                    Algorithm::Ring
+                } else {
+                    self.allowed[0]
+                }
+            }
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => {
+                if ok(Algorithm::Tree)
+                    && (nranks > 2 && bytes <= self.tree_max || !ok(Algorithm::Ring))
+                {
+                    Algorithm::Tree
+                } else {
+                    Algorithm::Ring
+                }
+            }
+            _ => Algorithm::Ring,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algo_lists_parse_like_nccl_algo() {
+        assert_eq!(Algorithm::parse_list("ring"), vec![Algorithm::Ring]);
+        assert_eq!(
+            Algorithm::parse_list("Tree,RING"),
+            vec![Algorithm::Tree, Algorithm::Ring]
+        );
+        assert_eq!(
+            Algorithm::parse_list("^tree"),
+            vec![Algorithm::Ring, Algorithm::Direct]
+        );
+        assert!(Algorithm::parse_list("nvls").is_empty());
+    }
+
+    #[test]
+    fn small_all_reduces_go_direct_and_large_ones_ring() {
+        let t = Tuner {
+            allowed: vec![Algorithm::Ring, Algorithm::Tree, Algorithm::Direct],
+            direct_max: 1024,
+            tree_max: 1 << 20,
+        };
+        let ar = Collective::AllReduce { count: 0 };
+        assert_eq!(t.choose(&ar, 8, 4), Algorithm::Direct);
+        assert_eq!(t.choose(&ar, 4096, 4), Algorithm::Tree);
+        assert_eq!(t.choose(&ar, 64 << 20, 4), Algorithm::Ring);
+        assert_eq!(t.choose(&ar, 4096, 2), Algorithm::Ring);
+        let ring_only = Tuner {
+            allowed: vec![Algorithm::Ring],
+            ..t
+        };
+        assert_eq!(ring_only.choose(&ar, 8, 4), Algorithm::Ring);
+    }
+}
