@@ -1,0 +1,650 @@
+//! The host executor: runs schedules on host memory with the CPU doing the copies and reductions.
+//!
+//! A step may start once every earlier step it conflicts with has finished (it writes what they
+//! read or write, or reads what they write: found by intersecting the byte ranges). Per peer,
+//! sends start in list order and receives start in list order. Within those rules everything
+//! runs as soon as it can, interleaved on one thread: pipelining falls out of the slicing, and
+//! send/recv pairs never deadlock whatever order the caller issued them in. One call can drive
+//! several communicators (a group over several communicators from one thread).
+
+use crate::algo::{Buf, Operand, Region, Schedule, Step};
+use crate::error::{Error, ErrorKind, Result};
+use crate::reduce::{Reducer, Scale};
+use crate::transport::shm::Segment;
+use crate::transport::{
+    describe_tag, InExpect, OutMsg, RecvCursor, SendCursor, SendState, Sink, Transport,
+};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How a reducing operation combines values.
+#[derive(Clone, Copy, Debug)]
+pub struct Reduction {
+    pub reducer: Reducer,
+    /// Applied once to this rank's own input (PreMulSum's scalar, 1/n for a float average).
+    pub input_scale: Option<Scale>,
+    /// Final values are divided by this (an integer average).
+    pub divide_by: Option<usize>,
+}
+
+/// One operation of one communicator, with its buffers.
+pub struct HostOp {
+    pub schedule: Schedule,
+    pub send: *const u8,
+    pub recv: *mut u8,
+    pub tag: u64,
+    pub reduction: Option<Reduction>,
+}
+
+/// What the executor needs from a communicator.
+pub struct Wiring {
+    pub rank: usize,
+    /// One transport per peer, this rank's own loopback included.
+    pub links: Vec<Arc<dyn Transport>>,
+    /// The doorbell peers ring when they give this rank something to do.
+    pub doorbell: Option<Arc<Segment>>,
+    pub abort: Arc<AtomicBool>,
+    /// Give up (ncclTimeout) after this long without progress.
+    pub timeout: Option<Duration>,
+    /// Log which ranks we are waiting for after this long without progress.
+    pub warn_after: Duration,
+    /// Reused scratch space, so large operations do not fault in fresh pages every call.
+    pub scratch: Mutex<Vec<u8>>,
+    /// Spin this long before sleeping on the doorbell.
+    pub spin: Duration,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Src {
+    ptr: *const u8,
+    scale: Option<Scale>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Action {
+    Send {
+        peer: usize,
+        src: Src,
+        len: usize,
+    },
+    Recv {
+        peer: usize,
+        dst: *mut u8,
+        len: usize,
+        with: Option<Src>,
+        last: bool,
+    },
+    Local {
+        dst: *mut u8,
+        len: usize,
+        a: Src,
+        b: Option<Src>,
+        last: bool,
+    },
+}
+
+struct XStep {
+    action: Action,
+    op: usize,
+    waiting_on: u32,
+    dependents: Vec<u32>,
+    done: bool,
+    send: SendCursor,
+    recv: RecvCursor,
+}
+
+/// One communicator's share of a run.
+struct Exec<'a> {
+    wiring: &'a Wiring,
+    ops: Vec<HostOp>,
+    steps: Vec<XStep>,
+    send_q: Vec<VecDeque<u32>>,
+    recv_q: Vec<VecDeque<u32>>,
+    peers: Vec<usize>,
+    posted: Vec<u32>,
+    ready_local: Vec<u32>,
+    remaining: usize,
+}
+
+type Range = (usize, usize);
+
+fn overlaps(a: Option<Range>, b: Option<Range>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a.0 < b.1 && b.0 < a.1,
+        _ => false,
+    }
+}
+
+impl Action {
+    /// The byte ranges the step reads (up to two) and writes.
+    fn ranges(&self) -> ([Option<Range>; 2], Option<Range>) {
+        let r = |p: *const u8, len: usize| Some((p as usize, p as usize + len));
+        match *self {
+            Action::Send { src, len, .. } => ([r(src.ptr, len), None], None),
+            Action::Recv { dst, len, with, .. } => {
+                ([with.and_then(|w| r(w.ptr, len)), None], r(dst, len))
+            }
+            Action::Local { dst, len, a, b, .. } => {
+                ([r(a.ptr, len), b.and_then(|b| r(b.ptr, len))], r(dst, len))
+            }
+        }
+    }
+}
+
+impl<'a> Exec<'a> {
+    fn new(wiring: &'a Wiring, ops: Vec<HostOp>, scratch: *mut u8) -> Result<Exec<'a>> {
+        let npeers = wiring.links.len();
+        let mut steps = Vec::new();
+        let mut scratch_at = 0usize;
+        for (oi, op) in ops.iter().enumerate() {
+            let base = |buf: Buf| -> *mut u8 {
+                match buf {
+                    Buf::Send => op.send as *mut u8,
+                    Buf::Recv => op.recv,
+                    // SAFETY: scratch holds the sum of every op's scratch bytes (rounded).
+                    Buf::Scratch => unsafe { scratch.add(scratch_at) },
+                }
+            };
+            let at = |r: Region| -> *mut u8 {
+                // SAFETY: regions lie inside the buffers the caller validated for this op.
+                unsafe { base(r.buf).add(r.offset) }
+            };
+            let input_scale = op.reduction.and_then(|r| r.input_scale);
+            let src = |o: Operand| Src {
+                ptr: at(o.region),
+                scale: if o.input { input_scale } else { None },
+            };
+            for step in &op.schedule.steps {
+                let action = match *step {
+                    Step::Send { peer, src: s } => Action::Send {
+                        peer,
+                        src: src(s),
+                        len: s.region.len,
+                    },
+                    Step::Recv {
+                        peer,
+                        dst,
+                        reduce_with,
+                        last,
+                    } => Action::Recv {
+                        peer,
+                        dst: at(dst),
+                        len: dst.len,
+                        with: reduce_with.map(src),
+                        last,
+                    },
+                    Step::Local { dst, a, b, last } => Action::Local {
+                        dst: at(dst),
+                        len: dst.len,
+                        a: src(a),
+                        b: b.map(src),
+                        last,
+                    },
+                };
+                if let Action::Send { peer, .. } | Action::Recv { peer, .. } = action {
+                    if peer >= npeers {
+                        return crate::internal_err!("schedule names rank {peer} of {npeers}");
+                    }
+                }
+                steps.push(XStep {
+                    action,
+                    op: oi,
+                    waiting_on: 0,
+                    dependents: Vec::new(),
+                    done: false,
+                    send: SendCursor::default(),
+                    recv: RecvCursor::default(),
+                });
+            }
+            scratch_at += op.schedule.scratch.next_multiple_of(64);
+        }
+        // Hazards: step i waits for every earlier step j it conflicts with.
+        let ranges: Vec<_> = steps.iter().map(|s| s.action.ranges()).collect();
+        for i in 0..steps.len() {
+            let (ri, wi) = ranges[i];
+            for j in 0..i {
+                let (rj, wj) = ranges[j];
+                let conflict = overlaps(wi, wj)
+                    || rj.iter().any(|&r| overlaps(wi, r))
+                    || ri.iter().any(|&r| overlaps(r, wj));
+                if conflict {
+                    steps[j].dependents.push(i as u32);
+                    steps[i].waiting_on += 1;
+                }
+            }
+        }
+        let mut send_q = vec![VecDeque::new(); npeers];
+        let mut recv_q = vec![VecDeque::new(); npeers];
+        let mut ready_local = Vec::new();
+        for (i, s) in steps.iter().enumerate() {
+            match s.action {
+                Action::Send { peer, .. } => send_q[peer].push_back(i as u32),
+                Action::Recv { peer, .. } => recv_q[peer].push_back(i as u32),
+                Action::Local { .. } => {
+                    if s.waiting_on == 0 {
+                        ready_local.push(i as u32)
+                    }
+                }
+            }
+        }
+        ready_local.reverse();
+        let peers = (0..npeers)
+            .filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty())
+            .collect();
+        let remaining = steps.len();
+        Ok(Exec {
+            wiring,
+            ops,
+            steps,
+            send_q,
+            recv_q,
+            peers,
+            posted: Vec::new(),
+            ready_local,
+            remaining,
+        })
+    }
+
+    fn complete(&mut self, i: u32) {
+        let deps = std::mem::take(&mut self.steps[i as usize].dependents);
+        self.steps[i as usize].done = true;
+        self.remaining -= 1;
+        for d in deps {
+            let s = &mut self.steps[d as usize];
+            s.waiting_on -= 1;
+            if s.waiting_on == 0 && matches!(s.action, Action::Local { .. }) {
+                self.ready_local.push(d);
+            }
+        }
+    }
+
+    fn reduction(&self, i: u32) -> Option<Reduction> {
+        self.ops[self.steps[i as usize].op].reduction
+    }
+
+    fn tag(&self, i: u32) -> u64 {
+        self.ops[self.steps[i as usize].op].tag
+    }
+
+    /// One pass over everything that can move. Returns whether anything did.
+    fn pass(&mut self) -> Result<bool> {
+        let mut moved = false;
+        let mut k = 0;
+        while k < self.posted.len() {
+            let i = self.posted[k];
+            if self.drive_send(i)? == SendState::Complete {
+                self.posted.swap_remove(k);
+                self.complete(i);
+                moved = true;
+            } else {
+                k += 1;
+            }
+        }
+        for pi in 0..self.peers.len() {
+            let peer = self.peers[pi];
+            while let Some(&i) = self.send_q[peer].front() {
+                if self.steps[i as usize].waiting_on > 0 {
+                    break;
+                }
+                let before = self.steps[i as usize].send.sent;
+                let state = self.drive_send(i)?;
+                moved |= self.steps[i as usize].send.sent != before || state != SendState::Pending;
+                match state {
+                    SendState::Pending => break,
+                    SendState::Posted => {
+                        self.send_q[peer].pop_front();
+                        self.posted.push(i);
+                    }
+                    SendState::Complete => {
+                        self.send_q[peer].pop_front();
+                        self.complete(i);
+                    }
+                }
+            }
+            while let Some(&i) = self.recv_q[peer].front() {
+                if self.steps[i as usize].waiting_on > 0 {
+                    break;
+                }
+                let (finished, m) = self.drive_recv(i)?;
+                moved |= m;
+                if !finished {
+                    break;
+                }
+                self.recv_q[peer].pop_front();
+                self.complete(i);
+            }
+        }
+        while let Some(i) = self.ready_local.pop() {
+            self.run_local(i)?;
+            self.complete(i);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn drive_send(&mut self, i: u32) -> Result<SendState> {
+        let tag = self.tag(i);
+        let step = &mut self.steps[i as usize];
+        let Action::Send { peer, src, len } = step.action else {
+            unreachable!("send queue holds a non-send step")
+        };
+        let msg = OutMsg {
+            src: src.ptr,
+            len,
+            scale: src.scale,
+            tag,
+        };
+        let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
+        Ok(p.state)
+    }
+
+    fn drive_recv(&mut self, i: u32) -> Result<(bool, bool)> {
+        let tag = self.tag(i);
+        let reduction = self.reduction(i);
+        let step = &mut self.steps[i as usize];
+        let Action::Recv {
+            peer,
+            dst,
+            len,
+            with,
+            last,
+        } = step.action
+        else {
+            unreachable!("receive queue holds a non-receive step")
+        };
+        let mut sink = RecvSink {
+            dst,
+            len,
+            with,
+            reduction,
+            last,
+        };
+        let p = self.wiring.links[peer].recv(&InExpect { len, tag }, &mut step.recv, &mut sink)?;
+        Ok((p.state, p.moved))
+    }
+
+    fn run_local(&mut self, i: u32) -> Result<()> {
+        let reduction = self.reduction(i);
+        let Action::Local {
+            dst,
+            len,
+            a,
+            b,
+            last,
+        } = self.steps[i as usize].action
+        else {
+            unreachable!("local list holds a non-local step")
+        };
+        // SAFETY: every pointer covers `len` bytes of a validated buffer or of scratch; the
+        // hazard rules guarantee nothing else touches them now; exact aliases are handled by
+        // the in-place forms and partial overlaps were rejected at validation.
+        unsafe {
+            match b {
+                None => copy_scaled(dst, a, len, reduction),
+                Some(b) => {
+                    let red = reduction.ok_or_else(|| {
+                        Error::new(ErrorKind::Internal, "local reduction without an op")
+                    })?;
+                    combine(dst, a, b, len, &red.reducer);
+                }
+            }
+            finish(dst, len, last, reduction);
+        }
+        Ok(())
+    }
+
+    /// Describes the channels that are stuck, for warnings and timeouts.
+    fn blocked_on(&self) -> (Vec<usize>, String) {
+        let mut ranks = Vec::new();
+        let mut parts = Vec::new();
+        for &peer in &self.peers {
+            if let Some(&i) = self.recv_q[peer].front() {
+                let s = &self.steps[i as usize];
+                if s.waiting_on == 0 {
+                    if let Action::Recv { len, .. } = s.action {
+                        ranks.push(peer);
+                        parts.push(format!(
+                            "receive of {len} bytes from rank {peer} ({})",
+                            describe_tag(self.tag(i))
+                        ));
+                    }
+                }
+            }
+            if let Some(&i) = self.send_q[peer].front() {
+                if self.steps[i as usize].waiting_on == 0 {
+                    ranks.push(peer);
+                    parts.push(format!("send to rank {peer} (its buffer is full)"));
+                }
+            }
+        }
+        for &i in &self.posted {
+            if let Action::Send { peer, len, .. } = self.steps[i as usize].action {
+                ranks.push(peer);
+                parts.push(format!("rank {peer} to read {len} bytes it was offered"));
+            }
+        }
+        ranks.sort_unstable();
+        ranks.dedup();
+        (ranks, parts.join(", "))
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        if self.wiring.abort.load(Ordering::SeqCst) {
+            return crate::remote_err!(
+                "the communicator was aborted while an operation was in progress"
+            );
+        }
+        let (ranks, _) = self.blocked_on();
+        for r in ranks {
+            self.wiring.links[r].check_peer()?;
+        }
+        Ok(())
+    }
+}
+
+struct RecvSink {
+    dst: *mut u8,
+    len: usize,
+    with: Option<Src>,
+    reduction: Option<Reduction>,
+    last: bool,
+}
+
+impl Sink for RecvSink {
+    fn direct(&mut self) -> Option<*mut u8> {
+        self.with.is_none().then_some(self.dst)
+    }
+
+    fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()> {
+        if offset + data.len() > self.len {
+            return crate::internal_err!("message piece beyond the receive region");
+        }
+        // SAFETY: dst (and with) cover `len` bytes; this piece lies inside; `data` is the
+        // transport's buffer or the sender's, never the destination itself.
+        unsafe {
+            let dst = self.dst.add(offset);
+            let incoming = Src {
+                ptr: data.as_ptr(),
+                scale,
+            };
+            match self.with {
+                None => copy_scaled(dst, incoming, data.len(), self.reduction),
+                Some(w) => {
+                    let red = self.reduction.ok_or_else(|| {
+                        Error::new(ErrorKind::Internal, "reducing receive without an op")
+                    })?;
+                    let w = Src {
+                        ptr: w.ptr.add(offset),
+                        scale: w.scale,
+                    };
+                    combine(dst, w, incoming, data.len(), &red.reducer);
+                }
+            }
+            finish(dst, data.len(), self.last, self.reduction);
+        }
+        Ok(())
+    }
+
+    fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {
+        // SAFETY: the transport wrote [offset, offset+len) of dst, which covers `self.len` bytes.
+        unsafe {
+            let dst = self.dst.add(offset);
+            if let (Some(s), Some(red)) = (scale, self.reduction) {
+                red.reducer
+                    .scale_in_place(std::slice::from_raw_parts_mut(dst, len), s);
+            }
+            finish(dst, len, self.last, self.reduction);
+        }
+        Ok(())
+    }
+}
+
+/// `dst = scale * a` (a plain copy without a scale; nothing when it is the same memory).
+///
+/// # Safety
+/// `dst` and `a.ptr` cover `len` bytes and either coincide or do not overlap.
+unsafe fn copy_scaled(dst: *mut u8, a: Src, len: usize, reduction: Option<Reduction>) {
+    match (a.scale, reduction) {
+        (Some(s), Some(red)) => {
+            let d = std::slice::from_raw_parts_mut(dst, len);
+            if std::ptr::eq(a.ptr, dst) {
+                red.reducer.scale_in_place(d, s);
+            } else {
+                red.reducer
+                    .scale(d, std::slice::from_raw_parts(a.ptr, len), s);
+            }
+        }
+        _ => {
+            if !std::ptr::eq(a.ptr, dst) {
+                std::ptr::copy_nonoverlapping(a.ptr, dst, len);
+            }
+        }
+    }
+}
+
+/// `dst = a (+) b`, where dst may be exactly a or exactly b.
+///
+/// # Safety
+/// All three cover `len` bytes; dst coincides with a, with b, or overlaps neither.
+unsafe fn combine(dst: *mut u8, a: Src, b: Src, len: usize, reducer: &Reducer) {
+    let d = std::slice::from_raw_parts_mut(dst, len);
+    if std::ptr::eq(a.ptr, dst) {
+        reducer.reduce_in_place(d, a.scale, std::slice::from_raw_parts(b.ptr, len), b.scale);
+    } else if std::ptr::eq(b.ptr, dst) {
+        reducer.reduce_in_place(d, b.scale, std::slice::from_raw_parts(a.ptr, len), a.scale);
+    } else {
+        reducer.reduce(
+            d,
+            std::slice::from_raw_parts(a.ptr, len),
+            a.scale,
+            std::slice::from_raw_parts(b.ptr, len),
+            b.scale,
+        );
+    }
+}
+
+/// The end of an integer average: divide final values by the rank count.
+///
+/// # Safety
+/// `dst` covers `len` bytes.
+unsafe fn finish(dst: *mut u8, len: usize, last: bool, reduction: Option<Reduction>) {
+    if let (true, Some(red)) = (last, reduction) {
+        if let Some(n) = red.divide_by {
+            red.reducer
+                .divide_in_place(std::slice::from_raw_parts_mut(dst, len), n);
+        }
+    }
+}
+
+/// Reads a PreMulSum scalar that lives at a host address (ncclScalarDevice residence used with
+/// host memory): the value in force when the collective runs.
+pub fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale {
+    let mut bytes = [0u8; 8];
+    // SAFETY: ncclRedOpCreatePreMulSum checked the address is not NULL, and the caller promises
+    // it stays valid for a scalar of `dtype` while the op exists.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, bytes.as_mut_ptr(), dtype.size()) };
+    Scale(bytes)
+}
+
+/// Runs every communicator's operations to completion (or the first error).
+pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
+    let mut guards = Vec::with_capacity(jobs.len());
+    let mut execs = Vec::with_capacity(jobs.len());
+    for (wiring, ops) in jobs {
+        let need: usize = ops
+            .iter()
+            .map(|o| o.schedule.scratch.next_multiple_of(64))
+            .sum();
+        let mut scratch = wiring.scratch.lock();
+        if scratch.len() < need {
+            scratch.resize(need, 0);
+        }
+        let ptr = scratch.as_mut_ptr();
+        guards.push(scratch);
+        execs.push(Exec::new(wiring, ops, ptr)?);
+    }
+    let single_doorbell = match execs.as_slice() {
+        [only] => only.wiring.doorbell.clone(),
+        _ => None,
+    };
+    let started = Instant::now();
+    let mut last_progress = Instant::now();
+    let mut last_check = Instant::now();
+    let mut warned = false;
+    loop {
+        let seen = single_doorbell.as_ref().map(|d| d.doorbell_seq());
+        let mut moved = false;
+        for e in execs.iter_mut() {
+            moved |= e.pass()?;
+        }
+        if execs.iter().all(|e| e.remaining == 0) {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if moved {
+            last_progress = now;
+            continue;
+        }
+        let idle = now - last_progress;
+        if idle < execs[0].wiring.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        if now - last_check >= Duration::from_millis(20) {
+            last_check = now;
+            for e in &execs {
+                e.check_peers()
+                    .map_err(|err| err.context(format!("rank {}", e.wiring.rank)))?;
+                let (_, what) = e.blocked_on();
+                if !warned && idle >= e.wiring.warn_after {
+                    crate::warn!(
+                        "rank {} has made no progress for {:.0} s, waiting for {what}",
+                        e.wiring.rank,
+                        idle.as_secs_f64()
+                    );
+                    warned = true;
+                }
+                if let Some(t) = e.wiring.timeout {
+                    if idle >= t {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "rank {} timed out after {:.1} s without progress ({:.1} s into the operation), waiting for {what}",
+                                e.wiring.rank,
+                                idle.as_secs_f64(),
+                                (now - started).as_secs_f64()
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        match (&single_doorbell, seen) {
+            (Some(d), Some(seen)) => d.sleep(seen, Duration::from_millis(20)),
+            _ => std::thread::yield_now(),
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Transports move messages between two ranks. One trait, several implementations: `shm` for
+//! ranks on one host (processes or threads), later `p2p` for device memory and `net` between hosts.
+//!
+//! A message is an ordered byte string on a directed channel (this rank -> peer). The k-th message
+//! sent on a channel is the k-th message received on it; both sides know its length in advance,
+//! and the tag lets the receiver detect ranks that disagree about which operation they are in.
+//! All calls are non-blocking: they move as much as they can and report how far they got, so one
+//! thread can progress many channels (and many communicators) at once without deadlock.
+
+pub mod loopback;
+pub mod os;
+pub mod shm;
+
+use crate::error::Result;
+use crate::reduce::Scale;
+
+/// An outgoing message. `src` stays valid and unmodified until the send reports `Complete`.
+#[derive(Clone, Copy, Debug)]
+pub struct OutMsg {
+    pub src: *const u8,
+    pub len: usize,
+    /// A multiplier the receiver applies to these bytes (a rank's raw input under PreMulSum or a
+    /// float average), carried with the message.
+    pub scale: Option<Scale>,
+    pub tag: u64,
+}
+
+/// What the receiver expects next on a channel.
+#[derive(Clone, Copy, Debug)]
+pub struct InExpect {
+    pub len: usize,
+    pub tag: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendState {
+    /// Not all bytes have been handed to the transport yet.
+    Pending,
+    /// Every byte is handed over (the next message on the channel may start), but the peer may
+    /// still be reading from `src`.
+    Posted,
+    /// `src` may be reused.
+    Complete,
+}
+
+/// Per-message progress of a send, kept by the caller between calls.
+#[derive(Clone, Debug, Default)]
+pub struct SendCursor {
+    pub sent: usize,
+    pub started: bool,
+    /// The FIFO position whose release means the peer finished reading `src`.
+    pub await_release: Option<u64>,
+}
+
+/// Per-message progress of a receive, kept by the caller between calls.
+#[derive(Clone, Debug, Default)]
+pub struct RecvCursor {
+    pub received: usize,
+    pub started: bool,
+    /// A descriptor being pulled: (source address in the sender, total length, scale).
+    pub pulling: Option<(usize, usize, Option<Scale>)>,
+}
+
+/// Where received bytes go. The executor implements it: a plain copy, or a reduction into the
+/// destination.
+pub trait Sink {
+    /// The destination, when the bytes can be written there as they are (no combining).
+    fn direct(&mut self) -> Option<*mut u8>;
+    /// Bytes `[offset, offset + data.len())` of the message.
+    fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()>;
+    /// Bytes `[offset, offset + len)` were written straight into `direct()`.
+    fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
+}
+
+/// Whether a call moved anything; the executor sleeps only after a pass where nothing moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress<T> {
+    pub state: T,
+    pub moved: bool,
+}
+
+pub trait Transport: Send + Sync {
+    fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>>;
+    /// Returns `state == true` once the whole message has been delivered to the sink.
+    fn recv(
+        &self,
+        expect: &InExpect,
+        cur: &mut RecvCursor,
+        sink: &mut dyn Sink,
+    ) -> Result<Progress<bool>>;
+    /// Err when the peer can no longer take part: it exited, aborted or destroyed its end.
+    fn check_peer(&self) -> Result<()>;
+    /// A short description for logs ("shm/cma", "shm/direct", ...).
+    fn describe(&self) -> String;
+}
+
+/// Message tags: the kind of operation in the top byte, the communicator's operation count below.
+pub fn tag(kind: u8, seq: u64) -> u64 {
+    ((kind as u64) << 56) | (seq & ((1 << 56) - 1))
+}
+
+pub fn tag_kind(tag: u64) -> u8 {
+    (tag >> 56) as u8
+}
+
+pub fn tag_seq(tag: u64) -> u64 {
+    tag & ((1 << 56) - 1)
+}
+
+/// The kinds of operation a message can belong to (the top byte of its tag).
+pub mod kind {
+    pub const P2P: u8 = 1;
+    pub const ALL_REDUCE: u8 = 2;
+    pub const BROADCAST: u8 = 3;
+    pub const REDUCE: u8 = 4;
+    pub const ALL_GATHER: u8 = 5;
+    pub const REDUCE_SCATTER: u8 = 6;
+    pub const ALL_TO_ALL: u8 = 7;
+    pub const ALL_TO_ALL_V: u8 = 8;
+    pub const GATHER: u8 = 9;
+    pub const SCATTER: u8 = 10;
+    pub const BARRIER: u8 = 11;
+
+    pub fn name(k: u8) -> &'static str {
+        match k {
+            P2P => "Send/Recv",
+            ALL_REDUCE => "AllReduce",
+            BROADCAST => "Broadcast",
+            REDUCE => "Reduce",
+            ALL_GATHER => "AllGather",
+            REDUCE_SCATTER => "ReduceScatter",
+            ALL_TO_ALL => "AlltoAll",
+            ALL_TO_ALL_V => "AlltoAllv",
+            GATHER => "Gather",
+            SCATTER => "Scatter",
+            BARRIER => "Barrier",
+            _ => "an unknown operation",
+        }
+    }
+}
+
+/// "AllReduce #12" or "Send/Recv".
+pub fn describe_tag(tag: u64) -> String {
+    let k = tag_kind(tag);
+    if k == kind::P2P {
+        kind::name(k).to_string()
+    } else {
+        format!("{} #{}", kind::name(k), tag_seq(tag))
+    }
+}

@@ -1,0 +1,336 @@
+//! The Linux primitives the host transports are built from: memfd segments, shared mappings,
+//! futex waits, pidfds, cross-process reads (CMA) and fd passing over unix sockets.
+
+use crate::error::{Error, Result};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// An anonymous shared-memory file of `len` bytes, zero-filled; pages cost nothing until touched.
+pub fn memfd(name: &str, len: usize) -> Result<OwnedFd> {
+    let cname = std::ffi::CString::new(name).expect("memfd name has no NUL");
+    // SAFETY: cname is a valid C string; flags are plain constants.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::last_os("memfd_create"));
+    }
+    // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fd is a valid memfd; ftruncate only sets its size.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(Error::last_os(format!(
+            "ftruncate of a {len}-byte shared segment"
+        )));
+    }
+    Ok(fd)
+}
+
+/// A shared read-write mapping of a whole file, unmapped on drop.
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all concurrent access to it goes through atomics or
+// through the FIFO protocol that hands regions from one side to the other.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    pub fn map(fd: RawFd, len: usize) -> Result<Mapping> {
+        // SAFETY: a fresh shared mapping chosen by the kernel; fd refers to a file of at least len bytes.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::last_os(format!(
+                "mmap of a {len}-byte shared segment"
+            )));
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are exactly what mmap returned; nothing uses the mapping after drop.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout`. Works across processes because the
+/// word lives in a MAP_SHARED mapping (no FUTEX_PRIVATE_FLAG).
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: word is a valid, aligned u32 for the duration of the call; the kernel only reads it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+pub fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: as in futex_wait; FUTEX_WAKE does not touch the word's value.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+/// A handle on another process that says when it has exited, immune to pid reuse.
+pub struct ProcessWatch {
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl ProcessWatch {
+    pub fn new(pid: u32) -> ProcessWatch {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let pidfd = if fd >= 0 {
+            // SAFETY: a fresh descriptor from pidfd_open.
+            Some(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+        } else {
+            None
+        };
+        ProcessWatch { pid, pidfd }
+    }
+
+    pub fn alive(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, zero timeout.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                n <= 0 || p.revents & libc::POLLIN == 0
+            }
+            None => {
+                // SAFETY: signal 0 only checks that the process exists.
+                let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
+                r == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes from address `remote` in process `pid` to `local` (process_vm_readv).
+///
+/// # Safety
+/// `local` must be valid for `len` bytes of writes.
+pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < len {
+        let liov = libc::iovec {
+            iov_base: local.add(done).cast(),
+            iov_len: len - done,
+        };
+        let riov = libc::iovec {
+            iov_base: (remote + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        let n = libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0);
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "process_vm_readv copied nothing",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Sends one file descriptor (and one byte, so the message is not empty) over a unix socket.
+pub fn send_fd(sock: &UnixStream, fd: RawFd) -> Result<()> {
+    let mut byte = [0x5au8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr is plain data; zeroed is a valid start.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg_control points to a buffer large enough for one SCM_RIGHTS header plus one fd.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    // SAFETY: msg and everything it points to are valid for the call.
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n != 1 {
+        return Err(Error::last_os("sendmsg(SCM_RIGHTS)"));
+    }
+    Ok(())
+}
+
+/// Receives one file descriptor sent by [`send_fd`].
+pub fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr is plain data; zeroed is a valid start.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg points to valid buffers for the duration of the call.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(Error::last_os("recvmsg(SCM_RIGHTS)"));
+    }
+    if n == 0 {
+        return crate::remote_err!("peer closed the socket before sending its shared segment");
+    }
+    // SAFETY: the kernel filled msg_control; CMSG_FIRSTHDR/CMSG_DATA stay inside it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null()
+            || (*cmsg).cmsg_level != libc::SOL_SOCKET
+            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+        {
+            return crate::remote_err!("peer sent no file descriptor for its shared segment");
+        }
+        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Duplicates a descriptor of this process (a same-process peer's segment).
+pub fn dup(fd: RawFd) -> Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor or -1; fd is checked by the kernel.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(Error::last_os(format!("dup of segment descriptor {fd}")));
+    }
+    // SAFETY: a fresh descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memfd_maps_shared_between_two_mappings() {
+        let fd = memfd("test", 8192).unwrap();
+        let a = Mapping::map(fd.as_raw_fd(), 8192).unwrap();
+        let b = Mapping::map(fd.as_raw_fd(), 8192).unwrap();
+        // SAFETY: both mappings are 8192 bytes long.
+        unsafe {
+            *a.ptr().add(4000) = 42;
+            assert_eq!(*b.ptr().add(4000), 42);
+        }
+    }
+
+    #[test]
+    fn fd_passes_over_a_unix_socket() {
+        let (x, y) = UnixStream::pair().unwrap();
+        let fd = memfd("pass", 4096).unwrap();
+        let a = Mapping::map(fd.as_raw_fd(), 4096).unwrap();
+        send_fd(&x, fd.as_raw_fd()).unwrap();
+        let got = recv_fd(&y).unwrap();
+        let b = Mapping::map(got.as_raw_fd(), 4096).unwrap();
+        // SAFETY: both mappings are 4096 bytes long.
+        unsafe {
+            *a.ptr() = 7;
+            assert_eq!(*b.ptr(), 7);
+        }
+    }
+
+    #[test]
+    fn cma_reads_own_memory_and_watch_sees_self_alive() {
+        let src = vec![1u8, 2, 3, 4, 5];
+        let mut dst = vec![0u8; 5];
+        // SAFETY: dst holds 5 bytes.
+        unsafe {
+            cma_read(
+                std::process::id(),
+                dst.as_mut_ptr(),
+                src.as_ptr() as usize,
+                5,
+            )
+        }
+        .unwrap();
+        assert_eq!(src, dst);
+        assert!(ProcessWatch::new(std::process::id()).alive());
+    }
+
+    #[test]
+    fn watch_sees_a_child_exit() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let w = ProcessWatch::new(child.id());
+        child.wait().unwrap();
+        assert!(!w.alive());
+    }
+
+    #[test]
+    fn futex_wait_returns_on_mismatch_and_on_timeout() {
+        let w = AtomicU32::new(5);
+        let t = std::time::Instant::now();
+        futex_wait(&w, 4, Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        futex_wait(&w, 5, Duration::from_millis(20));
+        assert!(t.elapsed() >= Duration::from_millis(15));
+        futex_wake_all(&w);
+    }
+}

@@ -1,0 +1,842 @@
+//! The shared-memory transport between ranks of one host.
+//!
+//! Every rank owns one segment (a memfd) that holds its doorbell and one FIFO per peer for the
+//! messages that peer sends it. Peers in other processes receive the memfd over an authenticated
+//! unix socket; peers that are threads of the same process duplicate the descriptor. A FIFO is a
+//! ring of slots with a head (advanced by the sender) and a tail (advanced by the receiver).
+//!
+//! Small messages travel *eagerly*: copied into slots by the sender, out of them by the receiver.
+//! Large ones are *pulled*: the sender publishes the address of its buffer and the receiver copies
+//! straight out of it, with `process_vm_readv` (CMA) between processes or a plain read between
+//! threads; releasing the descriptor's slot tells the sender its buffer is free again. Whether a
+//! receiver may pull is probed at setup, so kernels or sandboxes that forbid CMA fall back to the
+//! eager path cleanly.
+
+use super::os::{self, Mapping, ProcessWatch};
+use super::{InExpect, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink, Transport};
+use crate::bootstrap::{auth, Bootstrap};
+use crate::error::{Error, Result};
+use crate::reduce::Scale;
+use crate::topo::{Path, Placement};
+use crate::wire::{self, Reader};
+use parking_lot::Mutex;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d32; // "commshm2"
+const LINE: usize = 128;
+const CTL_BASE: usize = 4 * LINE;
+const CTL_STRIDE: usize = 3 * LINE;
+const SLOT_HEADER: usize = LINE;
+
+const KIND_EAGER: u32 = 1;
+const KIND_PULL: u32 = 2;
+const FLAG_SCALE: u32 = 1;
+
+const CLOSED_DESTROYED: u32 = 1;
+const CLOSED_ABORTED: u32 = 2;
+
+/// Bytes pulled per call, so one large message cannot starve the other channels of its thread.
+const PULL_BUDGET: usize = 4 << 20;
+/// Pieces a CMA pull is cut into when the bytes must be combined rather than copied: small
+/// enough to stay in L2 between the copy and the reduction.
+const PULL_PIECE: usize = 256 << 10;
+
+/// Geometry of a segment, chosen by its owner and read back by peers from its header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    nranks: usize,
+    nslots: usize,
+    slot_bytes: usize,
+}
+
+impl Geometry {
+    fn from_env(nranks: usize) -> Geometry {
+        let nslots = crate::env::int("SHM_SLOTS")
+            .filter(|&v| (2..=1024).contains(&v))
+            .unwrap_or(16) as usize;
+        let slot_bytes = crate::env::size("SHM_SLOT_BYTES")
+            .filter(|&v| (4096..=(64 << 20)).contains(&v))
+            .unwrap_or(64 << 10);
+        Geometry {
+            nranks,
+            nslots,
+            slot_bytes: slot_bytes.next_multiple_of(LINE),
+        }
+    }
+
+    fn slot_stride(&self) -> usize {
+        SLOT_HEADER + self.slot_bytes
+    }
+
+    fn slots_base(&self) -> usize {
+        (CTL_BASE + self.nranks * CTL_STRIDE).next_multiple_of(4096)
+    }
+
+    fn total(&self) -> usize {
+        self.slots_base() + self.nranks * self.nslots * self.slot_stride()
+    }
+}
+
+/// The header the sender writes into a slot before publishing it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SlotHeader {
+    kind: u32,
+    flags: u32,
+    msg_len: u64,
+    offset: u64,
+    len: u64,
+    src_addr: u64,
+    tag: u64,
+    scale: [u8; 8],
+}
+
+/// One rank's segment, mapped into this process.
+pub struct Segment {
+    map: Mapping,
+    geo: Geometry,
+    /// Held by the owner so same-process peers can duplicate it while the communicator lives.
+    fd: Option<OwnedFd>,
+}
+
+impl Segment {
+    fn create(owner_rank: usize, geo: Geometry, nonce: u64) -> Result<Segment> {
+        let fd = os::memfd(&format!("comm-shm-r{owner_rank}"), geo.total())?;
+        let map = Mapping::map(fd.as_raw_fd(), geo.total())?;
+        let seg = Segment {
+            map,
+            geo,
+            fd: Some(fd),
+        };
+        // SAFETY: the header fields lie inside the first line of a fresh mapping nobody else sees yet.
+        unsafe {
+            let p = seg.map.ptr();
+            (p.add(8) as *mut u32).write(geo.nranks as u32);
+            (p.add(12) as *mut u32).write(geo.nslots as u32);
+            (p.add(16) as *mut u64).write(geo.slot_bytes as u64);
+            (p.add(24) as *mut u32).write(std::process::id());
+            (p.add(32) as *mut u64).write(nonce);
+        }
+        seg.atomic_u64(0).store(SEG_MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    /// Maps a peer's segment and checks it is the one the peer announced.
+    fn open(fd: OwnedFd, nonce: u64, nranks: usize) -> Result<Segment> {
+        // SAFETY: fstat only fills the stat buffer.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is valid and st is a writable stat.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::last_os("fstat of a peer's shared segment"));
+        }
+        let len = st.st_size as usize;
+        if len < 4096 {
+            return crate::remote_err!("peer's shared segment is only {len} bytes");
+        }
+        let map = Mapping::map(fd.as_raw_fd(), len)?;
+        // SAFETY: the mapping is at least one page, the header is in its first line.
+        let (magic, geo, seg_nonce) = unsafe {
+            let p = map.ptr();
+            (
+                (*(p as *const AtomicU64)).load(Ordering::Acquire),
+                Geometry {
+                    nranks: (p.add(8) as *const u32).read() as usize,
+                    nslots: (p.add(12) as *const u32).read() as usize,
+                    slot_bytes: (p.add(16) as *const u64).read() as usize,
+                },
+                (p.add(32) as *const u64).read(),
+            )
+        };
+        if magic != SEG_MAGIC || seg_nonce != nonce || geo.nranks != nranks || geo.total() != len {
+            return crate::remote_err!(
+                "peer's shared segment does not match what it announced (magic {magic:#x}, nonce {seg_nonce:#x} vs {nonce:#x}, {} ranks vs {nranks}, {len} bytes)",
+                geo.nranks
+            );
+        }
+        Ok(Segment { map, geo, fd: None })
+    }
+
+    fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        assert!(off + 4 <= self.map.len() && off % 4 == 0);
+        // SAFETY: in bounds and aligned (checked above); the mapping lives as long as &self and is
+        // only ever accessed atomically at this offset.
+        unsafe { &*(self.map.ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn atomic_u64(&self, off: usize) -> &AtomicU64 {
+        assert!(off + 8 <= self.map.len() && off % 8 == 0);
+        // SAFETY: as in atomic_u32.
+        unsafe { &*(self.map.ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn closed(&self) -> &AtomicU32 {
+        self.atomic_u32(28)
+    }
+
+    fn doorbell(&self) -> &AtomicU32 {
+        self.atomic_u32(LINE)
+    }
+
+    fn sleepers(&self) -> &AtomicU32 {
+        self.atomic_u32(2 * LINE)
+    }
+
+    fn head(&self, sender: usize) -> &AtomicU64 {
+        self.atomic_u64(CTL_BASE + sender * CTL_STRIDE)
+    }
+
+    fn tail(&self, sender: usize) -> &AtomicU64 {
+        self.atomic_u64(CTL_BASE + sender * CTL_STRIDE + LINE)
+    }
+
+    fn pull_ok(&self, sender: usize) -> &AtomicU32 {
+        self.atomic_u32(CTL_BASE + sender * CTL_STRIDE + 2 * LINE)
+    }
+
+    fn slot(&self, sender: usize, seq: u64) -> *mut u8 {
+        let idx = (seq % self.geo.nslots as u64) as usize;
+        let off = self.geo.slots_base() + (sender * self.geo.nslots + idx) * self.geo.slot_stride();
+        assert!(off + self.geo.slot_stride() <= self.map.len());
+        // SAFETY: in bounds (checked above).
+        unsafe { self.map.ptr().add(off) }
+    }
+
+    /// Wakes the owner if it sleeps on its doorbell.
+    pub fn ring(&self) {
+        self.doorbell().fetch_add(1, Ordering::SeqCst);
+        if self.sleepers().load(Ordering::SeqCst) > 0 {
+            os::futex_wake_all(self.doorbell());
+        }
+    }
+
+    /// The doorbell count; read it before a progress pass and hand it to `sleep`.
+    pub fn doorbell_seq(&self) -> u32 {
+        self.doorbell().load(Ordering::SeqCst)
+    }
+
+    /// Sleeps until someone rings after `seen` was read, or `timeout` passes.
+    pub fn sleep(&self, seen: u32, timeout: Duration) {
+        self.sleepers().fetch_add(1, Ordering::SeqCst);
+        if self.doorbell().load(Ordering::SeqCst) == seen {
+            os::futex_wait(self.doorbell(), seen, timeout);
+        }
+        self.sleepers().fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Tells peers this end is gone; they fail instead of waiting for it.
+    pub fn mark_closed(&self, aborted: bool) {
+        let v = if aborted {
+            CLOSED_ABORTED
+        } else {
+            CLOSED_DESTROYED
+        };
+        self.closed().store(v, Ordering::SeqCst);
+    }
+
+    fn base_addr(&self) -> usize {
+        self.map.ptr() as usize
+    }
+}
+
+/// How a receiver reads a sender's buffer in the pull protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// Threads of one process: the address is ours too.
+    Direct,
+    /// Another process: process_vm_readv.
+    Cma(u32),
+}
+
+/// One peer reached through shared memory.
+pub struct ShmPeer {
+    me: usize,
+    peer: usize,
+    /// Our segment: the FIFO this peer sends us, and our doorbell.
+    local: Arc<Segment>,
+    /// The peer's segment: the FIFO we send it, and its doorbell.
+    remote: Arc<Segment>,
+    access: Access,
+    watch: Option<ProcessWatch>,
+    pull_threshold: usize,
+    scratch: Mutex<Vec<u8>>,
+}
+
+impl ShmPeer {
+    /// Wakes the peer, e.g. so it notices that this end closed.
+    pub fn ring_peer(&self) {
+        self.remote.ring();
+    }
+
+    fn read_header(&self, seq: u64) -> SlotHeader {
+        // SAFETY: the slot lies inside our segment; the sender wrote it before publishing `head`
+        // with Release, which we read with Acquire.
+        unsafe { (self.local.slot(self.peer, seq) as *const SlotHeader).read() }
+    }
+
+    fn write_header(&self, seq: u64, h: &SlotHeader) {
+        // SAFETY: the slot lies inside the peer's segment and is free (head - tail < nslots), so
+        // the receiver does not read it until we publish.
+        unsafe { (self.remote.slot(self.me, seq) as *mut SlotHeader).write(*h) }
+    }
+
+    /// Moves up to PULL_BUDGET bytes of a pulled message into the sink.
+    fn pull(
+        &self,
+        cur: &mut RecvCursor,
+        src: usize,
+        total: usize,
+        scale: Option<Scale>,
+        sink: &mut dyn Sink,
+    ) -> Result<()> {
+        let end = total.min(cur.received + PULL_BUDGET);
+        if let Some(dst) = sink.direct() {
+            let (off, n) = (cur.received, end - cur.received);
+            match self.access {
+                // SAFETY: the sender keeps [src, src+total) valid and unchanged until we release
+                // its descriptor; dst is the sink's destination of at least `total` bytes.
+                Access::Direct => unsafe {
+                    std::ptr::copy_nonoverlapping((src + off) as *const u8, dst.add(off), n)
+                },
+                // SAFETY: dst is valid for `total` bytes of writes.
+                Access::Cma(pid) => unsafe { os::cma_read(pid, dst.add(off), src + off, n) }
+                    .map_err(|e| self.cma_error(e))?,
+            }
+            sink.placed(off, n, scale)?;
+            cur.received = end;
+            return Ok(());
+        }
+        match self.access {
+            Access::Direct => {
+                let (off, n) = (cur.received, end - cur.received);
+                // SAFETY: as above, the sender's bytes stay put until we release the descriptor.
+                let data = unsafe { std::slice::from_raw_parts((src + off) as *const u8, n) };
+                sink.put(off, data, scale)?;
+                cur.received = end;
+            }
+            Access::Cma(pid) => {
+                let mut scratch = self.scratch.lock();
+                if scratch.len() < PULL_PIECE {
+                    scratch.resize(PULL_PIECE, 0);
+                }
+                while cur.received < end {
+                    let n = PULL_PIECE.min(end - cur.received);
+                    // SAFETY: scratch holds at least PULL_PIECE >= n bytes.
+                    unsafe { os::cma_read(pid, scratch.as_mut_ptr(), src + cur.received, n) }
+                        .map_err(|e| self.cma_error(e))?;
+                    sink.put(cur.received, &scratch[..n], scale)?;
+                    cur.received += n;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn cma_error(&self, e: std::io::Error) -> Error {
+        if let Err(dead) = self.check_peer() {
+            return dead;
+        }
+        Error::from_io(
+            format!("reading rank {}'s buffer with process_vm_readv", self.peer),
+            e,
+        )
+    }
+
+    fn mismatch(&self, h: &SlotHeader, expect: &InExpect) -> Error {
+        Error::new(
+            crate::error::ErrorKind::InvalidUsage,
+            format!(
+                "rank {} sent {} bytes for {} while this rank expects {} bytes for {}: the ranks called different operations or passed different counts/datatypes",
+                self.peer,
+                h.msg_len,
+                super::describe_tag(h.tag),
+                expect.len,
+                super::describe_tag(expect.tag)
+            ),
+        )
+    }
+}
+
+impl Transport for ShmPeer {
+    fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
+        let head_ref = self.remote.head(self.me);
+        let tail_ref = self.remote.tail(self.me);
+        if let Some(seq) = cur.await_release {
+            let done = tail_ref.load(Ordering::Acquire) > seq;
+            return Ok(Progress {
+                state: if done {
+                    SendState::Complete
+                } else {
+                    SendState::Posted
+                },
+                moved: done,
+            });
+        }
+        let nslots = self.remote.geo.nslots as u64;
+        let mut head = head_ref.load(Ordering::Relaxed);
+        let mut tail = tail_ref.load(Ordering::Acquire);
+        let (scale, flags) = match msg.scale {
+            Some(s) => (s.0, FLAG_SCALE),
+            None => ([0u8; 8], 0),
+        };
+        let header = |kind, offset: usize, len: usize| SlotHeader {
+            kind,
+            flags,
+            msg_len: msg.len as u64,
+            offset: offset as u64,
+            len: len as u64,
+            src_addr: msg.src as u64,
+            tag: msg.tag,
+            scale,
+        };
+        // The peer published whether it may pull from us in our FIFO's control block, in its segment.
+        let peer_can_pull = self.remote.pull_ok(self.me).load(Ordering::Acquire) != 0;
+        if !cur.started && msg.len >= self.pull_threshold && peer_can_pull {
+            if head - tail >= nslots {
+                return Ok(Progress {
+                    state: SendState::Pending,
+                    moved: false,
+                });
+            }
+            self.write_header(head, &header(KIND_PULL, 0, msg.len));
+            head_ref.store(head + 1, Ordering::Release);
+            self.remote.ring();
+            cur.started = true;
+            cur.sent = msg.len;
+            cur.await_release = Some(head);
+            return Ok(Progress {
+                state: SendState::Posted,
+                moved: true,
+            });
+        }
+        let mut moved = false;
+        while !(cur.started && cur.sent == msg.len) {
+            if head - tail >= nslots {
+                tail = tail_ref.load(Ordering::Acquire);
+                if head - tail >= nslots {
+                    break;
+                }
+            }
+            let n = self.remote.geo.slot_bytes.min(msg.len - cur.sent);
+            let slot = self.remote.slot(self.me, head);
+            self.write_header(head, &header(KIND_EAGER, cur.sent, n));
+            // SAFETY: the slot's data area holds slot_bytes >= n bytes and is free; msg.src is
+            // valid for msg.len bytes of reads.
+            unsafe {
+                std::ptr::copy_nonoverlapping(msg.src.add(cur.sent), slot.add(SLOT_HEADER), n)
+            };
+            head += 1;
+            head_ref.store(head, Ordering::Release);
+            cur.sent += n;
+            cur.started = true;
+            moved = true;
+        }
+        if moved {
+            self.remote.ring();
+        }
+        Ok(Progress {
+            state: if cur.started && cur.sent == msg.len {
+                SendState::Complete
+            } else {
+                SendState::Pending
+            },
+            moved,
+        })
+    }
+
+    fn recv(
+        &self,
+        expect: &InExpect,
+        cur: &mut RecvCursor,
+        sink: &mut dyn Sink,
+    ) -> Result<Progress<bool>> {
+        let head_ref = self.local.head(self.peer);
+        let tail_ref = self.local.tail(self.peer);
+        let mut moved = false;
+        loop {
+            if let Some((src, total, scale)) = cur.pulling {
+                self.pull(cur, src, total, scale, sink)?;
+                moved = true;
+                if cur.received < total {
+                    return Ok(Progress {
+                        state: false,
+                        moved,
+                    });
+                }
+                cur.pulling = None;
+                tail_ref.fetch_add(1, Ordering::Release);
+                self.remote.ring();
+                return Ok(Progress { state: true, moved });
+            }
+            let tail = tail_ref.load(Ordering::Relaxed);
+            if head_ref.load(Ordering::Acquire) == tail {
+                break;
+            }
+            let h = self.read_header(tail);
+            if !cur.started {
+                if h.msg_len as usize != expect.len || h.tag != expect.tag {
+                    return Err(self.mismatch(&h, expect));
+                }
+                cur.started = true;
+            } else if h.offset as usize != cur.received {
+                return crate::internal_err!(
+                    "shm FIFO from rank {} out of order: slot at offset {} while {} bytes were received",
+                    self.peer,
+                    h.offset,
+                    cur.received
+                );
+            }
+            let scale = (h.flags & FLAG_SCALE != 0).then_some(Scale(h.scale));
+            match h.kind {
+                KIND_PULL => cur.pulling = Some((h.src_addr as usize, h.msg_len as usize, scale)),
+                KIND_EAGER => {
+                    let len = h.len as usize;
+                    if len > self.local.geo.slot_bytes || cur.received + len > expect.len {
+                        return crate::internal_err!(
+                            "shm slot from rank {} claims {len} bytes",
+                            self.peer
+                        );
+                    }
+                    // SAFETY: the slot's data area holds `len` <= slot_bytes published bytes
+                    // that the sender does not touch until we advance the tail.
+                    let data = unsafe {
+                        std::slice::from_raw_parts(
+                            self.local.slot(self.peer, tail).add(SLOT_HEADER),
+                            len,
+                        )
+                    };
+                    sink.put(cur.received, data, scale)?;
+                    cur.received += len;
+                    tail_ref.store(tail + 1, Ordering::Release);
+                    moved = true;
+                    if cur.received == expect.len {
+                        self.remote.ring();
+                        return Ok(Progress { state: true, moved });
+                    }
+                }
+                k => {
+                    return crate::internal_err!(
+                        "shm slot from rank {} has unknown kind {k}",
+                        self.peer
+                    )
+                }
+            }
+        }
+        if moved {
+            self.remote.ring();
+        }
+        Ok(Progress {
+            state: false,
+            moved,
+        })
+    }
+
+    fn check_peer(&self) -> Result<()> {
+        match self.remote.closed().load(Ordering::SeqCst) {
+            CLOSED_ABORTED => {
+                return crate::remote_err!("rank {} aborted its communicator", self.peer)
+            }
+            CLOSED_DESTROYED => {
+                return crate::remote_err!(
+                    "rank {} destroyed its communicator while this rank still needs it",
+                    self.peer
+                )
+            }
+            _ => {}
+        }
+        if let Some(w) = &self.watch {
+            if !w.alive() {
+                return crate::remote_err!("rank {} exited (its process is gone)", self.peer);
+            }
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        match self.access {
+            Access::Direct => "shm/direct".into(),
+            Access::Cma(_) => {
+                if self.remote.pull_ok(self.me).load(Ordering::Relaxed) != 0 {
+                    "shm/cma".into()
+                } else {
+                    "shm/eager".into()
+                }
+            }
+        }
+    }
+}
+
+/// What a rank tells its peers so they can reach its segment.
+struct Announce {
+    socket: String,
+    fd: i32,
+    nonce: u64,
+    base: u64,
+}
+
+impl Announce {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        wire::put_blob(&mut out, self.socket.as_bytes());
+        wire::put_u32(&mut out, self.fd as u32);
+        wire::put_u64(&mut out, self.nonce);
+        wire::put_u64(&mut out, self.base);
+        out
+    }
+
+    fn decode(b: &[u8]) -> Result<Announce> {
+        let mut r = Reader::new(b);
+        Ok(Announce {
+            socket: r.string()?,
+            fd: r.u32()? as i32,
+            nonce: r.u64()?,
+            base: r.u64()?,
+        })
+    }
+}
+
+/// The shm side of a communicator: our segment and a transport per local peer.
+pub struct ShmWorld {
+    pub local: Arc<Segment>,
+    pub peers: Vec<Option<Arc<ShmPeer>>>,
+}
+
+fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {
+    format!("comm shm {comm_tag:016x} {from}->{to}").into_bytes()
+}
+
+/// Builds the shm transports of one rank. Collective over the communicator's bootstrap.
+pub fn connect(
+    boot: &Bootstrap,
+    paths: &[Path],
+    placements: &[Placement],
+    comm_tag: u64,
+    deadline: Option<Instant>,
+) -> Result<ShmWorld> {
+    let me = boot.rank();
+    let nranks = boot.nranks();
+    let geo = Geometry::from_env(nranks);
+    let mut nonce_bytes = [0u8; 8];
+    getrandom::getrandom(&mut nonce_bytes)
+        .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
+    let nonce = u64::from_ne_bytes(nonce_bytes);
+    let local = Arc::new(Segment::create(me, geo, nonce)?);
+
+    let other_process: Vec<usize> = (0..nranks)
+        .filter(|&r| paths[r] == Path::SameHost)
+        .collect();
+    let socket = format!(
+        "comm-shm-{:016x}-{comm_tag:016x}-{me}-{:08x}",
+        placements[me].process_token, nonce as u32
+    );
+    let listener = if other_process.is_empty() {
+        None
+    } else {
+        let addr = SocketAddr::from_abstract_name(socket.as_bytes())
+            .map_err(|e| Error::from_io("abstract unix socket name", e))?;
+        Some(
+            UnixListener::bind_addr(&addr)
+                .map_err(|e| Error::from_io(format!("bind unix socket {socket}"), e))?,
+        )
+    };
+    let mine = Announce {
+        socket: socket.clone(),
+        fd: local.fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
+        nonce,
+        base: local.base_addr() as u64,
+    };
+    let all = boot.allgather(&mine.encode())?;
+    let announces = all
+        .iter()
+        .map(|b| Announce::decode(b))
+        .collect::<Result<Vec<_>>>()?;
+
+    // Serve our memfd to the peers in other processes while we fetch theirs.
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = listener.map(|l| {
+        let expected = other_process.clone();
+        let secret = *boot.secret();
+        let fd = mine.fd;
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("comm-shm-setup".into())
+            .spawn(move || serve_segment(l, fd, &expected, &secret, comm_tag, me, deadline, &stop))
+            .map_err(|e| Error::from_io("spawn shm setup thread", e))
+    });
+    let server = server.transpose()?;
+
+    let disable_pull = crate::env::flag("SHM_PULL") == Some(false);
+    let pull_threshold = crate::env::size("SHM_PULL_THRESHOLD").unwrap_or(32 << 10);
+    let fetched = (|| -> Result<Vec<Option<Arc<ShmPeer>>>> {
+        let mut peers: Vec<Option<Arc<ShmPeer>>> = (0..nranks).map(|_| None).collect();
+        for r in 0..nranks {
+            let (fd, access) = match paths[r] {
+                Path::SameProcess => (os::dup(announces[r].fd)?, Access::Direct),
+                Path::SameHost => (
+                    fetch_segment(
+                        &announces[r].socket,
+                        boot.secret(),
+                        comm_tag,
+                        me,
+                        r,
+                        deadline,
+                    )
+                    .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")))?,
+                    Access::Cma(placements[r].pid),
+                ),
+                _ => continue,
+            };
+            let remote = Arc::new(Segment::open(fd, announces[r].nonce, nranks)?);
+            let can_pull = !disable_pull
+                && match access {
+                    Access::Direct => true,
+                    Access::Cma(pid) => probe_cma(pid, announces[r].base as usize),
+                };
+            if !can_pull && !disable_pull {
+                crate::info!(
+                    "process_vm_readv from rank {r} (pid {}) is not permitted; large messages from it go through shared-memory slots",
+                    placements[r].pid
+                );
+            }
+            local.pull_ok(r).store(can_pull as u32, Ordering::Release);
+            peers[r] = Some(Arc::new(ShmPeer {
+                me,
+                peer: r,
+                local: local.clone(),
+                remote,
+                access,
+                watch: matches!(access, Access::Cma(_))
+                    .then(|| ProcessWatch::new(placements[r].pid)),
+                pull_threshold,
+                scratch: Mutex::new(Vec::new()),
+            }));
+        }
+        Ok(peers)
+    })();
+    if fetched.is_err() {
+        stop.store(true, Ordering::SeqCst);
+    }
+    let served = server
+        .map(|h| {
+            h.join()
+                .unwrap_or_else(|_| crate::internal_err!("shm setup thread panicked"))
+        })
+        .unwrap_or(Ok(()));
+    let peers = fetched?;
+    served?;
+    // Nobody sends before every receiver has published whether it can pull.
+    boot.barrier()?;
+    for (r, p) in peers.iter().enumerate() {
+        if let Some(p) = p {
+            crate::info!("rank {me} -> rank {r}: {}", p.describe());
+        }
+    }
+    Ok(ShmWorld { local, peers })
+}
+
+fn probe_cma(pid: u32, remote_base: usize) -> bool {
+    let mut word = [0u8; 8];
+    // SAFETY: word is 8 writable bytes.
+    let ok = unsafe { os::cma_read(pid, word.as_mut_ptr(), remote_base, 8) }.is_ok();
+    ok && u64::from_ne_bytes(word) == SEG_MAGIC
+}
+
+#[allow(clippy::too_many_arguments)]
+fn serve_segment(
+    listener: UnixListener,
+    fd: i32,
+    expected: &[usize],
+    secret: &[u8; 32],
+    comm_tag: u64,
+    me: usize,
+    deadline: Option<Instant>,
+    stop: &AtomicBool,
+) -> Result<()> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::from_io("unix listener", e))?;
+    let mut pending: Vec<usize> = expected.to_vec();
+    while !pending.is_empty() {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return crate::timeout_err!(
+                "ranks {pending:?} never fetched this rank's shared memory segment"
+            );
+        }
+        let (mut s, _) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(Error::from_io("accept on shm setup socket", e)),
+        };
+        let handshake = (|| -> Result<usize> {
+            s.set_nonblocking(false)
+                .map_err(|e| Error::from_io("unix socket", e))?;
+            let t = Some(Duration::from_secs(5));
+            s.set_read_timeout(t)
+                .map_err(|e| Error::from_io("unix socket", e))?;
+            s.set_write_timeout(t)
+                .map_err(|e| Error::from_io("unix socket", e))?;
+            let mut rb = [0u8; 4];
+            s.read_exact(&mut rb)
+                .map_err(|e| Error::from_io("read peer rank", e))?;
+            let from = u32::from_le_bytes(rb) as usize;
+            if !pending.contains(&from) {
+                return crate::invalid_usage!("unexpected shm connection claiming rank {from}");
+            }
+            auth::server(&mut s, secret, &auth_context(comm_tag, from, me))?;
+            os::send_fd(&s, fd)?;
+            Ok(from)
+        })();
+        match handshake {
+            Ok(from) => pending.retain(|&r| r != from),
+            Err(e) => crate::warn!("refused a connection to the shm setup socket: {}", e.msg),
+        }
+    }
+    Ok(())
+}
+
+fn fetch_segment(
+    socket: &str,
+    secret: &[u8; 32],
+    comm_tag: u64,
+    me: usize,
+    peer: usize,
+    deadline: Option<Instant>,
+) -> Result<OwnedFd> {
+    let addr = SocketAddr::from_abstract_name(socket.as_bytes())
+        .map_err(|e| Error::from_io("abstract unix socket name", e))?;
+    let mut s = loop {
+        match UnixStream::connect_addr(&addr) {
+            Ok(s) => break s,
+            Err(e) if deadline.is_none_or(|d| Instant::now() < d) => {
+                crate::trace!("connect to rank {peer}'s shm socket: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                return Err(Error::from_io(
+                    format!("connect to unix socket {socket}"),
+                    e,
+                ))
+            }
+        }
+    };
+    let t = Some(Duration::from_secs(30));
+    s.set_read_timeout(t)
+        .map_err(|e| Error::from_io("unix socket", e))?;
+    s.set_write_timeout(t)
+        .map_err(|e| Error::from_io("unix socket", e))?;
+    s.write_all(&(me as u32).to_le_bytes())
+        .map_err(|e| Error::from_io("send rank", e))?;
+    auth::client(&mut s, secret, &auth_context(comm_tag, me, peer))?;
+    os::recv_fd(&s)
+}
