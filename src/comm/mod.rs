@@ -1,0 +1,433 @@
+//! The communicator: lifecycle (init, split, shrink, grow, finalize, destroy, abort), its
+//! configuration and state, and turning validated calls into executable operations.
+
+pub mod config;
+pub mod ops;
+pub mod registry;
+
+use crate::algo::tuner::Tuner;
+use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::error::{Error, ErrorKind, Result};
+use crate::exec::host::Wiring;
+use crate::topo::{self, Path, Placement};
+use crate::transport::loopback::Loopback;
+use crate::transport::{shm, Transport};
+use crate::wire::Reader;
+use config::Config;
+use ops::CustomOps;
+use parking_lot::Mutex;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Lifecycle states (NCCL: finalize, then destroy; abort or revoke at any time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Life {
+    Active = 0,
+    Finalized = 1,
+    Revoked = 2,
+    Aborted = 3,
+    Failed = 4,
+}
+
+pub struct Comm {
+    pub rank: usize,
+    pub nranks: usize,
+    /// Identifies this communicator among all communicators of the job (same on every rank).
+    pub tag: u64,
+    pub config: Config,
+    pub boot: Bootstrap,
+    pub placements: Vec<Placement>,
+    pub paths: Vec<Path>,
+    pub shm: Option<shm::ShmWorld>,
+    pub wiring: Wiring,
+    pub tuner: Tuner,
+    pub slice_bytes: usize,
+    /// The CUDA device this rank was created on, or -1 on a host without one.
+    pub cuda_device: i32,
+    /// Operations issued so far; tags every message so that mismatched calls are detected.
+    pub seq: AtomicU64,
+    /// Children created so far, to derive every child's tag identically on all ranks.
+    pub children: AtomicU64,
+    pub custom_ops: CustomOps,
+    life: AtomicU8,
+    pub async_error: Mutex<Option<Error>>,
+    pub last_error: Mutex<Option<String>>,
+    pub suspended: AtomicBool,
+}
+
+fn hash_tag(parts: impl Hash) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parts.hash(&mut h);
+    h.finish()
+}
+
+/// How long waits may last, from COMM_TIMEOUT (seconds; unset or 0 = no limit).
+fn op_timeout() -> Option<Duration> {
+    crate::env::seconds("TIMEOUT").flatten()
+}
+
+impl Comm {
+    /// ncclCommInitRank and friends: rendezvous through the root(s) of `ids`, then connect.
+    pub fn init(
+        ids: &[UniqueId],
+        rank: usize,
+        nranks: usize,
+        config: Config,
+        device: i32,
+    ) -> Result<Comm> {
+        if nranks == 0 {
+            return crate::invalid_arg!("nranks is 0; a communicator needs at least one rank");
+        }
+        if rank >= nranks {
+            return crate::invalid_arg!("rank {rank} is out of range for {nranks} ranks");
+        }
+        let timeout = crate::bootstrap::init_timeout();
+        let boot = Bootstrap::init(ids, rank, nranks, timeout)?;
+        let tag = hash_tag(("comm", boot.secret(), nranks));
+        Comm::establish(boot, config, tag, device, timeout)
+    }
+
+    /// Everything after the bootstrap: where the peers are, and the transports to reach them.
+    fn establish(
+        boot: Bootstrap,
+        config: Config,
+        tag: u64,
+        device: i32,
+        timeout: Option<Duration>,
+    ) -> Result<Comm> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let rank = boot.rank();
+        let nranks = boot.nranks();
+        let _scope = crate::log::rank_scope(rank as i32);
+        let me = topo::this_process();
+        let mut mine = Vec::new();
+        me.encode(&mut mine);
+        let placements = boot
+            .allgather(&mine)?
+            .iter()
+            .map(|b| Placement::decode(&mut Reader::new(b)))
+            .collect::<Result<Vec<_>>>()?;
+        let paths: Vec<Path> = placements
+            .iter()
+            .enumerate()
+            .map(|(r, p)| me.path_to(p, r == rank))
+            .collect();
+        let remote: Vec<usize> = (0..nranks).filter(|&r| paths[r] == Path::Network).collect();
+        if !remote.is_empty() {
+            return crate::invalid_usage!(
+                "ranks {remote:?} run on other hosts than rank {rank} ({}), and this build has no network transport yet: all ranks must share one host",
+                me.hostname
+            );
+        }
+        let shm_world = if paths
+            .iter()
+            .any(|p| matches!(p, Path::SameHost | Path::SameProcess))
+        {
+            Some(shm::connect(&boot, &paths, &placements, tag, deadline)?)
+        } else {
+            None
+        };
+        let mut links: Vec<Arc<dyn Transport>> = Vec::with_capacity(nranks);
+        for (r, path) in paths.iter().enumerate() {
+            let link: Arc<dyn Transport> = match path {
+                Path::SelfRank => Arc::new(Loopback::default()),
+                _ => match shm_world.as_ref().and_then(|w| w.peers[r].clone()) {
+                    Some(p) => p,
+                    None => return crate::internal_err!("no transport reaches rank {r}"),
+                },
+            };
+            links.push(link);
+        }
+        let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
+        // With more ranks than cores, spinning steals the core from the rank we wait for.
+        let spin_us = crate::env::int("SPIN_US").unwrap_or(if local_ranks > topo::usable_cpus() {
+            0
+        } else {
+            50
+        });
+        let wiring = Wiring {
+            rank,
+            links,
+            doorbell: shm_world.as_ref().map(|w| w.local.clone()),
+            abort: Arc::new(AtomicBool::new(false)),
+            timeout: op_timeout(),
+            warn_after: crate::env::seconds("WARN_AFTER")
+                .flatten()
+                .unwrap_or(Duration::from_secs(60)),
+            scratch: Mutex::new(Vec::new()),
+            spin: Duration::from_micros(spin_us.max(0) as u64),
+        };
+        crate::info!(
+            "rank {rank}/{nranks} ready on {} (comm {tag:016x}{})",
+            me.hostname,
+            config
+                .comm_name
+                .as_deref()
+                .map(|n| format!(", \"{n}\""))
+                .unwrap_or_default()
+        );
+        Ok(Comm {
+            rank,
+            nranks,
+            tag,
+            tuner: Tuner::from_env(nranks),
+            slice_bytes: crate::env::size("SLICE_BYTES").unwrap_or(512 << 10).max(64),
+            config,
+            boot,
+            placements,
+            paths,
+            shm: shm_world,
+            wiring,
+            cuda_device: device,
+            seq: AtomicU64::new(0),
+            children: AtomicU64::new(0),
+            custom_ops: CustomOps::default(),
+            life: AtomicU8::new(Life::Active as u8),
+            async_error: Mutex::new(None),
+            last_error: Mutex::new(None),
+            suspended: AtomicBool::new(false),
+        })
+    }
+
+    pub fn life(&self) -> Life {
+        match self.life.load(Ordering::SeqCst) {
+            0 => Life::Active,
+            1 => Life::Finalized,
+            2 => Life::Revoked,
+            3 => Life::Aborted,
+            _ => Life::Failed,
+        }
+    }
+
+    fn set_life(&self, l: Life) {
+        self.life.store(l as u8, Ordering::SeqCst);
+    }
+
+    /// Whether new operations may be issued; the error says why not.
+    pub fn check_usable(&self) -> Result<()> {
+        match self.life() {
+            Life::Active => Ok(()),
+            Life::Finalized => crate::invalid_usage!(
+                "the communicator was finalized; only ncclCommDestroy may follow"
+            ),
+            Life::Revoked => crate::invalid_usage!(
+                "the communicator was revoked; destroy it, or split/shrink it into a new one"
+            ),
+            Life::Aborted => crate::invalid_usage!("the communicator was aborted"),
+            Life::Failed => {
+                let cause = self
+                    .async_error
+                    .lock()
+                    .as_ref()
+                    .map(|e| e.msg.clone())
+                    .unwrap_or_default();
+                Err(Error::new(
+                    ErrorKind::InvalidUsage,
+                    format!("the communicator failed earlier and can only be aborted or destroyed ({cause})"),
+                ))
+            }
+        }
+    }
+
+    /// Records a failure that leaves the communicator unusable (a dead peer, a timeout, ranks
+    /// that disagree about the operation). Validation errors do not come here.
+    pub fn fail(&self, e: &Error) {
+        let mut slot = self.async_error.lock();
+        if slot.is_none() {
+            *slot = Some(e.clone());
+        }
+        self.set_life(Life::Failed);
+    }
+
+    pub fn finalize(&self) -> Result<()> {
+        match self.life() {
+            Life::Active => {
+                self.set_life(Life::Finalized);
+                Ok(())
+            }
+            Life::Finalized => crate::invalid_usage!("the communicator was already finalized"),
+            Life::Revoked => crate::invalid_usage!("a revoked communicator cannot be finalized"),
+            _ => self.check_usable(),
+        }
+    }
+
+    /// Local teardown: peers still waiting on this rank get an error instead of hanging.
+    pub fn destroy(&self) {
+        if let Some(w) = &self.shm {
+            w.local.mark_closed(false);
+            for p in w.peers.iter().flatten() {
+                p.ring_peer();
+            }
+        }
+    }
+
+    /// Stops any operation in progress (from any thread) and tells the peers.
+    pub fn abort(&self) {
+        self.set_life(Life::Aborted);
+        self.wiring.abort.store(true, Ordering::SeqCst);
+        self.boot.abort_handle().store(true, Ordering::SeqCst);
+        if let Some(w) = &self.shm {
+            w.local.mark_closed(true);
+            w.local.ring();
+            for p in w.peers.iter().flatten() {
+                p.ring_peer();
+            }
+        }
+    }
+
+    /// ncclCommRevoke: in-flight operations stop; only destroy, split and shrink remain.
+    pub fn revoke(&self) {
+        self.set_life(Life::Revoked);
+        self.wiring.abort.store(true, Ordering::SeqCst);
+        if let Some(w) = &self.shm {
+            w.local.ring();
+        }
+    }
+
+    fn child_tag(&self, what: &str, extra: i64) -> u64 {
+        let n = self.children.fetch_add(1, Ordering::SeqCst);
+        hash_tag((self.tag, what, n, extra))
+    }
+
+    /// ncclCommSplit. Collective over this communicator; `None` for NCCL_SPLIT_NOCOLOR.
+    pub fn split(&self, color: i32, key: i32, config: Option<Config>) -> Result<Option<Comm>> {
+        if self.life() == Life::Aborted || self.life() == Life::Failed {
+            self.check_usable()?;
+        }
+        if color < 0 && color != crate::ffi::types::NCCL_SPLIT_NOCOLOR {
+            return crate::invalid_arg!(
+                "color {color} is negative; use a non-negative color or NCCL_SPLIT_NOCOLOR (-1)"
+            );
+        }
+        let mut mine = Vec::new();
+        crate::wire::put_u32(&mut mine, color as u32);
+        crate::wire::put_u32(&mut mine, key as u32);
+        let all = self.boot.allgather(&mine)?;
+        let mut entries = Vec::with_capacity(self.nranks);
+        for (r, b) in all.iter().enumerate() {
+            let mut rd = Reader::new(b);
+            entries.push((rd.u32()? as i32, rd.u32()? as i32, r));
+        }
+        // Every rank derives the tag, even those that take no part in a child.
+        let tag = self.child_tag("split", color as i64);
+        if color == crate::ffi::types::NCCL_SPLIT_NOCOLOR {
+            return Ok(None);
+        }
+        let mut members: Vec<(i32, usize)> = entries
+            .iter()
+            .filter(|e| e.0 == color)
+            .map(|e| (e.1, e.2))
+            .collect();
+        members.sort();
+        let members: Vec<usize> = members.into_iter().map(|m| m.1).collect();
+        let boot = self
+            .boot
+            .sub(&members, tag, crate::bootstrap::init_timeout())?;
+        let config = config.unwrap_or_else(|| self.config.clone());
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            self.cuda_device,
+            crate::bootstrap::init_timeout(),
+        )
+        .map(Some)
+    }
+
+    /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the
+    /// excluded ranks (they may be dead).
+    pub fn shrink(
+        &self,
+        exclude: &[usize],
+        config: Option<Config>,
+        abort_first: bool,
+    ) -> Result<Comm> {
+        if exclude.contains(&self.rank) {
+            return crate::invalid_usage!(
+                "rank {} is in its own exclude list; excluded ranks must not call ncclCommShrink",
+                self.rank
+            );
+        }
+        if abort_first {
+            self.wiring.abort.store(true, Ordering::SeqCst);
+        }
+        let members: Vec<usize> = (0..self.nranks).filter(|r| !exclude.contains(r)).collect();
+        let mut sorted = exclude.to_vec();
+        sorted.sort_unstable();
+        let tag = self.child_tag("shrink", hash_tag(&sorted) as i64);
+        let boot = self
+            .boot
+            .sub(&members, tag, crate::bootstrap::init_timeout())?;
+        let config = config.unwrap_or_else(|| self.config.clone());
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            self.cuda_device,
+            crate::bootstrap::init_timeout(),
+        )
+    }
+
+    /// ncclCommGrow for an existing rank: whoever holds the id shares it, then every rank (old
+    /// and new) rendezvous through it. Existing ranks keep their numbers.
+    pub fn grow(
+        &self,
+        nranks: usize,
+        id: Option<&UniqueId>,
+        config: Option<Config>,
+    ) -> Result<Comm> {
+        self.check_usable()?;
+        if nranks < self.nranks {
+            return crate::invalid_arg!(
+                "nRanks {nranks} is smaller than the communicator's {} ranks; growing cannot shrink",
+                self.nranks
+            );
+        }
+        let mine = id.map(|i| i.to_bytes().to_vec()).unwrap_or_default();
+        let all = self.boot.allgather(&mine)?;
+        let holders: Vec<usize> = (0..self.nranks).filter(|&r| !all[r].is_empty()).collect();
+        let id = match holders.as_slice() {
+            [one] => {
+                let bytes: [u8; crate::bootstrap::UNIQUE_ID_BYTES] = all[*one]
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| Error::new(ErrorKind::Internal, "unique id of wrong length"))?;
+                UniqueId::from_bytes(&bytes)?
+            }
+            [] => {
+                return crate::invalid_usage!(
+                    "no existing rank passed the unique id to ncclCommGrow; exactly one must (the one that called ncclCommGetUniqueId)"
+                )
+            }
+            many => {
+                return crate::invalid_usage!(
+                    "ranks {many:?} all passed a unique id to ncclCommGrow; exactly one existing rank must"
+                )
+            }
+        };
+        let config = config.unwrap_or_else(|| self.config.clone());
+        Comm::init(&[id], self.rank, nranks, config, self.cuda_device)
+    }
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Comm(rank {}/{}, tag {:016x}, {:?})",
+            self.rank,
+            self.nranks,
+            self.tag,
+            self.life()
+        )
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}

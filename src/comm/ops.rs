@@ -1,0 +1,433 @@
+//! From a caller's arguments to an executable operation: validation (every rule NCCL documents,
+//! plus buffer overlaps NCCL leaves undefined), reduction ops (built-in and custom), and the
+//! schedule the tuner picks.
+
+use super::Comm;
+use crate::algo::{self, Collective, Shape};
+use crate::error::Result;
+use crate::exec::host::{HostOp, Reduction};
+use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
+use crate::transport::{kind, tag};
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The first value of a dynamic (user-created) op, as in NCCL.
+pub const FIRST_DYNAMIC_OP: i32 = 5;
+
+/// Where a PreMulSum scalar is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScalarSrc {
+    /// Read when the op was created (ncclScalarHostImmediate).
+    Value(Scale),
+    /// Read when the collective runs (ncclScalarDevice; on host memory, a host address).
+    Pointer(usize),
+}
+
+/// A reduction as named by an `ncclRedOp_t`, resolved against one communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpChoice {
+    Plain(ReduceOp),
+    Avg,
+    PreMulSum(ScalarSrc),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct CustomOp {
+    dtype: DataType,
+    scalar: ScalarSrc,
+}
+
+/// The custom ops of one communicator.
+#[derive(Default)]
+pub struct CustomOps {
+    ops: Mutex<HashMap<i32, CustomOp>>,
+}
+
+/// Op values are unique across communicators, so an op used on the wrong one is recognised.
+static NEXT_OP: AtomicI32 = AtomicI32::new(FIRST_DYNAMIC_OP);
+static OP_OWNER: Lazy<Mutex<HashMap<i32, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// A validated call, waiting for its turn (the end of the group).
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub coll: Collective,
+    pub send: *const u8,
+    pub recv: *mut u8,
+    pub dtype: DataType,
+    pub op: Option<OpChoice>,
+    /// Whether the send and receive buffers overlap (as NCCL's in-place rules allow).
+    pub in_place: bool,
+}
+
+// SAFETY: the pointers are only addresses here; they are dereferenced by the executor on the
+// thread that runs the group, which the caller guarantees keeps the buffers alive.
+unsafe impl Send for Call {}
+
+pub fn parse_dtype(raw: i32) -> Result<DataType> {
+    DataType::from_raw(raw).map_or_else(
+        || crate::invalid_arg!("datatype {raw} is not a valid ncclDataType_t (0..=11)"),
+        Ok,
+    )
+}
+
+fn bytes_of(count: usize, times: usize, dtype: DataType, what: &str) -> Result<usize> {
+    count
+        .checked_mul(times)
+        .and_then(|c| c.checked_mul(dtype.size()))
+        .filter(|&b| b <= isize::MAX as usize)
+        .map_or_else(
+            || {
+                crate::invalid_arg!(
+                    "{what} of {count} x {times} elements of {} overflows the address space",
+                    dtype.name()
+                )
+            },
+            Ok,
+        )
+}
+
+fn check_ptr(name: &str, p: usize, bytes: usize) -> Result<()> {
+    if bytes > 0 && p == 0 {
+        return crate::invalid_arg!("{name} is NULL but the operation needs {bytes} bytes there");
+    }
+    if p.checked_add(bytes).is_none() {
+        return crate::invalid_arg!("{name} + {bytes} bytes wraps around the address space");
+    }
+    Ok(())
+}
+
+impl Comm {
+    pub fn create_premulsum(&self, dtype: DataType, scalar: ScalarSrc) -> Result<i32> {
+        self.check_usable()?;
+        let op = NEXT_OP.fetch_add(1, Ordering::SeqCst);
+        if op <= 0 {
+            return crate::invalid_usage!("too many reduction ops were created in this process");
+        }
+        self.custom_ops
+            .ops
+            .lock()
+            .insert(op, CustomOp { dtype, scalar });
+        OP_OWNER.lock().insert(op, self.tag);
+        Ok(op)
+    }
+
+    pub fn destroy_op(&self, op: i32) -> Result<()> {
+        if (0..FIRST_DYNAMIC_OP).contains(&op) {
+            return crate::invalid_arg!(
+                "op {op} is a built-in op; only ops from ncclRedOpCreatePreMulSum can be destroyed"
+            );
+        }
+        if self.custom_ops.ops.lock().remove(&op).is_some() {
+            OP_OWNER.lock().remove(&op);
+            return Ok(());
+        }
+        Err(self.unknown_op(op))
+    }
+
+    fn unknown_op(&self, op: i32) -> crate::error::Error {
+        let owner = OP_OWNER.lock().get(&op).copied();
+        let msg = match owner {
+            Some(_) => format!("op {op} was created on another communicator; custom ops are valid only on the communicator that created them"),
+            None if op >= FIRST_DYNAMIC_OP && op < NEXT_OP.load(Ordering::SeqCst) => {
+                format!("op {op} was destroyed")
+            }
+            None => format!("op {op} is not a valid ncclRedOp_t (built-ins are 0..=4; others come from ncclRedOpCreatePreMulSum)"),
+        };
+        crate::error::Error::new(crate::error::ErrorKind::InvalidArgument, msg)
+    }
+
+    /// Resolves an `ncclRedOp_t` value for `dtype` on this communicator.
+    pub fn resolve_op(&self, op: i32, dtype: DataType) -> Result<OpChoice> {
+        let choice = match op {
+            0 => OpChoice::Plain(ReduceOp::Sum),
+            1 => OpChoice::Plain(ReduceOp::Prod),
+            2 => OpChoice::Plain(ReduceOp::Max),
+            3 => OpChoice::Plain(ReduceOp::Min),
+            4 => OpChoice::Avg,
+            _ => {
+                let custom = self.custom_ops.ops.lock().get(&op).copied();
+                let c = custom.ok_or_else(|| self.unknown_op(op))?;
+                if c.dtype != dtype {
+                    return crate::invalid_arg!(
+                        "op {op} was created for datatype {} but the collective uses {}",
+                        c.dtype.name(),
+                        dtype.name()
+                    );
+                }
+                OpChoice::PreMulSum(c.scalar)
+            }
+        };
+        Ok(choice)
+    }
+
+    /// Validates one call against NCCL's rules for this rank.
+    pub fn check_call(
+        &self,
+        coll: Collective,
+        send: *const u8,
+        recv: *mut u8,
+        dtype: i32,
+        op: Option<i32>,
+    ) -> Result<Call> {
+        self.check_usable()?;
+        let dtype = parse_dtype(dtype)?;
+        let op = match (coll.reduces(), op) {
+            (true, Some(op)) => Some(self.resolve_op(op, dtype)?),
+            _ => None,
+        };
+        let n = self.nranks;
+        let me = self.rank;
+        let check_rank = |what: &str, r: usize| {
+            if r >= n {
+                crate::invalid_arg!("{what} {r} is out of range for a communicator of {n} ranks")
+            } else {
+                Ok(())
+            }
+        };
+        // Bytes this rank reads from sendbuff and writes to recvbuff, and where sendbuff sits
+        // relative to recvbuff when the call is in place.
+        let (send_bytes, recv_bytes, in_place_delta): (usize, usize, Option<isize>) = match &coll {
+            Collective::AllReduce { count } => {
+                let b = bytes_of(*count, 1, dtype, "count")?;
+                (b, b, Some(0))
+            }
+            Collective::Broadcast { count, root } => {
+                check_rank("root", *root)?;
+                let b = bytes_of(*count, 1, dtype, "count")?;
+                (if me == *root { b } else { 0 }, b, Some(0))
+            }
+            Collective::Reduce { count, root } => {
+                check_rank("root", *root)?;
+                let b = bytes_of(*count, 1, dtype, "count")?;
+                (b, if me == *root { b } else { 0 }, Some(0))
+            }
+            Collective::AllGather { count } => {
+                let b = bytes_of(*count, 1, dtype, "sendcount")?;
+                bytes_of(*count, n, dtype, "recvbuff")?;
+                (b, b * n, Some((me * b) as isize))
+            }
+            Collective::ReduceScatter { count } => {
+                let b = bytes_of(*count, 1, dtype, "recvcount")?;
+                bytes_of(*count, n, dtype, "sendbuff")?;
+                (b * n, b, Some(-((me * b) as isize)))
+            }
+            Collective::AlltoAll { count } => {
+                let b = bytes_of(*count, n, dtype, "count")?;
+                (b, b, Some(0))
+            }
+            Collective::AlltoAllv {
+                send_counts,
+                send_displs,
+                recv_counts,
+                recv_displs,
+            } => {
+                for (name, v) in [
+                    ("sendcounts", send_counts),
+                    ("sdispls", send_displs),
+                    ("recvcounts", recv_counts),
+                    ("rdispls", recv_displs),
+                ] {
+                    if v.len() != n {
+                        return crate::internal_err!(
+                            "{name} has {} entries for {n} ranks",
+                            v.len()
+                        );
+                    }
+                }
+                if send_counts[me] != recv_counts[me] {
+                    return crate::invalid_arg!(
+                        "sendcounts[{me}] = {} but recvcounts[{me}] = {}: a rank's block to itself must have one size",
+                        send_counts[me],
+                        recv_counts[me]
+                    );
+                }
+                let extent = |counts: &[usize], displs: &[usize], what: &str| -> Result<usize> {
+                    let mut end = 0usize;
+                    for p in 0..n {
+                        if counts[p] == 0 {
+                            continue;
+                        }
+                        let e = displs[p].checked_add(counts[p]).map_or_else(
+                            || crate::invalid_arg!("{what} block for rank {p} overflows"),
+                            Ok,
+                        )?;
+                        end = end.max(e);
+                    }
+                    bytes_of(end, 1, dtype, what)
+                };
+                (
+                    extent(send_counts, send_displs, "sendcounts/sdispls")?,
+                    extent(recv_counts, recv_displs, "recvcounts/rdispls")?,
+                    Some(0),
+                )
+            }
+            Collective::Gather { count, root } => {
+                check_rank("root", *root)?;
+                let b = bytes_of(*count, 1, dtype, "count")?;
+                bytes_of(*count, n, dtype, "recvbuff")?;
+                (
+                    b,
+                    if me == *root { b * n } else { 0 },
+                    Some((*root * b) as isize),
+                )
+            }
+            Collective::Scatter { count, root } => {
+                check_rank("root", *root)?;
+                let b = bytes_of(*count, 1, dtype, "count")?;
+                bytes_of(*count, n, dtype, "sendbuff")?;
+                (
+                    if me == *root { b * n } else { 0 },
+                    b,
+                    Some(-((*root * b) as isize)),
+                )
+            }
+            Collective::Send { peer, count } => {
+                check_rank("peer", *peer)?;
+                (bytes_of(*count, 1, dtype, "count")?, 0, None)
+            }
+            Collective::Recv { peer, count } => {
+                check_rank("peer", *peer)?;
+                (0, bytes_of(*count, 1, dtype, "count")?, None)
+            }
+        };
+        let (s, r) = (send as usize, recv as usize);
+        check_ptr("sendbuff", s, send_bytes)?;
+        check_ptr("recvbuff", r, recv_bytes)?;
+        let mut in_place = false;
+        if send_bytes > 0 && recv_bytes > 0 && s < r + recv_bytes && r < s + send_bytes {
+            match in_place_delta {
+                Some(d) if s as isize - r as isize == d => in_place = true,
+                _ => {
+                    return crate::invalid_arg!(
+                        "sendbuff [{s:#x}, +{send_bytes}) and recvbuff [{r:#x}, +{recv_bytes}) overlap, but not in the way {} allows for in-place use{}",
+                        coll.name(),
+                        match in_place_delta {
+                            Some(0) => " (sendbuff == recvbuff)".to_string(),
+                            Some(d) if d > 0 => format!(" (sendbuff == recvbuff + {d} bytes)"),
+                            Some(d) => format!(" (recvbuff == sendbuff + {} bytes)", -d),
+                            None => String::new(),
+                        }
+                    );
+                }
+            }
+        }
+        if let Some(OpChoice::Plain(p @ (ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor))) =
+            op
+        {
+            if dtype.is_float() {
+                return crate::invalid_arg!(
+                    "op {} works on integer datatypes only, not {}",
+                    p.name(),
+                    dtype.name()
+                );
+            }
+        }
+        Ok(Call {
+            coll,
+            send,
+            recv,
+            dtype,
+            op,
+            in_place,
+        })
+    }
+
+    /// Turns a validated call into an operation, numbering it. Called in issue order when the
+    /// group runs, identically on every rank.
+    pub fn prepare(&self, call: &Call) -> Result<HostOp> {
+        let seq = match call.coll {
+            Collective::Send { .. } | Collective::Recv { .. } => 0,
+            _ => self.seq.fetch_add(1, Ordering::SeqCst),
+        };
+        self.build(call, seq)
+    }
+
+    fn build(&self, call: &Call, seq: u64) -> Result<HostOp> {
+        let tag = match call.coll {
+            Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
+            _ => tag(call.coll.kind(), seq),
+        };
+        let shape = Shape {
+            rank: self.rank,
+            nranks: self.nranks,
+            elem: call.dtype.size(),
+            in_place: call.in_place,
+            slice_bytes: self.slice_bytes,
+        };
+        let bytes = match &call.coll {
+            Collective::AllReduce { count }
+            | Collective::Broadcast { count, .. }
+            | Collective::Reduce { count, .. } => count * shape.elem,
+            _ => 0,
+        };
+        let algo = self.tuner.choose(&call.coll, bytes, self.nranks);
+        let schedule = algo::schedule(&call.coll, &shape, algo);
+        crate::trace!(
+            "{} {bytes} bytes {} with {} ({} steps)",
+            call.coll.name(),
+            call.dtype.name(),
+            algo.name(),
+            schedule.steps.len()
+        );
+        let reduction = call.op.map(|op| self.reduction(op, call.dtype));
+        Ok(HostOp {
+            schedule,
+            send: call.send,
+            recv: call.recv,
+            tag,
+            reduction,
+        })
+    }
+
+    fn reduction(&self, op: OpChoice, dtype: DataType) -> Reduction {
+        let sum = Reducer::new(dtype, ReduceOp::Sum);
+        match op {
+            OpChoice::Plain(p) => Reduction {
+                reducer: Reducer::new(dtype, p),
+                input_scale: None,
+                divide_by: None,
+            },
+            OpChoice::Avg if dtype.is_float() => Reduction {
+                reducer: sum,
+                input_scale: Some(Scale::reciprocal(dtype, self.nranks)),
+                divide_by: None,
+            },
+            OpChoice::Avg => Reduction {
+                reducer: sum,
+                input_scale: None,
+                divide_by: Some(self.nranks),
+            },
+            OpChoice::PreMulSum(src) => Reduction {
+                reducer: sum,
+                input_scale: Some(match src {
+                    ScalarSrc::Value(s) => s,
+                    ScalarSrc::Pointer(p) => crate::exec::host::read_scalar(p, dtype),
+                }),
+                divide_by: None,
+            },
+        }
+    }
+}
+
+impl Comm {
+    /// ncclGroupSimulateEnd's estimate for one call, in microseconds: a latency per message on
+    /// this rank's busiest path plus its bytes at shared-memory copy speed. Rough, but it orders
+    /// algorithms and sizes the way the executor will see them.
+    pub fn estimate_us(&self, call: &Call) -> f32 {
+        const LATENCY_US: f32 = 1.5;
+        const BYTES_PER_US: f32 = 8_000.0;
+        let Ok(op) = self.build(call, 0) else {
+            return 0.0;
+        };
+        let (mut msgs, mut bytes) = (0usize, 0usize);
+        for s in &op.schedule.steps {
+            if let algo::Step::Recv { dst, .. } = s {
+                msgs += 1;
+                bytes += dst.len;
+            }
+        }
+        msgs as f32 * LATENCY_US + bytes as f32 / BYTES_PER_US
+    }
+}

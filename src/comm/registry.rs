@@ -1,0 +1,163 @@
+//! Communicator handles. A handle is a number that is never reused, looked up in a table on
+//! every call: a destroyed communicator is recognised as such instead of being dereferenced, and
+//! a communicator whose non-blocking initialisation is still running has a valid handle already.
+
+use super::Comm;
+use crate::error::{Error, ErrorKind, Result};
+use once_cell::sync::Lazy;
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+const BASE: usize = 0x6c00_0000_0000;
+const STRIDE: usize = 0x40;
+
+pub enum State {
+    Initializing,
+    Ready(Arc<Comm>),
+    Failed(Error),
+}
+
+pub struct Entry {
+    state: Mutex<State>,
+    settled: Condvar,
+    pub blocking: bool,
+}
+
+impl Entry {
+    pub fn new(blocking: bool) -> Arc<Entry> {
+        Arc::new(Entry {
+            state: Mutex::new(State::Initializing),
+            settled: Condvar::new(),
+            blocking,
+        })
+    }
+
+    pub fn ready_now(comm: Comm) -> Arc<Entry> {
+        let blocking = comm.config.blocking;
+        Arc::new(Entry {
+            state: Mutex::new(State::Ready(Arc::new(comm))),
+            settled: Condvar::new(),
+            blocking,
+        })
+    }
+
+    pub fn settle(&self, result: Result<Comm>) {
+        let mut st = self.state.lock();
+        *st = match result {
+            Ok(c) => State::Ready(Arc::new(c)),
+            Err(e) => State::Failed(e),
+        };
+        self.settled.notify_all();
+    }
+
+    /// The communicator, if its initialisation has finished successfully.
+    pub fn comm(&self) -> Result<Arc<Comm>> {
+        match &*self.state.lock() {
+            State::Ready(c) => Ok(c.clone()),
+            State::Initializing => crate::invalid_usage!(
+                "the communicator is still initializing (non-blocking init); poll ncclCommGetAsyncError until it returns ncclSuccess"
+            ),
+            State::Failed(e) => Err(Error::new(
+                ErrorKind::InvalidUsage,
+                format!("the communicator's initialization failed: {}", e.msg),
+            )),
+        }
+    }
+
+    /// Blocks until initialisation settles.
+    pub fn wait(&self) -> Result<Arc<Comm>> {
+        let mut st = self.state.lock();
+        while matches!(*st, State::Initializing) {
+            self.settled.wait(&mut st);
+        }
+        drop(st);
+        self.comm()
+    }
+
+    /// ncclCommGetAsyncError's view: in progress, failed, or the communicator's own state.
+    pub fn async_state(&self) -> Result<()> {
+        match &*self.state.lock() {
+            State::Initializing => Err(Error::new(
+                ErrorKind::InProgress,
+                "initialization in progress",
+            )),
+            State::Failed(e) => Err(e.clone()),
+            State::Ready(c) => match c.async_error.lock().clone() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            },
+        }
+    }
+
+    pub fn peek(&self) -> Option<Arc<Comm>> {
+        match &*self.state.lock() {
+            State::Ready(c) => Some(c.clone()),
+            _ => None,
+        }
+    }
+}
+
+static TABLE: Lazy<RwLock<HashMap<usize, Arc<Entry>>>> = Lazy::new(|| RwLock::new(HashMap::new()));
+static ISSUED: AtomicUsize = AtomicUsize::new(0);
+
+pub fn insert(e: Arc<Entry>) -> usize {
+    let h = BASE + STRIDE * (ISSUED.fetch_add(1, Ordering::SeqCst) + 1);
+    TABLE.write().insert(h, e);
+    h
+}
+
+fn unknown(h: usize) -> Error {
+    let issued = ISSUED.load(Ordering::SeqCst);
+    let msg = if h == 0 {
+        "comm is NULL".to_string()
+    } else if h > BASE && h <= BASE + STRIDE * issued && (h - BASE) % STRIDE == 0 {
+        format!("communicator {h:#x} was destroyed or aborted and cannot be used any more")
+    } else {
+        format!("{h:#x} is not a communicator handle from this library")
+    };
+    Error::new(ErrorKind::InvalidArgument, msg)
+}
+
+pub fn lookup(h: usize) -> Result<Arc<Entry>> {
+    TABLE.read().get(&h).cloned().ok_or_else(|| unknown(h))
+}
+
+pub fn remove(h: usize) -> Result<Arc<Entry>> {
+    TABLE.write().remove(&h).ok_or_else(|| unknown(h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_are_never_reused_and_stale_ones_are_named() {
+        let a = insert(Entry::new(true));
+        let b = insert(Entry::new(true));
+        assert_ne!(a, b);
+        assert!(lookup(a).is_ok());
+        remove(a).unwrap();
+        let e = lookup(a).err().unwrap();
+        assert!(e.msg.contains("destroyed"), "{}", e.msg);
+        let e = lookup(12345).err().unwrap();
+        assert!(e.msg.contains("not a communicator"), "{}", e.msg);
+        assert!(lookup(0).err().unwrap().msg.contains("NULL"));
+        assert!(remove(a).is_err());
+        remove(b).unwrap();
+    }
+
+    #[test]
+    fn initializing_entries_report_in_progress() {
+        let e = Entry::new(false);
+        assert_eq!(e.async_state().unwrap_err().kind, ErrorKind::InProgress);
+        assert!(e.comm().unwrap_err().msg.contains("still initializing"));
+        e.settle(crate::invalid_arg!("boom"));
+        assert_eq!(
+            e.async_state().unwrap_err().kind,
+            ErrorKind::InvalidArgument
+        );
+        assert!(e.wait().unwrap_err().msg.contains("boom"));
+    }
+}

@@ -1,0 +1,393 @@
+//! Collectives, point-to-point, custom reduction ops and groups.
+
+use super::types::*;
+use super::{guard, guard_comm, nonneg, out};
+use crate::algo::Collective;
+use crate::comm::ops::{parse_dtype, ScalarSrc};
+use crate::comm::Comm;
+use crate::error::Result;
+use crate::group;
+use crate::reduce::Scale;
+use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
+
+/// Validates and submits one call (now, or at the end of the group).
+fn submit(
+    c: Arc<Comm>,
+    coll: Collective,
+    send: *const c_void,
+    recv: *mut c_void,
+    dtype: RawDataType,
+    op: Option<RawRedOp>,
+) -> Result<()> {
+    let call = c.check_call(coll, send as *const u8, recv as *mut u8, dtype, op)?;
+    group::submit(c, call)
+}
+
+fn root_of(root: c_int) -> Result<usize> {
+    nonneg(root, "root")
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclAllReduce", comm, |c| {
+        submit(
+            c,
+            Collective::AllReduce { count },
+            sendbuff,
+            recvbuff,
+            datatype,
+            Some(op),
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclBroadcast", comm, |c| {
+        let root = root_of(root)?;
+        submit(
+            c,
+            Collective::Broadcast { count, root },
+            sendbuff,
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+/// In-place broadcast (deprecated in NCCL, still exported).
+#[no_mangle]
+pub unsafe extern "C" fn ncclBcast(
+    buff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclBcast", comm, |c| {
+        let root = root_of(root)?;
+        submit(
+            c,
+            Collective::Broadcast { count, root },
+            buff,
+            buff,
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclReduce", comm, |c| {
+        let root = root_of(root)?;
+        submit(
+            c,
+            Collective::Reduce { count, root },
+            sendbuff,
+            recvbuff,
+            datatype,
+            Some(op),
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: RawDataType,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclAllGather", comm, |c| {
+        submit(
+            c,
+            Collective::AllGather { count: sendcount },
+            sendbuff,
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclReduceScatter", comm, |c| {
+        submit(
+            c,
+            Collective::ReduceScatter { count: recvcount },
+            sendbuff,
+            recvbuff,
+            datatype,
+            Some(op),
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclAlltoAll", comm, |c| {
+        submit(
+            c,
+            Collective::AlltoAll { count },
+            sendbuff,
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+/// All-to-all with per-peer counts and displacements, in elements (an extension of comm, the
+/// shape of MPI_Alltoallv and of torch's `all_to_all_single` with split sizes). Arrays have one
+/// entry per rank. Block `p` of the send buffer (`sendcounts[p]` elements at `sdispls[p]`) goes
+/// to rank `p`, which stores it at its `rdispls[me]`.
+#[no_mangle]
+pub unsafe extern "C" fn commAlltoAllv(
+    sendbuff: *const c_void,
+    sendcounts: *const usize,
+    sdispls: *const usize,
+    recvbuff: *mut c_void,
+    recvcounts: *const usize,
+    rdispls: *const usize,
+    datatype: RawDataType,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("commAlltoAllv", comm, |c| {
+        let n = c.nranks;
+        let arr = |p: *const usize, name: &str| -> Result<Vec<usize>> {
+            if p.is_null() {
+                return crate::invalid_arg!("{name} is NULL");
+            }
+            Ok(std::slice::from_raw_parts(p, n).to_vec())
+        };
+        let coll = Collective::AlltoAllv {
+            send_counts: arr(sendcounts, "sendcounts")?,
+            send_displs: arr(sdispls, "sdispls")?,
+            recv_counts: arr(recvcounts, "recvcounts")?,
+            recv_displs: arr(rdispls, "rdispls")?,
+        };
+        submit(c, coll, sendbuff, recvbuff, datatype, None)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclGather", comm, |c| {
+        let root = root_of(root)?;
+        submit(
+            c,
+            Collective::Gather { count, root },
+            sendbuff,
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclScatter", comm, |c| {
+        let root = root_of(root)?;
+        submit(
+            c,
+            Collective::Scatter { count, root },
+            sendbuff,
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: RawDataType,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclSend", comm, |c| {
+        let peer = nonneg(peer, "peer")?;
+        submit(
+            c,
+            Collective::Send { peer, count },
+            sendbuff,
+            std::ptr::null_mut(),
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    peer: c_int,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    let _ = stream;
+    guard_comm("ncclRecv", comm, |c| {
+        let peer = nonneg(peer, "peer")?;
+        submit(
+            c,
+            Collective::Recv { peer, count },
+            std::ptr::null(),
+            recvbuff,
+            datatype,
+            None,
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut RawRedOp,
+    scalar: *mut c_void,
+    datatype: RawDataType,
+    residence: RawScalarResidence,
+    comm: ncclComm_t,
+) -> ncclResult_t {
+    guard_comm("ncclRedOpCreatePreMulSum", comm, |c| {
+        out(op, "op")?;
+        if scalar.is_null() {
+            return crate::invalid_arg!("scalar is NULL");
+        }
+        let dtype = parse_dtype(datatype)?;
+        let src = match residence {
+            1 => ScalarSrc::Value(Scale::from_bytes(
+                dtype,
+                std::slice::from_raw_parts(scalar as *const u8, dtype.size()),
+            )),
+            0 => ScalarSrc::Pointer(scalar as usize),
+            r => {
+                return crate::invalid_arg!(
+                    "residence {r} is not an ncclScalarResidence_t (0 = ncclScalarDevice, 1 = ncclScalarHostImmediate)"
+                )
+            }
+        };
+        *op = c.create_premulsum(dtype, src)?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpDestroy(op: RawRedOp, comm: ncclComm_t) -> ncclResult_t {
+    guard_comm("ncclRedOpDestroy", comm, |c| c.destroy_op(op))
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> ncclResult_t {
+    guard("ncclGroupStart", || {
+        group::start();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
+    guard("ncclGroupEnd", group::end)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGroupSimulateEnd(simInfo: *mut ncclSimInfo_t) -> ncclResult_t {
+    guard("ncclGroupSimulateEnd", || {
+        if !simInfo.is_null() {
+            let size = std::ptr::read_unaligned(simInfo as *const usize);
+            if size < std::mem::size_of::<ncclSimInfo_t>()
+                || (*simInfo).magic != NCCL_SIM_INFO_MAGIC
+            {
+                // Still end the group so the caller's nesting stays balanced.
+                let _ = group::simulate_end();
+                return crate::invalid_arg!(
+                    "simInfo was not initialized with NCCL_SIM_INFO_INITIALIZER"
+                );
+            }
+        }
+        let us = group::simulate_end()?;
+        if !simInfo.is_null() {
+            (*simInfo).estimatedTime = us;
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,511 @@
+//! Version, unique ids, communicator lifecycle, errors and queries.
+
+use super::types::*;
+use super::{comm_of, guard, guard_comm, nonneg, out};
+use crate::bootstrap::{self, UniqueId, UNIQUE_ID_BYTES};
+use crate::comm::config::{Config, RawConfig};
+use crate::comm::registry::{self, Entry};
+use crate::comm::Comm;
+use crate::error::{Error, ErrorKind, Result};
+use crate::group::{self, InitJob};
+use std::os::raw::{c_char, c_int};
+
+/// The CUDA device a host-only rank reports: there is none.
+pub const NO_CUDA_DEVICE: c_int = -1;
+
+fn id_from(id: &ncclUniqueId) -> Result<UniqueId> {
+    let mut bytes = [0u8; UNIQUE_ID_BYTES];
+    for (b, c) in bytes.iter_mut().zip(id.internal.iter()) {
+        *b = *c as u8;
+    }
+    UniqueId::from_bytes(&bytes)
+}
+
+fn id_to(id: &UniqueId, out: &mut ncclUniqueId) {
+    for (c, b) in out.internal.iter_mut().zip(id.to_bytes().iter()) {
+        *c = *b as c_char;
+    }
+}
+
+unsafe fn config_from(config: *mut ncclConfig_t) -> Result<Option<Config>> {
+    match super::config::read_raw(config)? {
+        Some(raw) => Ok(Some(Config::resolve(raw)?)),
+        None => Ok(None),
+    }
+}
+
+fn default_config() -> Result<Config> {
+    Config::resolve(RawConfig::default())
+}
+
+/// Creates a handle and runs `run` to fill it: now when blocking, at the end of the group when
+/// inside one, or in the background for a non-blocking config (the call returns InProgress).
+unsafe fn start_init(
+    out_comm: *mut ncclComm_t,
+    blocking: bool,
+    run: impl FnOnce() -> Result<Comm> + Send + 'static,
+) -> Result<()> {
+    let entry = Entry::new(blocking);
+    let h = registry::insert(entry.clone());
+    *out_comm = h as ncclComm_t;
+    let job = InitJob {
+        entry: entry.clone(),
+        run: Box::new(run),
+    };
+    let Some(job) = group::defer_init(job) else {
+        return Ok(());
+    };
+    if blocking {
+        entry.settle((job.run)());
+        if let Err(e) = entry.wait() {
+            let _ = registry::remove(h);
+            *out_comm = std::ptr::null_mut();
+            return Err(e);
+        }
+        Ok(())
+    } else {
+        group::run_inits(vec![job])
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
+    guard("ncclGetVersion", || {
+        out(version, "version")?;
+        *version = NCCL_VERSION_CODE;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(uniqueId: *mut ncclUniqueId) -> ncclResult_t {
+    guard("ncclGetUniqueId", || {
+        out(uniqueId, "uniqueId")?;
+        let id = bootstrap::new_unique_id()?;
+        id_to(&id, &mut *uniqueId);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    commId: ncclUniqueId,
+    rank: c_int,
+) -> ncclResult_t {
+    ncclCommInitRankConfig(comm, nranks, commId, rank, std::ptr::null_mut())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut ncclComm_t,
+    nranks: c_int,
+    commId: ncclUniqueId,
+    rank: c_int,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    guard("ncclCommInitRankConfig", || {
+        out(comm, "comm")?;
+        let n = nonneg(nranks, "nranks")?;
+        let r = nonneg(rank, "rank")?;
+        if n == 0 || r >= n {
+            return crate::invalid_arg!("rank {rank} is out of range for nranks {nranks}");
+        }
+        let id = id_from(&commId)?;
+        let cfg = config_from(config)?.map_or_else(default_config, Ok)?;
+        let blocking = cfg.blocking;
+        start_init(comm, blocking, move || {
+            Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    newcomm: *mut ncclComm_t,
+    nranks: c_int,
+    myrank: c_int,
+    nId: c_int,
+    commIds: *mut ncclUniqueId,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    guard("ncclCommInitRankScalable", || {
+        out(newcomm, "newcomm")?;
+        out(commIds, "commIds")?;
+        let n = nonneg(nranks, "nranks")?;
+        let r = nonneg(myrank, "myrank")?;
+        let k = nonneg(nId, "nId")?;
+        if n == 0 || r >= n {
+            return crate::invalid_arg!("myrank {myrank} is out of range for nranks {nranks}");
+        }
+        if k == 0 || k > n {
+            return crate::invalid_arg!("nId is {nId}; it must be between 1 and nranks ({nranks})");
+        }
+        let ids = std::slice::from_raw_parts(commIds, k)
+            .iter()
+            .map(id_from)
+            .collect::<Result<Vec<_>>>()?;
+        let cfg = config_from(config)?.map_or_else(default_config, Ok)?;
+        let blocking = cfg.blocking;
+        start_init(newcomm, blocking, move || {
+            Comm::init(&ids, r, n, cfg, crate::cuda::current_device())
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comm: *mut ncclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> ncclResult_t {
+    guard("ncclCommInitAll", || {
+        out(comm, "comm")?;
+        let n = nonneg(ndev, "ndev")?;
+        if n == 0 {
+            return crate::invalid_arg!("ndev is 0; ncclCommInitAll needs at least one rank");
+        }
+        let devices: Vec<c_int> = if devlist.is_null() {
+            (0..ndev).collect()
+        } else {
+            std::slice::from_raw_parts(devlist, n).to_vec()
+        };
+        let id = bootstrap::new_unique_id()?;
+        let threads: Vec<_> = (0..n)
+            .map(|r| {
+                let id = id.clone();
+                let dev = if crate::cuda::device_count() > 0 {
+                    devices[r]
+                } else {
+                    NO_CUDA_DEVICE
+                };
+                std::thread::Builder::new()
+                    .name(format!("comm-initall-{r}"))
+                    .spawn(move || Comm::init(&[id], r, n, default_config()?, dev))
+                    .map_err(|e| Error::from_io("spawn init thread", e))
+            })
+            .collect::<Result<_>>()?;
+        let results: Vec<Result<Comm>> = threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| crate::internal_err!("init thread panicked"))
+            })
+            .collect();
+        if let Some(e) = results.iter().find_map(|r| r.as_ref().err()) {
+            return Err(e.clone());
+        }
+        for (r, c) in results.into_iter().enumerate() {
+            let c = c.expect("checked above");
+            *comm.add(r) = registry::insert(Entry::ready_now(c)) as ncclComm_t;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
+    guard_comm("ncclCommFinalize", comm, |c| c.finalize())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
+    guard("ncclCommDestroy", || {
+        if comm.is_null() {
+            return Ok(());
+        }
+        let entry = registry::remove(comm as usize)?;
+        if let Ok(c) = entry.wait() {
+            c.destroy();
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
+    guard("ncclCommAbort", || {
+        if comm.is_null() {
+            return Ok(());
+        }
+        let entry = registry::remove(comm as usize)?;
+        if let Some(c) = entry.peek() {
+            c.abort();
+        } else if let Ok(c) = entry.wait() {
+            c.abort();
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) -> ncclResult_t {
+    guard_comm("ncclCommRevoke", comm, |c| {
+        if revokeFlags != NCCL_REVOKE_DEFAULT {
+            return crate::invalid_arg!(
+                "revokeFlags is {revokeFlags}; it must be NCCL_REVOKE_DEFAULT (0)"
+            );
+        }
+        c.revoke();
+        Ok(())
+    })
+}
+
+/// Runs a derivation (split, shrink, grow) now, or at the end of the group: several ranks
+/// driven by one thread must derive their communicators together.
+unsafe fn start_derive(
+    newcomm: *mut ncclComm_t,
+    blocking: bool,
+    run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
+) -> Result<()> {
+    if group::depth() > 0 {
+        return start_init(newcomm, blocking, move || {
+            run()?.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidUsage,
+                    "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
+                )
+            })
+        });
+    }
+    match run()? {
+        Some(c) => *newcomm = registry::insert(Entry::ready_now(c)) as ncclComm_t,
+        None => *newcomm = std::ptr::null_mut(),
+    }
+    Ok(())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommSplit(
+    comm: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    guard_comm("ncclCommSplit", comm, |c| {
+        out(newcomm, "newcomm")?;
+        let cfg = config_from(config)?;
+        let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
+        start_derive(newcomm, blocking, move || c.split(color, key, cfg))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: ncclComm_t,
+    excludeRanksList: *mut c_int,
+    excludeRanksCount: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+    shrinkFlags: c_int,
+) -> ncclResult_t {
+    guard_comm("ncclCommShrink", comm, |c| {
+        out(newcomm, "newcomm")?;
+        let count = nonneg(excludeRanksCount, "excludeRanksCount")?;
+        if count > 0 && excludeRanksList.is_null() {
+            return crate::invalid_arg!(
+                "excludeRanksList is NULL but excludeRanksCount is {count}"
+            );
+        }
+        if shrinkFlags & !(NCCL_SHRINK_ABORT) != 0 {
+            return crate::invalid_arg!(
+                "shrinkFlags is {shrinkFlags}; only NCCL_SHRINK_DEFAULT and NCCL_SHRINK_ABORT are defined"
+            );
+        }
+        let mut exclude = Vec::with_capacity(count);
+        for i in 0..count {
+            let r = *excludeRanksList.add(i);
+            let r = usize::try_from(r)
+                .ok()
+                .filter(|&r| r < c.nranks)
+                .map_or_else(
+                    || crate::invalid_arg!("excludeRanksList[{i}] = {r} is not a rank of this {}-rank communicator", c.nranks),
+                    Ok,
+                )?;
+            if exclude.contains(&r) {
+                return crate::invalid_arg!("rank {r} appears twice in excludeRanksList");
+            }
+            exclude.push(r);
+        }
+        if exclude.len() >= c.nranks {
+            return crate::invalid_arg!("excludeRanksList excludes every rank");
+        }
+        let cfg = config_from(config)?;
+        let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
+        let abort_first = shrinkFlags & NCCL_SHRINK_ABORT != 0;
+        start_derive(newcomm, blocking, move || {
+            c.shrink(&exclude, cfg, abort_first).map(Some)
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetUniqueId(
+    comm: ncclComm_t,
+    uniqueId: *mut ncclUniqueId,
+) -> ncclResult_t {
+    guard_comm("ncclCommGetUniqueId", comm, |c| {
+        out(uniqueId, "uniqueId")?;
+        c.check_usable()?;
+        id_to(&bootstrap::new_unique_id()?, &mut *uniqueId);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGrow(
+    comm: ncclComm_t,
+    nRanks: c_int,
+    uniqueId: *const ncclUniqueId,
+    rank: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    guard("ncclCommGrow", || {
+        out(newcomm, "newcomm")?;
+        let n = nonneg(nRanks, "nRanks")?;
+        let cfg = config_from(config)?;
+        let id = if uniqueId.is_null() {
+            None
+        } else {
+            Some(id_from(&*uniqueId)?)
+        };
+        if comm.is_null() {
+            // A new rank joining.
+            let r = nonneg(rank, "rank")?;
+            let Some(id) = id else {
+                return crate::invalid_arg!("a new rank (comm NULL) must pass the unique id");
+            };
+            if r >= n {
+                return crate::invalid_arg!("rank {rank} is out of range for nRanks {nRanks}");
+            }
+            let cfg = cfg.map_or_else(default_config, Ok)?;
+            let blocking = cfg.blocking;
+            return start_init(newcomm, blocking, move || {
+                Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+            });
+        }
+        let c = comm_of(comm)?;
+        if rank != -1 {
+            return crate::invalid_arg!("an existing rank must pass rank = -1, not {rank}");
+        }
+        let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
+        start_derive(newcomm, blocking, move || {
+            c.grow(n, id.as_ref(), cfg).map(Some)
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommSuspend(comm: ncclComm_t, flags: c_int) -> ncclResult_t {
+    guard_comm("ncclCommSuspend", comm, |c| {
+        if flags & !NCCL_SUSPEND_MEM != 0 {
+            return crate::invalid_arg!("flags is {flags}; only NCCL_SUSPEND_MEM is defined");
+        }
+        c.check_usable()?;
+        // Host communicators hold no GPU memory to release; the state is still tracked.
+        c.suspended.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommResume(comm: ncclComm_t) -> ncclResult_t {
+    guard_comm("ncclCommResume", comm, |c| {
+        if !c.suspended.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return crate::invalid_usage!("the communicator is not suspended");
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommMemStats(
+    comm: ncclComm_t,
+    stat: RawMemStat,
+    value: *mut u64,
+) -> ncclResult_t {
+    guard_comm("ncclCommMemStats", comm, |c| {
+        out(value, "value")?;
+        *value = match stat {
+            // No GPU memory is allocated by a host communicator.
+            0 | 2 | 3 => 0,
+            1 => c.suspended.load(std::sync::atomic::Ordering::SeqCst) as u64,
+            _ => return crate::invalid_arg!("stat {stat} is not an ncclCommMemStat_t (0..=3)"),
+        };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetErrorString(result: RawResult) -> *const c_char {
+    let s: &'static std::ffi::CStr = match result {
+        0 => c"no error",
+        1 => c"unhandled cuda error (run with COMM_DEBUG=INFO for details)",
+        2 => c"unhandled system error (run with COMM_DEBUG=INFO for details)",
+        3 => c"internal error - please report this issue to the comm developers",
+        4 => c"invalid argument (run with COMM_DEBUG=WARN for details)",
+        5 => c"invalid usage (run with COMM_DEBUG=WARN for details)",
+        6 => c"remote process exited or there was a network error",
+        7 => c"operation in progress",
+        8 => c"timeout",
+        _ => c"unknown result code",
+    };
+    s.as_ptr()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
+    super::last_error_ptr(comm)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(
+    comm: ncclComm_t,
+    asyncError: *mut ncclResult_t,
+) -> ncclResult_t {
+    guard("ncclCommGetAsyncError", || {
+        out(asyncError, "asyncError")?;
+        let entry = registry::lookup(comm as usize)?;
+        *asyncError = match entry.async_state() {
+            Ok(()) => ncclResult_t::ncclSuccess,
+            Err(e) => super::code(e.kind),
+        };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t {
+    guard_comm("ncclCommCount", comm, |c| {
+        out(count, "count")?;
+        *count = c.nranks as c_int;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t {
+    guard_comm("ncclCommUserRank", comm, |c| {
+        out(rank, "rank")?;
+        *rank = c.rank as c_int;
+        Ok(())
+    })
+}
+
+/// The CUDA device of the rank; -1 when the rank runs without a GPU.
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t {
+    guard_comm("ncclCommCuDevice", comm, |c| {
+        out(device, "device")?;
+        *device = c.cuda_device;
+        Ok(())
+    })
+}
+
+/// Re-reads logging settings in NCCL; logging here is configured once per process, so this
+/// does nothing (NCCL itself marks it deprecated).
+#[no_mangle]
+pub extern "C" fn ncclResetDebugInit() {}

@@ -1,0 +1,184 @@
+//! Every `extern "C"` entry point. Each is a thin shell: check pointers, catch panics, translate
+//! errors into `ncclResult_t` and remember their message for `ncclGetLastError`. The logic
+//! lives in `comm`, `group` and below.
+
+// Parameter names follow NCCL's header, which the generated nccl.h repeats.
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+pub mod coll;
+pub mod config;
+pub mod init;
+pub mod mem;
+pub mod param;
+pub mod profiling;
+pub mod types;
+
+pub use coll::*;
+pub use init::*;
+pub use mem::*;
+pub use param::*;
+
+use crate::comm::registry;
+use crate::comm::Comm;
+use crate::error::{Error, ErrorKind, Result};
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+use std::ffi::CString;
+use std::os::raw::c_char;
+use std::sync::Arc;
+use types::{ncclComm_t, ncclResult_t};
+
+/// Recent error messages. `ncclGetLastError` hands out pointers into this ring, which stay
+/// valid until 64 newer errors have replaced them.
+struct LastErrors {
+    ring: Vec<CString>,
+    next: usize,
+    latest: Option<usize>,
+}
+
+static LAST: Lazy<Mutex<LastErrors>> = Lazy::new(|| {
+    Mutex::new(LastErrors {
+        ring: (0..64).map(|_| CString::default()).collect(),
+        next: 0,
+        latest: None,
+    })
+});
+
+fn remember(msg: &str) -> *const c_char {
+    let mut l = LAST.lock();
+    let i = l.next;
+    l.ring[i] = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    l.next = (i + 1) % l.ring.len();
+    l.latest = Some(i);
+    l.ring[i].as_ptr()
+}
+
+thread_local! {
+    static THREAD_LAST: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The message for `ncclGetLastError`: the communicator's last failure when one is named, else
+/// this thread's, else the process's (so a watchdog thread still sees a worker's error).
+pub(crate) fn last_error_ptr(comm: ncclComm_t) -> *const c_char {
+    let of_comm = registry::lookup(comm as usize)
+        .ok()
+        .and_then(|e| e.peek())
+        .and_then(|c| c.last_error.lock().clone());
+    if let Some(msg) = of_comm.or_else(|| THREAD_LAST.with(|t| t.borrow().clone())) {
+        return remember(&msg);
+    }
+    let l = LAST.lock();
+    match l.latest {
+        Some(i) => l.ring[i].as_ptr(),
+        None => c"".as_ptr(),
+    }
+}
+
+fn code(kind: ErrorKind) -> ncclResult_t {
+    match kind {
+        ErrorKind::UnhandledCuda => ncclResult_t::ncclUnhandledCudaError,
+        ErrorKind::System => ncclResult_t::ncclSystemError,
+        ErrorKind::Internal => ncclResult_t::ncclInternalError,
+        ErrorKind::InvalidArgument => ncclResult_t::ncclInvalidArgument,
+        ErrorKind::InvalidUsage => ncclResult_t::ncclInvalidUsage,
+        ErrorKind::Remote => ncclResult_t::ncclRemoteError,
+        ErrorKind::InProgress => ncclResult_t::ncclInProgress,
+        ErrorKind::Timeout => ncclResult_t::ncclTimeout,
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+/// Records a failure of `func` so `ncclGetLastError` can report it.
+pub(crate) fn report(func: &str, e: &Error, comm: Option<&Comm>) {
+    let msg = format!("{func}: {}", e.msg);
+    crate::warn!("{msg}");
+    remember(&msg);
+    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg.clone()));
+    if let Some(c) = comm {
+        *c.last_error.lock() = Some(msg);
+    }
+    crate::group::record_error(e);
+}
+
+/// Runs an entry point's body: no panic crosses the C boundary, every error becomes its code
+/// and a message.
+pub(crate) fn guard(func: &'static str, body: impl FnOnce() -> Result<()>) -> ncclResult_t {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(Ok(())) => ncclResult_t::ncclSuccess,
+        Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,
+        Ok(Err(e)) => {
+            report(func, &e, None);
+            code(e.kind)
+        }
+        Err(p) => {
+            let e = Error::new(
+                ErrorKind::Internal,
+                format!("internal error (panic): {}", panic_message(&*p)),
+            );
+            report(func, &e, None);
+            ncclResult_t::ncclInternalError
+        }
+    }
+}
+
+/// Like `guard`, for entry points on a communicator: also records the message on it.
+pub(crate) fn guard_comm(
+    func: &'static str,
+    comm: ncclComm_t,
+    body: impl FnOnce(Arc<Comm>) -> Result<()>,
+) -> ncclResult_t {
+    let mut seen: Option<Arc<Comm>> = None;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let c = comm_of(comm)?;
+        seen = Some(c.clone());
+        let _scope = crate::log::rank_scope(c.rank as i32);
+        body(c)
+    }));
+    match r {
+        Ok(Ok(())) => ncclResult_t::ncclSuccess,
+        Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,
+        Ok(Err(e)) => {
+            report(func, &e, seen.as_deref());
+            code(e.kind)
+        }
+        Err(p) => {
+            let e = Error::new(
+                ErrorKind::Internal,
+                format!("internal error (panic): {}", panic_message(&*p)),
+            );
+            report(func, &e, seen.as_deref());
+            ncclResult_t::ncclInternalError
+        }
+    }
+}
+
+/// The communicator behind a handle, ready for use.
+pub(crate) fn comm_of(comm: ncclComm_t) -> Result<Arc<Comm>> {
+    registry::lookup(comm as usize)?.comm()
+}
+
+/// Checks an output pointer.
+pub(crate) fn out<T>(p: *mut T, name: &str) -> Result<()> {
+    if p.is_null() {
+        crate::invalid_arg!("{name} is NULL")
+    } else {
+        Ok(())
+    }
+}
+
+/// Converts a C int that must be a non-negative count or rank.
+pub(crate) fn nonneg(v: i32, name: &str) -> Result<usize> {
+    usize::try_from(v).map_or_else(
+        |_| crate::invalid_arg!("{name} is {v}; it must not be negative"),
+        Ok,
+    )
+}

@@ -1,0 +1,234 @@
+//! The ncclParam* API (NCCL 2.30.4): read access to the library's knobs by name.
+
+use super::types::*;
+use super::{guard, out};
+use crate::env::{knob, knob_value, Knob, KNOBS};
+use crate::error::Result;
+use once_cell::sync::Lazy;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::os::raw::{c_char, c_int};
+
+/// Handles point at entries of KNOBS; string values are interned so returned pointers live on.
+static INTERNED: Lazy<Mutex<HashMap<String, &'static CStr>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+static KEYS: Lazy<Vec<CString>> = Lazy::new(|| {
+    KNOBS
+        .iter()
+        .map(|k| CString::new(format!("COMM_{}", k.name)).unwrap())
+        .collect()
+});
+static KEY_PTRS: Lazy<Vec<usize>> =
+    Lazy::new(|| KEYS.iter().map(|k| k.as_ptr() as usize).collect());
+
+fn intern(s: String) -> &'static CStr {
+    let mut m = INTERNED.lock();
+    if let Some(c) = m.get(&s) {
+        return c;
+    }
+    let c: &'static CStr = Box::leak(
+        CString::new(s.replace('\0', " "))
+            .unwrap()
+            .into_boxed_c_str(),
+    );
+    m.insert(s, c);
+    c
+}
+
+unsafe fn key_of(key: *const c_char) -> Result<&'static Knob> {
+    if key.is_null() {
+        return crate::invalid_arg!("key is NULL");
+    }
+    let k = CStr::from_ptr(key).to_string_lossy();
+    knob(&k).map_or_else(
+        || crate::invalid_arg!("{k} is not a parameter of this library"),
+        Ok,
+    )
+}
+
+fn knob_of(h: ncclParamHandle_t) -> Result<&'static Knob> {
+    let base = KNOBS.as_ptr() as usize;
+    let at = h as usize;
+    let size = std::mem::size_of::<Knob>();
+    if at < base || at >= base + std::mem::size_of_val(KNOBS) || (at - base) % size != 0 {
+        return crate::invalid_arg!("{h:p} is not a parameter handle from ncclParamBind");
+    }
+    Ok(&KNOBS[(at - base) / size])
+}
+
+fn integer<T: TryFrom<i128>>(h: ncclParamHandle_t, ty: &str) -> Result<T> {
+    let k = knob_of(h)?;
+    let v = knob_value(k);
+    let n: i128 = match crate::env::parse_size(&v) {
+        Some(n) => n as i128,
+        None => v.trim().parse::<i128>().map_or_else(
+            |_| crate::invalid_arg!("COMM_{} = {v:?} is not an integer", k.name),
+            Ok,
+        )?,
+    };
+    T::try_from(n).map_or_else(
+        |_| crate::invalid_arg!("COMM_{} = {n} does not fit in {ty}", k.name),
+        Ok,
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamBind(
+    out_h: *mut ncclParamHandle_t,
+    key: *const c_char,
+) -> ncclResult_t {
+    guard("ncclParamBind", || {
+        out(out_h, "out")?;
+        let k = key_of(key)?;
+        *out_h = k as *const Knob as ncclParamHandle_t;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetI8(h: ncclParamHandle_t, out_v: *mut i8) -> ncclResult_t {
+    guard("ncclParamGetI8", || {
+        out(out_v, "out")?;
+        *out_v = integer::<i8>(h, "i8")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetI16(h: ncclParamHandle_t, out_v: *mut i16) -> ncclResult_t {
+    guard("ncclParamGetI16", || {
+        out(out_v, "out")?;
+        *out_v = integer::<i16>(h, "i16")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetI32(h: ncclParamHandle_t, out_v: *mut i32) -> ncclResult_t {
+    guard("ncclParamGetI32", || {
+        out(out_v, "out")?;
+        *out_v = integer::<i32>(h, "i32")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetI64(h: ncclParamHandle_t, out_v: *mut i64) -> ncclResult_t {
+    guard("ncclParamGetI64", || {
+        out(out_v, "out")?;
+        *out_v = integer::<i64>(h, "i64")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetU8(h: ncclParamHandle_t, out_v: *mut u8) -> ncclResult_t {
+    guard("ncclParamGetU8", || {
+        out(out_v, "out")?;
+        *out_v = integer::<u8>(h, "u8")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetU16(h: ncclParamHandle_t, out_v: *mut u16) -> ncclResult_t {
+    guard("ncclParamGetU16", || {
+        out(out_v, "out")?;
+        *out_v = integer::<u16>(h, "u16")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetU32(h: ncclParamHandle_t, out_v: *mut u32) -> ncclResult_t {
+    guard("ncclParamGetU32", || {
+        out(out_v, "out")?;
+        *out_v = integer::<u32>(h, "u32")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetU64(h: ncclParamHandle_t, out_v: *mut u64) -> ncclResult_t {
+    guard("ncclParamGetU64", || {
+        out(out_v, "out")?;
+        *out_v = integer::<u64>(h, "u64")?;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetStr(
+    h: ncclParamHandle_t,
+    out_s: *mut *const c_char,
+) -> ncclResult_t {
+    guard("ncclParamGetStr", || {
+        out(out_s, "out")?;
+        *out_s = intern(knob_value(knob_of(h)?)).as_ptr();
+        Ok(())
+    })
+}
+
+/// Copies the value as a NUL-terminated string into `out` (at most `maxLen` bytes) and stores
+/// the full length, NUL included, in `len`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGet(
+    h: ncclParamHandle_t,
+    out_v: *mut std::os::raw::c_void,
+    maxLen: c_int,
+    len: *mut c_int,
+) -> ncclResult_t {
+    guard("ncclParamGet", || {
+        let v = knob_value(knob_of(h)?);
+        let bytes = v.as_bytes();
+        if !len.is_null() {
+            *len = bytes.len() as c_int + 1;
+        }
+        if maxLen > 0 {
+            out(out_v, "out")?;
+            let n = bytes.len().min(maxLen as usize - 1);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), out_v as *mut u8, n);
+            *(out_v as *mut u8).add(n) = 0;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetParameter(
+    key: *const c_char,
+    value: *mut *const c_char,
+    valueLen: *mut c_int,
+) -> ncclResult_t {
+    guard("ncclParamGetParameter", || {
+        out(value, "value")?;
+        let v = knob_value(key_of(key)?);
+        if !valueLen.is_null() {
+            *valueLen = v.len() as c_int;
+        }
+        *value = intern(v).as_ptr();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclParamGetAllParameterKeys(
+    table: *mut *mut *const c_char,
+    tableLen: *mut c_int,
+) -> ncclResult_t {
+    guard("ncclParamGetAllParameterKeys", || {
+        out(table, "table")?;
+        out(tableLen, "tableLen")?;
+        *table = KEY_PTRS.as_ptr() as *mut *const c_char;
+        *tableLen = KEY_PTRS.len() as c_int;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclParamDumpAll() {
+    for k in KNOBS {
+        println!("COMM_{}={}    # {}", k.name, knob_value(k), k.doc);
+    }
+}

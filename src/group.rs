@@ -1,0 +1,215 @@
+//! ncclGroupStart / ncclGroupEnd. Groups are per thread and nest; nothing queued inside a group
+//! starts before the outermost end. At the end, every communicator's operations run together in
+//! one executor pass, so send/recv pairs never deadlock whatever their order, and one thread can
+//! drive several communicators. Communicator inits queued in a group run concurrently.
+
+use crate::comm::ops::Call;
+use crate::comm::registry::Entry;
+use crate::comm::Comm;
+use crate::error::{Error, ErrorKind, Result};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// A communicator initialisation to run at the end of the group.
+pub struct InitJob {
+    pub entry: Arc<Entry>,
+    pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
+}
+
+#[derive(Default)]
+struct Group {
+    depth: u32,
+    calls: Vec<(Arc<Comm>, Call)>,
+    inits: Vec<InitJob>,
+    error: Option<Error>,
+}
+
+thread_local! {
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+pub fn start() {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+}
+
+pub fn depth() -> u32 {
+    GROUP.with(|g| g.borrow().depth)
+}
+
+/// Remembers the first failed call of the group: the outermost end reports it and runs nothing.
+pub fn record_error(e: &Error) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && g.error.is_none() {
+            g.error = Some(e.clone());
+        }
+    });
+}
+
+/// What the outermost group end found to do.
+enum Outcome {
+    Nested,
+    Run(Vec<(Arc<Comm>, Call)>, Vec<InitJob>),
+}
+
+fn close() -> Result<Outcome> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return crate::invalid_usage!("ncclGroupEnd called without a matching ncclGroupStart");
+        }
+        g.depth -= 1;
+        if g.depth > 0 {
+            return Ok(Outcome::Nested);
+        }
+        let calls = std::mem::take(&mut g.calls);
+        let inits = std::mem::take(&mut g.inits);
+        match g.error.take() {
+            Some(e) => {
+                // Initialisations still have to settle their handles.
+                for job in inits {
+                    job.entry.settle(Err(e.clone()));
+                }
+                Err(Error::new(
+                    e.kind,
+                    format!(
+                        "a call in the group failed, so the group did nothing: {}",
+                        e.msg
+                    ),
+                ))
+            }
+            None => Ok(Outcome::Run(calls, inits)),
+        }
+    })
+}
+
+/// ncclGroupEnd. Returns `InProgress` as an error kind when non-blocking inits are still running.
+pub fn end() -> Result<()> {
+    match close()? {
+        Outcome::Nested => Ok(()),
+        Outcome::Run(calls, inits) => {
+            run_inits(inits)?;
+            run_calls(calls)
+        }
+    }
+}
+
+/// ncclGroupSimulateEnd: closes the group like ncclGroupEnd, but estimates instead of running.
+/// Returns the estimated time in microseconds.
+pub fn simulate_end() -> Result<f32> {
+    match close()? {
+        Outcome::Nested => Ok(0.0),
+        Outcome::Run(calls, inits) => {
+            for job in inits {
+                job.entry.settle(crate::invalid_usage!(
+                    "the communicator's init was in a group ended by ncclGroupSimulateEnd, which runs nothing"
+                ));
+            }
+            Ok(calls.iter().map(|(c, call)| c.estimate_us(call)).sum())
+        }
+    }
+}
+
+/// Queues a call in the current group, or runs it now outside of one.
+pub fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
+    let queued = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.calls.push((comm.clone(), call.clone()));
+            true
+        } else {
+            false
+        }
+    });
+    if queued {
+        Ok(())
+    } else {
+        run_calls(vec![(comm, call)])
+    }
+}
+
+/// Queues an init in the current group; gives it back when there is no group.
+pub fn defer_init(job: InitJob) -> Option<InitJob> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.inits.push(job);
+            None
+        } else {
+            Some(job)
+        }
+    })
+}
+
+/// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;
+/// when any is non-blocking the caller gets InProgress and polls ncclCommGetAsyncError.
+pub fn run_inits(inits: Vec<InitJob>) -> Result<()> {
+    if inits.is_empty() {
+        return Ok(());
+    }
+    let all_blocking = inits.iter().all(|j| j.entry.blocking);
+    let mut handles = Vec::new();
+    for job in inits {
+        let entry = job.entry.clone();
+        let run = job.run;
+        let h = std::thread::Builder::new()
+            .name("comm-init".into())
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+                    .unwrap_or_else(|_| crate::internal_err!("communicator init panicked"));
+                entry.settle(r);
+            })
+            .map_err(|e| Error::from_io("spawn init thread", e))?;
+        handles.push((job.entry, h));
+    }
+    if !all_blocking {
+        return Err(Error::new(
+            ErrorKind::InProgress,
+            "communicator initialization in progress",
+        ));
+    }
+    let mut first_err = None;
+    for (entry, h) in handles {
+        let _ = h.join();
+        if let Err(e) = entry.wait() {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// Runs calls now: per communicator in issue order, all communicators in one executor pass.
+pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
+    if calls.is_empty() {
+        return Ok(());
+    }
+    let mut comms: Vec<Arc<Comm>> = Vec::new();
+    let mut per_comm: Vec<Vec<Call>> = Vec::new();
+    for (c, call) in calls {
+        match comms.iter().position(|x| Arc::ptr_eq(x, &c)) {
+            Some(i) => per_comm[i].push(call),
+            None => {
+                comms.push(c);
+                per_comm.push(vec![call]);
+            }
+        }
+    }
+    let mut jobs = Vec::with_capacity(comms.len());
+    for (c, calls) in comms.iter().zip(per_comm) {
+        c.check_usable()?;
+        let ops = calls
+            .iter()
+            .map(|call| c.prepare(call))
+            .collect::<Result<Vec<_>>>()?;
+        jobs.push((&c.wiring, ops));
+    }
+    let _scope = crate::log::rank_scope(comms[0].rank as i32);
+    let result = crate::exec::host::run(jobs);
+    if let Err(e) = &result {
+        crate::warn!("{}", e.msg);
+        for c in &comms {
+            c.fail(e);
+        }
+    }
+    result
+}
