@@ -1,0 +1,284 @@
+//! Shared helpers for the multi-rank tests: launching ranks as processes (the test binary
+//! re-executes itself) or as threads (ncclCommInitAll), datatypes as test values, and checks.
+#![allow(dead_code)]
+
+pub mod values;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use std::ffi::CStr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const OK: ncclResult_t = ncclResult_t::ncclSuccess;
+
+/// Fails with the library's last error message when a call does not return `ncclSuccess`.
+#[macro_export]
+macro_rules! nccl {
+    ($e:expr) => {{
+        // Test code calls the C ABI as C would; the macro saves an unsafe block per call.
+        #[allow(unused_unsafe, clippy::macro_metavars_in_unsafe)]
+        let r = unsafe { $e };
+        if r != comm::ffi::types::ncclResult_t::ncclSuccess {
+            return Err(format!(
+                "{} returned {:?}: {}",
+                stringify!($e),
+                r,
+                $crate::common::last_error()
+            ));
+        }
+    }};
+}
+
+pub fn last_error() -> String {
+    // SAFETY: ncclGetLastError returns a NUL-terminated string that stays valid for a while.
+    unsafe { CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+pub fn unique_id() -> ncclUniqueId {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    let r = unsafe { ncclGetUniqueId(&mut id) };
+    assert_eq!(r, OK, "ncclGetUniqueId: {}", last_error());
+    id
+}
+
+pub fn id_to_hex(id: &ncclUniqueId) -> String {
+    id.internal
+        .iter()
+        .map(|b| format!("{:02x}", *b as u8))
+        .collect()
+}
+
+pub fn id_from_hex(s: &str) -> ncclUniqueId {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    for (i, c) in id.internal.iter_mut().enumerate() {
+        *c = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap() as std::os::raw::c_char;
+    }
+    id
+}
+
+/// The environment a worker process finds: which scenario, its rank, the rank count, the id.
+pub struct Worker {
+    pub scenario: String,
+    pub rank: usize,
+    pub nranks: usize,
+    pub id: ncclUniqueId,
+    pub arg: String,
+}
+
+/// When this process was launched as a rank, describes it.
+pub fn worker_env() -> Option<Worker> {
+    let scenario = std::env::var("COMM_TEST_SCENARIO").ok()?;
+    Some(Worker {
+        scenario,
+        rank: std::env::var("COMM_TEST_RANK").ok()?.parse().ok()?,
+        nranks: std::env::var("COMM_TEST_NRANKS").ok()?.parse().ok()?,
+        id: id_from_hex(&std::env::var("COMM_TEST_ID").ok()?),
+        arg: std::env::var("COMM_TEST_ARG").unwrap_or_default(),
+    })
+}
+
+pub fn init_rank(w: &Worker) -> Result<ncclComm_t, String> {
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRank(
+        &mut c,
+        w.nranks as i32,
+        w.id,
+        w.rank as i32
+    ));
+    Ok(c)
+}
+
+/// What one rank process printed and how it ended.
+pub struct RankResult {
+    pub rank: usize,
+    pub status: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl RankResult {
+    pub fn ok(&self) -> bool {
+        self.status == Some(0)
+    }
+}
+
+/// Launches `nranks` processes of this test binary running `entry` (a #[test] that calls
+/// `run_worker`), with scenario `scenario`. Kills them all after `timeout`.
+pub fn launch(
+    entry: &str,
+    scenario: &str,
+    nranks: usize,
+    arg: &str,
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Vec<RankResult> {
+    launch_ranks(
+        entry,
+        scenario,
+        nranks,
+        &(0..nranks).collect::<Vec<_>>(),
+        arg,
+        env,
+        timeout,
+    )
+}
+
+/// Like `launch`, for a subset of the ranks of an `nranks` communicator (the others never come).
+pub fn launch_ranks(
+    entry: &str,
+    scenario: &str,
+    nranks: usize,
+    ranks: &[usize],
+    arg: &str,
+    env: &[(&str, &str)],
+    timeout: Duration,
+) -> Vec<RankResult> {
+    let id = unique_id();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<(usize, Child)> = ranks
+        .iter()
+        .map(|&rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([entry, "--exact", "--nocapture", "--test-threads=1"])
+                .env("COMM_TEST_SCENARIO", scenario)
+                .env("COMM_TEST_RANK", rank.to_string())
+                .env("COMM_TEST_NRANKS", nranks.to_string())
+                .env("COMM_TEST_ID", id_to_hex(&id))
+                .env("COMM_TEST_ARG", arg)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            (rank, cmd.spawn().expect("spawn rank process"))
+        })
+        .collect();
+    let deadline = Instant::now() + timeout;
+    let mut statuses: Vec<Option<i32>> = vec![None; children.len()];
+    let mut timed_out = false;
+    loop {
+        let mut all = true;
+        for (i, (_, c)) in children.iter_mut().enumerate() {
+            if statuses[i].is_none() {
+                match c.try_wait().unwrap() {
+                    Some(s) => statuses[i] = Some(s.code().unwrap_or(-1)),
+                    None => all = false,
+                }
+            }
+        }
+        if all {
+            break;
+        }
+        if Instant::now() > deadline {
+            timed_out = true;
+            for (_, c) in children.iter_mut() {
+                let _ = c.kill();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let results: Vec<RankResult> = children
+        .into_iter()
+        .zip(statuses)
+        .map(|((rank, c), status)| {
+            let out = c.wait_with_output().unwrap();
+            RankResult {
+                rank,
+                status: if timed_out && status.is_none() {
+                    None
+                } else {
+                    status.or(out.status.code())
+                },
+                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            }
+        })
+        .collect();
+    if timed_out {
+        for r in &results {
+            eprintln!(
+                "--- rank {} (status {:?}) stdout:\n{}\n--- stderr:\n{}",
+                r.rank, r.status, r.stdout, r.stderr
+            );
+        }
+        panic!("{scenario} with {nranks} ranks did not finish within {timeout:?}");
+    }
+    results
+}
+
+/// Asserts every rank exited 0, printing the output of those that did not.
+pub fn assert_all_ok(results: &[RankResult], what: &str) {
+    let bad: Vec<&RankResult> = results.iter().filter(|r| !r.ok()).collect();
+    for r in &bad {
+        eprintln!(
+            "--- rank {} exited {:?}\nstdout:\n{}\nstderr:\n{}",
+            r.rank, r.status, r.stdout, r.stderr
+        );
+    }
+    assert!(
+        bad.is_empty(),
+        "{what}: {} of {} ranks failed",
+        bad.len(),
+        results.len()
+    );
+}
+
+/// Runs a worker body and exits the process with its outcome (0 = pass).
+pub fn finish(result: Result<(), String>) -> ! {
+    match result {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            println!("FAILED: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+/// Runs `body` on `n` ranks that are threads of this process (ncclCommInitAll), with a timeout.
+pub fn with_threads(
+    n: usize,
+    timeout: Duration,
+    body: impl Fn(ncclComm_t, usize, usize) -> Result<(), String> + Send + Sync + 'static,
+) {
+    let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, std::ptr::null()) };
+    assert_eq!(r, OK, "ncclCommInitAll: {}", last_error());
+    let body = std::sync::Arc::new(body);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (rank, c) in comms.iter().enumerate() {
+        let c = *c as usize;
+        let tx = tx.clone();
+        let body = body.clone();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                body(c as ncclComm_t, rank, n)
+            }))
+            .unwrap_or_else(|_| Err("panicked".into()));
+            let _ = tx.send((rank, r));
+        });
+    }
+    let deadline = Instant::now() + timeout;
+    let mut failures = Vec::new();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((rank, Err(e))) => failures.push(format!("rank {rank}: {e}")),
+            Ok(_) => {}
+            Err(_) => {
+                panic!("threads did not finish within {timeout:?}; failures so far: {failures:?}")
+            }
+        }
+    }
+    for c in comms {
+        unsafe { ncclCommDestroy(c) };
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

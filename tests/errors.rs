@@ -1,0 +1,641 @@
+//! Every error path: bad arguments get a clear code and message and leave the communicator
+//! usable; a dead, absent or disagreeing peer gives an error instead of a hang.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::*;
+use std::os::raw::c_void;
+use std::time::{Duration, Instant};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+const S: cudaStream_t = std::ptr::null_mut();
+
+/// Expects `code` and a last-error message containing every word of `needles`.
+fn expect_err(
+    r: ncclResult_t,
+    code: ncclResult_t,
+    needles: &[&str],
+    what: &str,
+) -> Result<(), String> {
+    if r != code {
+        return Err(format!(
+            "{what}: returned {r:?}, expected {code:?} ({})",
+            last_error()
+        ));
+    }
+    let msg = last_error();
+    for n in needles {
+        if !msg.contains(n) {
+            return Err(format!("{what}: message {msg:?} does not mention {n:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// An all-reduce of `rank + 1` that must give n(n+1)/2: proof the communicator still works.
+fn still_works(comm: ncclComm_t, n: usize, rank: usize) -> Result<(), String> {
+    let send = [(rank + 1) as f32; 33];
+    let mut recv = vec![0f32; 33];
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        recv.as_mut_ptr() as *mut c_void,
+        33,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    let want = (n * (n + 1) / 2) as f32;
+    if recv.iter().any(|&v| v != want) {
+        return Err(format!(
+            "all-reduce after an error gave {:?}, expected {want}",
+            &recv[..3]
+        ));
+    }
+    Ok(())
+}
+
+/// Bad arguments on every entry point family, each followed by a working collective.
+fn bad_arguments(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let buf = vec![0f32; 64];
+    let mut out = vec![0f32; 64 * n];
+    let sp = buf.as_ptr() as *const c_void;
+    let rp = out.as_mut_ptr() as *mut c_void;
+    let invalid = ncclResult_t::ncclInvalidArgument;
+    unsafe {
+        expect_err(
+            ncclAllReduce(std::ptr::null(), rp, 8, FLOAT, SUM, comm, S),
+            invalid,
+            &["ncclAllReduce", "sendbuff", "NULL"],
+            "null sendbuff",
+        )?;
+        expect_err(
+            ncclAllReduce(sp, std::ptr::null_mut(), 8, FLOAT, SUM, comm, S),
+            invalid,
+            &["recvbuff", "NULL"],
+            "null recvbuff",
+        )?;
+        expect_err(
+            ncclAllReduce(sp, rp, 8, 99, SUM, comm, S),
+            invalid,
+            &["datatype", "99"],
+            "bad datatype",
+        )?;
+        expect_err(
+            ncclAllReduce(sp, rp, 8, -1, SUM, comm, S),
+            invalid,
+            &["datatype"],
+            "negative datatype",
+        )?;
+        expect_err(
+            ncclAllReduce(sp, rp, 8, FLOAT, 17, comm, S),
+            invalid,
+            &["op 17"],
+            "unknown op",
+        )?;
+        expect_err(
+            ncclBroadcast(sp, rp, 8, FLOAT, n as i32, comm, S),
+            invalid,
+            &["root", "out of range"],
+            "root too large",
+        )?;
+        expect_err(
+            ncclReduce(sp, rp, 8, FLOAT, SUM, -2, comm, S),
+            invalid,
+            &["root"],
+            "negative root",
+        )?;
+        expect_err(
+            ncclSend(sp, 8, FLOAT, n as i32 + 3, comm, S),
+            invalid,
+            &["peer"],
+            "peer out of range",
+        )?;
+        expect_err(
+            ncclRecv(rp, 8, FLOAT, -1, comm, S),
+            invalid,
+            &["peer"],
+            "negative peer",
+        )?;
+        expect_err(
+            ncclAllGather(sp, rp, usize::MAX / 2, FLOAT, comm, S),
+            invalid,
+            &["overflow"],
+            "count overflow",
+        )?;
+        // Overlapping buffers that are not the in-place layout.
+        let p = out.as_mut_ptr();
+        expect_err(
+            ncclAllReduce(
+                p.add(1) as *const c_void,
+                p as *mut c_void,
+                8,
+                FLOAT,
+                SUM,
+                comm,
+                S,
+            ),
+            invalid,
+            &["overlap"],
+            "partial overlap",
+        )?;
+        // Queries with NULL outputs.
+        expect_err(
+            ncclCommCount(comm, std::ptr::null_mut()),
+            invalid,
+            &["count", "NULL"],
+            "null count",
+        )?;
+        expect_err(
+            ncclGetVersion(std::ptr::null_mut()),
+            invalid,
+            &["version"],
+            "null version",
+        )?;
+        // A custom op: wrong datatype, destroyed, destroyed twice.
+        let mut op = 0;
+        let mut scalar = 2.0f32;
+        expect_err(
+            ncclRedOpCreatePreMulSum(&mut op, std::ptr::null_mut(), FLOAT, 1, comm),
+            invalid,
+            &["scalar"],
+            "null scalar",
+        )?;
+        expect_err(
+            ncclRedOpCreatePreMulSum(
+                &mut op,
+                &mut scalar as *mut f32 as *mut c_void,
+                FLOAT,
+                7,
+                comm,
+            ),
+            invalid,
+            &["residence"],
+            "bad residence",
+        )?;
+        nccl!(ncclRedOpCreatePreMulSum(
+            &mut op,
+            &mut scalar as *mut f32 as *mut c_void,
+            FLOAT,
+            1,
+            comm
+        ));
+        expect_err(
+            ncclAllReduce(sp, rp, 8, 8, op, comm, S),
+            invalid,
+            &["created for datatype float"],
+            "op on wrong datatype",
+        )?;
+        nccl!(ncclRedOpDestroy(op, comm));
+        expect_err(
+            ncclAllReduce(sp, rp, 8, FLOAT, op, comm, S),
+            invalid,
+            &["destroyed"],
+            "destroyed op",
+        )?;
+        expect_err(
+            ncclRedOpDestroy(op, comm),
+            invalid,
+            &["destroyed"],
+            "op destroyed twice",
+        )?;
+        expect_err(
+            ncclRedOpDestroy(SUM, comm),
+            invalid,
+            &["built-in"],
+            "destroying a built-in op",
+        )?;
+        // Group misuse.
+        expect_err(
+            ncclGroupEnd(),
+            ncclResult_t::ncclInvalidUsage,
+            &["without a matching"],
+            "unbalanced group end",
+        )?;
+        // Config misuse.
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        let mut cfg: ncclConfig_t = std::mem::zeroed();
+        cfg.size = std::mem::size_of::<ncclConfig_t>();
+        expect_err(
+            ncclCommSplit(comm, 0, 0, &mut child, &mut cfg),
+            invalid,
+            &["NCCL_CONFIG_INITIALIZER"],
+            "config without magic",
+        )?;
+        expect_err(
+            ncclCommSplit(comm, -5, 0, &mut child, std::ptr::null_mut()),
+            invalid,
+            &["color"],
+            "negative color",
+        )?;
+    }
+    still_works(comm, n, rank)?;
+    // A failed call inside a group makes the whole group do nothing, and says so.
+    unsafe {
+        nccl!(ncclGroupStart());
+        let r1 = ncclAllReduce(sp, rp, 8, 42, SUM, comm, S);
+        let r2 = ncclAllReduce(sp, rp, 8, FLOAT, SUM, comm, S);
+        let end = ncclGroupEnd();
+        if r1 != ncclResult_t::ncclInvalidArgument
+            || r2 != OK
+            || end != ncclResult_t::ncclInvalidArgument
+        {
+            return Err(format!("group with a bad call: {r1:?} {r2:?} {end:?}"));
+        }
+    }
+    still_works(comm, n, rank)?;
+    // Op of another communicator.
+    let mut dup: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(
+        comm,
+        0,
+        rank as i32,
+        &mut dup,
+        std::ptr::null_mut()
+    ));
+    let mut op = 0;
+    let mut scalar = 1.0f32;
+    nccl!(ncclRedOpCreatePreMulSum(
+        &mut op,
+        &mut scalar as *mut f32 as *mut c_void,
+        FLOAT,
+        1,
+        dup
+    ));
+    unsafe {
+        expect_err(
+            ncclAllReduce(sp, rp, 8, FLOAT, op, comm, S),
+            invalid,
+            &["another communicator"],
+            "op of another comm",
+        )?;
+    }
+    nccl!(ncclRedOpDestroy(op, dup));
+    nccl!(ncclCommDestroy(dup));
+    // Use after destroy.
+    unsafe {
+        let mut count = 0;
+        expect_err(
+            ncclCommCount(dup, &mut count),
+            invalid,
+            &["destroyed"],
+            "count after destroy",
+        )?;
+        expect_err(
+            ncclAllReduce(sp, rp, 8, FLOAT, SUM, dup, S),
+            invalid,
+            &["destroyed"],
+            "all-reduce after destroy",
+        )?;
+        expect_err(
+            ncclCommCount(std::ptr::null_mut(), &mut count),
+            invalid,
+            &["NULL"],
+            "null comm",
+        )?;
+        expect_err(
+            ncclCommCount(0x1234 as ncclComm_t, &mut count),
+            invalid,
+            &["not a communicator"],
+            "bogus comm",
+        )?;
+    }
+    still_works(comm, n, rank)
+}
+
+fn init_errors() -> Result<(), String> {
+    let id = unique_id();
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let invalid = ncclResult_t::ncclInvalidArgument;
+    unsafe {
+        expect_err(
+            ncclCommInitRank(&mut c, 2, id, 2),
+            invalid,
+            &["rank 2", "out of range"],
+            "rank >= nranks",
+        )?;
+        expect_err(
+            ncclCommInitRank(&mut c, -1, id, 0),
+            invalid,
+            &["nranks"],
+            "negative nranks",
+        )?;
+        expect_err(
+            ncclCommInitRank(std::ptr::null_mut(), 1, id, 0),
+            invalid,
+            &["comm", "NULL"],
+            "null comm out",
+        )?;
+        let garbage = ncclUniqueId {
+            internal: [7; NCCL_UNIQUE_ID_BYTES],
+        };
+        let r = ncclCommInitRank(&mut c, 1, garbage, 0);
+        if r == OK {
+            return Err("init with a garbage unique id succeeded".into());
+        }
+        let mut cfg: ncclConfig_t = std::mem::zeroed();
+        cfg.size = std::mem::size_of::<ncclConfig_t>();
+        cfg.magic = 0x1234;
+        expect_err(
+            ncclCommInitRankConfig(&mut c, 1, id, 0, &mut cfg),
+            invalid,
+            &["magic"],
+            "bad config magic",
+        )?;
+        expect_err(
+            ncclCommInitAll(&mut c, 0, std::ptr::null()),
+            invalid,
+            &["ndev"],
+            "InitAll with 0 ranks",
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn init_arguments_are_checked() {
+    init_errors().unwrap();
+}
+
+#[test]
+fn panics_and_strings() {
+    unsafe {
+        let s = std::ffi::CStr::from_ptr(ncclGetErrorString(4))
+            .to_string_lossy()
+            .into_owned();
+        assert!(s.contains("invalid argument"), "{s}");
+        let s = std::ffi::CStr::from_ptr(ncclGetErrorString(99))
+            .to_string_lossy()
+            .into_owned();
+        assert!(s.contains("unknown"), "{s}");
+        let mut v = 0;
+        assert_eq!(ncclGetVersion(&mut v), OK);
+        assert_eq!(v, NCCL_VERSION_CODE);
+    }
+}
+
+#[test]
+fn bad_arguments_leave_the_communicator_usable_threads() {
+    with_threads(3, Duration::from_secs(120), bad_arguments);
+}
+
+/// Scenarios run by rank processes.
+fn scenario(w: &Worker) -> Result<(), String> {
+    match w.scenario.as_str() {
+        "bad_arguments" => {
+            let c = init_rank(w)?;
+            bad_arguments(c, w.rank, w.nranks)?;
+            nccl!(ncclCommDestroy(c));
+            Ok(())
+        }
+        // Rank 1 dies in the middle; the others must get an error, not hang.
+        "dead_peer" => {
+            let c = init_rank(w)?;
+            still_works(c, w.nranks, w.rank)?;
+            if w.rank == 1 {
+                std::process::exit(3);
+            }
+            let mut big = vec![1f32; 1 << 20];
+            let t = Instant::now();
+            let r = unsafe {
+                ncclAllReduce(
+                    big.as_ptr() as *const c_void,
+                    big.as_mut_ptr() as *mut c_void,
+                    1 << 20,
+                    FLOAT,
+                    SUM,
+                    c,
+                    S,
+                )
+            };
+            if r != ncclResult_t::ncclRemoteError {
+                return Err(format!(
+                    "all-reduce with a dead peer returned {r:?}: {}",
+                    last_error()
+                ));
+            }
+            let msg = last_error();
+            if !msg.contains("rank 1") {
+                return Err(format!("error does not name the dead rank: {msg}"));
+            }
+            let mut state = ncclResult_t::ncclSuccess;
+            nccl!(ncclCommGetAsyncError(c, &mut state));
+            if state != ncclResult_t::ncclRemoteError {
+                return Err(format!("async error after a dead peer is {state:?}"));
+            }
+            println!("detected in {:?}: {msg}", t.elapsed());
+            nccl!(ncclCommAbort(c));
+            Ok(())
+        }
+        // Rank 1 calls a different collective: both sides must say so.
+        "mismatch" => {
+            let c = init_rank(w)?;
+            let send = vec![1f32; 100];
+            let mut recv = vec![0f32; 100 * w.nranks];
+            let r = unsafe {
+                if w.rank == 0 {
+                    ncclAllReduce(
+                        send.as_ptr() as *const c_void,
+                        recv.as_mut_ptr() as *mut c_void,
+                        100,
+                        FLOAT,
+                        SUM,
+                        c,
+                        S,
+                    )
+                } else {
+                    ncclAllGather(
+                        send.as_ptr() as *const c_void,
+                        recv.as_mut_ptr() as *mut c_void,
+                        100,
+                        FLOAT,
+                        c,
+                        S,
+                    )
+                }
+            };
+            let msg = last_error();
+            if r == OK {
+                return Err("mismatched collectives succeeded".into());
+            }
+            if !(msg.contains("AllReduce") && msg.contains("AllGather")) {
+                return Err(format!(
+                    "mismatch message does not name both collectives: {msg}"
+                ));
+            }
+            nccl!(ncclCommAbort(c));
+            Ok(())
+        }
+        // Rank 1 never joins the collective: rank 0 times out naming it.
+        "absent_peer" => {
+            let c = init_rank(w)?;
+            if w.rank == 1 {
+                std::thread::sleep(Duration::from_secs(6));
+                nccl!(ncclCommDestroy(c));
+                return Ok(());
+            }
+            let send = [1f32; 16];
+            let mut recv = vec![0f32; 16];
+            let r = unsafe {
+                ncclAllReduce(
+                    send.as_ptr() as *const c_void,
+                    recv.as_mut_ptr() as *mut c_void,
+                    16,
+                    FLOAT,
+                    SUM,
+                    c,
+                    S,
+                )
+            };
+            let msg = last_error();
+            if r != ncclResult_t::ncclTimeout || !msg.contains("rank 1") {
+                return Err(format!("absent peer: {r:?} {msg}"));
+            }
+            nccl!(ncclCommAbort(c));
+            Ok(())
+        }
+        // One rank never arrives at init: the others fail after COMM_INIT_TIMEOUT naming it.
+        "missing_at_init" => {
+            let mut c: ncclComm_t = std::ptr::null_mut();
+            let t = Instant::now();
+            let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+            let msg = last_error();
+            if r == OK {
+                return Err("init succeeded with a rank missing".into());
+            }
+            if !msg.contains('3') || t.elapsed() > Duration::from_secs(20) {
+                return Err(format!(
+                    "init with rank 3 missing: {r:?} after {:?}: {msg}",
+                    t.elapsed()
+                ));
+            }
+            Ok(())
+        }
+        // ncclCommAbort from another thread unblocks a call stuck on a peer that never comes.
+        "abort_unblocks" => {
+            let c = init_rank(w)?;
+            if w.rank == 1 {
+                std::thread::sleep(Duration::from_secs(4));
+                nccl!(ncclCommDestroy(c));
+                return Ok(());
+            }
+            let handle = c as usize;
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                unsafe { ncclCommAbort(handle as ncclComm_t) };
+            });
+            let send = [1f32; 16];
+            let mut recv = vec![0f32; 16];
+            let t = Instant::now();
+            let r = unsafe {
+                ncclAllReduce(
+                    send.as_ptr() as *const c_void,
+                    recv.as_mut_ptr() as *mut c_void,
+                    16,
+                    FLOAT,
+                    SUM,
+                    c,
+                    S,
+                )
+            };
+            if r == OK || t.elapsed() > Duration::from_secs(3) {
+                return Err(format!(
+                    "abort did not unblock: {r:?} after {:?}",
+                    t.elapsed()
+                ));
+            }
+            Ok(())
+        }
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+#[test]
+fn worker() {
+    if let Some(w) = worker_env() {
+        finish(scenario(&w));
+    }
+}
+
+#[test]
+fn bad_arguments_leave_the_communicator_usable_processes() {
+    let r = launch(
+        "worker",
+        "bad_arguments",
+        2,
+        "",
+        &[],
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r, "bad arguments");
+}
+
+#[test]
+fn a_dead_peer_gives_remote_error() {
+    let r = launch("worker", "dead_peer", 3, "", &[], Duration::from_secs(60));
+    assert_eq!(r[1].status, Some(3));
+    assert!(
+        r[0].ok() && r[2].ok(),
+        "rank 0: {}\n{}\nrank 2: {}\n{}",
+        r[0].stdout,
+        r[0].stderr,
+        r[2].stdout,
+        r[2].stderr
+    );
+}
+
+#[test]
+fn mismatched_collectives_are_reported() {
+    let r = launch(
+        "worker",
+        "mismatch",
+        2,
+        "",
+        &[("COMM_TIMEOUT", "20")],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "mismatch");
+}
+
+#[test]
+fn an_absent_peer_times_out_with_its_rank_named() {
+    let r = launch(
+        "worker",
+        "absent_peer",
+        2,
+        "",
+        &[("COMM_TIMEOUT", "1.5")],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "absent peer");
+}
+
+#[test]
+fn init_times_out_naming_the_missing_rank() {
+    let r = launch_ranks(
+        "worker",
+        "missing_at_init",
+        4,
+        &[0, 1, 2],
+        "",
+        &[("COMM_INIT_TIMEOUT", "2")],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "missing rank at init");
+}
+
+#[test]
+fn abort_from_another_thread_unblocks() {
+    let r = launch(
+        "worker",
+        "abort_unblocks",
+        2,
+        "",
+        &[],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "abort unblocks");
+}

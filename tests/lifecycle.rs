@@ -1,0 +1,574 @@
+//! Communicator lifecycle: queries, split and shrink into sub-communicators (then collectives on
+//! them), non-blocking init, scalable init, grow, finalize/destroy, groups over several
+//! communicators, deadlock-free send/recv, group simulation.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::*;
+use std::os::raw::c_void;
+use std::time::{Duration, Instant};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+const S: cudaStream_t = std::ptr::null_mut();
+
+/// All-reduces `value` over `comm` and checks the sum equals `want`.
+fn sum_check(comm: ncclComm_t, value: f32, want: f32, count: usize) -> Result<(), String> {
+    let send = vec![value; count];
+    let mut recv = vec![0f32; count];
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        recv.as_mut_ptr() as *mut c_void,
+        count,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    if let Some(i) = recv.iter().position(|&v| v != want) {
+        return Err(format!("element {i} is {}, expected {want}", recv[i]));
+    }
+    Ok(())
+}
+
+fn queries(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let (mut count, mut r, mut dev) = (0, 0, 0);
+    nccl!(ncclCommCount(comm, &mut count));
+    nccl!(ncclCommUserRank(comm, &mut r));
+    nccl!(ncclCommCuDevice(comm, &mut dev));
+    if count as usize != n || r as usize != rank || dev != -1 {
+        return Err(format!(
+            "count {count} rank {r} device {dev}, expected {n} {rank} -1"
+        ));
+    }
+    let mut state = ncclResult_t::ncclInternalError;
+    nccl!(ncclCommGetAsyncError(comm, &mut state));
+    if state != OK {
+        return Err(format!("async error of a healthy comm is {state:?}"));
+    }
+    Ok(())
+}
+
+/// Splits by parity with keys that reverse the order; rank 4 (when present) opts out.
+fn split(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let color = if rank == 4 {
+        NCCL_SPLIT_NOCOLOR
+    } else {
+        (rank % 2) as i32
+    };
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(
+        comm,
+        color,
+        -(rank as i32),
+        &mut child,
+        std::ptr::null_mut()
+    ));
+    // The parent still works beside its children, for every rank.
+    sum_check(comm, 1.0, n as f32, 5)?;
+    if rank == 4 {
+        return if child.is_null() {
+            Ok(())
+        } else {
+            Err("NOCOLOR rank got a communicator".into())
+        };
+    }
+    let members: Vec<usize> = (0..n).filter(|&r| r != 4 && r % 2 == rank % 2).collect();
+    let (mut cn, mut cr) = (0, 0);
+    nccl!(ncclCommCount(child, &mut cn));
+    nccl!(ncclCommUserRank(child, &mut cr));
+    // Keys are -rank: the highest parent rank becomes child rank 0.
+    let expect_rank = members.iter().rev().position(|&m| m == rank).unwrap();
+    if cn as usize != members.len() || cr as usize != expect_rank {
+        return Err(format!(
+            "child of rank {rank}: {cn} ranks, rank {cr}; expected {} and {expect_rank}",
+            members.len()
+        ));
+    }
+    let want: usize = members.iter().map(|m| m + 1).sum();
+    sum_check(child, (rank + 1) as f32, want as f32, 1001)?;
+    // A grandchild: split the child again, everyone together.
+    let mut grand: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(child, 0, 0, &mut grand, std::ptr::null_mut()));
+    sum_check(grand, 2.0, 2.0 * members.len() as f32, 3)?;
+    nccl!(ncclCommFinalize(grand));
+    nccl!(ncclCommDestroy(grand));
+    nccl!(ncclCommDestroy(child));
+    Ok(())
+}
+
+/// Excludes the last rank, which does not take part.
+fn shrink(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    if rank == n - 1 {
+        return Ok(());
+    }
+    let mut exclude = [(n - 1) as i32];
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommShrink(
+        comm,
+        exclude.as_mut_ptr(),
+        1,
+        &mut child,
+        std::ptr::null_mut(),
+        NCCL_SHRINK_DEFAULT
+    ));
+    let mut cn = 0;
+    nccl!(ncclCommCount(child, &mut cn));
+    if cn as usize != n - 1 {
+        return Err(format!("shrunk comm has {cn} ranks"));
+    }
+    sum_check(child, 1.0, (n - 1) as f32, 77)?;
+    nccl!(ncclCommDestroy(child));
+    Ok(())
+}
+
+/// Send/recv in a group never deadlocks, whatever the order, even past the FIFO's capacity.
+fn sendrecv_orders(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    for count in [1usize, 4099, 3 << 20] {
+        let send: Vec<f32> = (0..count)
+            .map(|i| (rank * 1000 + i % 1000) as f32)
+            .collect();
+        let mut from_prev = vec![0f32; count];
+        let mut from_next = vec![0f32; count];
+        let next = (rank + 1) % n;
+        let prev = (rank + n - 1) % n;
+        nccl!(ncclGroupStart());
+        // Odd ranks receive first, even ranks send first; both directions at once.
+        if rank % 2 == 1 {
+            nccl!(ncclRecv(
+                from_prev.as_mut_ptr() as *mut c_void,
+                count,
+                FLOAT,
+                prev as i32,
+                comm,
+                S
+            ));
+            nccl!(ncclRecv(
+                from_next.as_mut_ptr() as *mut c_void,
+                count,
+                FLOAT,
+                next as i32,
+                comm,
+                S
+            ));
+        }
+        nccl!(ncclSend(
+            send.as_ptr() as *const c_void,
+            count,
+            FLOAT,
+            next as i32,
+            comm,
+            S
+        ));
+        nccl!(ncclSend(
+            send.as_ptr() as *const c_void,
+            count,
+            FLOAT,
+            prev as i32,
+            comm,
+            S
+        ));
+        if rank % 2 == 0 {
+            nccl!(ncclRecv(
+                from_next.as_mut_ptr() as *mut c_void,
+                count,
+                FLOAT,
+                next as i32,
+                comm,
+                S
+            ));
+            nccl!(ncclRecv(
+                from_prev.as_mut_ptr() as *mut c_void,
+                count,
+                FLOAT,
+                prev as i32,
+                comm,
+                S
+            ));
+        }
+        nccl!(ncclGroupEnd());
+        for i in 0..count {
+            let (p, q) = (
+                (prev * 1000 + i % 1000) as f32,
+                (next * 1000 + i % 1000) as f32,
+            );
+            if from_prev[i] != p || from_next[i] != q {
+                return Err(format!(
+                    "count {count} element {i}: got {} {} expected {p} {q}",
+                    from_prev[i], from_next[i]
+                ));
+            }
+        }
+    }
+    // A send to oneself inside a group.
+    let mine = vec![rank as f32 + 0.5; 10];
+    let mut back = vec![0f32; 10];
+    nccl!(ncclGroupStart());
+    nccl!(ncclSend(
+        mine.as_ptr() as *const c_void,
+        10,
+        FLOAT,
+        rank as i32,
+        comm,
+        S
+    ));
+    nccl!(ncclRecv(
+        back.as_mut_ptr() as *mut c_void,
+        10,
+        FLOAT,
+        rank as i32,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupEnd());
+    if back != mine {
+        return Err(format!("self send/recv gave {back:?}"));
+    }
+    Ok(())
+}
+
+/// A simulated group estimates and runs nothing.
+fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
+    let send = vec![1f32; 1 << 16];
+    let mut recv = vec![-1f32; 1 << 16];
+    let mut info = ncclSimInfo_t {
+        size: std::mem::size_of::<ncclSimInfo_t>(),
+        magic: 0x74685283,
+        version: NCCL_VERSION_CODE as u32,
+        estimatedTime: -1.0,
+    };
+    nccl!(ncclGroupStart());
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        recv.as_mut_ptr() as *mut c_void,
+        1 << 16,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupSimulateEnd(&mut info));
+    if info.estimatedTime.is_nan() || info.estimatedTime <= 0.0 {
+        return Err(format!("estimated time {}", info.estimatedTime));
+    }
+    if recv.iter().any(|&v| v != -1.0) {
+        return Err("a simulated group ran its all-reduce".into());
+    }
+    Ok(())
+}
+
+fn scenario(w: &Worker) -> Result<(), String> {
+    match w.scenario.as_str() {
+        "split" | "shrink" | "queries" | "sendrecv" | "simulate" => {
+            let c = init_rank(w)?;
+            match w.scenario.as_str() {
+                "split" => split(c, w.rank, w.nranks)?,
+                "shrink" => shrink(c, w.rank, w.nranks)?,
+                "queries" => queries(c, w.rank, w.nranks)?,
+                "simulate" => simulate(c, w.rank, w.nranks)?,
+                _ => sendrecv_orders(c, w.rank, w.nranks)?,
+            }
+            nccl!(ncclCommDestroy(c));
+            Ok(())
+        }
+        // The last rank dies; the survivors shrink it away and carry on.
+        "shrink_dead" => {
+            let c = init_rank(w)?;
+            sum_check(c, 1.0, w.nranks as f32, 8)?;
+            if w.rank == w.nranks - 1 {
+                std::process::exit(0);
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            let mut exclude = [(w.nranks - 1) as i32];
+            let mut child: ncclComm_t = std::ptr::null_mut();
+            nccl!(ncclCommShrink(
+                c,
+                exclude.as_mut_ptr(),
+                1,
+                &mut child,
+                std::ptr::null_mut(),
+                NCCL_SHRINK_ABORT
+            ));
+            sum_check(child, 2.0, 2.0 * (w.nranks - 1) as f32, 4097)?;
+            nccl!(ncclCommDestroy(child));
+            nccl!(ncclCommAbort(c));
+            Ok(())
+        }
+        "nonblocking" => {
+            let mut cfg = ncclConfig_t {
+                size: std::mem::size_of::<ncclConfig_t>(),
+                magic: 0xcafebeef,
+                version: NCCL_VERSION_CODE as u32,
+                blocking: 0,
+                cgaClusterSize: i32::MIN,
+                minCTAs: i32::MIN,
+                maxCTAs: i32::MIN,
+                netName: std::ptr::null(),
+                splitShare: i32::MIN,
+                trafficClass: i32::MIN,
+                commName: c"nonblocking-test".as_ptr(),
+                collnetEnable: i32::MIN,
+                CTAPolicy: i32::MIN,
+                shrinkShare: i32::MIN,
+                nvlsCTAs: i32::MIN,
+                nChannelsPerNetPeer: i32::MIN,
+                nvlinkCentricSched: i32::MIN,
+                graphUsageMode: i32::MIN,
+                numRmaCtx: i32::MIN,
+                maxP2pPeers: i32::MIN,
+                graphStreamOrdering: i32::MIN,
+            };
+            let mut c: ncclComm_t = std::ptr::null_mut();
+            let r = unsafe {
+                ncclCommInitRankConfig(&mut c, w.nranks as i32, w.id, w.rank as i32, &mut cfg)
+            };
+            if r != ncclResult_t::ncclInProgress && r != OK {
+                return Err(format!(
+                    "non-blocking init returned {r:?}: {}",
+                    last_error()
+                ));
+            }
+            let t = Instant::now();
+            loop {
+                let mut state = ncclResult_t::ncclInternalError;
+                nccl!(ncclCommGetAsyncError(c, &mut state));
+                match state {
+                    ncclResult_t::ncclSuccess => break,
+                    ncclResult_t::ncclInProgress if t.elapsed() < Duration::from_secs(30) => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    other => return Err(format!("non-blocking init ended with {other:?}")),
+                }
+            }
+            sum_check(c, 3.0, 3.0 * w.nranks as f32, 10)?;
+            nccl!(ncclCommFinalize(c));
+            nccl!(ncclCommDestroy(c));
+            Ok(())
+        }
+        // Two unique ids spread the rendezvous (ncclCommInitRankScalable); rank 0 made both.
+        "scalable" => {
+            let ids: Vec<ncclUniqueId> = w.arg.split(',').map(id_from_hex).collect();
+            let mut ids = ids;
+            let mut c: ncclComm_t = std::ptr::null_mut();
+            nccl!(ncclCommInitRankScalable(
+                &mut c,
+                w.nranks as i32,
+                w.rank as i32,
+                ids.len() as i32,
+                ids.as_mut_ptr(),
+                std::ptr::null_mut()
+            ));
+            sum_check(c, 1.0, w.nranks as f32, 3)?;
+            nccl!(ncclCommDestroy(c));
+            Ok(())
+        }
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+#[test]
+fn worker() {
+    if let Some(w) = worker_env() {
+        finish(scenario(&w));
+    }
+}
+
+fn procs(scenario: &str, n: usize, env: &[(&str, &str)]) {
+    let r = launch("worker", scenario, n, "", env, Duration::from_secs(120));
+    assert_all_ok(&r, &format!("{scenario} with {n} processes"));
+}
+
+#[test]
+fn queries_report_rank_count_and_no_device() {
+    procs("queries", 3, &[]);
+}
+
+#[test]
+fn split_processes() {
+    procs("split", 5, &[]);
+}
+
+#[test]
+fn split_threads() {
+    with_threads(5, Duration::from_secs(120), split);
+}
+
+#[test]
+fn shrink_processes() {
+    procs("shrink", 4, &[]);
+}
+
+#[test]
+fn shrink_threads() {
+    with_threads(3, Duration::from_secs(120), shrink);
+}
+
+#[test]
+fn shrink_away_a_dead_rank() {
+    procs("shrink_dead", 4, &[]);
+}
+
+#[test]
+fn sendrecv_never_deadlocks_processes() {
+    procs("sendrecv", 3, &[]);
+}
+
+#[test]
+fn sendrecv_never_deadlocks_without_pull() {
+    procs("sendrecv", 4, &[("COMM_SHM_PULL", "0")]);
+}
+
+#[test]
+fn sendrecv_never_deadlocks_threads() {
+    with_threads(4, Duration::from_secs(120), sendrecv_orders);
+}
+
+#[test]
+fn nonblocking_init_reports_progress() {
+    procs("nonblocking", 3, &[]);
+}
+
+#[test]
+fn group_simulation_estimates_without_running() {
+    procs("simulate", 2, &[]);
+}
+
+#[test]
+fn scalable_init_with_two_ids() {
+    let ids = format!("{},{}", id_to_hex(&unique_id()), id_to_hex(&unique_id()));
+    let r = launch("worker", "scalable", 5, &ids, &[], Duration::from_secs(120));
+    assert_all_ok(&r, "scalable init");
+}
+
+/// One thread drives three communicators (ranks of an InitAll clique) in one group.
+#[test]
+fn one_thread_drives_several_communicators() {
+    let n = 3;
+    let mut comms = vec![std::ptr::null_mut(); n];
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, std::ptr::null()) },
+        OK,
+        "{}",
+        last_error()
+    );
+    let sends: Vec<Vec<f32>> = (0..n).map(|r| vec![(r + 1) as f32; 70_000]).collect();
+    let mut recvs: Vec<Vec<f32>> = (0..n).map(|_| vec![0f32; 70_000]).collect();
+    unsafe {
+        assert_eq!(ncclGroupStart(), OK);
+        for r in 0..n {
+            assert_eq!(
+                ncclAllReduce(
+                    sends[r].as_ptr() as *const c_void,
+                    recvs[r].as_mut_ptr() as *mut c_void,
+                    70_000,
+                    FLOAT,
+                    SUM,
+                    comms[r],
+                    S
+                ),
+                OK
+            );
+        }
+        assert_eq!(ncclGroupEnd(), OK, "{}", last_error());
+    }
+    for r in recvs {
+        assert!(r.iter().all(|&v| v == 6.0));
+    }
+    // Splitting them from one thread also needs a group.
+    let mut children = vec![std::ptr::null_mut(); n];
+    unsafe {
+        assert_eq!(ncclGroupStart(), OK);
+        for r in 0..n {
+            assert_eq!(
+                ncclCommSplit(
+                    comms[r],
+                    0,
+                    r as i32,
+                    &mut children[r],
+                    std::ptr::null_mut()
+                ),
+                OK
+            );
+        }
+        assert_eq!(ncclGroupEnd(), OK, "{}", last_error());
+        for r in 0..n {
+            let mut cn = 0;
+            assert_eq!(ncclCommCount(children[r], &mut cn), OK, "{}", last_error());
+            assert_eq!(cn, n as i32);
+            ncclCommDestroy(children[r]);
+            ncclCommDestroy(comms[r]);
+        }
+    }
+}
+
+/// Two ranks grow to three: the new rank joins through ncclCommGetUniqueId's id.
+#[test]
+fn grow_adds_a_rank() {
+    let mut comms = vec![std::ptr::null_mut(); 2];
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) },
+        OK
+    );
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    assert_eq!(
+        unsafe { ncclCommGetUniqueId(comms[0], &mut id) },
+        OK,
+        "{}",
+        last_error()
+    );
+    let old: Vec<usize> = comms.iter().map(|c| *c as usize).collect();
+    let mut threads = Vec::new();
+    for (r, c) in old.into_iter().enumerate() {
+        let id = id;
+        threads.push(std::thread::spawn(move || {
+            let mut g: ncclComm_t = std::ptr::null_mut();
+            let idp = if r == 0 {
+                &id as *const ncclUniqueId
+            } else {
+                std::ptr::null()
+            };
+            let res =
+                unsafe { ncclCommGrow(c as ncclComm_t, 3, idp, -1, &mut g, std::ptr::null_mut()) };
+            assert_eq!(res, OK, "{}", last_error());
+            (g as usize, r)
+        }));
+    }
+    threads.push(std::thread::spawn(move || {
+        let mut g: ncclComm_t = std::ptr::null_mut();
+        let res = unsafe {
+            ncclCommGrow(
+                std::ptr::null_mut(),
+                3,
+                &id,
+                2,
+                &mut g,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(res, OK, "{}", last_error());
+        (g as usize, 2)
+    }));
+    let grown: Vec<(usize, usize)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let workers: Vec<_> = grown
+        .into_iter()
+        .map(|(g, r)| {
+            std::thread::spawn(move || {
+                let mut rank = 0;
+                unsafe { ncclCommUserRank(g as ncclComm_t, &mut rank) };
+                assert_eq!(rank as usize, r);
+                sum_check(g as ncclComm_t, (r + 1) as f32, 6.0, 100).unwrap();
+                unsafe { ncclCommDestroy(g as ncclComm_t) };
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    for c in comms {
+        unsafe { ncclCommDestroy(c) };
+    }
+}
