@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine: installs what it needs, checks formatting and lints,
+# builds libcomm.so, runs every Rust, C and packaging test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh
+
+cargo fmt --check
+cargo clippy --release --all-targets -- -D warnings
+cargo build --release
+cargo test --release -- --test-threads="${COMM_TEST_THREADS:-2}"
+scripts/test_package.sh
+echo "all tests passed"
