@@ -106,6 +106,16 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
 
 #define NCCL_SUSPEND_MEM 1
 
+/*
+ comm extension: bitwise and/or/xor reductions, for integer datatypes only (torch's
+ ReduceOp.BAND/BOR/BXOR). Pass them where an ncclRedOp_t goes.
+ */
+#define COMM_OP_BAND 2147418113
+
+#define COMM_OP_BOR 2147418114
+
+#define COMM_OP_BXOR 2147418115
+
 #define P2P 1
 
 #define ALL_REDUCE 2

@@ -114,7 +114,8 @@ impl Comm {
     }
 
     pub fn destroy_op(&self, op: i32) -> Result<()> {
-        if (0..FIRST_DYNAMIC_OP).contains(&op) {
+        use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BXOR};
+        if (0..FIRST_DYNAMIC_OP).contains(&op) || (COMM_OP_BAND..=COMM_OP_BXOR).contains(&op) {
             return crate::invalid_arg!(
                 "op {op} is a built-in op; only ops from ncclRedOpCreatePreMulSum can be destroyed"
             );
@@ -133,7 +134,7 @@ impl Comm {
             None if op >= FIRST_DYNAMIC_OP && op < NEXT_OP.load(Ordering::SeqCst) => {
                 format!("op {op} was destroyed")
             }
-            None => format!("op {op} is not a valid ncclRedOp_t (built-ins are 0..=4; others come from ncclRedOpCreatePreMulSum)"),
+            None => format!("op {op} is not a valid ncclRedOp_t (built-ins are 0..=4, COMM_OP_BAND/BOR/BXOR are comm's bitwise ops; others come from ncclRedOpCreatePreMulSum)"),
         };
         crate::error::Error::new(crate::error::ErrorKind::InvalidArgument, msg)
     }
@@ -146,6 +147,9 @@ impl Comm {
             2 => OpChoice::Plain(ReduceOp::Max),
             3 => OpChoice::Plain(ReduceOp::Min),
             4 => OpChoice::Avg,
+            crate::ffi::types::COMM_OP_BAND => OpChoice::Plain(ReduceOp::BitAnd),
+            crate::ffi::types::COMM_OP_BOR => OpChoice::Plain(ReduceOp::BitOr),
+            crate::ffi::types::COMM_OP_BXOR => OpChoice::Plain(ReduceOp::BitXor),
             _ => {
                 let custom = self.custom_ops.ops.lock().get(&op).copied();
                 let c = custom.ok_or_else(|| self.unknown_op(op))?;

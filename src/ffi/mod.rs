@@ -143,6 +143,7 @@ pub(crate) fn guard_comm(
         let _scope = crate::log::rank_scope(c.rank as i32);
         body(c)
     }));
+    let _scope = seen.as_ref().map(|c| crate::log::rank_scope(c.rank as i32));
     match r {
         Ok(Ok(())) => ncclResult_t::ncclSuccess,
         Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,

@@ -30,6 +30,12 @@ pub const NCCL_SHRINK_ABORT: c_int = 0x01;
 pub const NCCL_REVOKE_DEFAULT: c_int = 0x00;
 pub const NCCL_SUSPEND_MEM: c_int = 0x01;
 
+/// comm extension: bitwise and/or/xor reductions, for integer datatypes only (torch's
+/// ReduceOp.BAND/BOR/BXOR). Pass them where an ncclRedOp_t goes.
+pub const COMM_OP_BAND: c_int = 0x7fff_0001;
+pub const COMM_OP_BOR: c_int = 0x7fff_0002;
+pub const COMM_OP_BXOR: c_int = 0x7fff_0003;
+
 /// Opaque communicator handle (`struct ncclComm*`).
 #[repr(C)]
 pub struct ncclComm {

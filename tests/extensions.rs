@@ -1,0 +1,268 @@
+//! comm's extensions and the remaining API promises: all-to-all-v with uneven blocks, bitwise
+//! reductions, nested groups, and log lines that carry host, pid and rank.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::*;
+use std::os::raw::c_void;
+use std::time::Duration;
+
+const S: cudaStream_t = std::ptr::null_mut();
+const INT32: i32 = 2;
+const FLOAT: i32 = 7;
+
+/// Rank s sends (s + 2d) % 4 elements to rank d (zero-sized blocks included), at scattered
+/// displacements, in place and out of place.
+fn alltoallv(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let count = |s: usize, d: usize| (s + 2 * d) % 4;
+    let value = |s: usize, d: usize, i: usize| (s * 10_000 + d * 100 + i) as i32;
+    for in_place in [false, true] {
+        // Displacements leave a gap of 3 elements between blocks.
+        let sc: Vec<usize> = (0..n).map(|d| count(rank, d)).collect();
+        let rc: Vec<usize> = (0..n).map(|s| count(s, rank)).collect();
+        let mut sd = Vec::new();
+        let mut at = 0;
+        for &c in &sc {
+            sd.push(at);
+            at += c + 3;
+        }
+        let send_len = at;
+        let mut rd = Vec::new();
+        at = 1;
+        for &c in &rc {
+            rd.push(at);
+            at += c + 3;
+        }
+        let recv_len = at;
+        let mut send = vec![-1i32; send_len];
+        for d in 0..n {
+            for i in 0..sc[d] {
+                send[sd[d] + i] = value(rank, d, i);
+            }
+        }
+        let mut recv = vec![-7i32; recv_len.max(send_len)];
+        if in_place {
+            // The same displacements on both sides, so the blocks line up in one buffer.
+            if sc != rc {
+                continue;
+            }
+            recv[..send_len].copy_from_slice(&send);
+            let p = recv.as_mut_ptr() as *mut c_void;
+            nccl!(commAlltoAllv(
+                p,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                p,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                INT32,
+                comm,
+                S
+            ));
+            for s in 0..n {
+                for i in 0..rc[s] {
+                    if recv[sd[s] + i] != value(s, rank, i) {
+                        return Err(format!(
+                            "in-place alltoallv from {s} element {i}: {}",
+                            recv[sd[s] + i]
+                        ));
+                    }
+                }
+            }
+            continue;
+        }
+        nccl!(commAlltoAllv(
+            send.as_ptr() as *const c_void,
+            sc.as_ptr(),
+            sd.as_ptr(),
+            recv.as_mut_ptr() as *mut c_void,
+            rc.as_ptr(),
+            rd.as_ptr(),
+            INT32,
+            comm,
+            S
+        ));
+        let mut expect = vec![-7i32; recv.len()];
+        for s in 0..n {
+            for i in 0..rc[s] {
+                expect[rd[s] + i] = value(s, rank, i);
+            }
+        }
+        if recv != expect {
+            return Err(format!(
+                "alltoallv on rank {rank}: got {recv:?}, expected {expect:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn bitwise(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    for (op, fold) in [
+        (COMM_OP_BAND, (|a, b| a & b) as fn(u32, u32) -> u32),
+        (COMM_OP_BOR, |a, b| a | b),
+        (COMM_OP_BXOR, |a, b| a ^ b),
+    ] {
+        let input = |r: usize, i: usize| {
+            (0x9e37_79b9u32.wrapping_mul((r * 131 + i) as u32 + 1)) | (1 << (i % 32))
+        };
+        let send: Vec<u32> = (0..1000).map(|i| input(rank, i)).collect();
+        let mut recv = vec![0u32; 1000];
+        nccl!(ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            1000,
+            3,
+            op,
+            comm,
+            S
+        ));
+        for (i, got) in recv.iter().enumerate() {
+            let want = (1..n).fold(input(0, i), |acc, r| fold(acc, input(r, i)));
+            if *got != want {
+                return Err(format!("op {op:#x} element {i}: {got:#x} != {want:#x}"));
+            }
+        }
+    }
+    let f = [1f32; 4];
+    let mut g = [0f32; 4];
+    let r = unsafe {
+        ncclAllReduce(
+            f.as_ptr() as *const c_void,
+            g.as_mut_ptr() as *mut c_void,
+            4,
+            FLOAT,
+            COMM_OP_BAND,
+            comm,
+            S,
+        )
+    };
+    if r != ncclResult_t::ncclInvalidArgument || !last_error().contains("integer") {
+        return Err(format!("bitwise op on floats: {r:?} {}", last_error()));
+    }
+    Ok(())
+}
+
+/// Groups nest: nothing runs before the outermost end.
+fn nested_groups(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let send = [rank as f32 + 1.0; 16];
+    let mut a = [0f32; 16];
+    let mut b = [0f32; 16];
+    nccl!(ncclGroupStart());
+    nccl!(ncclGroupStart());
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        a.as_mut_ptr() as *mut c_void,
+        16,
+        FLOAT,
+        0,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupEnd());
+    if a[0] != 0.0 {
+        return Err("an inner group end ran the operation".into());
+    }
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        b.as_mut_ptr() as *mut c_void,
+        16,
+        FLOAT,
+        2,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupEnd());
+    let sum = (n * (n + 1) / 2) as f32;
+    if a != [sum; 16] || b != [n as f32; 16] {
+        return Err(format!("nested group results {a:?} {b:?}"));
+    }
+    Ok(())
+}
+
+fn scenario(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    match w.scenario.as_str() {
+        "alltoallv" => alltoallv(c, w.rank, w.nranks)?,
+        "bitwise" => bitwise(c, w.rank, w.nranks)?,
+        "nested" => nested_groups(c, w.rank, w.nranks)?,
+        "log" => {
+            // Provoke a warning: it must reach the log with host, pid and rank.
+            let r =
+                unsafe { ncclAllReduce(std::ptr::null(), std::ptr::null_mut(), 4, FLOAT, 0, c, S) };
+            if r == OK {
+                return Err("NULL buffers accepted".into());
+            }
+        }
+        other => return Err(format!("unknown scenario {other}")),
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+#[test]
+fn worker() {
+    if let Some(w) = worker_env() {
+        finish(scenario(&w));
+    }
+}
+
+#[test]
+fn alltoallv_uneven_blocks_processes() {
+    for n in [2, 3, 5] {
+        assert_all_ok(
+            &launch("worker", "alltoallv", n, "", &[], Duration::from_secs(60)),
+            "alltoallv",
+        );
+    }
+}
+
+#[test]
+fn alltoallv_uneven_blocks_threads() {
+    with_threads(4, Duration::from_secs(60), alltoallv);
+}
+
+#[test]
+fn bitwise_ops_processes() {
+    assert_all_ok(
+        &launch("worker", "bitwise", 3, "", &[], Duration::from_secs(60)),
+        "bitwise",
+    );
+}
+
+#[test]
+fn nested_groups_threads() {
+    with_threads(3, Duration::from_secs(60), nested_groups);
+}
+
+#[test]
+fn log_lines_carry_host_pid_and_rank() {
+    let r = launch(
+        "worker",
+        "log",
+        2,
+        "",
+        &[("COMM_DEBUG", "INFO")],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "log");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    for rr in &r {
+        let warn = rr
+            .stderr
+            .lines()
+            .find(|l| l.contains("COMM WARN") && l.contains("sendbuff is NULL"))
+            .unwrap_or_else(|| panic!("rank {} logged no warning:\n{}", rr.rank, rr.stderr));
+        assert!(warn.starts_with(host.trim()), "{warn}");
+        assert!(warn.contains(&format!("[{}]", rr.rank)), "{warn}");
+        assert!(
+            rr.stderr
+                .lines()
+                .any(|l| l.contains("COMM INFO") && l.contains("ready")),
+            "no INFO line:\n{}",
+            rr.stderr
+        );
+    }
+}
