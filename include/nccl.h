@@ -116,6 +116,17 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
 
 #define COMM_OP_BXOR 2147418115
 
+/*
+ comm extension: bits of `commGetFeatures`.
+ Device (CUDA) buffers are supported by this build and a driver was found.
+ */
+#define COMM_FEATURE_DEVICE_MEMORY 1
+
+/*
+ Windows and one-sided operations (put, signal, wait_signal) are supported.
+ */
+#define COMM_FEATURE_WINDOWS 2
+
 #define P2P 1
 
 #define ALL_REDUCE 2
@@ -289,6 +300,12 @@ ncclResult_t ncclGroupEnd(void);
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo);
 
 ncclResult_t ncclGetVersion(int *version);
+
+/*
+ comm extension: what this build of the library supports, as COMM_FEATURE_* bits. Lets
+ wrappers (the PyTorch backend) refuse what is missing before calling into it.
+ */
+ncclResult_t commGetFeatures(int *features);
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId);
 

@@ -77,6 +77,21 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     })
 }
 
+/// comm extension: what this build of the library supports, as COMM_FEATURE_* bits. Lets
+/// wrappers (the PyTorch backend) refuse what is missing before calling into it.
+#[no_mangle]
+pub unsafe extern "C" fn commGetFeatures(features: *mut c_int) -> ncclResult_t {
+    guard("commGetFeatures", || {
+        out(features, "features")?;
+        let mut f = 0;
+        if crate::cuda::device_count() > 0 {
+            f |= COMM_FEATURE_DEVICE_MEMORY;
+        }
+        *features = f;
+        Ok(())
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetUniqueId(uniqueId: *mut ncclUniqueId) -> ncclResult_t {
     guard("ncclGetUniqueId", || {

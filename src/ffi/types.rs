@@ -36,6 +36,12 @@ pub const COMM_OP_BAND: c_int = 0x7fff_0001;
 pub const COMM_OP_BOR: c_int = 0x7fff_0002;
 pub const COMM_OP_BXOR: c_int = 0x7fff_0003;
 
+/// comm extension: bits of `commGetFeatures`.
+/// Device (CUDA) buffers are supported by this build and a driver was found.
+pub const COMM_FEATURE_DEVICE_MEMORY: c_int = 0x1;
+/// Windows and one-sided operations (put, signal, wait_signal) are supported.
+pub const COMM_FEATURE_WINDOWS: c_int = 0x2;
+
 /// Opaque communicator handle (`struct ncclComm*`).
 #[repr(C)]
 pub struct ncclComm {
