@@ -84,6 +84,20 @@ pub enum Step {
     },
 }
 
+impl Step {
+    /// Every region the step reads or writes.
+    pub fn regions(&self) -> impl Iterator<Item = Region> {
+        let (a, b, c) = match *self {
+            Step::Send { src, .. } => (Some(src.region), None, None),
+            Step::Recv {
+                dst, reduce_with, ..
+            } => (Some(dst), reduce_with.map(|o| o.region), None),
+            Step::Local { dst, a, b, .. } => (Some(dst), Some(a.region), b.map(|o| o.region)),
+        };
+        [a, b, c].into_iter().flatten()
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Schedule {
     pub steps: Vec<Step>,

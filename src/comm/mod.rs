@@ -148,9 +148,16 @@ impl Comm {
         } else {
             50
         });
+        let huge_pages_from = if crate::env::flag("SHM_HUGEPAGES") == Some(false) {
+            None
+        } else {
+            links
+                .iter()
+                .any(|l| l.prefers_huge_pages())
+                .then(|| crate::env::size("SHM_HUGEPAGES_FROM").unwrap_or(4 << 20))
+        };
         let wiring = Wiring {
             rank,
-            links,
             doorbell: shm_world.as_ref().map(|w| w.local.clone()),
             abort: Arc::new(AtomicBool::new(false)),
             timeout: op_timeout(),
@@ -159,6 +166,8 @@ impl Comm {
                 .unwrap_or(Duration::from_secs(60)),
             scratch: Mutex::new(Vec::new()),
             spin: Duration::from_micros(spin_us.max(0) as u64),
+            links,
+            huge_pages_from,
         };
         crate::info!(
             "rank {rank}/{nranks} ready on {} (comm {tag:016x}{})",

@@ -55,6 +55,9 @@ pub struct Wiring {
     pub scratch: Mutex<Vec<u8>>,
     /// Spin this long before sleeping on the doorbell.
     pub spin: Duration,
+    /// Buffers at least this large are moved onto huge pages before peers in other processes
+    /// copy from or into them (None: never).
+    pub huge_pages_from: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -111,6 +114,9 @@ struct Exec<'a> {
 
 type Range = (usize, usize);
 
+/// Bytes received from one peer in one pass before the executor turns to other work.
+const RECV_BYTES_PER_PASS: usize = 256 << 10;
+
 fn overlaps(a: Option<Range>, b: Option<Range>) -> bool {
     match (a, b) {
         (Some(a), Some(b)) => a.0 < b.1 && b.0 < a.1,
@@ -140,6 +146,26 @@ impl<'a> Exec<'a> {
         let mut steps = Vec::new();
         let mut scratch_at = 0usize;
         for (oi, op) in ops.iter().enumerate() {
+            if let Some(min) = wiring.huge_pages_from {
+                let extent = |buf: Buf| {
+                    op.schedule
+                        .steps
+                        .iter()
+                        .flat_map(|s| s.regions())
+                        .filter(|r| r.buf == buf)
+                        .map(|r| r.offset + r.len)
+                        .max()
+                        .unwrap_or(0)
+                };
+                for (ptr, len) in [
+                    (op.send as usize, extent(Buf::Send)),
+                    (op.recv as usize, extent(Buf::Recv)),
+                ] {
+                    if len >= min {
+                        crate::transport::os::collapse_to_huge_pages(ptr, len);
+                    }
+                }
+            }
             let base = |buf: Buf| -> *mut u8 {
                 match buf {
                     Buf::Send => op.send as *mut u8,
@@ -270,7 +296,45 @@ impl<'a> Exec<'a> {
     }
 
     /// One pass over everything that can move. Returns whether anything did.
+    ///
+    /// Sends are posted first and receiving is bounded per peer and pass: otherwise a rank
+    /// fed a steady stream of incoming messages keeps receiving and never posts its own
+    /// sends, and the peer that feeds it starves (both ranks then alternate instead of
+    /// working at the same time).
     fn pass(&mut self) -> Result<bool> {
+        let mut moved = self.reap_posted()?;
+        for pi in 0..self.peers.len() {
+            moved |= self.post_sends(self.peers[pi])?;
+        }
+        for pi in 0..self.peers.len() {
+            let peer = self.peers[pi];
+            let mut budget = RECV_BYTES_PER_PASS;
+            while let Some(&i) = self.recv_q[peer].front() {
+                if self.steps[i as usize].waiting_on > 0 || budget == 0 {
+                    break;
+                }
+                let (finished, m) = self.drive_recv(i)?;
+                moved |= m;
+                if !finished {
+                    break;
+                }
+                if let Action::Recv { len, .. } = self.steps[i as usize].action {
+                    budget = budget.saturating_sub(len.max(1));
+                }
+                self.recv_q[peer].pop_front();
+                self.complete(i);
+            }
+        }
+        while let Some(i) = self.ready_local.pop() {
+            self.run_local(i)?;
+            self.complete(i);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Completes posted sends whose buffers the peers have finished reading.
+    fn reap_posted(&mut self) -> Result<bool> {
         let mut moved = false;
         let mut k = 0;
         while k < self.posted.len() {
@@ -283,44 +347,30 @@ impl<'a> Exec<'a> {
                 k += 1;
             }
         }
-        for pi in 0..self.peers.len() {
-            let peer = self.peers[pi];
-            while let Some(&i) = self.send_q[peer].front() {
-                if self.steps[i as usize].waiting_on > 0 {
-                    break;
+        Ok(moved)
+    }
+
+    /// Posts as many of `peer`'s ready sends, in order, as its FIFO takes.
+    fn post_sends(&mut self, peer: usize) -> Result<bool> {
+        let mut moved = false;
+        while let Some(&i) = self.send_q[peer].front() {
+            if self.steps[i as usize].waiting_on > 0 {
+                break;
+            }
+            let before = self.steps[i as usize].send.sent;
+            let state = self.drive_send(i)?;
+            moved |= self.steps[i as usize].send.sent != before || state != SendState::Pending;
+            match state {
+                SendState::Pending => break,
+                SendState::Posted => {
+                    self.send_q[peer].pop_front();
+                    self.posted.push(i);
                 }
-                let before = self.steps[i as usize].send.sent;
-                let state = self.drive_send(i)?;
-                moved |= self.steps[i as usize].send.sent != before || state != SendState::Pending;
-                match state {
-                    SendState::Pending => break,
-                    SendState::Posted => {
-                        self.send_q[peer].pop_front();
-                        self.posted.push(i);
-                    }
-                    SendState::Complete => {
-                        self.send_q[peer].pop_front();
-                        self.complete(i);
-                    }
+                SendState::Complete => {
+                    self.send_q[peer].pop_front();
+                    self.complete(i);
                 }
             }
-            while let Some(&i) = self.recv_q[peer].front() {
-                if self.steps[i as usize].waiting_on > 0 {
-                    break;
-                }
-                let (finished, m) = self.drive_recv(i)?;
-                moved |= m;
-                if !finished {
-                    break;
-                }
-                self.recv_q[peer].pop_front();
-                self.complete(i);
-            }
-        }
-        while let Some(i) = self.ready_local.pop() {
-            self.run_local(i)?;
-            self.complete(i);
-            moved = true;
         }
         Ok(moved)
     }

@@ -92,6 +92,11 @@ pub trait Transport: Send + Sync {
     fn check_peer(&self) -> Result<()>;
     /// A short description for logs ("shm/cma", "shm/direct", ...).
     fn describe(&self) -> String;
+    /// Whether large buffers should be backed by huge pages for this peer (its copies are
+    /// made by the kernel, which pins every page it touches).
+    fn prefers_huge_pages(&self) -> bool {
+        false
+    }
 }
 
 /// Message tags: the kind of operation in the top byte, the communicator's operation count below.

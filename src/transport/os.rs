@@ -2,6 +2,7 @@
 //! futex waits, pidfds, cross-process reads (CMA) and fd passing over unix sockets.
 
 use crate::error::{Error, Result};
+use parking_lot::Mutex;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -83,6 +84,113 @@ impl Drop for Mapping {
             libc::munmap(self.ptr.cast(), self.len);
         }
     }
+}
+
+/// Private anonymous memory, 2 MiB-aligned and backed by transparent huge pages where the
+/// kernel allows: the kernel pins such memory in far fewer steps when process_vm_readv copies
+/// into or out of it.
+pub struct HugeMem {
+    base: *mut u8,
+    len: usize,
+    ptr: *mut u8,
+}
+
+// SAFETY: plain private memory owned by this value.
+unsafe impl Send for HugeMem {}
+
+const HUGE_PAGE: usize = 2 << 20;
+
+impl HugeMem {
+    pub fn new(len: usize) -> Result<HugeMem> {
+        let total = len.next_multiple_of(HUGE_PAGE) + HUGE_PAGE;
+        // SAFETY: a fresh private anonymous mapping chosen by the kernel.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::last_os(format!("mmap of {total} bytes of scratch")));
+        }
+        let ptr = (base as usize).next_multiple_of(HUGE_PAGE) as *mut u8;
+        // SAFETY: [ptr, ptr+len) lies inside the mapping; the advice is only a hint.
+        unsafe {
+            libc::madvise(
+                ptr.cast(),
+                len.next_multiple_of(HUGE_PAGE),
+                libc::MADV_HUGEPAGE,
+            )
+        };
+        Ok(HugeMem {
+            base: base.cast(),
+            len: total,
+            ptr,
+        })
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes usable from `as_mut_ptr`.
+    pub fn capacity(&self) -> usize {
+        self.len - HUGE_PAGE
+    }
+}
+
+impl Drop for HugeMem {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly the mapping made in new().
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Asks the kernel to back the whole 2 MiB pages inside `[ptr, ptr+len)` with huge pages, so
+/// that process_vm_readv pins them in a few steps instead of one per 4 KiB page: MADV_HUGEPAGE
+/// for pages not faulted in yet, MADV_COLLAPSE (Linux 6.1+) for those already there. Contents
+/// are unchanged; failure (older kernel, no free huge pages) only means the optimisation does
+/// not apply. Regions already done are remembered.
+pub fn collapse_to_huge_pages(ptr: usize, len: usize) {
+    use std::collections::HashSet;
+    static DONE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+    const MADV_COLLAPSE: i32 = 25;
+    let start = ptr.next_multiple_of(HUGE_PAGE);
+    let end = (ptr + len) & !(HUGE_PAGE - 1);
+    if end <= start {
+        return;
+    }
+    let mut done = DONE.lock();
+    let set = done.get_or_insert_with(HashSet::new);
+    if (start..end).step_by(HUGE_PAGE).all(|p| set.contains(&p)) {
+        return;
+    }
+    // Bounded: a process that churns through buffers must not grow this forever.
+    if set.len() > 1 << 16 {
+        set.clear();
+    }
+    // SAFETY: the range lies inside memory the caller hands us for an operation; the advice
+    // leaves its contents as they are.
+    let r = unsafe {
+        let p = start as *mut libc::c_void;
+        libc::madvise(p, end - start, libc::MADV_HUGEPAGE);
+        // EINVAL when nothing is faulted in yet: MADV_HUGEPAGE covers that case.
+        libc::madvise(p, end - start, MADV_COLLAPSE)
+    };
+    crate::trace!(
+        "MADV_COLLAPSE of {} MiB at {start:#x}: {}",
+        (end - start) >> 20,
+        if r == 0 {
+            "done".to_string()
+        } else {
+            std::io::Error::last_os_error().to_string()
+        }
+    );
+    set.extend((start..end).step_by(HUGE_PAGE));
 }
 
 /// Sleeps while `word` holds `expected`, at most `timeout`. Works across processes because the

@@ -44,8 +44,9 @@ const CLOSED_ABORTED: u32 = 2;
 /// Bytes pulled per call, so one large message cannot starve the other channels of its thread.
 const PULL_BUDGET: usize = 4 << 20;
 /// Pieces a CMA pull is cut into when the bytes must be combined rather than copied: small
-/// enough to stay in L2 between the copy and the reduction.
-const PULL_PIECE: usize = 256 << 10;
+/// enough to stay in L2 between the copy and the reduction, large enough that the kernel's
+/// per-call cost (pinning pages) stays small. The scratch they land in is huge-page backed.
+const PULL_PIECE: usize = 1 << 20;
 
 /// Geometry of a segment, chosen by its owner and read back by peers from its header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -264,7 +265,7 @@ pub struct ShmPeer {
     access: Access,
     watch: Option<ProcessWatch>,
     pull_threshold: usize,
-    scratch: Mutex<Vec<u8>>,
+    scratch: Mutex<Option<os::HugeMem>>,
 }
 
 impl ShmPeer {
@@ -320,16 +321,19 @@ impl ShmPeer {
                 cur.received = end;
             }
             Access::Cma(pid) => {
-                let mut scratch = self.scratch.lock();
-                if scratch.len() < PULL_PIECE {
-                    scratch.resize(PULL_PIECE, 0);
+                let mut slot = self.scratch.lock();
+                if slot.is_none() {
+                    *slot = Some(os::HugeMem::new(PULL_PIECE)?);
                 }
+                let scratch = slot.as_mut().expect("allocated above");
                 while cur.received < end {
                     let n = PULL_PIECE.min(end - cur.received);
                     // SAFETY: scratch holds at least PULL_PIECE >= n bytes.
                     unsafe { os::cma_read(pid, scratch.as_mut_ptr(), src + cur.received, n) }
                         .map_err(|e| self.cma_error(e))?;
-                    sink.put(cur.received, &scratch[..n], scale)?;
+                    // SAFETY: the first n bytes of scratch were just written.
+                    let data = unsafe { std::slice::from_raw_parts(scratch.as_mut_ptr(), n) };
+                    sink.put(cur.received, data, scale)?;
                     cur.received += n;
                 }
             }
@@ -557,6 +561,11 @@ impl Transport for ShmPeer {
         Ok(())
     }
 
+    fn prefers_huge_pages(&self) -> bool {
+        matches!(self.access, Access::Cma(_))
+            && self.remote.pull_ok(self.me).load(Ordering::Relaxed) != 0
+    }
+
     fn describe(&self) -> String {
         match self.access {
             Access::Direct => "shm/direct".into(),
@@ -713,7 +722,7 @@ pub fn connect(
                 watch: matches!(access, Access::Cma(_))
                     .then(|| ProcessWatch::new(placements[r].pid)),
                 pull_threshold,
-                scratch: Mutex::new(Vec::new()),
+                scratch: Mutex::new(None),
             }));
         }
         Ok(peers)
