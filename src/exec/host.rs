@@ -641,26 +641,36 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
         _ => None,
     };
     let started = Instant::now();
-    let mut last_progress = Instant::now();
-    let mut last_check = Instant::now();
+    let mut idle_since: Option<Instant> = None;
+    let mut last_check = started;
+    let mut spins = 0u32;
     let mut warned = false;
-    loop {
-        let seen = single_doorbell.as_ref().map(|d| d.doorbell_seq());
+    let pass_all = |execs: &mut Vec<Exec>| -> Result<(bool, bool)> {
         let mut moved = false;
         for e in execs.iter_mut() {
             moved |= e.pass()?;
         }
-        if execs.iter().all(|e| e.remaining == 0) {
+        Ok((moved, execs.iter().all(|e| e.remaining == 0)))
+    };
+    loop {
+        let (moved, done) = pass_all(&mut execs)?;
+        if done {
             return Ok(());
         }
-        let now = Instant::now();
         if moved {
-            last_progress = now;
+            idle_since = None;
+            spins = 0;
             continue;
         }
-        let idle = now - last_progress;
-        if idle < execs[0].wiring.spin {
+        // Reading the clock costs about as much as a pass: only now and then while spinning.
+        spins = spins.wrapping_add(1);
+        if spins % 64 != 0 {
             std::hint::spin_loop();
+            continue;
+        }
+        let now = Instant::now();
+        let idle = now - *idle_since.get_or_insert(now);
+        if idle < execs[0].wiring.spin {
             continue;
         }
         if now - last_check >= Duration::from_millis(20) {
@@ -692,9 +702,27 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
                 }
             }
         }
-        match (&single_doorbell, seen) {
-            (Some(d), Some(seen)) => d.sleep(seen, Duration::from_millis(20)),
-            _ => std::thread::yield_now(),
+        match &single_doorbell {
+            Some(d) => {
+                // Announce the sleep, then look once more: a peer that published before it saw
+                // the announcement is caught by this pass, one that published after rings.
+                let seen = d.prepare_sleep();
+                match pass_all(&mut execs) {
+                    Ok((false, false)) => d.sleep(seen, Duration::from_millis(20)),
+                    Ok((_, done)) => {
+                        d.cancel_sleep();
+                        if done {
+                            return Ok(());
+                        }
+                        idle_since = None;
+                    }
+                    Err(e) => {
+                        d.cancel_sleep();
+                        return Err(e);
+                    }
+                }
+            }
+            None => std::thread::yield_now(),
         }
     }
 }

@@ -208,25 +208,32 @@ impl Segment {
         unsafe { self.map.ptr().add(off) }
     }
 
-    /// Wakes the owner if it sleeps on its doorbell.
+    /// Wakes the owner if it sleeps on its doorbell. Callers publish their change first; the
+    /// fence orders it before the look at `sleepers`, so either the owner's last look for work
+    /// (see `prepare_sleep`) sees the change or this sees the owner asleep. The doorbell line
+    /// is only written when someone sleeps, so busy ranks do not bounce it between cores.
     pub fn ring(&self) {
-        self.doorbell().fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleepers().load(Ordering::SeqCst) > 0 {
+            self.doorbell().fetch_add(1, Ordering::SeqCst);
             os::futex_wake_all(self.doorbell());
         }
     }
 
-    /// The doorbell count; read it before a progress pass and hand it to `sleep`.
-    pub fn doorbell_seq(&self) -> u32 {
+    /// Announces that the owner is about to sleep and returns the doorbell value to sleep on.
+    /// The owner must look for work once more afterwards, then call `sleep` or `cancel_sleep`.
+    pub fn prepare_sleep(&self) -> u32 {
+        self.sleepers().fetch_add(1, Ordering::SeqCst);
         self.doorbell().load(Ordering::SeqCst)
     }
 
-    /// Sleeps until someone rings after `seen` was read, or `timeout` passes.
+    pub fn cancel_sleep(&self) {
+        self.sleepers().fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Sleeps until someone rings after `prepare_sleep` returned `seen`, or `timeout` passes.
     pub fn sleep(&self, seen: u32, timeout: Duration) {
-        self.sleepers().fetch_add(1, Ordering::SeqCst);
-        if self.doorbell().load(Ordering::SeqCst) == seen {
-            os::futex_wait(self.doorbell(), seen, timeout);
-        }
+        os::futex_wait(self.doorbell(), seen, timeout);
         self.sleepers().fetch_sub(1, Ordering::SeqCst);
     }
 
