@@ -418,8 +418,11 @@ fn scenario(w: &Worker) -> Result<(), String> {
                 ));
             }
             let msg = last_error();
-            if !msg.contains("rank 1") {
-                return Err(format!("error does not name the dead rank: {msg}"));
+            // Either this rank saw rank 1 die, or it saw a survivor abort after seeing it.
+            if !(msg.contains("rank 1") || (msg.contains("rank 0") && msg.contains("aborted"))) {
+                return Err(format!(
+                    "error names neither the dead rank nor the aborting one: {msg}"
+                ));
             }
             let mut state = ncclResult_t::ncclSuccess;
             nccl!(ncclCommGetAsyncError(c, &mut state));

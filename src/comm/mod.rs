@@ -164,7 +164,7 @@ impl Comm {
             warn_after: crate::env::seconds("WARN_AFTER")
                 .flatten()
                 .unwrap_or(Duration::from_secs(60)),
-            scratch: Mutex::new(Vec::new()),
+            cache: Mutex::new(Default::default()),
             spin: Duration::from_micros(spin_us.max(0) as u64),
             links,
             huge_pages_from,

@@ -51,8 +51,9 @@ pub struct Wiring {
     pub timeout: Option<Duration>,
     /// Log which ranks we are waiting for after this long without progress.
     pub warn_after: Duration,
-    /// Reused scratch space, so large operations do not fault in fresh pages every call.
-    pub scratch: Mutex<Vec<u8>>,
+    /// Memory reused from call to call: scratch space (so large operations do not fault in
+    /// fresh pages every call) and the executor's own tables (so small ones allocate nothing).
+    pub cache: Mutex<ExecCache>,
     /// Spin this long before sleeping on the doorbell.
     pub spin: Duration,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
@@ -93,17 +94,38 @@ struct XStep {
     action: Action,
     op: usize,
     waiting_on: u32,
-    dependents: Vec<u32>,
+    /// This step's dependents are `edges[first_dependent..first_dependent + dependents]`.
+    first_dependent: u32,
+    dependents: u32,
     done: bool,
     send: SendCursor,
     recv: RecvCursor,
 }
+
+/// The executor's tables, kept between calls so that their memory is reused.
+#[derive(Default)]
+pub struct ExecCache {
+    scratch: Vec<u8>,
+    steps: Vec<XStep>,
+    edges: Vec<u32>,
+    pairs: Vec<(u32, u32)>,
+    send_q: Vec<VecDeque<u32>>,
+    recv_q: Vec<VecDeque<u32>>,
+    peers: Vec<usize>,
+    posted: Vec<u32>,
+    ready_local: Vec<u32>,
+}
+
+// SAFETY: between calls the cached steps hold stale addresses that are never dereferenced;
+// each run clears the tables before filling them, under the communicator's lock.
+unsafe impl Send for ExecCache {}
 
 /// One communicator's share of a run.
 struct Exec<'a> {
     wiring: &'a Wiring,
     ops: Vec<HostOp>,
     steps: Vec<XStep>,
+    edges: Vec<u32>,
     send_q: Vec<VecDeque<u32>>,
     recv_q: Vec<VecDeque<u32>>,
     peers: Vec<usize>,
@@ -141,9 +163,29 @@ impl Action {
 }
 
 impl<'a> Exec<'a> {
-    fn new(wiring: &'a Wiring, ops: Vec<HostOp>, scratch: *mut u8) -> Result<Exec<'a>> {
+    /// Returns the tables' memory to the communicator's cache.
+    fn recycle(self, cache: &mut ExecCache) {
+        cache.steps = self.steps;
+        cache.edges = self.edges;
+        cache.send_q = self.send_q;
+        cache.recv_q = self.recv_q;
+        cache.peers = self.peers;
+        cache.posted = self.posted;
+        cache.ready_local = self.ready_local;
+    }
+
+    fn new(wiring: &'a Wiring, ops: Vec<HostOp>, cache: &mut ExecCache) -> Result<Exec<'a>> {
         let npeers = wiring.links.len();
-        let mut steps = Vec::new();
+        let need: usize = ops
+            .iter()
+            .map(|o| o.schedule.scratch.next_multiple_of(64))
+            .sum();
+        if cache.scratch.len() < need {
+            cache.scratch.resize(need, 0);
+        }
+        let scratch = cache.scratch.as_mut_ptr();
+        let mut steps = std::mem::take(&mut cache.steps);
+        steps.clear();
         let mut scratch_at = 0usize;
         for (oi, op) in ops.iter().enumerate() {
             if let Some(min) = wiring.huge_pages_from {
@@ -219,7 +261,8 @@ impl<'a> Exec<'a> {
                     action,
                     op: oi,
                     waiting_on: 0,
-                    dependents: Vec::new(),
+                    first_dependent: 0,
+                    dependents: 0,
                     done: false,
                     send: SendCursor::default(),
                     recv: RecvCursor::default(),
@@ -227,24 +270,48 @@ impl<'a> Exec<'a> {
             }
             scratch_at += op.schedule.scratch.next_multiple_of(64);
         }
-        // Hazards: step i waits for every earlier step j it conflicts with.
-        let ranges: Vec<_> = steps.iter().map(|s| s.action.ranges()).collect();
+        // Hazards: step i waits for every earlier step j it conflicts with. The (j, i) pairs
+        // are then laid out by j, so each step finds its dependents in one slice.
+        let mut pairs = std::mem::take(&mut cache.pairs);
+        pairs.clear();
         for i in 0..steps.len() {
-            let (ri, wi) = ranges[i];
+            let (ri, wi) = steps[i].action.ranges();
             for j in 0..i {
-                let (rj, wj) = ranges[j];
+                let (rj, wj) = steps[j].action.ranges();
                 let conflict = overlaps(wi, wj)
                     || rj.iter().any(|&r| overlaps(wi, r))
                     || ri.iter().any(|&r| overlaps(r, wj));
                 if conflict {
-                    steps[j].dependents.push(i as u32);
+                    pairs.push((j as u32, i as u32));
                     steps[i].waiting_on += 1;
+                    steps[j].dependents += 1;
                 }
             }
         }
-        let mut send_q = vec![VecDeque::new(); npeers];
-        let mut recv_q = vec![VecDeque::new(); npeers];
-        let mut ready_local = Vec::new();
+        let mut at = 0u32;
+        for s in steps.iter_mut() {
+            s.first_dependent = at;
+            at += s.dependents;
+            s.dependents = 0;
+        }
+        let mut edges = std::mem::take(&mut cache.edges);
+        edges.clear();
+        edges.resize(pairs.len(), 0);
+        for &(j, i) in &pairs {
+            let s = &mut steps[j as usize];
+            edges[(s.first_dependent + s.dependents) as usize] = i;
+            s.dependents += 1;
+        }
+        cache.pairs = pairs;
+        let mut send_q = std::mem::take(&mut cache.send_q);
+        let mut recv_q = std::mem::take(&mut cache.recv_q);
+        for q in send_q.iter_mut().chain(recv_q.iter_mut()) {
+            q.clear();
+        }
+        send_q.resize_with(npeers, VecDeque::new);
+        recv_q.resize_with(npeers, VecDeque::new);
+        let mut ready_local = std::mem::take(&mut cache.ready_local);
+        ready_local.clear();
         for (i, s) in steps.iter().enumerate() {
             match s.action {
                 Action::Send { peer, .. } => send_q[peer].push_back(i as u32),
@@ -257,28 +324,34 @@ impl<'a> Exec<'a> {
             }
         }
         ready_local.reverse();
-        let peers = (0..npeers)
-            .filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty())
-            .collect();
+        let mut peers = std::mem::take(&mut cache.peers);
+        peers.clear();
+        peers.extend((0..npeers).filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty()));
+        let mut posted = std::mem::take(&mut cache.posted);
+        posted.clear();
         let remaining = steps.len();
         Ok(Exec {
             wiring,
             ops,
             steps,
+            edges,
             send_q,
             recv_q,
             peers,
-            posted: Vec::new(),
+            posted,
             ready_local,
             remaining,
         })
     }
 
     fn complete(&mut self, i: u32) {
-        let deps = std::mem::take(&mut self.steps[i as usize].dependents);
-        self.steps[i as usize].done = true;
+        let step = &mut self.steps[i as usize];
+        step.done = true;
+        let range =
+            step.first_dependent as usize..(step.first_dependent + step.dependents) as usize;
         self.remaining -= 1;
-        for d in deps {
+        for k in range {
+            let d = self.edges[k];
             let s = &mut self.steps[d as usize];
             s.waiting_on -= 1;
             if s.waiting_on == 0 && matches!(s.action, Action::Local { .. }) {
@@ -624,25 +697,26 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     let mut guards = Vec::with_capacity(jobs.len());
     let mut execs = Vec::with_capacity(jobs.len());
     for (wiring, ops) in jobs {
-        let need: usize = ops
-            .iter()
-            .map(|o| o.schedule.scratch.next_multiple_of(64))
-            .sum();
-        let mut scratch = wiring.scratch.lock();
-        if scratch.len() < need {
-            scratch.resize(need, 0);
-        }
-        let ptr = scratch.as_mut_ptr();
-        guards.push(scratch);
-        execs.push(Exec::new(wiring, ops, ptr)?);
+        let mut cache = wiring.cache.lock();
+        execs.push(Exec::new(wiring, ops, &mut cache)?);
+        guards.push(cache);
     }
+    let result = drive(&mut execs);
+    for (e, mut cache) in execs.into_iter().zip(guards) {
+        e.recycle(&mut cache);
+    }
+    result
+}
+
+/// Progresses every communicator's steps until all are done or one fails.
+fn drive(execs: &mut Vec<Exec>) -> Result<()> {
     let single_doorbell = match execs.as_slice() {
         [only] => only.wiring.doorbell.clone(),
         _ => None,
     };
-    let started = Instant::now();
+    let mut started: Option<Instant> = None;
     let mut idle_since: Option<Instant> = None;
-    let mut last_check = started;
+    let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
     let mut warned = false;
     let pass_all = |execs: &mut Vec<Exec>| -> Result<(bool, bool)> {
@@ -653,7 +727,7 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
         Ok((moved, execs.iter().all(|e| e.remaining == 0)))
     };
     loop {
-        let (moved, done) = pass_all(&mut execs)?;
+        let (moved, done) = pass_all(execs)?;
         if done {
             return Ok(());
         }
@@ -669,13 +743,14 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
             continue;
         }
         let now = Instant::now();
+        let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
         if idle < execs[0].wiring.spin {
             continue;
         }
-        if now - last_check >= Duration::from_millis(20) {
-            last_check = now;
-            for e in &execs {
+        if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
+            last_check = Some(now);
+            for e in execs.iter() {
                 e.check_peers()
                     .map_err(|err| err.context(format!("rank {}", e.wiring.rank)))?;
                 let (_, what) = e.blocked_on();
@@ -707,7 +782,7 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
                 // Announce the sleep, then look once more: a peer that published before it saw
                 // the announcement is caught by this pass, one that published after rings.
                 let seen = d.prepare_sleep();
-                match pass_all(&mut execs) {
+                match pass_all(execs) {
                     Ok((false, false)) => d.sleep(seen, Duration::from_millis(20)),
                     Ok((_, done)) => {
                         d.cancel_sleep();

@@ -244,7 +244,8 @@ impl Segment {
         } else {
             CLOSED_DESTROYED
         };
-        self.closed().store(v, Ordering::SeqCst);
+        // An abort stays an abort when the communicator is dropped afterwards.
+        self.closed().fetch_max(v, Ordering::SeqCst);
     }
 
     fn base_addr(&self) -> usize {
