@@ -8,9 +8,13 @@ export COMM_DEPS=${COMM_DEPS:-$COMM_ROOT/.deps}
 mkdir -p "$COMM_DEPS"
 
 apt_missing=()
-for tool in cmake:cmake gcc:gcc g++:g++ nm:binutils pkg-config:pkg-config; do
+for tool in cmake:cmake gcc:gcc g++:g++ nm:binutils pkg-config:pkg-config mpirun:openmpi-bin; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || apt_missing+=("${tool##*:}")
 done
+# MPI's headers and libraries, for the benchmarks' _mpi variants and mpi_perf.
+if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libopenmpi-dev >/dev/null 2>&1; then
+  apt_missing+=(libopenmpi-dev)
+fi
 if ((${#apt_missing[@]})); then
   echo "installing ${apt_missing[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
@@ -29,6 +33,10 @@ if [ ! -f "$SITE/nvidia/cu13/include/cuda_runtime.h" ]; then
   "$VENV/bin/pip" install -q "cuda-toolkit[nvcc,cccl,cudart]==13.0.*"
 fi
 export COMM_TEST_CUDA_INCLUDE=$SITE/nvidia/cu13/include
+# matplotlib, for bench/plot.py.
+if ! "$VENV/bin/python" -c 'import matplotlib' >/dev/null 2>&1; then
+  "$VENV/bin/pip" install -q matplotlib
+fi
 
 # NVIDIA's own nccl.h (API level 2.30.7), to compare ABIs and to build programs against it.
 NCCL_H=$COMM_DEPS/nvidia-nccl-2.30.7/include

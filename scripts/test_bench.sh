@@ -1,0 +1,190 @@
+#!/usr/bin/env bash
+# Builds the benchmarks (bench/) with CMake against this tree's libcomm and runs every one of
+# them briefly as a correctness test, not a measurement: small sweeps on several rank layouts
+# (threads, -t x -g, torchrun-style processes, mpirun), every datatype and op for two of them,
+# mpi_perf, a JSON file through plot.py, and the failure paths (options that cannot be
+# honoured, a corrupted result, -T). Also compiles them against NVIDIA's nccl.h.
+#
+# Fails when a run exits non-zero, prints a non-zero #wrong, or says FAILED. Every run is
+# under `timeout` (COMM_BENCH_TEST_TIMEOUT seconds, default 120).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+start=$(date +%s)
+limit=${COMM_BENCH_TEST_TIMEOUT:-120}
+
+echo "building bench/ with CMake"
+if ! { cmake -S . -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DCOMM_CARGO_TARGET_DIR="$PWD/target" &&
+       cmake --build "$work/build" -j2; } >"$work/build.log" 2>&1; then
+  tail -40 "$work/build.log"
+  echo "bench build failed" >&2
+  exit 1
+fi
+bin=$work/build/bench
+for p in all_reduce_perf_mpi mpi_perf; do
+  [ -x "$bin/$p" ] || { echo "$p was not built: is MPI (libopenmpi-dev) installed?" >&2; exit 1; }
+done
+
+if ! "$bin/comm_bench_selftest" >"$work/selftest.log" 2>&1; then
+  cat "$work/selftest.log" >&2
+  echo "harness selftest failed" >&2
+  exit 1
+fi
+
+COLLS=(all_reduce all_gather reduce_scatter alltoall alltoallv broadcast reduce gather scatter sendrecv)
+SWEEP=(-c 1 -n 2 -w 1 -b 8 -e 1M -f 4)
+MPIRUN=(mpirun --oversubscribe)
+[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+failures=()
+runs=0
+
+# The table of a log is right: every #wrong column (found from the header) holds 0, or N/A
+# where a column is not checked, and the footer says OK.
+table_ok() {
+  awk '
+    /^#/ && /#wrong/ { n = 0; for (i = 2; i <= NF; i++) if ($i == "#wrong") col[++n] = i - 1; next }
+    /^#/ { next }
+    $1 ~ /^[0-9]+$/ && n > 0 {
+      rows++
+      for (k = 1; k <= n; k++) if ($(col[k]) != "0" && !(k > 1 && $(col[k]) == "N/A")) { print "wrong: " $0; bad = 1 }
+    }
+    END { exit (bad || rows == 0) }' "$1" &&
+    grep -q "^# Out of bounds values : 0 OK" "$1" && ! grep -q FAILED "$1"
+}
+
+fail() {
+  failures+=("$1")
+  echo "FAIL: $1" >&2
+  shift
+  for log in "$@"; do
+    echo "---- $log" >&2
+    tail -30 "$log" >&2
+  done
+}
+
+# run NAME COMMAND...: one process (or mpirun) whose output holds the table.
+run() {
+  local name=$1 log=$work/log.$runs rc=0
+  shift
+  runs=$((runs + 1))
+  timeout "$limit" "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ] || ! table_ok "$log"; then fail "$name (exit $rc)" "$log"; fi
+}
+
+free_port() {
+  "$COMM_DEPS/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# run_env NAME NPROCS COMMAND...: processes started the way torchrun does (RANK, WORLD_SIZE,
+# LOCAL_RANK, MASTER_ADDR, MASTER_PORT); process 0 prints the table.
+run_env() {
+  local name=$1 n=$2 port pids=() rc=0 logs=() r
+  shift 2
+  port=$(free_port)
+  for ((r = 0; r < n; r++)); do
+    logs+=("$work/log.$runs.$r")
+    RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      timeout "$limit" "$@" >"${logs[r]}" 2>&1 &
+    pids+=($!)
+  done
+  runs=$((runs + 1))
+  for r in "${!pids[@]}"; do wait "${pids[r]}" || rc=$?; done
+  if [ "$rc" != 0 ] || ! table_ok "${logs[0]}"; then fail "$name (exit $rc)" "${logs[@]}"; fi
+}
+
+# expect_fail NAME STATUS PATTERN COMMAND...: the run must end with STATUS and print PATTERN.
+expect_fail() {
+  local name=$1 want=$2 pattern=$3 log=$work/log.$runs rc=0
+  shift 3
+  runs=$((runs + 1))
+  timeout "$limit" "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" != "$want" ] || ! grep -q -- "$pattern" "$log"; then fail "$name (exit $rc, want $want and '$pattern')" "$log"; fi
+}
+
+# comm deadlocks on an in-place ring of send/recv (sendbuff == recvbuff) among 2 or more
+# ranks from the single-copy threshold (32K) up: each rank's receive waits for its own send to
+# be read, which waits for the next rank's receive. Until that is fixed, sendrecv sweeps stop
+# below it; the probe says when the cap can go.
+cap_sendrecv() {
+  local coll=$1
+  shift
+  if [ "$coll" = sendrecv ] && [ "${SENDRECV_BUG:-1}" = 1 ]; then
+    echo "$@" | sed 's/-e 1M/-e 16K/'
+  else
+    echo "$@"
+  fi
+}
+if timeout 10 "$bin/sendrecv_perf" -t 3 -b 64K -e 64K -n 1 -w 0 -c 1 >"$work/probe.log" 2>&1; then
+  SENDRECV_BUG=0
+  echo "note: in-place sendrecv on 3 ranks no longer deadlocks: the sendrecv cap in this script can go"
+else
+  SENDRECV_BUG=1
+  echo "note: known comm bug: in-place sendrecv deadlocks at >= 32K; sendrecv sweeps stop at 16K"
+fi
+
+echo "every collective, every layout"
+for c in "${COLLS[@]}"; do
+  # shellcheck disable=SC2046
+  run "$c -t 3" "$bin/${c}_perf" -t 3 $(cap_sendrecv "$c" "${SWEEP[@]}")
+  # shellcheck disable=SC2046
+  run "$c -t 2 -g 2" "$bin/${c}_perf" -t 2 -g 2 $(cap_sendrecv "$c" "${SWEEP[@]}")
+  # shellcheck disable=SC2046
+  run_env "$c, 2 processes" 2 "$bin/${c}_perf" $(cap_sendrecv "$c" "${SWEEP[@]}")
+  # shellcheck disable=SC2046
+  run_env "$c, 3 processes" 3 "$bin/${c}_perf" $(cap_sendrecv "$c" "${SWEEP[@]}")
+  # shellcheck disable=SC2046
+  run "${c}_perf_mpi -np 3" "${MPIRUN[@]}" -np 3 "$bin/${c}_perf_mpi" $(cap_sendrecv "$c" "${SWEEP[@]}")
+  run "mpi_perf $c -np 3" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" "$c" "${SWEEP[@]}"
+done
+
+echo "every datatype and op"
+run "all_reduce -d all -o all" "$bin/all_reduce_perf" -t 3 -d all -o all -c 1 -n 1 -w 1 -b 8 -e 64K -f 8
+run "reduce_scatter -d all -o all" "$bin/reduce_scatter_perf" -t 3 -d all -o all -c 1 -n 1 -w 1 -b 8 -e 64K -f 8
+run "reduce -d all -o all -r -1" "$bin/reduce_perf" -t 2 -g 2 -d all -o all -r -1 -c 1 -n 1 -w 0 -b 8 -e 4K -f 16
+run "mpi_perf reduce_scatter -d all -o all" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" reduce_scatter -d all -o all -c 1 -n 1 -b 8 -e 64K -f 8
+
+echo "options"
+run "all_reduce, many options" "$bin/all_reduce_perf" -t 2 -g 2 -m 2 -z 1 -I 1 -K 1 -S 1 -C 1 -a 3 -u 1 -R 1 -M 1 -N 2 \
+  -p 1 -n 3 -c 2 -b 8 -e 256K -f 8
+run "alltoallv -z 3 -a 0 -y 1" "$bin/alltoallv_perf" -t 3 -z 3 -a 0 -y 1 -x 1 -c 1 -n 2 -b 1K -e 256K -f 16
+run_env "broadcast -r -1 -z 2, 2 processes x 2 threads" 2 "$bin/broadcast_perf" -t 2 -r -1 -z 2 -c 1 -n 2 -b 8 -e 64K -f 16
+run "gather -i step" "$bin/gather_perf" -t 3 -r 2 -c 1 -n 1 -b 1K -e 9K -i 4K
+
+echo "JSON and plot.py"
+run "scatter -J" "$bin/scatter_perf" -t 3 -c 1 -n 2 -b 8 -e 1M -f 4 -J "$work/scatter.json"
+run "mpi_perf scatter -J" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" scatter -c 1 -n 2 -b 8 -e 1M -f 4 -J "$work/scatter_mpi.json"
+if ! "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.png" "comm=$work/scatter.json" \
+      "mpi=$work/scatter_mpi.json" >"$work/plot.log" 2>&1 || [ ! -s "$work/plot.png" ]; then
+  fail "plot.py" "$work/plot.log"
+fi
+
+echo "failure paths"
+if [ ! -e /dev/nvidia0 ]; then
+  expect_fail "--memory device without a GPU" 5 "not supported: --memory device" "$bin/all_reduce_perf" --memory device
+fi
+expect_fail "-G 1" 5 "not supported: -G" "$bin/all_reduce_perf" -G 1
+expect_fail "mpi_perf -d half" 5 "not supported: -d half" "${MPIRUN[@]}" -np 2 "$bin/mpi_perf" all_reduce -d half
+expect_fail "a corrupted result is caught" 7 "Out of bounds values : [1-9].* FAILED" \
+  env COMM_BENCH_DEBUG_CORRUPT=2 "$bin/reduce_scatter_perf" -t 3 -c 1 -n 1 -b 1K -e 4K -f 4
+if table_ok "$work/log.$((runs - 1))" >/dev/null; then fail "table_ok missed a corrupted result"; fi
+expect_fail "-T on a stalled rank" 4 "Test timeout (2s)" \
+  env COMM_BENCH_DEBUG_STALL=1 "$bin/all_reduce_perf" -t 2 -T 2 -b 1K -e 1K
+
+echo "compiling against NVIDIA's nccl.h"
+mkdir -p "$work/nvidia/include"
+cp "$COMM_TEST_NVIDIA_NCCL_INCLUDE/nccl.h" "$work/nvidia/include/"
+if ! { cmake -S bench -B "$work/nv" -DCOMM_BENCH_NCCL_HOME="$work/nvidia" \
+         -DCOMM_BENCH_CUDA_INCLUDE="$COMM_TEST_CUDA_INCLUDE" -DCMAKE_C_FLAGS=-Werror &&
+       cmake --build "$work/nv" -j2; } >"$work/nv.log" 2>&1; then
+  fail "build against NVIDIA's nccl.h" "$work/nv.log"
+fi
+
+echo "$runs runs in $(($(date +%s) - start)) s"
+if ((${#failures[@]})); then
+  printf 'failed: %s\n' "${failures[@]}" >&2
+  exit 1
+fi
+echo "bench tests passed"
