@@ -419,7 +419,8 @@ fn scenario(w: &Worker) -> Result<(), String> {
             }
             let msg = last_error();
             // Either this rank saw rank 1 die, or it saw a survivor abort after seeing it.
-            if !(msg.contains("rank 1") || (msg.contains("rank 0") && msg.contains("aborted"))) {
+            let other = if w.rank == 0 { "rank 2" } else { "rank 0" };
+            if !(msg.contains("rank 1") || (msg.contains(other) && msg.contains("aborted"))) {
                 return Err(format!(
                     "error names neither the dead rank nor the aborting one: {msg}"
                 ));
