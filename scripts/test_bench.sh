@@ -28,7 +28,7 @@ for p in all_reduce_perf_mpi mpi_perf; do
   [ -x "$bin/$p" ] || { echo "$p was not built: is MPI (libopenmpi-dev) installed?" >&2; exit 1; }
 done
 
-if ! "$bin/comm_bench_selftest" >"$work/selftest.log" 2>&1; then
+if ! timeout "$limit" "$bin/comm_bench_selftest" >"$work/selftest.log" 2>&1; then
   cat "$work/selftest.log" >&2
   echo "harness selftest failed" >&2
   exit 1
@@ -156,7 +156,7 @@ run "gather -i step" "$bin/gather_perf" -t 3 -r 2 -c 1 -n 1 -b 1K -e 9K -i 4K
 echo "JSON and plot.py"
 run "scatter -J" "$bin/scatter_perf" -t 3 -c 1 -n 2 -b 8 -e 1M -f 4 -J "$work/scatter.json"
 run "mpi_perf scatter -J" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" scatter -c 1 -n 2 -b 8 -e 1M -f 4 -J "$work/scatter_mpi.json"
-if ! "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.png" "comm=$work/scatter.json" \
+if ! timeout "$limit" "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.png" "comm=$work/scatter.json" \
       "mpi=$work/scatter_mpi.json" >"$work/plot.log" 2>&1 || [ ! -s "$work/plot.png" ]; then
   fail "plot.py" "$work/plot.log"
 fi
