@@ -1,0 +1,28 @@
+"""PyTorch and torchcomms backends over libcomm (the ``comm`` collective library).
+
+``import comm_torch`` registers the torch.distributed backend "comm"; on torch 2.15 and
+later the ``torch.distributed.backends`` entry point does it without the import. The
+torchcomms backend "comm" is in ``comm_torch.torchcomms_backend`` and is found through the
+``torchcomms.backends`` entry point.
+"""
+
+from ._lib import CommError, features, library_path, load_library, version
+
+__version__ = "0.1.0"
+__all__ = ["CommError", "features", "library_path", "load_library", "register", "version"]
+
+try:
+    import torch.distributed as _dist
+
+    _HAVE_DIST = _dist.is_available()
+except ImportError:  # pragma: no cover
+    _HAVE_DIST = False
+
+if _HAVE_DIST:
+    from .backend import register
+
+    register()
+else:  # pragma: no cover
+
+    def register():
+        raise RuntimeError("comm_torch: this torch build has no torch.distributed")

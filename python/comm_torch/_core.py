@@ -1,0 +1,1096 @@
+"""The engine shared by the torch.distributed and torchcomms backends.
+
+``Engine`` owns one libcomm communicator and turns tensor operations into library calls:
+each torch operation becomes one library call, or one ncclGroupStart/ncclGroupEnd group, run
+by the communicator's executor. The executor keeps every call on a communicator in issue
+order: a synchronous call with nothing in flight runs inline in the caller's thread (the
+fast path for small messages); anything else goes to a worker thread, so ``async_op=True``
+returns before the data moves. ctypes releases the GIL while libcomm runs, so the caller's
+Python thread keeps going.
+
+On host memory a libcomm call is complete when it returns. Device (CUDA) tensors follow
+NCCL's stream semantics: the call is enqueued on a communication stream that first waits for
+the caller's current stream, and ``wait()`` makes the caller's stream wait for it. libcomm has
+no device path yet, so CUDA tensors are refused until ``commGetFeatures`` reports
+COMM_FEATURE_DEVICE_MEMORY.
+"""
+
+import ctypes
+import datetime
+import queue
+import threading
+
+import torch
+
+from . import _lib
+from ._lib import CommError
+
+_byref = ctypes.byref
+
+
+def _dtype_table():
+    table = {
+        torch.int8: _lib.INT8,
+        torch.uint8: _lib.UINT8,
+        torch.int32: _lib.INT32,
+        torch.int64: _lib.INT64,
+        torch.float16: _lib.FLOAT16,
+        torch.float32: _lib.FLOAT32,
+        torch.float64: _lib.FLOAT64,
+        torch.bfloat16: _lib.BFLOAT16,
+    }
+    for name, code in (
+        ("uint32", _lib.UINT32),
+        ("uint64", _lib.UINT64),
+        ("float8_e4m3fn", _lib.FLOAT8E4M3),
+        ("float8_e5m2", _lib.FLOAT8E5M2),
+    ):
+        dtype = getattr(torch, name, None)
+        if dtype is not None:
+            table[dtype] = code
+    return table
+
+
+_DTYPES = _dtype_table()
+
+_OPS = {
+    "sum": _lib.OP_SUM,
+    "product": _lib.OP_PROD,
+    "max": _lib.OP_MAX,
+    "min": _lib.OP_MIN,
+    "avg": _lib.OP_AVG,
+    "band": _lib.OP_BAND,
+    "bor": _lib.OP_BOR,
+    "bxor": _lib.OP_BXOR,
+}
+
+
+class Reduction:
+    """A reduction as the engine sees it: ``kind`` is one of the _OPS names or "premul_sum"."""
+
+    __slots__ = ("kind", "factor")
+
+    def __init__(self, kind, factor=None):
+        self.kind = kind
+        self.factor = factor
+
+    def __repr__(self):
+        return f"Reduction({self.kind!r})" if self.factor is None else f"Reduction(premul_sum, {self.factor})"
+
+
+SUM = Reduction("sum")
+
+
+# ----------------------------------------------------------------------------------------
+# Work: what an operation returns.
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    # torch passes kNoTimeout (0 ms) when the caller gave none.
+    return None if timeout <= 0 else float(timeout)
+
+
+try:
+    from torch.distributed import Work as _WorkBase
+except Exception:  # pragma: no cover - torch without distributed
+    _WorkBase = object
+
+
+class CommWork(_WorkBase):
+    """Completion of one operation (or one coalesced group of them).
+
+    A subclass of torch.distributed.Work, so torch's PyWork trampoline forwards ``wait`` and
+    ``get_future`` here (torch/csrc/distributed/c10d/PyProcessGroup.hpp). ``wait`` raises the
+    library's error as CommError.
+
+    ``get_future`` returns a future chained with ``then`` from an internal one: a Python
+    ``Future.set_exception`` only marks the Python wrapper (torch/futures/__init__.py sets an
+    unwrap function), so a consumer in C++ such as DDP's reducer would see the exception as a
+    value; an exception raised inside a ``then`` callback fails the C++ future itself.
+    """
+
+    def __init__(self, result=None, done=False, error=None):
+        if _WorkBase is not object:
+            super().__init__()
+        self._result = result
+        self._error = error
+        self._done = done
+        self._event = None if done else threading.Event()
+        self._lock = threading.Lock()
+        self._base = None
+        self._future = None
+        self._end_event = None  # CUDA event recorded after a device operation
+        self._device = None
+
+    # -- completion (executor side)
+    def _complete(self, error=None):
+        self._error = error
+        with self._lock:
+            self._done = True
+            base = self._base
+            event = self._event
+        if event is not None:
+            event.set()
+        if base is not None:
+            base.set_result(None)
+
+    # -- torch.distributed.Work interface
+    def wait(self, timeout=None):
+        if not self._done:
+            if not self._event.wait(_seconds(timeout)):
+                raise CommError(f"comm: operation did not complete within {timeout}", call="wait")
+        if self._error is not None:
+            raise self._error
+        if self._end_event is not None:
+            # Device work: the caller's stream waits for the communication stream.
+            torch.cuda.current_stream(self._device).wait_event(self._end_event)
+        return True
+
+    def is_completed(self):
+        if not self._done:
+            return False
+        if self._end_event is not None and self._error is None:
+            return self._end_event.query()
+        return True
+
+    def is_success(self):
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def source_rank(self):
+        raise RuntimeError("comm: source_rank is only defined for recv from any source, which comm does not support")
+
+    def synchronize(self):
+        self.wait()
+
+    def _unwrap(self, _fut):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def get_future(self):
+        with self._lock:
+            if self._future is None:
+                self._base = torch.futures.Future()
+                self._future = self._base.then(self._unwrap)
+                ready = self._done
+            else:
+                ready = False
+        if ready:
+            self._base.set_result(None)
+        return self._future
+
+
+def completed_work(result=None):
+    return CommWork(result, done=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Tasks and the executor.
+
+
+class Task:
+    """Library calls for one torch operation. ``issue`` makes the calls (possibly inside an
+    enclosing group); ``finish`` runs after the group ended successfully (copy-outs);
+    ``cleanup`` runs after the group in any case (reduction ops to destroy)."""
+
+    __slots__ = ("issue", "finish", "cleanup", "result", "cuda", "work", "keep")
+
+    def __init__(self, issue, finish=None, cleanup=None, result=None, cuda=None, keep=None):
+        self.issue = issue
+        self.finish = finish
+        self.cleanup = cleanup
+        self.result = result
+        self.cuda = cuda  # (device, stream, start event) for device tensors
+        self.work = None
+        # The calls take raw pointers: every tensor they point into stays referenced here
+        # until the task has run.
+        self.keep = keep
+
+    def run(self):
+        """Runs the calls in this thread; raises the first error. Returns the CUDA end
+        event for device work, else None."""
+        try:
+            if self.cuda is None:
+                self.issue()
+                if self.finish is not None:
+                    self.finish()
+                return None
+            device, stream, start = self.cuda
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                self.issue()
+                if self.finish is not None:
+                    self.finish()
+                end = torch.cuda.Event()
+                end.record(stream)
+            return end
+        finally:
+            if self.cleanup is not None:
+                self.cleanup()
+
+    def execute(self):
+        """Runs the calls and completes ``self.work`` (the worker thread's side)."""
+        error = None
+        try:
+            end = self.run()
+            if end is not None:
+                self.work._end_event = end
+                self.work._device = self.cuda[0]
+        except BaseException as err:  # surfaced through wait(), never lost in the worker
+            error = err if isinstance(err, Exception) else CommError(f"comm: {err!r}")
+        self.work._complete(error)
+
+
+# What a synchronous operation that already ran inline returns: torch only waits on it.
+DONE = CommWork(None, done=True)
+
+_STOP = object()
+
+
+class Executor:
+    """Runs one communicator's tasks in issue order (see the module docstring)."""
+
+    def __init__(self, name):
+        self._name = name
+        self._lock = threading.Lock()
+        self._exec = threading.Lock()  # held while libcomm runs a task
+        self._pending = 0
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._closed = False
+
+    def enter_inline(self):
+        """True, holding the right to call libcomm in this thread now, when nothing is in
+        flight; the caller must call ``exit_inline``. False otherwise."""
+        with self._lock:
+            if self._closed:
+                raise CommError(f"comm: communicator {self._name} was shut down", call="run")
+            if self._pending or threading.current_thread() is self._thread:
+                return False
+            self._pending = 1
+            self._exec.acquire()
+        return True
+
+    def exit_inline(self):
+        self._exec.release()
+        with self._lock:
+            self._pending -= 1
+
+    def run(self, task, async_op):
+        if not async_op and self.enter_inline():
+            try:
+                end = task.run()
+            finally:
+                self.exit_inline()
+            if end is None:
+                return DONE
+            work = CommWork(task.result, done=True)
+            work._end_event, work._device = end, task.cuda[0]
+            return work
+        task.work = CommWork(task.result)
+        with self._lock:
+            if self._closed:
+                raise CommError(f"comm: communicator {self._name} was shut down", call="run")
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"comm-torch:{self._name}", daemon=True)
+                self._thread.start()
+            self._queue.put(task)
+        return task.work
+
+    def call(self, fn):
+        """Runs ``fn`` in issue order with the other tasks and returns its result (splits and
+        destruction are collective over the communicator, so they queue like operations)."""
+        out = {}
+
+        def issue():
+            out["value"] = fn()
+
+        self.run(Task(issue), async_op=False).wait()
+        return out.get("value")
+
+    def _loop(self):
+        while True:
+            task = self._queue.get()
+            if task is _STOP:
+                return
+            with self._exec:
+                task.execute()
+            with self._lock:
+                self._pending -= 1
+
+    def close(self, drain=True):
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(_STOP)
+        if thread is not None and drain and thread is not threading.current_thread():
+            thread.join()
+
+
+# ----------------------------------------------------------------------------------------
+# The communicator.
+
+
+def _exchange_unique_id(lib, store, rank, key):
+    if rank == 0:
+        uid = _lib.UniqueId()
+        lib.check(lib.ncclGetUniqueId(_byref(uid)), "ncclGetUniqueId")
+        store.set(key, bytes(uid))
+        return uid
+    raw = store.get(key)
+    if len(raw) != _lib.UNIQUE_ID_BYTES:
+        raise CommError(f"comm: the unique id under store key {key!r} has {len(raw)} bytes, expected 128")
+    return _lib.UniqueId.from_buffer_copy(raw)
+
+
+class Engine:
+    """One libcomm communicator and the operations on it."""
+
+    def __init__(self, lib, handle, rank, size, name):
+        self.lib = lib
+        self.handle = ctypes.c_void_p(handle)
+        self.rank = rank
+        self.size = size
+        self.name = name
+        self.executor = Executor(name)
+        self._all_reduce = lib.ncclAllReduce
+        self._coalescing = None
+        self._streams = {}
+        self._features = None
+        self._destroyed = False
+        self.origin = "init"  # or "split": how the communicator was made
+
+    # -- creation
+    @classmethod
+    def from_store(cls, store, rank, size, name, key="comm_torch/unique_id"):
+        """Creates the communicator of ``size`` ranks; rank 0's unique id travels through the
+        c10d ``store`` under ``key`` (the store is prefixed per process group by torch)."""
+        lib = _lib.load_library()
+        uid = _exchange_unique_id(lib, store, rank, key)
+        handle = ctypes.c_void_p()
+        config = _lib.Config.new(name)
+        lib.check(
+            lib.ncclCommInitRankConfig(_byref(handle), size, uid, rank, _byref(config)),
+            "ncclCommInitRankConfig",
+        )
+        if rank == 0:
+            # Every rank has read the id once the init returns here; a later group created
+            # under the same prefix (a re-initialized world on a long-lived store) must not
+            # find it.
+            try:
+                store.delete_key(key)
+            except Exception:
+                pass
+        return cls(lib, handle.value, rank, size, name)
+
+    def split(self, color, key, name):
+        """ncclCommSplit, collective over this communicator; None for NCCL_SPLIT_NOCOLOR."""
+
+        def do_split():
+            child = ctypes.c_void_p()
+            config = _lib.Config.new(name)
+            self._check(
+                self.lib.ncclCommSplit(self.handle, color, key, _byref(child), _byref(config)),
+                "ncclCommSplit",
+            )
+            return child.value
+
+        child = self.executor.call(do_split)
+        if color == _lib.SPLIT_NOCOLOR or not child:
+            return None
+        count, rank = ctypes.c_int(), ctypes.c_int()
+        self.lib.check(self.lib.ncclCommCount(child, _byref(count)), "ncclCommCount", child)
+        self.lib.check(self.lib.ncclCommUserRank(child, _byref(rank)), "ncclCommUserRank", child)
+        engine = Engine(self.lib, child, rank.value, count.value, name)
+        engine.origin = "split"
+        return engine
+
+    def destroy(self):
+        if self._destroyed:
+            return
+        self._destroyed = True
+
+        def do_destroy():
+            self._check(self.lib.ncclCommDestroy(self.handle), "ncclCommDestroy")
+
+        try:
+            self.executor.call(do_destroy)
+        finally:
+            self.executor.close()
+
+    def abort(self):
+        """ncclCommAbort from any thread: unblocks a call stuck on a dead peer."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.lib.ncclCommAbort(self.handle)
+        self.executor.close(drain=False)
+
+    def _check(self, result, call):
+        if result:
+            self.lib.check(result, call, self.handle)
+
+    # -- features and devices
+    def features(self):
+        if self._features is None:
+            self._features = self.lib.features()
+        return self._features
+
+    def _cuda_context(self, tensors, keep=()):
+        """None for host tensors; (device, stream, start event) for CUDA tensors, after the
+        checks: the library must report device memory, and one device per operation."""
+        device = None
+        for t in tensors:
+            if t.device.type != "cpu":
+                device = t.device
+                break
+        if device is None:
+            return None
+        if device.type != "cuda":
+            raise RuntimeError(f"comm: tensors on {device} are not supported (cpu and cuda only)")
+        if not self.features() & _lib.FEATURE_DEVICE_MEMORY:
+            raise RuntimeError(
+                "comm: CUDA tensors are not supported by this libcomm build: commGetFeatures does "
+                "not report COMM_FEATURE_DEVICE_MEMORY (the library's GPU path, or a CUDA driver, "
+                "is missing). Use CPU tensors, or backend='cpu:comm,cuda:nccl'."
+            )
+        for t in tensors:
+            if t.device != device:
+                raise RuntimeError(f"comm: tensors of one operation must be on one device, got {device} and {t.device}")
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        start = torch.cuda.Event()
+        start.record(torch.cuda.current_stream(device))
+        for t in list(tensors) + [k for k in keep if isinstance(k, torch.Tensor) and k.is_cuda]:
+            # The caching allocator must not hand this memory out again before the
+            # communication stream is done with it.
+            t.record_stream(stream)
+        return (device, stream, start)
+
+    # -- running tasks
+    def _submit(self, tensors, stream_box, issue, finish=None, cleanup=None, result=None, async_op=False, keep=()):
+        """Wraps the calls of one operation in a Task and runs it (or records it while
+        coalescing). ``stream_box[0]`` receives the stream handle the calls must pass;
+        ``keep`` lists the buffers the calls point into besides ``tensors``."""
+        cuda = self._cuda_context(tensors, keep)
+        if cuda is not None:
+            stream_box[0] = cuda[1].cuda_stream
+        task = Task(issue, finish, cleanup, result, cuda, (tensors, keep))
+        return self._dispatch(task, async_op)
+
+    def _dispatch(self, task, async_op):
+        if self._coalescing is not None:
+            self._coalescing.append(task)
+            # Valid once the work of end_coalescing completes, as with NCCL.
+            return completed_work(task.result)
+        return self.executor.run(task, async_op)
+
+    def _capture(self, make_op):
+        """The Task that ``make_op()`` builds, without running it."""
+        outer = self._coalescing
+        self._coalescing = []
+        try:
+            make_op()
+            tasks = self._coalescing
+        finally:
+            self._coalescing = outer
+        return tasks
+
+    def _wrapped(self, make_op, before=None, after=None, result=None, async_op=False):
+        """Runs the single operation ``make_op`` builds with host-side steps around it, all
+        in one task: ``before`` packs inputs, ``after`` copies outputs out."""
+        (inner,) = self._capture(make_op)
+
+        def issue():
+            if before is not None:
+                before()
+            inner.issue()
+
+        def finish():
+            if inner.finish is not None:
+                inner.finish()
+            if after is not None:
+                after()
+
+        task = Task(issue, finish, inner.cleanup, result, inner.cuda, inner.keep)
+        return self._dispatch(task, async_op)
+
+    def start_coalescing(self):
+        if self._coalescing is not None:
+            raise RuntimeError("comm: start_coalescing called twice without end_coalescing")
+        self._coalescing = []
+
+    def end_coalescing(self, async_op=True):
+        tasks, self._coalescing = self._coalescing, None
+        if tasks is None:
+            raise RuntimeError("comm: end_coalescing without start_coalescing")
+        return self._run_group(tasks, [t.result for t in tasks], async_op)
+
+    def group(self, build, result=None, async_op=False):
+        """Runs every operation ``build()`` issues on this engine as one library group."""
+        tasks = self._capture(build)
+        if self._coalescing is not None:
+            self._coalescing.extend(tasks)
+            return completed_work(result)
+        return self._run_group(tasks, result, async_op)
+
+    def _run_group(self, tasks, result, async_op):
+        if not tasks:
+            return completed_work(result)
+        lib, handle = self.lib, self.handle
+        cuda = next((t.cuda for t in tasks if t.cuda is not None), None)
+
+        def issue():
+            lib.check(lib.ncclGroupStart(), "ncclGroupStart")
+            try:
+                for t in tasks:
+                    t.issue()
+            finally:
+                lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", handle)
+
+        def finish():
+            for t in tasks:
+                if t.finish is not None:
+                    t.finish()
+
+        def cleanup():
+            for t in tasks:
+                if t.cleanup is not None:
+                    t.cleanup()
+
+        return self.executor.run(Task(issue, finish, cleanup, result, cuda, [t.keep for t in tasks]), async_op)
+
+    # -- reductions
+    def _reduction(self, dtype, op):
+        """(real view needed, ncclDataType_t, op code or None for PreMulSum) of ``op`` on
+        tensors of ``dtype``."""
+        kind = op.kind
+        as_real = False
+        if dtype.is_complex:
+            if kind not in ("sum", "avg", "premul_sum"):
+                raise RuntimeError(f"comm: {kind} is not defined on complex tensors")
+            as_real = True
+            dtype = torch.view_as_real(torch.empty(0, dtype=dtype)).dtype
+        if dtype == torch.bool:
+            # As ProcessGroupNCCL does: a sum of booleans is a logical or, a product a logical and.
+            bool_ops = {
+                "sum": "max",
+                "product": "min",
+                "max": "max",
+                "min": "min",
+                "band": "band",
+                "bor": "bor",
+                "bxor": "bxor",
+            }
+            if kind not in bool_ops:
+                raise RuntimeError(f"comm: {kind} is not defined on bool tensors")
+            kind = bool_ops[kind]
+            code = _lib.UINT8
+        else:
+            code = _DTYPES.get(dtype)
+            if code is None:
+                raise RuntimeError(f"comm: reductions are not supported for dtype {dtype}")
+        return as_real, code, (None if kind == "premul_sum" else _OPS[kind])
+
+    def _reducer(self, dtype, op):
+        """Returns (opcode_fn, cleanup, as_real, code): ``opcode_fn()`` gives the op to pass,
+        creating a PreMulSum op on first use; ``cleanup`` destroys it after the call."""
+        as_real, code, opcode = self._reduction(dtype, op)
+        if opcode is not None:
+            return (lambda: opcode), None, as_real, code
+        real_dtype = torch.view_as_real(torch.empty(0, dtype=dtype)).dtype if as_real else dtype
+        made = []
+        lib, handle = self.lib, self.handle
+
+        def create():
+            factor = op.factor
+            if isinstance(factor, torch.Tensor):
+                scalar = factor.detach().reshape(1).to(real_dtype).contiguous()
+                residence = _lib.SCALAR_HOST_IMMEDIATE if scalar.device.type == "cpu" else _lib.SCALAR_DEVICE
+            else:
+                scalar = torch.tensor([float(factor)], dtype=real_dtype)
+                residence = _lib.SCALAR_HOST_IMMEDIATE
+            out = ctypes.c_int()
+            self._check(
+                lib.ncclRedOpCreatePreMulSum(_byref(out), scalar.data_ptr(), code, residence, handle),
+                "ncclRedOpCreatePreMulSum",
+            )
+            made.append((out.value, scalar))
+            return out.value
+
+        def cleanup():
+            while made:
+                lib.ncclRedOpDestroy(made.pop()[0], handle)
+
+        return create, cleanup, as_real, code
+
+    # -- helpers
+    @staticmethod
+    def _movable(t):
+        """(ncclDataType_t, count) that moves tensor ``t`` unchanged."""
+        code = _DTYPES.get(t.dtype)
+        if code is not None:
+            return code, t.numel()
+        return _lib.UINT8, t.numel() * t.element_size()
+
+    @staticmethod
+    def _dense(t):
+        """A contiguous buffer for ``t``, and whether it is a staging copy."""
+        if t.is_contiguous():
+            return t, False
+        return t.contiguous(), True
+
+    def _peer(self, rank, what):
+        if not 0 <= rank < self.size:
+            raise ValueError(f"comm: {what} {rank} is out of range for a group of {self.size} ranks")
+        return rank
+
+    def _copy_back(self, staged, dst, src):
+        return (lambda: dst.copy_(src)) if staged else None
+
+    # ------------------------------------------------------------------------------------
+    # Operations. Each returns a CommWork whose future yields ``result``.
+
+    def all_reduce(self, tensor, op=SUM, async_op=False, result=None):
+        if not async_op and self._coalescing is None and tensor.is_cpu and tensor.is_contiguous():
+            # The common synchronous case in as few Python steps as possible: small
+            # all-reduces are bound by this overhead, not by the library.
+            code, opcode = _DTYPES.get(tensor.dtype), _OPS.get(op.kind)
+            if code is not None and opcode is not None and self.executor.enter_inline():
+                try:
+                    ptr = tensor.data_ptr()
+                    r = self._all_reduce(ptr, ptr, tensor.numel(), code, opcode, self.handle, None)
+                finally:
+                    self.executor.exit_inline()
+                if r:
+                    self.lib.check(r, "ncclAllReduce", self.handle)
+                return DONE
+        buf, staged = self._dense(tensor)
+        opcode, cleanup, as_real, code = self._reducer(buf.dtype, op)
+        view = torch.view_as_real(buf) if as_real else buf
+        ptr, count = view.data_ptr(), view.numel()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclAllReduce(ptr, ptr, count, code, opcode(), handle, stream[0])
+            if r:
+                lib.check(r, "ncclAllReduce", handle)
+
+        return self._submit(
+            [tensor], stream, issue, self._copy_back(staged, tensor, buf), cleanup, result, async_op, keep=(buf, view)
+        )
+
+    def all_reduce_coalesced(self, tensors, op=SUM, async_op=False, result=None):
+        def build():
+            for t in tensors:
+                self.all_reduce(t, op)
+
+        return self.group(build, result, async_op)
+
+    def broadcast(self, tensor, root, async_op=False, result=None):
+        self._peer(root, "root")
+        buf, staged = self._dense(tensor)
+        code, count = self._movable(buf)
+        ptr = buf.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclBroadcast(ptr, ptr, count, code, root, handle, stream[0])
+            if r:
+                lib.check(r, "ncclBroadcast", handle)
+
+        finish = self._copy_back(staged and self.rank != root, tensor, buf)
+        return self._submit([tensor], stream, issue, finish, None, result, async_op, keep=(buf,))
+
+    def reduce(self, tensor, root, op=SUM, async_op=False, result=None):
+        self._peer(root, "root")
+        buf, staged = self._dense(tensor)
+        opcode, cleanup, as_real, code = self._reducer(buf.dtype, op)
+        view = torch.view_as_real(buf) if as_real else buf
+        ptr, count = view.data_ptr(), view.numel()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclReduce(ptr, ptr, count, code, opcode(), root, handle, stream[0])
+            if r:
+                lib.check(r, "ncclReduce", handle)
+
+        finish = self._copy_back(staged and self.rank == root, tensor, buf)
+        return self._submit([tensor], stream, issue, finish, cleanup, result, async_op, keep=(buf, view))
+
+    def all_gather_single(self, output, input, async_op=False, result=None):
+        if output.numel() != input.numel() * self.size or output.dtype != input.dtype:
+            raise ValueError(
+                f"comm: all_gather output must hold {self.size} x {input.numel()} elements of "
+                f"{input.dtype}, got {output.numel()} of {output.dtype}"
+            )
+        inp, _ = self._dense(input)
+        out, staged = self._dense(output)
+        code, count = self._movable(inp)
+        sptr, rptr = inp.data_ptr(), out.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclAllGather(sptr, rptr, count, code, handle, stream[0])
+            if r:
+                lib.check(r, "ncclAllGather", handle)
+
+        return self._submit(
+            [output, input],
+            stream,
+            issue,
+            self._copy_back(staged, output, out),
+            None,
+            result,
+            async_op,
+            keep=(inp, out),
+        )
+
+    def all_gather(self, outputs, input, async_op=False, result=None):
+        """Into a list of tensors: one ncclAllGather into a flat buffer, copied out; tensors
+        of different sizes take a group of broadcasts instead."""
+        n = self.size
+        if len(outputs) != n:
+            raise ValueError(f"comm: all_gather needs {n} output tensors, got {len(outputs)}")
+        for o in outputs:
+            if o.dtype != input.dtype:
+                raise ValueError(f"comm: all_gather output dtype {o.dtype} differs from the input's {input.dtype}")
+        result = outputs if result is None else result
+        numel = input.numel()
+        if all(o.numel() == numel for o in outputs):
+            flat = torch.empty((n * numel,), dtype=input.dtype, device=input.device)
+            src = input.reshape(-1) if input.is_contiguous() else input
+
+            def after():
+                parts = flat.view(n, numel)
+                for i, o in enumerate(outputs):
+                    o.copy_(parts[i].view(o.shape))
+
+            return self._wrapped(lambda: self.all_gather_single(flat, src), None, after, result, async_op)
+        if outputs[self.rank].numel() != numel:
+            raise ValueError("comm: all_gather output for this rank must match the input's size")
+
+        def build():
+            for i, o in enumerate(outputs):
+                if i == self.rank:
+                    self._wrapped(lambda o=o, i=i: self.broadcast(o, i), before=lambda o=o: o.copy_(input))
+                else:
+                    self.broadcast(o, i)
+
+        return self.group(build, result, async_op)
+
+    def all_gather_coalesced(self, output_lists, inputs, async_op=False, result=None):
+        """``output_lists[r][j]`` receives input ``j`` of rank ``r`` (torch's layout)."""
+        if len(output_lists) != self.size or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"comm: all_gather_coalesced needs {self.size} output lists of {len(inputs)} tensors")
+
+        def build():
+            for j, inp in enumerate(inputs):
+                self.all_gather([outs[j] for outs in output_lists], inp)
+
+        return self.group(build, output_lists if result is None else result, async_op)
+
+    def all_gather_single_coalesced(self, outputs, inputs, async_op=False, result=None):
+        def build():
+            for out, inp in zip(outputs, inputs):
+                self.all_gather_single(out, inp)
+
+        return self.group(build, outputs if result is None else result, async_op)
+
+    def reduce_scatter_single(self, output, input, op=SUM, async_op=False, result=None):
+        if input.numel() != output.numel() * self.size or output.dtype != input.dtype:
+            raise ValueError(
+                f"comm: reduce_scatter input must hold {self.size} x {output.numel()} elements of "
+                f"{output.dtype}, got {input.numel()} of {input.dtype}"
+            )
+        inp, _ = self._dense(input)
+        out, staged = self._dense(output)
+        opcode, cleanup, as_real, code = self._reducer(out.dtype, op)
+        inv = torch.view_as_real(inp) if as_real else inp
+        outv = torch.view_as_real(out) if as_real else out
+        sptr, rptr, count = inv.data_ptr(), outv.data_ptr(), outv.numel()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclReduceScatter(sptr, rptr, count, code, opcode(), handle, stream[0])
+            if r:
+                lib.check(r, "ncclReduceScatter", handle)
+
+        return self._submit(
+            [output, input],
+            stream,
+            issue,
+            self._copy_back(staged, output, out),
+            cleanup,
+            result,
+            async_op,
+            keep=(inp, out, inv, outv),
+        )
+
+    def reduce_scatter(self, output, inputs, op=SUM, async_op=False, result=None):
+        """From a list: the inputs are packed into one buffer inside the task (so an async
+        call returns at once), then one ncclReduceScatter."""
+        n = self.size
+        if len(inputs) != n:
+            raise ValueError(f"comm: reduce_scatter needs {n} input tensors, got {len(inputs)}")
+        for t in inputs:
+            if t.numel() != output.numel() or t.dtype != output.dtype:
+                raise ValueError("comm: reduce_scatter inputs must each match the output's size and dtype")
+        flat = torch.empty((n * output.numel(),), dtype=output.dtype, device=output.device)
+
+        def pack():
+            torch.cat([t.reshape(-1) for t in inputs], out=flat)
+
+        return self._wrapped(
+            lambda: self.reduce_scatter_single(output, flat, op),
+            pack,
+            None,
+            [output] if result is None else result,
+            async_op,
+        )
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, op=SUM, async_op=False, result=None):
+        def build():
+            for out, inp in zip(outputs, inputs):
+                self.reduce_scatter_single(out, inp, op)
+
+        return self.group(build, outputs if result is None else result, async_op)
+
+    def all_to_all_single(self, output, input, output_splits=None, input_splits=None, async_op=False, result=None):
+        """Without split sizes one ncclAlltoAll; with them (rows of dim 0) one commAlltoAllv."""
+        if output.dtype != input.dtype:
+            raise ValueError(f"comm: all_to_all output dtype {output.dtype} differs from the input's {input.dtype}")
+        n = self.size
+        inp, _ = self._dense(input)
+        out, staged = self._dense(output)
+        code, _ = self._movable(inp)
+        unit = inp.element_size() if (code == _lib.UINT8 and _DTYPES.get(inp.dtype) is None) else 1
+        sptr, rptr = inp.data_ptr(), out.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+        if not output_splits and not input_splits:
+            if inp.numel() != out.numel() or inp.numel() % n:
+                raise ValueError(
+                    f"comm: all_to_all_single without split sizes needs input and output of one size "
+                    f"divisible by {n}, got {inp.numel()} and {out.numel()}"
+                )
+            count = inp.numel() // n * unit
+
+            def issue():
+                r = lib.ncclAlltoAll(sptr, rptr, count, code, handle, stream[0])
+                if r:
+                    lib.check(r, "ncclAlltoAll", handle)
+
+        else:
+            in_rows = inp.shape[0] if inp.dim() else 1
+            out_rows = out.shape[0] if out.dim() else 1
+            in_row = inp.numel() // in_rows if in_rows else 0
+            out_row = out.numel() // out_rows if out_rows else 0
+            in_splits = [int(s) for s in input_splits] if input_splits else [in_rows // n] * n
+            out_splits = [int(s) for s in output_splits] if output_splits else [out_rows // n] * n
+            if len(in_splits) != n or len(out_splits) != n:
+                raise ValueError(f"comm: all_to_all_single split sizes need {n} entries")
+            if sum(in_splits) != in_rows or sum(out_splits) != out_rows:
+                raise ValueError(
+                    f"comm: split sizes {in_splits} and {out_splits} do not add up to the first "
+                    f"dimensions {in_rows} and {out_rows}"
+                )
+            arr = ctypes.c_size_t * n
+            scounts, sdispls, rcounts, rdispls = arr(), arr(), arr(), arr()
+            off = 0
+            for p, s in enumerate(in_splits):
+                scounts[p], sdispls[p] = s * in_row * unit, off * in_row * unit
+                off += s
+            off = 0
+            for p, s in enumerate(out_splits):
+                rcounts[p], rdispls[p] = s * out_row * unit, off * out_row * unit
+                off += s
+
+            def issue():
+                r = lib.commAlltoAllv(sptr, scounts, sdispls, rptr, rcounts, rdispls, code, handle, stream[0])
+                if r:
+                    lib.check(r, "commAlltoAllv", handle)
+
+        return self._submit(
+            [output, input],
+            stream,
+            issue,
+            self._copy_back(staged, output, out),
+            None,
+            result,
+            async_op,
+            keep=(inp, out),
+        )
+
+    def all_to_all(self, outputs, inputs, async_op=False, result=None):
+        """Lists: inputs packed into one buffer, one ncclAlltoAll (one block size) or
+        commAlltoAllv, outputs copied out of one buffer; all in one task."""
+        n = self.size
+        if len(outputs) != n or len(inputs) != n:
+            raise ValueError(f"comm: all_to_all needs {n} input and {n} output tensors")
+        dtype, device = inputs[0].dtype, inputs[0].device
+        if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
+            raise ValueError("comm: all_to_all tensors must share one dtype")
+        send = torch.empty((sum(t.numel() for t in inputs),), dtype=dtype, device=device)
+        recv = torch.empty((sum(t.numel() for t in outputs),), dtype=dtype, device=device)
+        in_splits = [t.numel() for t in inputs]
+        out_splits = [t.numel() for t in outputs]
+        uniform = len(set(in_splits + out_splits)) == 1
+
+        def pack():
+            torch.cat([t.reshape(-1) for t in inputs], out=send)
+
+        def unpack():
+            off = 0
+            for o in outputs:
+                o.copy_(recv[off : off + o.numel()].view(o.shape))
+                off += o.numel()
+
+        make = lambda: self.all_to_all_single(  # noqa: E731
+            recv, send, None if uniform else out_splits, None if uniform else in_splits
+        )
+        return self._wrapped(make, pack, unpack, outputs if result is None else result, async_op)
+
+    def gather_single(self, output, input, root, async_op=False, result=None, outputs=None):
+        """ncclGather into ``output`` (root only); ``outputs`` gets it copied out as a list."""
+        self._peer(root, "root")
+        inp, _ = self._dense(input)
+        code, count = self._movable(inp)
+        is_root = self.rank == root
+        if is_root:
+            if output is None or output.numel() != inp.numel() * self.size or output.dtype != inp.dtype:
+                raise ValueError(
+                    f"comm: gather output on the root must hold {self.size} x {inp.numel()} elements of {inp.dtype}"
+                )
+            out, staged = self._dense(output)
+            rptr = out.data_ptr()
+        else:
+            out, staged, rptr = None, False, None
+        sptr = inp.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclGather(sptr, rptr, count, code, root, handle, stream[0])
+            if r:
+                lib.check(r, "ncclGather", handle)
+
+        def finish():
+            if staged:
+                output.copy_(out)
+            if outputs is not None:
+                parts = out.view(self.size, -1)
+                for i, o in enumerate(outputs):
+                    o.copy_(parts[i].view(o.shape))
+
+        tensors = [input] + ([output] if is_root else [])
+        return self._submit(
+            tensors, stream, issue, finish if is_root else None, None, result, async_op, keep=(inp, out)
+        )
+
+    def gather(self, outputs, input, root, async_op=False, result=None):
+        """Into a list on the root: one ncclGather into a flat buffer, copied out."""
+        self._peer(root, "root")
+        flat = None
+        if self.rank == root:
+            if len(outputs) != self.size:
+                raise ValueError(f"comm: gather needs {self.size} output tensors on the root, got {len(outputs)}")
+            for o in outputs:
+                if o.numel() != input.numel() or o.dtype != input.dtype:
+                    raise ValueError("comm: gather outputs must match the input's size and dtype")
+            flat = torch.empty((self.size * input.numel(),), dtype=input.dtype, device=input.device)
+        return self.gather_single(
+            flat, input, root, async_op, outputs if result is None else result, outputs if flat is not None else None
+        )
+
+    def scatter(self, output, inputs, root, async_op=False, result=None):
+        """ncclScatter from one buffer the root packs from ``inputs`` inside the task."""
+        self._peer(root, "root")
+        out, staged = self._dense(output)
+        code, count = self._movable(out)
+        is_root = self.rank == root
+        send = None
+        if is_root:
+            if len(inputs) != self.size:
+                raise ValueError(f"comm: scatter needs {self.size} input tensors on the root, got {len(inputs)}")
+            for t in inputs:
+                if t.numel() != out.numel() or t.dtype != out.dtype:
+                    raise ValueError("comm: scatter inputs must match the output's size and dtype")
+            send = torch.empty((self.size * out.numel(),), dtype=out.dtype, device=out.device)
+        sptr = send.data_ptr() if send is not None else None
+        rptr = out.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            if send is not None:
+                torch.cat([t.reshape(-1) for t in inputs], out=send)
+            r = lib.ncclScatter(sptr, rptr, count, code, root, handle, stream[0])
+            if r:
+                lib.check(r, "ncclScatter", handle)
+
+        tensors = [output] + (list(inputs) if is_root else [])
+        return self._submit(
+            tensors,
+            stream,
+            issue,
+            self._copy_back(staged, output, out),
+            None,
+            [output] if result is None else result,
+            async_op,
+            keep=(out, send),
+        )
+
+    def send(self, tensor, peer, async_op=False, result=None):
+        self._peer(peer, "destination rank")
+        buf, _ = self._dense(tensor)
+        code, count = self._movable(buf)
+        ptr = buf.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclSend(ptr, count, code, peer, handle, stream[0])
+            if r:
+                lib.check(r, "ncclSend", handle)
+
+        return self._submit([tensor], stream, issue, None, None, result, async_op, keep=(buf,))
+
+    def recv(self, tensor, peer, async_op=False, result=None):
+        self._peer(peer, "source rank")
+        buf, staged = self._dense(tensor)
+        code, count = self._movable(buf)
+        ptr = buf.data_ptr()
+        lib, handle = self.lib, self.handle
+        stream = [None]
+
+        def issue():
+            r = lib.ncclRecv(ptr, count, code, peer, handle, stream[0])
+            if r:
+                lib.check(r, "ncclRecv", handle)
+
+        return self._submit(
+            [tensor], stream, issue, self._copy_back(staged, tensor, buf), None, result, async_op, keep=(buf,)
+        )
+
+    def barrier(self, async_op=False):
+        """A one-element all-reduce on host memory, so a dead peer fails it like any collective."""
+        return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)

@@ -1,0 +1,412 @@
+"""The torch.distributed backend "comm".
+
+How a pure-Python backend plugs into torch (read from torch's sources, not guessed):
+
+* ``torch.distributed.Backend.register_backend(name, func, extended_api, devices)``
+  (torch/distributed/distributed_c10d.py) stores ``func``. ``_new_process_group_helper`` calls
+  it as ``func(store, group_rank, group_size, timeout)``, or with ``extended_api=True`` as
+  ``func(_DistributedBackendOptions, backend_options)``; the options carry ``store`` (already
+  prefixed with the group's name and the device), ``group_rank``, ``group_size``,
+  ``timeout``, ``group_id``, ``global_ranks_in_group`` and, on recent torch, ``split_from``.
+  We register with ``extended_api=True`` and accept both call forms.
+* What the creator returns decides the plumbing. A ``torch._C._distributed_c10d.Backend``
+  subclass is registered per device on a C++ ProcessGroup, and torch's PyBackend trampoline
+  (torch/csrc/distributed/c10d/py/PyBackend.hpp) forwards every collective, ``split``,
+  ``start_coalescing``/``end_coalescing``, ``shutdown`` and the ``supports_*`` properties to
+  Python. Where that trampoline is missing (older torch) Python overrides on a Backend are
+  never called, so the creator returns a ``torch.distributed.ProcessGroup`` subclass instead,
+  which torch uses as the process group itself (PyProcessGroup trampoline,
+  torch/csrc/distributed/c10d/PyProcessGroup.hpp).
+* Each collective returns a ``torch.distributed.Work``; see ``_core.CommWork``.
+* torch 2.15 and later find a backend by name through the entry-point group
+  ``torch.distributed.backends`` (``Backend._ensure_backend_registered``): the entry point
+  must load a callable that takes no arguments and registers the backend. Ours is
+  ``comm_torch.backend:register``. Older torch needs ``import comm_torch``.
+"""
+
+import datetime
+import os
+import threading
+
+import torch.distributed as dist
+
+from . import _lib
+from ._core import SUM, Engine, Reduction
+from ._lib import CommError
+
+BACKEND_NAME = "comm"
+DEVICES = ["cpu", "cuda"]
+
+try:
+    from torch._C._distributed_c10d import Backend as _C10dBackend
+except ImportError:  # pragma: no cover - very old torch
+    _C10dBackend = None
+
+_REDUCTIONS = {}
+
+
+def reduction(op):
+    """The engine's Reduction for a torch.distributed ReduceOp (or ReduceOp.RedOpType)."""
+    kind_obj = getattr(op, "op", op)
+    cached = _REDUCTIONS.get(kind_obj)
+    if cached is not None:
+        return cached
+    name = getattr(kind_obj, "name", None) or str(kind_obj).rsplit(".", 1)[-1]
+    kind = name.lower()
+    if kind == "premul_sum":
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("comm: PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
+        return Reduction("premul_sum", factor)
+    if kind not in ("sum", "product", "min", "max", "avg", "band", "bor", "bxor"):
+        raise ValueError(f"comm: unsupported reduce op {op}")
+    made = _REDUCTIONS[kind_obj] = Reduction(kind)
+    return made
+
+
+def _async(opts):
+    # AllreduceOptions and friends carry asyncOp on recent torch (dist.* sets it from
+    # async_op); without it, treat the call as asynchronous, which is always correct.
+    return getattr(opts, "asyncOp", True)
+
+
+class _Ops:
+    """torch.distributed's backend interface, shared by both plumbing classes below."""
+
+    # -- identity
+    def getBackendName(self):
+        return BACKEND_NAME
+
+    def __repr__(self):
+        return f"<comm backend {self.engine.name!r} rank {self.engine.rank}/{self.engine.size}>"
+
+    # -- collectives
+    def allreduce(self, tensors, opts=None):
+        op = reduction(opts.reduceOp) if opts is not None else SUM
+        async_op = _async(opts) if opts is not None else True
+        if len(tensors) == 1:
+            return self.engine.all_reduce(tensors[0], op, async_op, result=tensors)
+        return self.engine.all_reduce_coalesced(tensors, op, async_op, result=tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = reduction(opts.reduceOp) if opts is not None else SUM
+        return self.engine.all_reduce_coalesced(tensors, op, _async(opts), result=tensors)
+
+    def allreduce_sparse(self, tensors, opts=None):
+        raise RuntimeError("comm: sparse all_reduce is not supported; densify the tensor first")
+
+    def broadcast(self, tensors, opts):
+        (tensor,) = tensors
+        return self.engine.broadcast(tensor, opts.rootRank, _async(opts), result=tensors)
+
+    def reduce(self, tensors, opts):
+        (tensor,) = tensors
+        return self.engine.reduce(tensor, opts.rootRank, reduction(opts.reduceOp), _async(opts), result=tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        (outputs,), (inp,) = output_tensors, input_tensors
+        return self.engine.all_gather(outputs, inp, _async(opts), result=output_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self.engine.all_gather_single(output, input, _async(opts), result=[output])
+
+    _allgather_base = all_gather_single  # the name before torch 2.12
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.engine.all_gather_coalesced(output_lists, inputs, _async(opts), result=output_lists)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.engine.all_gather_single_coalesced(outputs, inputs, _async(opts), result=outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts):
+        (inp,) = input_tensors
+        outputs = output_tensors[0] if output_tensors else []
+        return self.engine.gather(outputs, inp, opts.rootRank, _async(opts), result=output_tensors)
+
+    def gather_single(self, output, input, opts):
+        out = output if self.engine.rank == opts.rootRank else None
+        return self.engine.gather_single(out, input, opts.rootRank, _async(opts), result=[output])
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        (out,) = output_tensors
+        inputs = input_tensors[0] if input_tensors else []
+        return self.engine.scatter(out, inputs, opts.rootRank, _async(opts), result=output_tensors)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        (out,), (inputs,) = output_tensors, input_tensors
+        return self.engine.reduce_scatter(out, inputs, reduction(opts.reduceOp), _async(opts), result=output_tensors)
+
+    def reduce_scatter_single(self, output, input, opts):
+        return self.engine.reduce_scatter_single(output, input, reduction(opts.reduceOp), _async(opts), result=[output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        return self.engine.reduce_scatter_single_coalesced(
+            outputs, inputs, reduction(opts.reduceOp), _async(opts), result=outputs
+        )
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self.engine.all_to_all(output_tensors, input_tensors, _async(opts), result=output_tensors)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.engine.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, _async(opts), result=[output]
+        )
+
+    alltoall_base = all_to_all_single
+
+    def send(self, tensors, dst, tag=0):
+        (tensor,) = tensors
+        return self.engine.send(tensor, dst, True, result=tensors)
+
+    def recv(self, tensors, src, tag=0):
+        (tensor,) = tensors
+        return self.engine.recv(tensor, src, True, result=tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("comm: recv from any source is not supported (as with NCCL); name the source rank")
+
+    def barrier(self, opts=None):
+        return self.engine.barrier(_async(opts) if opts is not None else True)
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        self.engine.barrier(False).wait()
+
+    # -- coalescing (batch_isend_irecv and _coalescing_manager)
+    @property
+    def supports_coalescing(self):
+        return True
+
+    def start_coalescing(self, device=None):
+        self.engine.start_coalescing()
+
+    def end_coalescing(self, device=None):
+        return self.engine.end_coalescing(async_op=True)
+
+    # -- lifecycle
+    def eager_connect_single_device(self, device=None):
+        pass  # the communicator is created with the backend
+
+    def shutdown(self):
+        self.engine.destroy()
+
+    def abort(self):
+        self.engine.abort()
+
+    def _set_sequence_number_for_group(self):
+        pass
+
+    def _get_sequence_number_for_group(self):
+        return 0
+
+
+if _C10dBackend is not None:
+
+    class CommBackend(_Ops, _C10dBackend):
+        """torch.distributed backend over one libcomm communicator."""
+
+        def __init__(self, engine, timeout=None, group_name="", global_ranks=None):
+            _C10dBackend.__init__(self, engine.rank, engine.size)
+            self.engine = engine
+            self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+            self._group_name = group_name
+            self._global_ranks = list(global_ranks or [])
+            self._options = None
+
+        # torch reads ``options`` through getBackendOptions(); a subclass that does not
+        # define it sends PyBackend's lookup back into itself (unbounded recursion in
+        # split_group on torch 2.15), so it is defined here.
+        @property
+        def options(self):
+            if self._options is None:
+                opts = _C10dBackend.Options(BACKEND_NAME, self._timeout)
+                for attr, value in (("group_name", self._group_name), ("global_ranks_in_group", self._global_ranks)):
+                    try:
+                        setattr(opts, attr, value)
+                    except Exception:
+                        pass
+                self._options = opts
+            return self._options
+
+        @property
+        def supports_splitting(self):
+            return True
+
+        def split(self, store, ranks, opts=None):
+            """ProcessGroup.split_group: ncclCommSplit over this communicator. ``ranks`` are
+            ranks of this group; ranks outside it take part with NCCL_SPLIT_NOCOLOR."""
+            ranks = [int(r) for r in ranks]
+            name = getattr(opts, "group_name", "") or f"{self.engine.name}:split"
+            me = self.engine.rank
+            if me not in ranks:
+                self.engine.split(_lib.SPLIT_NOCOLOR, 0, name)
+                # None would be right, but PyBackend::split (torch 2.15) dereferences what
+                # Python returns without checking for None (initSlotAndCast), which crashes
+                # the process. A placeholder that refuses every operation stands in.
+                return _NotAMember(me, len(ranks), name)
+            child = self.engine.split(min(ranks), ranks.index(me), name)
+            timeout = getattr(opts, "_timeout", None) or self._timeout
+            return CommBackend(
+                child, timeout, name, [self._global_ranks[r] for r in ranks] if self._global_ranks else ranks
+            )
+
+        def perform_nocolor_split(self, device=None):
+            """new_group on a rank outside the new group, when the world has a bound device:
+            its side of the members' ncclCommSplit (see _new_process_group_helper)."""
+            self.engine.split(_lib.SPLIT_NOCOLOR, 0, f"{self.engine.name}:nocolor")
+
+    class _NotAMember(_C10dBackend):
+        """What split() gives a rank outside every new group (see CommBackend.split)."""
+
+        def __init__(self, parent_rank, size, name):
+            _C10dBackend.__init__(self, 0, size)
+            self._why = (
+                f"comm: rank {parent_rank} of the parent group is not a member of split group "
+                f"{name!r}; torch returns it a placeholder whose operations all fail"
+            )
+
+        def getBackendName(self):
+            return BACKEND_NAME
+
+        @property
+        def options(self):
+            return _C10dBackend.Options(BACKEND_NAME)
+
+        def _refuse(self, *args, **kwargs):
+            raise RuntimeError(self._why)
+
+        def shutdown(self):
+            pass
+
+        def abort(self):
+            pass
+
+    for _name in (
+        "allreduce",
+        "allreduce_coalesced",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "all_gather_single",
+        "_allgather_base",
+        "allgather_coalesced",
+        "all_gather_single_coalesced",
+        "gather",
+        "gather_single",
+        "scatter",
+        "reduce_scatter",
+        "reduce_scatter_single",
+        "_reduce_scatter_base",
+        "reduce_scatter_single_coalesced",
+        "alltoall",
+        "all_to_all_single",
+        "alltoall_base",
+        "send",
+        "recv",
+        "barrier",
+        "split",
+        "start_coalescing",
+        "end_coalescing",
+    ):
+        setattr(_NotAMember, _name, _NotAMember._refuse)
+
+else:  # pragma: no cover
+    CommBackend = None
+
+
+class CommProcessGroup(_Ops, dist.ProcessGroup):
+    """The same backend as a ProcessGroup subclass, for torch without the PyBackend
+    trampoline. torch uses it as the group itself; sub-groups are created fresh."""
+
+    def __init__(self, engine, timeout=None, group_name="", global_ranks=None):
+        dist.ProcessGroup.__init__(self, engine.rank, engine.size)
+        self.engine = engine
+
+    def getRank(self):
+        return self.engine.rank
+
+    def getSize(self):
+        return self.engine.size
+
+    def name(self):
+        return BACKEND_NAME
+
+
+_probe_result = None
+
+
+def backend_trampoline_available():
+    """Whether Python overrides on torch._C._distributed_c10d.Backend reach C++ callers."""
+    global _probe_result
+    if _probe_result is None:
+        if os.environ.get("COMM_TORCH_PROCESS_GROUP") == "1" or _C10dBackend is None:
+            _probe_result = False
+        else:
+
+            class _Probe(_C10dBackend):
+                def getBackendName(self):
+                    return "comm-probe"
+
+            try:
+                _probe_result = _Probe(0, 1).name() == "comm-probe"
+            except Exception:
+                _probe_result = False
+    return _probe_result
+
+
+def _group_key(name):
+    return f"comm_torch/unique_id/{name}" if name else "comm_torch/unique_id"
+
+
+def create_backend(*args, **kwargs):
+    """The creator torch calls for each process group on backend "comm"."""
+    split_from = None
+    global_ranks = []
+    if len(args) == 2 or (len(args) == 1 and "backend_options" in kwargs):
+        opts = args[0]
+        store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+        name = str(getattr(opts, "group_id", "") or "")
+        global_ranks = list(getattr(opts, "global_ranks_in_group", None) or [])
+        split_from = getattr(opts, "split_from", None)
+    elif len(args) == 4:
+        store, rank, size, timeout = args
+        name = ""
+    else:
+        raise TypeError(f"comm: unexpected backend creator arguments {args!r}")
+
+    if CommBackend is not None and isinstance(split_from, CommBackend) and global_ranks:
+        # new_group with a bound device: the members split the default group's
+        # communicator; the other ranks call perform_nocolor_split.
+        engine = split_from.engine.split(min(global_ranks), rank, name or "split")
+        if engine.rank != rank or engine.size != size:
+            raise CommError(f"comm: split gave rank {engine.rank}/{engine.size}, torch expects {rank}/{size}")
+    else:
+        engine = Engine.from_store(store, rank, size, name or "world", key=_group_key(name))
+
+    if backend_trampoline_available():
+        return CommBackend(engine, timeout, name, global_ranks or list(range(size)))
+    return CommProcessGroup(engine, timeout, name, global_ranks)
+
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register():
+    """Registers backend "comm" with torch.distributed (idempotent). This is the target of
+    the ``torch.distributed.backends`` entry point, and ``import comm_torch`` calls it."""
+    global _registered
+    with _register_lock:
+        if _registered or "COMM" in getattr(dist.Backend, "_plugins", {}):
+            _registered = True
+            return
+        try:
+            dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=DEVICES)
+        except TypeError:  # torch before the ``devices`` argument
+            dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True)
+        _registered = True
