@@ -1,0 +1,266 @@
+"""The torchcomms backend "comm".
+
+torchcomms (0.3 and later) accepts backends written in Python: a subclass of
+``TorchCommBackend`` registered with ``register_backend(name, cls)``. Its C++ side
+(comms/torchcomms/TorchCommBackendPy.cpp in meta-pytorch/torchcomms) creates one instance per
+communicator, calls ``init(device, name, options)``, and forwards each collective as
+``method(tensors..., async_op)`` (``all_reduce(tensor, op, async_op)``,
+``reduce(tensor, root, op, async_op)``, ``all_to_all_v_single(output, input, output_split_sizes,
+input_split_sizes, async_op)``, ...). A method returns None once the operation is complete, or
+an object with ``wait()``. ``split(ranks, name, options)`` returns a new backend instance.
+Rank and size come from the environment (TORCHCOMM_RANK / TORCHCOMM_SIZE, which
+torch.distributed sets, else RANK / WORLD_SIZE), the store from ``options.store`` or from
+MASTER_ADDR / MASTER_PORT.
+
+torchcomms finds this module through the ``torchcomms.backends`` entry point named "comm"
+(``torchcomms._load_backend`` loads it when ``new_comm("comm", ...)`` meets an unknown name);
+importing it registers the class.
+
+Windows (``window_allocate``, and ``put``, ``signal``, ``wait_signal``, ``get_tensor`` on a
+window) raise NotImplementedError until libcomm's windows work lands.
+"""
+
+import datetime
+import os
+
+import torch
+
+from ._core import Engine, Reduction
+
+try:
+    from torchcomms._comms import TorchCommBackend, _is_backend_registered, register_backend
+except ImportError:  # the names are also re-exported at the top level in some releases
+    from torchcomms import TorchCommBackend, _is_backend_registered, register_backend
+
+BACKEND_NAME = "comm"
+
+_WINDOWS_MESSAGE = (
+    "comm: windows (window_allocate, put, signal, wait_signal, get_tensor) are not implemented "
+    "yet; libcomm does not report COMM_FEATURE_WINDOWS to this backend"
+)
+
+_KINDS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")
+
+
+def reduction(op):
+    """The engine's Reduction for a torchcomms ReduceOp (``op.type`` is a RedOpType)."""
+    kind_obj = getattr(op, "type", op)
+    name = getattr(kind_obj, "name", None) or str(kind_obj).rsplit(".", 1)[-1]
+    kind = name.lower()
+    if kind not in _KINDS:
+        raise ValueError(f"comm: unsupported reduce op {op}")
+    if kind == "premul_sum":
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("comm: PREMUL_SUM needs a factor")
+        return Reduction(kind, factor)
+    return Reduction(kind)
+
+
+def _env_int(*names):
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return None
+
+
+def _rank_and_size():
+    rank = _env_int("TORCHCOMM_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+    size = _env_int("TORCHCOMM_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+    if rank is None or size is None:
+        raise RuntimeError("comm: set TORCHCOMM_RANK and TORCHCOMM_SIZE (or RANK and WORLD_SIZE)")
+    return rank, size
+
+
+def _store(options):
+    store = getattr(options, "store", None)
+    if store is not None:
+        return store
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise RuntimeError("comm: no store in the options, and MASTER_ADDR / MASTER_PORT are not set")
+    rank, _ = _rank_and_size()
+    timeout = getattr(options, "timeout", None)
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(minutes=10)
+    return torch.distributed.TCPStore(addr, int(port), is_master=(rank == 0), wait_for_workers=False, timeout=timeout)
+
+
+class CommWindow:
+    """Placeholder for a window of the torchcomms API; every method says it is missing."""
+
+    def get_size(self):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+    def put(self, tensor, dst_rank, target_disp, async_op=False):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+    def signal(self, signal_disp, signal_val, dst_rank, async_op=False):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+    def wait_signal(self, signal_disp, signal_val, cmp_op=None, async_op=False):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+    def get_tensor(self, rank, sizes, dtype, offset=0):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+
+class CommTorchCommsBackend(TorchCommBackend):
+    """torchcomms backend over one libcomm communicator."""
+
+    def __init__(self):
+        super().__init__()
+        self._engine = None
+        self._device = None
+        self._name = ""
+        self._options = None
+
+    # -- lifecycle
+    def init(self, device, name, options):
+        if self._engine is not None:
+            raise RuntimeError(f"comm: communicator {name} is already initialized")
+        rank, size = _rank_and_size()
+        store = torch.distributed.PrefixStore(f"comm_torch/torchcomms/{name}/", _store(options))
+        self._engine = Engine.from_store(store, rank, size, name)
+        self._device = torch.device(device)
+        self._name = name
+        self._options = options
+
+    def finalize(self):
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.destroy()
+
+    def _check(self):
+        if self._engine is None:
+            raise RuntimeError("comm: the communicator is not initialized, or was finalized")
+        return self._engine
+
+    def get_rank(self):
+        return self._check().rank
+
+    def get_size(self):
+        return self._check().size
+
+    def get_backend_name(self):
+        return BACKEND_NAME
+
+    def get_comm_name(self):
+        return self._name
+
+    @staticmethod
+    def _done(work, async_op):
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- point to point
+    def send(self, tensor, dst, async_op):
+        return self._done(self._check().send(tensor, dst, async_op), async_op)
+
+    def recv(self, tensor, src, async_op):
+        return self._done(self._check().recv(tensor, src, async_op), async_op)
+
+    # -- collectives
+    def broadcast(self, tensor, root, async_op):
+        return self._done(self._check().broadcast(tensor, root, async_op), async_op)
+
+    def all_reduce(self, tensor, op, async_op):
+        return self._done(self._check().all_reduce(tensor, reduction(op), async_op), async_op)
+
+    def reduce(self, tensor, root, op, async_op):
+        return self._done(self._check().reduce(tensor, root, reduction(op), async_op), async_op)
+
+    def all_gather(self, tensor_list, tensor, async_op):
+        return self._done(self._check().all_gather(list(tensor_list), tensor, async_op), async_op)
+
+    def all_gather_v(self, tensor_list, tensor, async_op):
+        # all_gather takes a group of broadcasts when the sizes differ.
+        return self._done(self._check().all_gather(list(tensor_list), tensor, async_op), async_op)
+
+    def all_gather_single(self, output, input, async_op):
+        return self._done(self._check().all_gather_single(output, input, async_op), async_op)
+
+    def reduce_scatter(self, output, input_list, op, async_op):
+        return self._done(self._check().reduce_scatter(output, list(input_list), reduction(op), async_op), async_op)
+
+    def reduce_scatter_v(self, output, input_list, op, async_op):
+        engine = self._check()
+        inputs = list(input_list)
+        if all(t.numel() == output.numel() for t in inputs):
+            return self.reduce_scatter(output, inputs, op, async_op)
+        # Blocks of different sizes: one reduce per block, rooted at its owner, in a group.
+        red = reduction(op)
+
+        def build():
+            for root, t in enumerate(inputs):
+                buf = t.clone()  # ncclReduce runs in place; the caller's inputs stay intact
+                if root == engine.rank:
+                    engine._wrapped(lambda b=buf, r=root: engine.reduce(b, r, red), after=lambda b=buf: output.copy_(b))
+                else:
+                    engine.reduce(buf, root, red)
+
+        return self._done(engine.group(build, [output], async_op), async_op)
+
+    def reduce_scatter_single(self, output, input, op, async_op):
+        return self._done(self._check().reduce_scatter_single(output, input, reduction(op), async_op), async_op)
+
+    def all_to_all_single(self, output, input, async_op):
+        return self._done(self._check().all_to_all_single(output, input, None, None, async_op), async_op)
+
+    def all_to_all_v_single(self, output, input, output_split_sizes, input_split_sizes, async_op):
+        return self._done(
+            self._check().all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), async_op),
+            async_op,
+        )
+
+    def all_to_all(self, output_tensor_list, input_tensor_list, async_op):
+        return self._done(
+            self._check().all_to_all(list(output_tensor_list), list(input_tensor_list), async_op), async_op
+        )
+
+    def barrier(self, async_op):
+        return self._done(self._check().barrier(async_op), async_op)
+
+    def scatter(self, output_tensor, input_tensor_list, root, async_op):
+        return self._done(self._check().scatter(output_tensor, list(input_tensor_list), root, async_op), async_op)
+
+    def gather(self, output_tensor_list, input_tensor, root, async_op):
+        return self._done(self._check().gather(list(output_tensor_list), input_tensor, root, async_op), async_op)
+
+    # -- sub-communicators
+    def split(self, ranks, name, options):
+        """ncclCommSplit: ``ranks`` are this rank's new group (every caller lists its own);
+        an empty list takes part without joining any group and returns None."""
+        engine = self._check()
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < engine.size for r in ranks):
+            raise RuntimeError(f"comm: invalid split ranks {ranks} for a communicator of {engine.size}")
+        if not ranks:
+            engine.split(-1, 0, name)
+            return None
+        if engine.rank not in ranks:
+            raise RuntimeError(f"comm: rank {engine.rank} is not in the split ranks {ranks}")
+        child = CommTorchCommsBackend()
+        child._engine = engine.split(min(ranks), ranks.index(engine.rank), name)
+        child._device = self._device
+        child._name = name
+        child._options = options
+        # The C++ base keeps the device and options that init() would have recorded.
+        set_device = getattr(child, "_set_device_and_options", None)
+        if set_device is not None:
+            set_device(self._device, options)
+        return child
+
+    # -- windows
+    def window_allocate(self, window_size, cpu_buf=False, signal_size=256):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+    def new_window(self, *args, **kwargs):
+        raise NotImplementedError(_WINDOWS_MESSAGE)
+
+
+if not _is_backend_registered(BACKEND_NAME):
+    register_backend(BACKEND_NAME, CommTorchCommsBackend)
