@@ -1,0 +1,48 @@
+"""One rank of a test scenario: ``rank_main.py SCENARIO RANK WORLD STORE OUT [ARGS...]``."""
+
+import json
+import os
+import re
+import sys
+import traceback
+
+import scenarios
+
+
+class Context:
+    def __init__(self, rank, world, store_path, args):
+        self.rank = rank
+        self.world = world
+        self.store_path = store_path
+        self.args = args
+        self.checks = {}
+        self.values = {}
+
+    def store(self):
+        import torch.distributed as dist
+
+        return dist.FileStore(self.store_path, self.world)
+
+    def check(self, name, fn, *args):
+        """Runs one named check; a failure is recorded, and the scenario goes on.
+        COMM_TEST_ONLY (a regular expression) runs only the checks it matches."""
+        only = os.environ.get("COMM_TEST_ONLY")
+        if only and not re.search(only, name):
+            return
+        try:
+            fn(*args)
+            self.checks[name] = "ok"
+        except Exception:
+            self.checks[name] = traceback.format_exc()
+
+
+def main():
+    name, rank, world, store, out = sys.argv[1:6]
+    ctx = Context(int(rank), int(world), store, sys.argv[6:])
+    getattr(scenarios, name)(ctx)
+    with open(out, "w") as f:
+        json.dump({"checks": ctx.checks, "values": ctx.values}, f)
+
+
+if __name__ == "__main__":
+    main()
