@@ -10,4 +10,5 @@ cargo clippy --release --all-targets -- -D warnings
 cargo build --release
 cargo test --release -- --test-threads="${COMM_TEST_THREADS:-2}"
 scripts/test_package.sh
+scripts/test_bench.sh
 echo "all tests passed"

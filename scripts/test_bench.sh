@@ -104,39 +104,13 @@ expect_fail() {
   if [ "$rc" != "$want" ] || ! grep -q -- "$pattern" "$log"; then fail "$name (exit $rc, want $want and '$pattern')" "$log"; fi
 }
 
-# comm deadlocks on an in-place ring of send/recv (sendbuff == recvbuff) among 2 or more
-# ranks from the single-copy threshold (32K) up: each rank's receive waits for its own send to
-# be read, which waits for the next rank's receive. Until that is fixed, sendrecv sweeps stop
-# below it; the probe says when the cap can go.
-cap_sendrecv() {
-  local coll=$1
-  shift
-  if [ "$coll" = sendrecv ] && [ "${SENDRECV_BUG:-1}" = 1 ]; then
-    echo "$@" | sed 's/-e 1M/-e 16K/'
-  else
-    echo "$@"
-  fi
-}
-if timeout 10 "$bin/sendrecv_perf" -t 3 -b 64K -e 64K -n 1 -w 0 -c 1 >"$work/probe.log" 2>&1; then
-  SENDRECV_BUG=0
-  echo "note: in-place sendrecv on 3 ranks no longer deadlocks: the sendrecv cap in this script can go"
-else
-  SENDRECV_BUG=1
-  echo "note: known comm bug: in-place sendrecv deadlocks at >= 32K; sendrecv sweeps stop at 16K"
-fi
-
 echo "every collective, every layout"
 for c in "${COLLS[@]}"; do
-  # shellcheck disable=SC2046
-  run "$c -t 3" "$bin/${c}_perf" -t 3 $(cap_sendrecv "$c" "${SWEEP[@]}")
-  # shellcheck disable=SC2046
-  run "$c -t 2 -g 2" "$bin/${c}_perf" -t 2 -g 2 $(cap_sendrecv "$c" "${SWEEP[@]}")
-  # shellcheck disable=SC2046
-  run_env "$c, 2 processes" 2 "$bin/${c}_perf" $(cap_sendrecv "$c" "${SWEEP[@]}")
-  # shellcheck disable=SC2046
-  run_env "$c, 3 processes" 3 "$bin/${c}_perf" $(cap_sendrecv "$c" "${SWEEP[@]}")
-  # shellcheck disable=SC2046
-  run "${c}_perf_mpi -np 3" "${MPIRUN[@]}" -np 3 "$bin/${c}_perf_mpi" $(cap_sendrecv "$c" "${SWEEP[@]}")
+  run "$c -t 3" "$bin/${c}_perf" -t 3 "${SWEEP[@]}"
+  run "$c -t 2 -g 2" "$bin/${c}_perf" -t 2 -g 2 "${SWEEP[@]}"
+  run_env "$c, 2 processes" 2 "$bin/${c}_perf" "${SWEEP[@]}"
+  run_env "$c, 3 processes" 3 "$bin/${c}_perf" "${SWEEP[@]}"
+  run "${c}_perf_mpi -np 3" "${MPIRUN[@]}" -np 3 "$bin/${c}_perf_mpi" "${SWEEP[@]}"
   run "mpi_perf $c -np 3" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" "$c" "${SWEEP[@]}"
 done
 

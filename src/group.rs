@@ -178,6 +178,27 @@ pub fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     first_err.map_or(Ok(()), Err)
 }
 
+/// Marks the sends of a group whose buffer a receive of the same group overwrites (an in-place
+/// send/recv exchange, as nccl-tests' sendrecv does). Such a send must not keep its buffer busy
+/// until the peer has read it: around a ring, every rank's receive would wait for its own
+/// send, which waits for the next rank's receive. The data is copied aside first instead.
+fn stage_overwritten_sends(calls: &mut [Call]) {
+    use crate::algo::Collective;
+    let written: Vec<(usize, usize)> = calls
+        .iter()
+        .filter_map(|c| match c.coll {
+            Collective::Recv { count, .. } => Some((c.recv as usize, count * c.dtype.size())),
+            _ => None,
+        })
+        .collect();
+    for c in calls.iter_mut() {
+        if let Collective::Send { count, .. } = c.coll {
+            let (s, len) = (c.send as usize, count * c.dtype.size());
+            c.stage = written.iter().any(|&(r, rl)| s < r + rl && r < s + len);
+        }
+    }
+}
+
 /// Runs calls now: per communicator in issue order, all communicators in one executor pass.
 pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
     if calls.is_empty() {
@@ -195,7 +216,8 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
         }
     }
     let mut jobs = Vec::with_capacity(comms.len());
-    for (c, calls) in comms.iter().zip(per_comm) {
+    for (c, mut calls) in comms.iter().zip(per_comm) {
+        stage_overwritten_sends(&mut calls);
         c.check_usable()?;
         let ops = calls
             .iter()

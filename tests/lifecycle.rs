@@ -229,6 +229,35 @@ fn sendrecv_orders(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String
     Ok(())
 }
 
+/// Send and receive on the same buffer in one group (nccl-tests' in-place sendrecv): the data
+/// sent is the data from before the call, whatever the size.
+fn sendrecv_in_place(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    for count in [1usize, 8191, 1 << 20, 3 << 20] {
+        let mut buf: Vec<f32> = (0..count).map(|i| (rank * 7 + i % 5) as f32).collect();
+        let p = buf.as_mut_ptr() as *mut c_void;
+        nccl!(ncclGroupStart());
+        nccl!(ncclSend(p, count, FLOAT, ((rank + 1) % n) as i32, comm, S));
+        nccl!(ncclRecv(
+            p,
+            count,
+            FLOAT,
+            ((rank + n - 1) % n) as i32,
+            comm,
+            S
+        ));
+        nccl!(ncclGroupEnd());
+        let prev = (rank + n - 1) % n;
+        if let Some(i) = (0..count).find(|&i| buf[i] != (prev * 7 + i % 5) as f32) {
+            return Err(format!(
+                "count {count}: element {i} is {}, expected {}",
+                buf[i],
+                prev * 7 + i % 5
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A simulated group estimates and runs nothing.
 fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
     let send = vec![1f32; 1 << 16];
@@ -261,13 +290,14 @@ fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
 
 fn scenario(w: &Worker) -> Result<(), String> {
     match w.scenario.as_str() {
-        "split" | "shrink" | "queries" | "sendrecv" | "simulate" => {
+        "split" | "shrink" | "queries" | "sendrecv" | "simulate" | "sendrecv_in_place" => {
             let c = init_rank(w)?;
             match w.scenario.as_str() {
                 "split" => split(c, w.rank, w.nranks)?,
                 "shrink" => shrink(c, w.rank, w.nranks)?,
                 "queries" => queries(c, w.rank, w.nranks)?,
                 "simulate" => simulate(c, w.rank, w.nranks)?,
+                "sendrecv_in_place" => sendrecv_in_place(c, w.rank, w.nranks)?,
                 _ => sendrecv_orders(c, w.rank, w.nranks)?,
             }
             nccl!(ncclCommDestroy(c));
@@ -423,6 +453,17 @@ fn sendrecv_never_deadlocks_without_pull() {
 #[test]
 fn sendrecv_never_deadlocks_threads() {
     with_threads(4, Duration::from_secs(120), sendrecv_orders);
+}
+
+#[test]
+fn in_place_sendrecv_rings_complete_processes() {
+    procs("sendrecv_in_place", 3, &[]);
+    procs("sendrecv_in_place", 2, &[("COMM_SHM_PULL", "0")]);
+}
+
+#[test]
+fn in_place_sendrecv_rings_complete_threads() {
+    with_threads(3, Duration::from_secs(120), sendrecv_in_place);
 }
 
 #[test]

@@ -311,6 +311,27 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
     }
 }
 
+/// A send whose data is first copied to scratch, so that the caller's buffer is free as soon as
+/// the copy is made (see `group::stage_overwritten_sends`).
+pub fn staged_send(peer: usize, bytes: usize) -> Schedule {
+    let mut s = Schedule {
+        scratch: bytes,
+        ..Schedule::default()
+    };
+    let aside = Region::new(Buf::Scratch, 0, bytes);
+    s.push(Step::Local {
+        dst: aside,
+        a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+        b: None,
+        last: false,
+    });
+    s.push(Step::Send {
+        peer,
+        src: Operand::partial(aside),
+    });
+    s
+}
+
 #[cfg(test)]
 pub(crate) mod sim;
 

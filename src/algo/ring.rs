@@ -23,48 +23,61 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     for step in 0..n - 1 {
         let send_c = shape.rel(-(step as isize));
         let recv_c = shape.rel(-(step as isize) - 1);
-        for r in chunk(if step == 0 { Buf::Send } else { Buf::Recv }, send_c) {
-            let src = if step == 0 {
-                Operand::input(r)
-            } else {
-                Operand::partial(r)
-            };
-            s.push(Step::Send {
-                peer: shape.next(),
-                src,
-            });
-        }
-        for (dst, mine) in chunk(Buf::Recv, recv_c)
+        let src_buf = if step == 0 { Buf::Send } else { Buf::Recv };
+        let sends = chunk(src_buf, send_c).into_iter().map(|r| Step::Send {
+            peer: shape.next(),
+            src: Operand {
+                region: r,
+                input: step == 0,
+            },
+        });
+        let recvs = chunk(Buf::Recv, recv_c)
             .into_iter()
             .zip(chunk(Buf::Send, recv_c))
-        {
-            s.push(Step::Recv {
+            .map(|(dst, mine)| Step::Recv {
                 peer: shape.prev(),
                 dst,
                 reduce_with: Some(Operand::input(mine)),
                 last: step == n - 2,
             });
-        }
+        interleave(&mut s, sends, recvs);
     }
     for step in 0..n - 1 {
         let send_c = shape.rel(1 - step as isize);
         let recv_c = shape.rel(-(step as isize));
-        for r in chunk(Buf::Recv, send_c) {
-            s.push(Step::Send {
-                peer: shape.next(),
-                src: Operand::partial(r),
-            });
-        }
-        for dst in chunk(Buf::Recv, recv_c) {
-            s.push(Step::Recv {
-                peer: shape.prev(),
-                dst,
-                reduce_with: None,
-                last: false,
-            });
-        }
+        let sends = chunk(Buf::Recv, send_c).into_iter().map(|r| Step::Send {
+            peer: shape.next(),
+            src: Operand::partial(r),
+        });
+        let recvs = chunk(Buf::Recv, recv_c).into_iter().map(|dst| Step::Recv {
+            peer: shape.prev(),
+            dst,
+            reduce_with: None,
+            last: false,
+        });
+        interleave(&mut s, sends, recvs);
     }
     s
+}
+
+/// Appends the sends and receives of one ring step alternately, slice by slice: an executor
+/// that runs steps strictly in order (a GPU stream) with a few message slots per peer then
+/// never waits for a slot that only its own later receives could free.
+fn interleave(
+    s: &mut Schedule,
+    sends: impl Iterator<Item = Step>,
+    recvs: impl Iterator<Item = Step>,
+) {
+    let mut recvs = recvs.peekable();
+    for send in sends {
+        s.push(send);
+        if let Some(r) = recvs.next() {
+            s.push(r);
+        }
+    }
+    for r in recvs {
+        s.push(r);
+    }
 }
 
 /// Each rank forwards its own block, then every block it receives, to the next rank.
@@ -85,20 +98,20 @@ pub fn all_gather(count: usize, shape: &Shape) -> Schedule {
         } else {
             shape.slices(Buf::Recv, send_b * bytes, bytes)
         };
-        for r in src {
-            s.push(Step::Send {
-                peer: shape.next(),
-                src: Operand::partial(r),
-            });
-        }
-        for dst in shape.slices(Buf::Recv, recv_b * bytes, bytes) {
-            s.push(Step::Recv {
+        let sends = src.into_iter().map(|r| Step::Send {
+            peer: shape.next(),
+            src: Operand::partial(r),
+        });
+        let recvs = shape
+            .slices(Buf::Recv, recv_b * bytes, bytes)
+            .into_iter()
+            .map(|dst| Step::Recv {
                 peer: shape.prev(),
                 dst,
                 reduce_with: None,
                 last: false,
             });
-        }
+        interleave(&mut s, sends, recvs);
     }
     s
 }
@@ -128,32 +141,29 @@ pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
             let r = scratch(step - 1);
             shape.slices(Buf::Scratch, r.offset, bytes)
         };
-        for r in src {
-            s.push(Step::Send {
-                peer: shape.next(),
-                src: Operand {
-                    region: r,
-                    input: step == 0,
-                },
-            });
-        }
+        let sends = src.into_iter().map(|r| Step::Send {
+            peer: shape.next(),
+            src: Operand {
+                region: r,
+                input: step == 0,
+            },
+        });
         let last = step == n - 2;
         let dst = if last {
             shape.slices(Buf::Recv, 0, bytes)
         } else {
             shape.slices(Buf::Scratch, scratch(step).offset, bytes)
         };
-        for (dst, mine) in dst
+        let recvs = dst
             .into_iter()
             .zip(shape.slices(Buf::Send, recv_c * bytes, bytes))
-        {
-            s.push(Step::Recv {
+            .map(|(dst, mine)| Step::Recv {
                 peer: shape.prev(),
                 dst,
                 reduce_with: Some(Operand::input(mine)),
                 last,
             });
-        }
+        interleave(&mut s, sends, recvs);
     }
     s
 }

@@ -1,11 +1,21 @@
 //! A reference interpreter for schedules, used by the algorithm tests: every rank runs its steps
-//! in list order over i64 elements, messages queue without limit, and inputs are scaled by a
-//! per-rank factor so that a schedule that counts an input twice (or never) is caught.
+//! in list order over i64 elements, and inputs are scaled by a per-rank factor so that a schedule
+//! that counts an input twice (or never) is caught. Each check runs twice: with unbounded
+//! message queues, and with every channel holding at most SLOTS undelivered messages (a sender
+//! then waits), the way a GPU stream runs a schedule: strictly in order, with a few slots per
+//! peer. A schedule that deadlocks there cannot run on the device executor.
 
 use super::{schedule, Algorithm, Buf, Collective, Operand, Region, Shape, Step};
 use std::collections::{HashMap, VecDeque};
 
 const E: usize = 8;
+
+/// Message slots per channel in the bounded run (the device executor's default).
+const SLOTS: usize = 2;
+
+thread_local! {
+    static BOUNDED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
 
 struct Rank {
     mem: Vec<i64>,
@@ -38,13 +48,13 @@ impl Rank {
 
 /// Runs `coll` on n ranks. `layout(rank)` gives (memory size, send base, recv base) in elements;
 /// scratch goes after. Returns each rank's memory.
-fn run(
+fn run_once(
     n: usize,
-    coll: impl Fn(usize) -> Collective,
+    coll: &impl Fn(usize) -> Collective,
     slice_elems: usize,
     algo: Algorithm,
     in_place: bool,
-    init: impl Fn(usize) -> (Vec<i64>, usize, usize),
+    init: &impl Fn(usize) -> (Vec<i64>, usize, usize),
 ) -> Vec<Vec<i64>> {
     let mut ranks = Vec::new();
     let mut plans = Vec::new();
@@ -78,6 +88,10 @@ fn run(
                 let rank = &mut ranks[r];
                 match plans[r][pc[r]] {
                     Step::Send { peer, src } => {
+                        let q = queues.entry((r, peer)).or_default();
+                        if BOUNDED.with(|b| b.get()).is_some_and(|k| q.len() >= k) {
+                            break;
+                        }
                         let data = rank.read(src);
                         queues.entry((r, peer)).or_default().push_back(data);
                     }
@@ -129,6 +143,26 @@ fn run(
         "unreceived messages left"
     );
     ranks.into_iter().map(|r| r.mem).collect()
+}
+
+/// Runs the schedules unbounded and bounded; both must give the same memory.
+fn run(
+    n: usize,
+    coll: impl Fn(usize) -> Collective,
+    slice_elems: usize,
+    algo: Algorithm,
+    in_place: bool,
+    init: impl Fn(usize) -> (Vec<i64>, usize, usize),
+) -> Vec<Vec<i64>> {
+    let free = run_once(n, &coll, slice_elems, algo, in_place, &init);
+    BOUNDED.with(|b| b.set(Some(SLOTS)));
+    let bounded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_once(n, &coll, slice_elems, algo, in_place, &init)
+    }));
+    BOUNDED.with(|b| b.set(None));
+    let bounded = bounded.unwrap_or_else(|e| std::panic::resume_unwind(e));
+    assert_eq!(free, bounded, "bounded and unbounded runs differ");
+    free
 }
 
 fn value(rank: usize, i: usize) -> i64 {

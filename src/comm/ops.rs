@@ -59,6 +59,9 @@ pub struct Call {
     pub op: Option<OpChoice>,
     /// Whether the send and receive buffers overlap (as NCCL's in-place rules allow).
     pub in_place: bool,
+    /// For a send: copy the data aside before offering it, because a receive of the same group
+    /// writes over it (see `group::stage_overwritten_sends`).
+    pub stage: bool,
 }
 
 // SAFETY: the pointers are only addresses here; they are dereferenced by the executor on the
@@ -335,6 +338,7 @@ impl Comm {
             dtype,
             op,
             in_place,
+            stage: false,
         })
     }
 
@@ -367,7 +371,12 @@ impl Comm {
             _ => 0,
         };
         let algo = self.tuner.choose(&call.coll, bytes, self.nranks);
-        let schedule = algo::schedule(&call.coll, &shape, algo);
+        let schedule = match call.coll {
+            Collective::Send { peer, count } if call.stage => {
+                algo::staged_send(peer, count * shape.elem)
+            }
+            _ => algo::schedule(&call.coll, &shape, algo),
+        };
         crate::trace!(
             "{} {bytes} bytes {} with {} ({} steps)",
             call.coll.name(),
