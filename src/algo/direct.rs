@@ -10,42 +10,44 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
-    let input = Operand::input(Region::new(Buf::Send, 0, bytes));
-    let out = Region::new(Buf::Recv, 0, bytes);
     if n == 1 {
         s.push(Step::Local {
-            dst: out,
-            a: input,
+            dst: Region::new(Buf::Recv, 0, bytes),
+            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
             b: None,
             last: true,
         });
         return s;
     }
-    for k in 1..n {
-        s.push(Step::Send {
-            peer: shape.rel(k as isize),
-            src: input,
-        });
-    }
     s.scratch = bytes;
-    let acc = Region::new(Buf::Scratch, 0, bytes);
-    for q in 0..n {
-        let last = q == n - 1;
-        let dst = if last { out } else { acc };
-        let prior = (q > 0).then_some(Operand::partial(acc));
-        if q == shape.rank {
-            let (a, b) = match prior {
-                Some(p) => (p, Some(input)),
-                None => (input, None),
-            };
-            s.push(Step::Local { dst, a, b, last });
-        } else {
-            s.push(Step::Recv {
-                peer: q,
-                dst,
-                reduce_with: prior,
-                last,
+    for input in shape.slices(Buf::Send, 0, bytes) {
+        let input = Operand::input(input);
+        let out = Region::new(Buf::Recv, input.region.offset, input.region.len);
+        let acc = Region::new(Buf::Scratch, input.region.offset, input.region.len);
+        for k in 1..n {
+            s.push(Step::Send {
+                peer: shape.rel(k as isize),
+                src: input,
             });
+        }
+        for q in 0..n {
+            let last = q == n - 1;
+            let dst = if last { out } else { acc };
+            let prior = (q > 0).then_some(Operand::partial(acc));
+            if q == shape.rank {
+                let (a, b) = match prior {
+                    Some(p) => (p, Some(input)),
+                    None => (input, None),
+                };
+                s.push(Step::Local { dst, a, b, last });
+            } else {
+                s.push(Step::Recv {
+                    peer: q,
+                    dst,
+                    reduce_with: prior,
+                    last,
+                });
+            }
         }
     }
     s
@@ -57,22 +59,25 @@ pub fn gather(count: usize, root: usize, shape: &Shape) -> Schedule {
     let mut s = Schedule::default();
     let mine = Operand::partial(Region::new(Buf::Send, 0, bytes));
     if shape.rank != root {
-        s.push(Step::Send {
-            peer: root,
-            src: mine,
-        });
+        for r in shape.slices(Buf::Send, 0, bytes) {
+            s.push(Step::Send {
+                peer: root,
+                src: Operand::partial(r),
+            });
+        }
         return s;
     }
     for p in 0..shape.nranks {
-        let dst = Region::new(Buf::Recv, p * bytes, bytes);
         if p == root {
             s.push(Step::Local {
-                dst,
+                dst: Region::new(Buf::Recv, p * bytes, bytes),
                 a: mine,
                 b: None,
                 last: false,
             });
-        } else {
+            continue;
+        }
+        for dst in shape.slices(Buf::Recv, p * bytes, bytes) {
             s.push(Step::Recv {
                 peer: p,
                 dst,
@@ -90,27 +95,30 @@ pub fn scatter(count: usize, root: usize, shape: &Shape) -> Schedule {
     let mut s = Schedule::default();
     let out = Region::new(Buf::Recv, 0, bytes);
     if shape.rank != root {
-        s.push(Step::Recv {
-            peer: root,
-            dst: out,
-            reduce_with: None,
-            last: false,
-        });
+        for dst in shape.slices(Buf::Recv, 0, bytes) {
+            s.push(Step::Recv {
+                peer: root,
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        }
         return s;
     }
     for p in 0..shape.nranks {
-        let block = Operand::partial(Region::new(Buf::Send, p * bytes, bytes));
         if p == root {
             s.push(Step::Local {
                 dst: out,
-                a: block,
+                a: Operand::partial(Region::new(Buf::Send, p * bytes, bytes)),
                 b: None,
                 last: false,
             });
-        } else {
+            continue;
+        }
+        for r in shape.slices(Buf::Send, p * bytes, bytes) {
             s.push(Step::Send {
                 peer: p,
-                src: block,
+                src: Operand::partial(r),
             });
         }
     }
@@ -125,10 +133,12 @@ mod tests {
     fn direct_collectives_compute_the_reference_result() {
         for n in 1..=6 {
             for count in [0, 1, 5, 13] {
-                sim::check_all_reduce(n, count, 1000, Algorithm::Direct);
-                for root in 0..n {
-                    sim::check_gather(n, count, root);
-                    sim::check_scatter(n, count, root);
+                for slice_elems in [1, 4, 1000] {
+                    sim::check_all_reduce(n, count, slice_elems, Algorithm::Direct);
+                    for root in 0..n {
+                        sim::check_gather(n, count, root, slice_elems);
+                        sim::check_scatter(n, count, root, slice_elems);
+                    }
                 }
             }
         }

@@ -242,6 +242,26 @@ impl Shape {
     }
 }
 
+/// Appends sends and receives alternately, slice by slice: an executor that runs steps
+/// strictly in order (a GPU stream) with a few message slots per peer then never waits for a
+/// slot that only its own later receives could free.
+pub fn interleave(
+    s: &mut Schedule,
+    sends: impl Iterator<Item = Step>,
+    recvs: impl Iterator<Item = Step>,
+) {
+    let mut recvs = recvs.peekable();
+    for send in sends {
+        s.push(send);
+        if let Some(r) = recvs.next() {
+            s.push(r);
+        }
+    }
+    for r in recvs {
+        s.push(r);
+    }
+}
+
 /// `count` elements cut into `parts` nearly equal pieces (the first `count % parts` one larger):
 /// `(start, len)` in elements.
 pub fn partition(count: usize, parts: usize) -> Vec<(usize, usize)> {
@@ -292,20 +312,24 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
         Collective::Scatter { count, root } => direct::scatter(*count, *root, shape),
         Collective::Send { peer, count } => {
             let mut s = Schedule::default();
-            s.push(Step::Send {
-                peer: *peer,
-                src: Operand::partial(Region::new(Buf::Send, 0, count * e)),
-            });
+            for r in shape.slices(Buf::Send, 0, count * e) {
+                s.push(Step::Send {
+                    peer: *peer,
+                    src: Operand::partial(r),
+                });
+            }
             s
         }
         Collective::Recv { peer, count } => {
             let mut s = Schedule::default();
-            s.push(Step::Recv {
-                peer: *peer,
-                dst: Region::new(Buf::Recv, 0, count * e),
-                reduce_with: None,
-                last: false,
-            });
+            for dst in shape.slices(Buf::Recv, 0, count * e) {
+                s.push(Step::Recv {
+                    peer: *peer,
+                    dst,
+                    reduce_with: None,
+                    last: false,
+                });
+            }
             s
         }
     }
@@ -313,7 +337,7 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
 
 /// A send whose data is first copied to scratch, so that the caller's buffer is free as soon as
 /// the copy is made (see `group::stage_overwritten_sends`).
-pub fn staged_send(peer: usize, bytes: usize) -> Schedule {
+pub fn staged_send(peer: usize, bytes: usize, shape: &Shape) -> Schedule {
     let mut s = Schedule {
         scratch: bytes,
         ..Schedule::default()
@@ -325,10 +349,12 @@ pub fn staged_send(peer: usize, bytes: usize) -> Schedule {
         b: None,
         last: false,
     });
-    s.push(Step::Send {
-        peer,
-        src: Operand::partial(aside),
-    });
+    for r in shape.slices(Buf::Scratch, 0, bytes) {
+        s.push(Step::Send {
+            peer,
+            src: Operand::partial(r),
+        });
+    }
     s
 }
 

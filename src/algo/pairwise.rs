@@ -41,16 +41,25 @@ pub fn all_to_all_v(
     for k in 1..n {
         let to = shape.rel(k as isize);
         let from = shape.rel(-(k as isize));
-        s.push(Step::Send {
-            peer: to,
-            src: Operand::partial(block_out(to)),
-        });
-        s.push(Step::Recv {
-            peer: from,
-            dst: block_in(from),
-            reduce_with: None,
-            last: false,
-        });
+        let out = block_out(to);
+        let inb = block_in(from);
+        let sends = shape
+            .slices(out.buf, out.offset, out.len)
+            .into_iter()
+            .map(|r| Step::Send {
+                peer: to,
+                src: Operand::partial(r),
+            });
+        let recvs = shape
+            .slices(inb.buf, inb.offset, inb.len)
+            .into_iter()
+            .map(|dst| Step::Recv {
+                peer: from,
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        super::interleave(&mut s, sends, recvs);
     }
     s
 }
@@ -62,9 +71,11 @@ mod tests {
     #[test]
     fn all_to_all_delivers_every_block() {
         for n in 1..=6 {
-            for count in [0, 1, 3] {
-                sim::check_all_to_all(n, count, false);
-                sim::check_all_to_all(n, count, true);
+            for count in [0, 1, 3, 10] {
+                for slice_elems in [1, 4, 1000] {
+                    sim::check_all_to_all(n, count, false, slice_elems);
+                    sim::check_all_to_all(n, count, true, slice_elems);
+                }
             }
         }
     }

@@ -2,7 +2,7 @@
 //! ring neighbours, and every chunk is cut into slices so that a rank forwards slice j while
 //! its neighbour is still busy with slice j+1.
 
-use super::{partition, Buf, Operand, Region, Schedule, Shape, Step};
+use super::{interleave, partition, Buf, Operand, Region, Schedule, Shape, Step};
 
 /// Reduce-scatter around the ring, then all-gather around it. After the first phase rank r holds
 /// the final value of chunk r+1; the second phase passes the final chunks on.
@@ -58,26 +58,6 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
         interleave(&mut s, sends, recvs);
     }
     s
-}
-
-/// Appends the sends and receives of one ring step alternately, slice by slice: an executor
-/// that runs steps strictly in order (a GPU stream) with a few message slots per peer then
-/// never waits for a slot that only its own later receives could free.
-fn interleave(
-    s: &mut Schedule,
-    sends: impl Iterator<Item = Step>,
-    recvs: impl Iterator<Item = Step>,
-) {
-    let mut recvs = recvs.peekable();
-    for send in sends {
-        s.push(send);
-        if let Some(r) = recvs.next() {
-            s.push(r);
-        }
-    }
-    for r in recvs {
-        s.push(r);
-    }
 }
 
 /// Each rank forwards its own block, then every block it receives, to the next rank.

@@ -315,11 +315,11 @@ pub fn check_reduce(n: usize, count: usize, root: usize, slice_elems: usize, alg
     }
 }
 
-pub fn check_gather(n: usize, count: usize, root: usize) {
+pub fn check_gather(n: usize, count: usize, root: usize, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::Gather { count, root },
-        1000,
+        slice_elems,
         Algorithm::Direct,
         false,
         |r| {
@@ -337,11 +337,11 @@ pub fn check_gather(n: usize, count: usize, root: usize) {
     }
 }
 
-pub fn check_scatter(n: usize, count: usize, root: usize) {
+pub fn check_scatter(n: usize, count: usize, root: usize, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::Scatter { count, root },
-        1000,
+        slice_elems,
         Algorithm::Direct,
         false,
         |r| {
@@ -357,11 +357,11 @@ pub fn check_scatter(n: usize, count: usize, root: usize) {
     }
 }
 
-pub fn check_all_to_all(n: usize, count: usize, in_place: bool) {
+pub fn check_all_to_all(n: usize, count: usize, in_place: bool, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::AlltoAll { count },
-        1000,
+        slice_elems,
         Algorithm::Ring,
         in_place,
         |r| {

@@ -373,7 +373,7 @@ impl Comm {
         let algo = self.tuner.choose(&call.coll, bytes, self.nranks);
         let schedule = match call.coll {
             Collective::Send { peer, count } if call.stage => {
-                algo::staged_send(peer, count * shape.elem)
+                algo::staged_send(peer, count * shape.elem, &shape)
             }
             _ => algo::schedule(&call.coll, &shape, algo),
         };
