@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing comm needs on a fresh machine (idempotent; sourced by the
-# other scripts). Exports COMM_DEPS (a cache directory), COMM_TEST_CUDA_INCLUDE and
+# other scripts). Exports COMM_DEPS (a cache directory), NVCC, COMM_TEST_CUDA_INCLUDE and
 # COMM_TEST_NVIDIA_NCCL_INCLUDE.
 set -euo pipefail
 COMM_ROOT=${COMM_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -33,6 +33,8 @@ if [ ! -f "$SITE/nvidia/cu13/include/cuda_runtime.h" ]; then
   "$VENV/bin/pip" install -q "cuda-toolkit[nvcc,cccl,cudart]==13.0.*"
 fi
 export COMM_TEST_CUDA_INCLUDE=$SITE/nvidia/cu13/include
+# build.rs compiles kernels/*.cu with this nvcc.
+export NVCC=$SITE/nvidia/cu13/bin/nvcc
 # matplotlib, for bench/plot.py.
 if ! "$VENV/bin/python" -c 'import matplotlib' >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q matplotlib

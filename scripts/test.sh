@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
+# The kernels must build: a missing nvcc fails the build instead of leaving it host-only.
+export COMM_REQUIRE_NVCC=1
 
 cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
