@@ -53,6 +53,97 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     s
 }
 
+/// Two-shot all-reduce: rank p gathers part p of every input and reduces it (in rank order, so
+/// the result does not depend on who computes it), then every rank gathers every reduced part.
+/// Each element crosses the links twice, as in a ring, but in two hops instead of 2(n-1).
+pub fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
+    let (n, e) = (shape.nranks, shape.elem);
+    if n == 1 {
+        return all_reduce(count, shape);
+    }
+    let mut s = Schedule::default();
+    let parts = super::partition(count, n);
+    let part = |buf: Buf, p: usize| Region::new(buf, parts[p].0 * e, parts[p].1 * e);
+    let me = shape.rank;
+    let mine = part(Buf::Send, me);
+    s.scratch = mine.len;
+    // Phase 1: part p of my input to rank p; part `me` of everyone's input reduced here, one
+    // slice index at a time so that every channel moves along together.
+    let outgoing: Vec<(usize, Vec<Region>)> = (1..n)
+        .map(|k| {
+            let to = shape.rel(k as isize);
+            let p = part(Buf::Send, to);
+            (to, shape.slices(p.buf, p.offset, p.len))
+        })
+        .collect();
+    let acc_slices = shape.slices(Buf::Scratch, 0, mine.len);
+    let in_slices = shape.slices(Buf::Send, mine.offset, mine.len);
+    let rounds = outgoing
+        .iter()
+        .map(|(_, v)| v.len())
+        .chain([acc_slices.len()])
+        .max()
+        .unwrap_or(0);
+    for j in 0..rounds {
+        for (to, slices) in &outgoing {
+            if let Some(r) = slices.get(j) {
+                s.push(Step::Send {
+                    peer: *to,
+                    src: Operand::input(*r),
+                });
+            }
+        }
+        let (Some(&slice), Some(&input)) = (acc_slices.get(j), in_slices.get(j)) else {
+            continue;
+        };
+        let dst_final = Region::new(Buf::Recv, input.offset, input.len);
+        for q in 0..n {
+            let last = q == n - 1;
+            let dst = if last { dst_final } else { slice };
+            let prior = (q > 0).then_some(Operand::partial(slice));
+            if q == me {
+                let (a, b) = match prior {
+                    Some(p) => (p, Some(Operand::input(input))),
+                    None => (Operand::input(input), None),
+                };
+                s.push(Step::Local { dst, a, b, last });
+            } else {
+                s.push(Step::Recv {
+                    peer: q,
+                    dst,
+                    reduce_with: prior,
+                    last,
+                });
+            }
+        }
+    }
+    // Phase 2: my reduced part to everyone, everyone's reduced part here.
+    let out = part(Buf::Recv, me);
+    for k in 1..n {
+        let to = shape.rel(k as isize);
+        let from = shape.rel(-(k as isize));
+        let sends = shape
+            .slices(Buf::Recv, out.offset, out.len)
+            .into_iter()
+            .map(|r| Step::Send {
+                peer: to,
+                src: Operand::partial(r),
+            });
+        let theirs = part(Buf::Recv, from);
+        let recvs = shape
+            .slices(Buf::Recv, theirs.offset, theirs.len)
+            .into_iter()
+            .map(|dst| Step::Recv {
+                peer: from,
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        super::interleave(&mut s, sends, recvs);
+    }
+    s
+}
+
 /// Every rank sends its block to the root, which places block i at offset i.
 pub fn gather(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
@@ -135,6 +226,7 @@ mod tests {
             for count in [0, 1, 5, 13] {
                 for slice_elems in [1, 4, 1000] {
                     sim::check_all_reduce(n, count, slice_elems, Algorithm::Direct);
+                    sim::check_all_reduce(n, count, slice_elems, Algorithm::TwoShot);
                     for root in 0..n {
                         sim::check_gather(n, count, root, slice_elems);
                         sim::check_scatter(n, count, root, slice_elems);

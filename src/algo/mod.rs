@@ -284,6 +284,7 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
     match coll {
         Collective::AllReduce { count } => match algo {
             Algorithm::Direct => direct::all_reduce(*count, shape),
+            Algorithm::TwoShot => direct::all_reduce_two_shot(*count, shape),
             Algorithm::Tree => tree::all_reduce(*count, shape),
             Algorithm::Ring => ring::all_reduce(*count, shape),
         },

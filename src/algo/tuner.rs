@@ -7,7 +7,10 @@ use super::Collective;
 pub enum Algorithm {
     Ring,
     Tree,
+    /// One-shot: every rank reads every input.
     Direct,
+    /// Two-shot: a direct reduce-scatter, then a direct all-gather.
+    TwoShot,
 }
 
 impl Algorithm {
@@ -16,6 +19,7 @@ impl Algorithm {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
             Algorithm::Direct => "direct",
+            Algorithm::TwoShot => "twoshot",
         }
     }
 
@@ -32,10 +36,16 @@ impl Algorithm {
                 "ring" => Some(Algorithm::Ring),
                 "tree" => Some(Algorithm::Tree),
                 "direct" | "oneshot" | "one_shot" => Some(Algorithm::Direct),
+                "twoshot" | "two_shot" => Some(Algorithm::TwoShot),
                 _ => None,
             })
             .collect();
-        let all = [Algorithm::Ring, Algorithm::Tree, Algorithm::Direct];
+        let all = [
+            Algorithm::Ring,
+            Algorithm::Tree,
+            Algorithm::Direct,
+            Algorithm::TwoShot,
+        ];
         if exclude {
             all.into_iter().filter(|a| !named.contains(a)).collect()
         } else {
@@ -76,10 +86,35 @@ impl Tuner {
         }
     }
 
+    /// The choice for device buffers: one-shot for small all-reduces, two-shot for medium ones,
+    /// the ring beyond (COMM_DEVICE_ONESHOT_MAX / COMM_DEVICE_TWOSHOT_MAX move the bounds).
+    pub fn choose_device(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
+        let ok = |a: Algorithm| self.allowed.contains(&a);
+        match coll {
+            Collective::AllReduce { .. } if nranks > 1 => {
+                let one = crate::env::size("DEVICE_ONESHOT_MAX").unwrap_or(256 << 10);
+                let two = crate::env::size("DEVICE_TWOSHOT_MAX").unwrap_or(64 << 20);
+                if ok(Algorithm::Direct) && bytes <= one {
+                    Algorithm::Direct
+                } else if ok(Algorithm::TwoShot) && bytes <= two {
+                    Algorithm::TwoShot
+                } else if ok(Algorithm::Ring) {
+                    Algorithm::Ring
+                } else {
+                    self.allowed[0]
+                }
+            }
+            _ => self.choose(coll, bytes, nranks),
+        }
+    }
+
     pub fn choose(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
         let ok = |a: Algorithm| self.allowed.contains(&a);
         match coll {
             Collective::AllReduce { .. } => {
+                if !ok(Algorithm::Direct) && !ok(Algorithm::Tree) && !ok(Algorithm::Ring) {
+                    return self.allowed[0];
+                }
                 if ok(Algorithm::Direct) && bytes <= self.direct_max {
                     Algorithm::Direct
                 } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= self.tree_max {
@@ -117,7 +152,7 @@ mod tests {
         );
         assert_eq!(
             Algorithm::parse_list("^tree"),
-            vec![Algorithm::Ring, Algorithm::Direct]
+            vec![Algorithm::Ring, Algorithm::Direct, Algorithm::TwoShot]
         );
         assert!(Algorithm::parse_list("nvls").is_empty());
     }
