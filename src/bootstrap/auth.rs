@@ -28,7 +28,7 @@ use super::net::{self, Waiter};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Longest context a client may send; the server refuses more without reading it.
-pub const MAX_CONTEXT: usize = 1024;
+pub(crate) const MAX_CONTEXT: usize = 1024;
 
 const MAGIC: &[u8; 8] = b"COMMAUTH";
 const VERSION: u16 = 1;

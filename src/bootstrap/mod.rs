@@ -44,7 +44,7 @@ use net::Waiter;
 use ring::Ring;
 use root::{CheckIn, RootSession};
 
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
 const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);

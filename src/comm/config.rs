@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 
-pub const UNDEF_INT: i32 = i32::MIN;
+pub(crate) const UNDEF_INT: i32 = i32::MIN;
 
 /// The settings this library acts on, after defaults and environment overrides.
 #[derive(Clone, Debug, PartialEq, Eq)]
