@@ -53,20 +53,6 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
 #define ncclDouble ncclFloat64
 
 
-#define UNIQUE_ID_BYTES 128
-
-/*
- Longest context a client may send; the server refuses more without reading it.
- */
-#define MAX_CONTEXT 1024
-
-#define UNDEF_INT INT32_MIN
-
-/*
- The first value of a dynamic (user-created) op, as in NCCL.
- */
-#define FIRST_DYNAMIC_OP 5
-
 /*
  The CUDA device a host-only rank reports: there is none.
  */
@@ -360,6 +346,10 @@ ncclResult_t ncclCommCuDevice(ncclComm_t comm, int *device);
  */
 void ncclResetDebugInit(void);
 
+/*
+ Device memory from CUDA's virtual memory management API on the calling thread's GPU (NCCL
+ 2.19): suitable for every path of the library, freed with ncclMemFree.
+ */
 ncclResult_t ncclMemAlloc(void **ptr, size_t size);
 
 ncclResult_t ncclMemFree(void *ptr);

@@ -216,7 +216,16 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
         }
     }
     let mut jobs = Vec::with_capacity(comms.len());
-    for (c, mut calls) in comms.iter().zip(per_comm) {
+    for (c, calls) in comms.iter().zip(per_comm) {
+        // Device calls become one program on their stream and return at once.
+        let (device, mut calls): (Vec<Call>, Vec<Call>) = calls.into_iter().partition(|c| c.device);
+        if !device.is_empty() {
+            c.check_usable()?;
+            c.enqueue_device(&device)?;
+        }
+        if calls.is_empty() {
+            continue;
+        }
         stage_overwritten_sends(&mut calls);
         c.check_usable()?;
         let ops = calls
@@ -224,6 +233,9 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
             .map(|call| c.prepare(call))
             .collect::<Result<Vec<_>>>()?;
         jobs.push((&c.wiring, ops));
+    }
+    if jobs.is_empty() {
+        return Ok(());
     }
     let _scope = crate::log::rank_scope(comms[0].rank as i32);
     let result = crate::exec::host::run(jobs);

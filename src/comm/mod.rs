@@ -42,6 +42,11 @@ pub struct Comm {
     pub placements: Vec<Placement>,
     pub paths: Vec<Path>,
     pub shm: Option<shm::ShmWorld>,
+    /// Device memory shared with the peers, when every rank has a usable GPU.
+    pub device: Option<crate::transport::p2p::DeviceWorld>,
+    /// The stream the last device program went to, and an event after it: a program on
+    /// another stream waits for it, since programs share the slots and flags.
+    pub device_order: Mutex<Option<(crate::cuda::Stream, crate::cuda::Event)>>,
     pub wiring: Wiring,
     pub tuner: Tuner,
     pub slice_bytes: usize,
@@ -130,6 +135,12 @@ impl Comm {
         } else {
             None
         };
+        let device_world = crate::transport::p2p::DeviceWorld::connect(
+            &boot,
+            (device >= 0 && crate::cuda::device_count() > 0).then_some(device),
+            &paths,
+            &placements,
+        )?;
         let mut links: Vec<Arc<dyn Transport>> = Vec::with_capacity(nranks);
         for (r, path) in paths.iter().enumerate() {
             let link: Arc<dyn Transport> = match path {
@@ -189,6 +200,8 @@ impl Comm {
             placements,
             paths,
             shm: shm_world,
+            device: device_world,
+            device_order: Mutex::new(None),
             wiring,
             cuda_device: device,
             seq: AtomicU64::new(0),

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The first value of a dynamic (user-created) op, as in NCCL.
-pub const FIRST_DYNAMIC_OP: i32 = 5;
+pub(crate) const FIRST_DYNAMIC_OP: i32 = 5;
 
 /// Where a PreMulSum scalar is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +62,10 @@ pub struct Call {
     /// For a send: copy the data aside before offering it, because a receive of the same group
     /// writes over it (see `group::stage_overwritten_sends`).
     pub stage: bool,
+    /// The caller's CUDA stream (an address; null is the default stream).
+    pub stream: usize,
+    /// The buffers are device memory: the call runs as a program on `stream`.
+    pub device: bool,
 }
 
 // SAFETY: the pointers are only addresses here; they are dereferenced by the executor on the
@@ -177,6 +181,7 @@ impl Comm {
         recv: *mut u8,
         dtype: i32,
         op: Option<i32>,
+        stream: usize,
     ) -> Result<Call> {
         self.check_usable()?;
         let dtype = parse_dtype(dtype)?;
@@ -331,6 +336,17 @@ impl Comm {
                 );
             }
         }
+        let device = self.memory_kind(send, send_bytes, recv, recv_bytes)?;
+        if device {
+            if let Some(OpChoice::PreMulSum(ScalarSrc::Pointer(p))) = op {
+                if crate::cuda::classify(p as *const std::ffi::c_void) != crate::cuda::MemKind::Host
+                {
+                    return crate::invalid_usage!(
+                        "a PreMulSum scalar in device memory (ncclScalarDevice) is not supported on device buffers yet; create the op with ncclScalarHostImmediate"
+                    );
+                }
+            }
+        }
         Ok(Call {
             coll,
             send,
@@ -339,7 +355,47 @@ impl Comm {
             op,
             in_place,
             stage: false,
+            stream,
+            device,
         })
+    }
+
+    /// Whether a call's buffers are device memory (true) or host memory (false); they must agree
+    /// and, when on a GPU, be on this communicator's.
+    fn memory_kind(
+        &self,
+        send: *const u8,
+        send_bytes: usize,
+        recv: *mut u8,
+        recv_bytes: usize,
+    ) -> Result<bool> {
+        use crate::cuda::{classify, MemKind};
+        let kinds: Vec<(&str, MemKind)> = [
+            ("sendbuff", send, send_bytes),
+            ("recvbuff", recv as *const u8, recv_bytes),
+        ]
+        .into_iter()
+        .filter(|(_, p, b)| *b > 0 && !p.is_null())
+        .map(|(n, p, _)| (n, classify(p as *const std::ffi::c_void)))
+        .collect();
+        if let [(a, ka), (b, kb)] = kinds.as_slice() {
+            if ka != kb {
+                return crate::invalid_arg!("{a} is {ka:?} memory but {b} is {kb:?} memory; both must be host or both device memory");
+            }
+        }
+        match kinds.first() {
+            Some((name, MemKind::Device(ordinal))) => match &self.device {
+                Some(w) if w.device.ordinal == *ordinal => Ok(true),
+                Some(w) => crate::invalid_arg!(
+                    "{name} is memory of GPU {ordinal} but this communicator was created on GPU {}",
+                    w.device.ordinal
+                ),
+                None => crate::invalid_usage!(
+                    "{name} is device memory, but this communicator has no device path (some rank has no usable GPU, or the build has no kernels; see COMM_DEBUG=INFO)"
+                ),
+            },
+            _ => Ok(false),
+        }
     }
 
     /// Turns a validated call into an operation, numbering it. Called in issue order when the
@@ -352,7 +408,82 @@ impl Comm {
         self.build(call, seq)
     }
 
+    /// Turns a group's validated device calls into one program on their stream.
+    pub fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
+        use crate::cuda::Stream;
+        use crate::exec::device::{compile, enqueue, DeviceOp, OpBuffers, SLOTS};
+        let world = self.device.as_ref().ok_or_else(|| {
+            crate::error::Error::new(
+                crate::error::ErrorKind::Internal,
+                "device call without a device path",
+            )
+        })?;
+        let stream = calls[0].stream;
+        if calls.iter().any(|c| c.stream != stream) {
+            return crate::invalid_usage!(
+                "the device operations of one communicator in one group must use one stream"
+            );
+        }
+        let stream = Stream(stream as *mut std::ffi::c_void);
+        let mut ops = Vec::with_capacity(calls.len());
+        let mut offsets = Vec::with_capacity(calls.len());
+        let mut scratch = 0usize;
+        for call in calls {
+            let seq = match call.coll {
+                Collective::Send { .. } | Collective::Recv { .. } => 0,
+                _ => self.seq.fetch_add(1, Ordering::SeqCst),
+            };
+            let op = self.build_with_slice(call, seq, world.slot_bytes)?;
+            offsets.push(scratch);
+            scratch += op.schedule.scratch.next_multiple_of(256);
+            ops.push(DeviceOp {
+                coll: call.coll.clone(),
+                schedule: op.schedule,
+                reduction: op.reduction,
+                elem: call.dtype.size(),
+            });
+        }
+        let scratch_base = if scratch > 0 {
+            world.scratch(scratch)?
+        } else {
+            0
+        };
+        let bufs: Vec<OpBuffers> = calls
+            .iter()
+            .zip(&offsets)
+            .map(|(c, off)| OpBuffers {
+                send: c.send as u64,
+                recv: c.recv as u64,
+                scratch: scratch_base + *off as u64,
+            })
+            .collect();
+        let prog = compile(&ops, self.rank, self.nranks, SLOTS, world.slot_bytes)?;
+        let capturing = stream.capturing();
+        let mut order = self.device_order.lock();
+        if !capturing {
+            if let Some((last, ev)) = order.as_ref() {
+                if *last != stream {
+                    ev.wait_on(stream)?;
+                }
+            }
+        }
+        enqueue(&prog, world, &bufs, stream)?;
+        if !capturing {
+            let ev = match order.take() {
+                Some((_, ev)) => ev,
+                None => crate::cuda::Event::new(&world.device)?,
+            };
+            ev.record(stream)?;
+            *order = Some((stream, ev));
+        }
+        Ok(())
+    }
+
     fn build(&self, call: &Call, seq: u64) -> Result<HostOp> {
+        self.build_with_slice(call, seq, self.slice_bytes)
+    }
+
+    fn build_with_slice(&self, call: &Call, seq: u64, slice_bytes: usize) -> Result<HostOp> {
         let tag = match call.coll {
             Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
             _ => tag(call.coll.kind(), seq),
@@ -362,7 +493,7 @@ impl Comm {
             nranks: self.nranks,
             elem: call.dtype.size(),
             in_place: call.in_place,
-            slice_bytes: self.slice_bytes,
+            slice_bytes,
         };
         let bytes = match &call.coll {
             Collective::AllReduce { count }
@@ -370,7 +501,11 @@ impl Comm {
             | Collective::Reduce { count, .. } => count * shape.elem,
             _ => 0,
         };
-        let algo = self.tuner.choose(&call.coll, bytes, self.nranks);
+        let algo = if call.device {
+            self.tuner.choose_device(&call.coll, bytes, self.nranks)
+        } else {
+            self.tuner.choose(&call.coll, bytes, self.nranks)
+        };
         let schedule = match call.coll {
             Collective::Send { peer, count } if call.stage => {
                 algo::staged_send(peer, count * shape.elem, &shape)

@@ -1,14 +1,696 @@
-//! The CUDA layer. This build has no device path yet: every query answers "no GPU", and the
-//! library treats every buffer as host memory.
+//! A thin layer over the CUDA driver API (cudarc, opened at run time): whether a driver and
+//! devices exist, what kind of memory a pointer is, primary contexts, device memory, IPC
+//! handles, the embedded kernels, and the stream operations device programs are made of.
+//!
+//! cudarc panics when it cannot load libcuda; every path here first checks that the library is
+//! present, so a process without CUDA simply sees "no devices" and stays on host memory.
 
 pub mod kernels;
 
-/// The CUDA device of the calling thread, or -1 without one.
-pub fn current_device() -> i32 {
-    -1
+use crate::error::{Error, ErrorKind, Result};
+use cudarc::driver::sys as cu;
+use once_cell::sync::OnceCell;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// What this process found when it first looked for CUDA.
+struct Driver {
+    devices: i32,
 }
 
-/// How many CUDA devices this process can use.
+static DRIVER: OnceCell<Option<Driver>> = OnceCell::new();
+
+fn driver() -> Option<&'static Driver> {
+    DRIVER
+        .get_or_init(|| {
+            if crate::env::flag("DEVICE") == Some(false) {
+                crate::info!("COMM_DEVICE=0: device memory support is off");
+                return None;
+            }
+            if kernels::FATBIN.is_empty() {
+                crate::info!(
+                    "this build has no device kernels (built without nvcc): host memory only"
+                );
+                return None;
+            }
+            // SAFETY: only tries to open the library; nothing is called through it.
+            if !unsafe { cu::is_culib_present() } {
+                crate::info!("no CUDA driver library found: host memory only");
+                return None;
+            }
+            let found = std::panic::catch_unwind(|| {
+                // SAFETY: cuInit has no preconditions; the symbol exists in every driver.
+                let r = unsafe { cu::cuInit(0) };
+                if r != cu::CUresult::CUDA_SUCCESS {
+                    return Err(r);
+                }
+                let mut n = 0;
+                // SAFETY: n is a valid out-pointer.
+                let r = unsafe { cu::cuDeviceGetCount(&mut n) };
+                if r != cu::CUresult::CUDA_SUCCESS {
+                    return Err(r);
+                }
+                Ok(n)
+            });
+            match found {
+                Ok(Ok(n)) if n > 0 => Some(Driver { devices: n }),
+                Ok(Ok(_)) => {
+                    crate::info!("the CUDA driver reports no devices: host memory only");
+                    None
+                }
+                Ok(Err(r)) => {
+                    crate::info!("CUDA driver initialisation failed ({r:?}): host memory only");
+                    None
+                }
+                Err(_) => {
+                    crate::warn!("loading the CUDA driver failed: host memory only");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// How many CUDA devices this process can use (0 without a driver).
 pub fn device_count() -> i32 {
-    0
+    driver().map_or(0, |d| d.devices)
+}
+
+/// Turns a driver result into an error that names the call.
+pub fn check(r: cu::CUresult, what: &str) -> Result<()> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::os::raw::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string (or fails, leaving it null).
+    unsafe { cu::cuGetErrorName(r, &mut name) };
+    let name = if name.is_null() {
+        format!("{r:?}")
+    } else {
+        // SAFETY: the driver returned a NUL-terminated static string.
+        unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    Err(Error::new(
+        ErrorKind::UnhandledCuda,
+        format!("{what} failed: {name}"),
+    ))
+}
+
+/// The CUDA device of the calling thread: the current context's, device 0 when the thread has
+/// none yet (as cudaGetDevice answers), -1 without devices.
+pub fn current_device() -> i32 {
+    if driver().is_none() {
+        return -1;
+    }
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: ctx is a valid out-pointer.
+    if unsafe { cu::cuCtxGetCurrent(&mut ctx) } != cu::CUresult::CUDA_SUCCESS || ctx.is_null() {
+        return 0;
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: a context is current; dev is a valid out-pointer.
+    if unsafe { cu::cuCtxGetDevice(&mut dev) } != cu::CUresult::CUDA_SUCCESS {
+        return 0;
+    }
+    dev
+}
+
+/// Where a buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    Host,
+    /// Memory of CUDA device `n` (including managed memory).
+    Device(i32),
+}
+
+/// Classifies a pointer: device memory when the driver says so, host memory otherwise
+/// (including every pointer when there is no driver).
+pub fn classify(ptr: *const c_void) -> MemKind {
+    if ptr.is_null() || driver().is_none() {
+        return MemKind::Host;
+    }
+    let mut kind: u32 = 0;
+    // SAFETY: kind is a 4-byte out-value as the MEMORY_TYPE attribute requires; the driver
+    // only inspects the address.
+    let r = unsafe {
+        cu::cuPointerGetAttribute(
+            &mut kind as *mut u32 as *mut c_void,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr as cu::CUdeviceptr,
+        )
+    };
+    if r != cu::CUresult::CUDA_SUCCESS || kind != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return MemKind::Host;
+    }
+    let mut ordinal: i32 = 0;
+    // SAFETY: as above, a 4-byte out-value.
+    let r = unsafe {
+        cu::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut c_void,
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr as cu::CUdeviceptr,
+        )
+    };
+    MemKind::Device(if r == cu::CUresult::CUDA_SUCCESS {
+        ordinal
+    } else {
+        0
+    })
+}
+
+/// A device's primary context and what the library loaded into it.
+pub struct Device {
+    pub ordinal: i32,
+    ctx: cu::CUcontext,
+    module: cu::CUmodule,
+    functions: Mutex<HashMap<&'static str, usize>>,
+    pub sms: u32,
+}
+
+// SAFETY: CUDA contexts and modules may be used from any thread once made current there.
+unsafe impl Send for Device {}
+// SAFETY: as above; the function cache is behind a mutex.
+unsafe impl Sync for Device {}
+
+static DEVICES: Mutex<Vec<Option<Arc<Device>>>> = Mutex::new(Vec::new());
+
+/// Makes a context current on this thread and restores the previous one when dropped.
+pub struct Bound {
+    previous: cu::CUcontext,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        // SAFETY: restoring a context that was current before (possibly none).
+        unsafe { cu::cuCtxSetCurrent(self.previous) };
+    }
+}
+
+impl Device {
+    /// The device `ordinal`, its primary context retained and the kernels loaded.
+    pub fn get(ordinal: i32) -> Result<Arc<Device>> {
+        let d = driver().ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidUsage,
+                "device memory needs a CUDA driver and a GPU; none is usable here",
+            )
+        })?;
+        if ordinal < 0 || ordinal >= d.devices {
+            return crate::invalid_arg!(
+                "CUDA device {ordinal} does not exist ({} devices)",
+                d.devices
+            );
+        }
+        let mut all = DEVICES.lock();
+        if all.len() < d.devices as usize {
+            all.resize(d.devices as usize, None);
+        }
+        if let Some(dev) = &all[ordinal as usize] {
+            return Ok(dev.clone());
+        }
+        let mut handle: cu::CUdevice = 0;
+        // SAFETY: ordinal is in range; handle is a valid out-pointer.
+        check(
+            unsafe { cu::cuDeviceGet(&mut handle, ordinal) },
+            "cuDeviceGet",
+        )?;
+        let mut ctx: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: retains the device's primary context (shared with the CUDA runtime).
+        check(
+            unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, handle) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let mut sms = 0;
+        // SAFETY: sms is a valid out-pointer.
+        check(
+            unsafe {
+                cu::cuDeviceGetAttribute(
+                    &mut sms,
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    handle,
+                )
+            },
+            "cuDeviceGetAttribute",
+        )?;
+        let mut previous: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: previous is a valid out-pointer; ctx was just retained.
+        unsafe { cu::cuCtxGetCurrent(&mut previous) };
+        let _bound = Bound { previous };
+        // SAFETY: as above.
+        check(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
+        let mut module: cu::CUmodule = std::ptr::null_mut();
+        // SAFETY: FATBIN is a complete fatbin image embedded at build time.
+        check(
+            unsafe { cu::cuModuleLoadData(&mut module, kernels::FATBIN.as_ptr() as *const c_void) },
+            "cuModuleLoadData (comm's kernels)",
+        )?;
+        let dev = Arc::new(Device {
+            ordinal,
+            ctx,
+            module,
+            functions: Mutex::new(HashMap::new()),
+            sms: sms.max(1) as u32,
+        });
+        all[ordinal as usize] = Some(dev.clone());
+        Ok(dev)
+    }
+
+    /// Makes this device's context current until the guard drops.
+    pub fn bind(&self) -> Result<Bound> {
+        let mut previous: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: previous is a valid out-pointer.
+        unsafe { cu::cuCtxGetCurrent(&mut previous) };
+        // SAFETY: the primary context stays retained for the life of the process.
+        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+        Ok(Bound { previous })
+    }
+
+    fn function(&self, name: &'static str) -> Result<cu::CUfunction> {
+        let mut fns = self.functions.lock();
+        if let Some(f) = fns.get(name) {
+            return Ok(*f as cu::CUfunction);
+        }
+        let cname = std::ffi::CString::new(name).expect("kernel names have no NUL");
+        let mut f: cu::CUfunction = std::ptr::null_mut();
+        // SAFETY: module was loaded in new(); f is a valid out-pointer.
+        check(
+            unsafe { cu::cuModuleGetFunction(&mut f, self.module, cname.as_ptr()) },
+            &format!("cuModuleGetFunction({name})"),
+        )?;
+        fns.insert(name, f as usize);
+        Ok(f)
+    }
+}
+
+/// Device memory from cuMemAlloc, freed on drop. Used with this device's context bound.
+pub struct DeviceMem {
+    pub ptr: u64,
+    pub len: usize,
+    device: Arc<Device>,
+}
+
+impl DeviceMem {
+    pub fn new(device: &Arc<Device>, len: usize) -> Result<DeviceMem> {
+        let _b = device.bind()?;
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: ptr is a valid out-pointer; the context is current.
+        check(
+            unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1)) },
+            &format!("cuMemAlloc({len} bytes)"),
+        )?;
+        Ok(DeviceMem {
+            ptr,
+            len,
+            device: device.clone(),
+        })
+    }
+
+    /// Sets `count` 32-bit words at byte `offset` to `value` (synchronously).
+    pub fn fill_u32(&self, offset: usize, value: u32, count: usize) -> Result<()> {
+        let _b = self.device.bind()?;
+        // SAFETY: the range lies inside the allocation (callers' layout).
+        check(
+            unsafe { cu::cuMemsetD32_v2(self.ptr + offset as u64, value, count) },
+            "cuMemsetD32",
+        )
+    }
+
+    /// The IPC handle other processes open to map this allocation.
+    pub fn ipc_handle(&self) -> Result<[u8; 64]> {
+        let _b = self.device.bind()?;
+        // SAFETY: CUipcMemHandle is 64 plain bytes.
+        let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: ptr is the base of an allocation made by cuMemAlloc.
+        check(
+            unsafe { cu::cuIpcGetMemHandle(&mut h, self.ptr) },
+            "cuIpcGetMemHandle",
+        )?;
+        let mut out = [0u8; 64];
+        for (o, b) in out.iter_mut().zip(h.reserved.iter()) {
+            *o = *b as u8;
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if let Ok(_b) = self.device.bind() {
+            // SAFETY: ptr came from cuMemAlloc and is freed once.
+            unsafe { cu::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Another process's allocation mapped into this one through its IPC handle.
+pub struct PeerMem {
+    pub ptr: u64,
+    device: Arc<Device>,
+}
+
+impl PeerMem {
+    pub fn open(device: &Arc<Device>, handle: &[u8; 64]) -> Result<PeerMem> {
+        let _b = device.bind()?;
+        // SAFETY: CUipcMemHandle is 64 plain bytes.
+        let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, b) in h.reserved.iter_mut().zip(handle.iter()) {
+            *d = *b as _;
+        }
+        let mut ptr: cu::CUdeviceptr = 0;
+        // SAFETY: h is a handle another process exported; ptr is a valid out-pointer.
+        check(
+            unsafe {
+                cu::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    h,
+                    cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            "cuIpcOpenMemHandle",
+        )?;
+        Ok(PeerMem {
+            ptr,
+            device: device.clone(),
+        })
+    }
+}
+
+impl Drop for PeerMem {
+    fn drop(&mut self) {
+        if let Ok(_b) = self.device.bind() {
+            // SAFETY: ptr came from cuIpcOpenMemHandle and is closed once.
+            unsafe { cu::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Lets `device`'s context reach memory of `peer` (ranks that are threads of one process on
+/// different GPUs). Already enabled is fine.
+pub fn enable_peer_access(device: &Arc<Device>, peer: &Arc<Device>) -> Result<()> {
+    if device.ordinal == peer.ordinal {
+        return Ok(());
+    }
+    let _b = device.bind()?;
+    // SAFETY: both contexts are retained primary contexts.
+    let r = unsafe { cu::cuCtxEnablePeerAccess(peer.ctx, 0) };
+    if r == cu::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        return Ok(());
+    }
+    check(r, "cuCtxEnablePeerAccess")
+}
+
+/// A CUDA stream as the C API hands it over (`cudaStream_t` and `CUstream` are the same
+/// handle; null is the legacy default stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stream(pub *mut c_void);
+
+// SAFETY: a stream handle is a plain identifier CUDA accepts from any thread.
+unsafe impl Send for Stream {}
+
+impl Stream {
+    fn raw(self) -> cu::CUstream {
+        self.0 as cu::CUstream
+    }
+
+    /// Copies `len` bytes between device addresses (this device's or mapped peers').
+    pub fn copy(self, dst: u64, src: u64, len: usize) -> Result<()> {
+        if len == 0 || dst == src {
+            return Ok(());
+        }
+        // SAFETY: both ranges are device memory the caller resolved; the copy is stream-ordered.
+        check(
+            unsafe { cu::cuMemcpyAsync(dst, src, len, self.raw()) },
+            "cuMemcpyAsync",
+        )
+    }
+
+    /// Stores `value` at `addr` once everything before it on the stream is done and visible.
+    pub fn set_flag(self, addr: u64, value: u32) -> Result<()> {
+        // SAFETY: addr is a 4-byte flag in device memory (local or mapped peer).
+        check(
+            unsafe { cu::cuStreamWriteValue32_v2(self.raw(), addr, value, 0) },
+            "cuStreamWriteValue32",
+        )
+    }
+
+    /// Holds the stream until the flag at `addr` equals `value`.
+    pub fn wait_flag(self, addr: u64, value: u32) -> Result<()> {
+        // SAFETY: addr is a 4-byte flag in this device's memory.
+        check(
+            unsafe {
+                cu::cuStreamWaitValue32_v2(
+                    self.raw(),
+                    addr,
+                    value,
+                    cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+                )
+            },
+            "cuStreamWaitValue32",
+        )
+    }
+
+    /// Launches `comm_reduce_<dtype>_<op>` with `args`.
+    pub fn reduce(
+        self,
+        device: &Device,
+        name: &'static str,
+        dtype: crate::reduce::DataType,
+        args: &kernels::ReduceArgs,
+    ) -> Result<()> {
+        let f = device.function(name)?;
+        let grid = kernels::launch_grid(dtype, args.count, device.sms);
+        let mut params = [args as *const kernels::ReduceArgs as *mut c_void];
+        // SAFETY: the kernel takes exactly one ReduceArgs by value; params points at it for the
+        // duration of the call (the driver copies kernel arguments at launch).
+        check(
+            unsafe {
+                cu::cuLaunchKernel(
+                    f,
+                    grid,
+                    1,
+                    1,
+                    kernels::BLOCK_THREADS,
+                    1,
+                    1,
+                    0,
+                    self.raw(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            &format!("cuLaunchKernel({name})"),
+        )
+    }
+
+    /// Waits on the host until everything on the stream is done.
+    pub fn synchronize(self) -> Result<()> {
+        // SAFETY: the handle is valid (or null, the default stream).
+        check(
+            unsafe { cu::cuStreamSynchronize(self.raw()) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// Whether the stream is being captured into a CUDA graph.
+    pub fn capturing(self) -> bool {
+        let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: status is a valid out-pointer.
+        let r = unsafe { cu::cuStreamIsCapturing(self.raw(), &mut status) };
+        r == cu::CUresult::CUDA_SUCCESS
+            && status == cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+    }
+}
+
+/// Copies host bytes to device memory (synchronously; for tests and setup).
+pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
+    let _b = device.bind()?;
+    // SAFETY: dst covers src.len() bytes of device memory (caller's allocation).
+    check(
+        unsafe { cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()) },
+        "cuMemcpyHtoD",
+    )
+}
+
+/// Copies device memory to host bytes (synchronously; for tests and setup).
+pub fn copy_from_device(device: &Device, dst: &mut [u8], src: u64) -> Result<()> {
+    let _b = device.bind()?;
+    // SAFETY: src covers dst.len() bytes of device memory (caller's allocation).
+    check(
+        unsafe { cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()) },
+        "cuMemcpyDtoH",
+    )
+}
+
+/// Allocations made by `vmm_alloc`: address -> (handle, size), to unmap them again.
+static VMM: Mutex<Vec<(u64, u64, usize, i32)>> = Mutex::new(Vec::new());
+
+/// ncclMemAlloc: device memory from the virtual memory management API (cuMemCreate), on the
+/// calling thread's device, shareable through POSIX file descriptors, rounded up to the
+/// recommended granularity.
+pub fn vmm_alloc(size: usize) -> Result<u64> {
+    let ordinal = current_device();
+    if ordinal < 0 {
+        return crate::invalid_usage!(
+            "ncclMemAlloc allocates CUDA memory, and no usable GPU was found"
+        );
+    }
+    let device = Device::get(ordinal)?;
+    let _b = device.bind()?;
+    // SAFETY: plain-data structs; zero is a valid start for every field.
+    let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        cu::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    let mut gran = 0usize;
+    // SAFETY: prop is initialised; gran is a valid out-pointer.
+    check(
+        unsafe {
+            cu::cuMemGetAllocationGranularity(
+                &mut gran,
+                &prop,
+                cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        },
+        "cuMemGetAllocationGranularity",
+    )?;
+    let size = size.max(1).next_multiple_of(gran.max(1));
+    let mut handle: cu::CUmemGenericAllocationHandle = 0;
+    // SAFETY: prop is initialised; handle is a valid out-pointer.
+    check(
+        unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) },
+        &format!("cuMemCreate({size} bytes)"),
+    )?;
+    let mut ptr: cu::CUdeviceptr = 0;
+    // SAFETY: reserves a fresh address range of `size` bytes.
+    let r = unsafe { cu::cuMemAddressReserve(&mut ptr, size, gran, 0, 0) };
+    if let Err(e) = check(r, "cuMemAddressReserve") {
+        // SAFETY: handle was created above and is not mapped.
+        unsafe { cu::cuMemRelease(handle) };
+        return Err(e);
+    }
+    // SAFETY: maps the whole allocation at the reserved address.
+    let mapped =
+        check(unsafe { cu::cuMemMap(ptr, size, 0, handle, 0) }, "cuMemMap").and_then(|_| {
+            // SAFETY: plain-data struct.
+            let mut access: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            access.location.id = ordinal;
+            access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            // SAFETY: [ptr, ptr+size) is mapped; one descriptor.
+            check(
+                unsafe { cu::cuMemSetAccess(ptr, size, &access, 1) },
+                "cuMemSetAccess",
+            )
+        });
+    if let Err(e) = mapped {
+        // SAFETY: undoing what was done above, in reverse.
+        unsafe {
+            cu::cuMemUnmap(ptr, size);
+            cu::cuMemAddressFree(ptr, size);
+            cu::cuMemRelease(handle);
+        }
+        return Err(e);
+    }
+    VMM.lock().push((ptr, handle, size, ordinal));
+    Ok(ptr)
+}
+
+/// ncclMemFree of memory from `vmm_alloc`.
+pub fn vmm_free(ptr: u64) -> Result<()> {
+    let entry = {
+        let mut all = VMM.lock();
+        match all.iter().position(|e| e.0 == ptr) {
+            Some(i) => all.swap_remove(i),
+            None => {
+                return crate::invalid_arg!(
+                    "{ptr:#x} was not allocated by ncclMemAlloc (or was freed already)"
+                )
+            }
+        }
+    };
+    let (ptr, handle, size, ordinal) = entry;
+    let device = Device::get(ordinal)?;
+    let _b = device.bind()?;
+    // SAFETY: the mapping, reservation and handle were made by vmm_alloc and are released once.
+    unsafe {
+        check(cu::cuMemUnmap(ptr, size), "cuMemUnmap")?;
+        check(cu::cuMemAddressFree(ptr, size), "cuMemAddressFree")?;
+        check(cu::cuMemRelease(handle), "cuMemRelease")
+    }
+}
+
+/// A CUDA event used to order a communicator's work across streams.
+pub struct Event {
+    raw: cu::CUevent,
+    device: Arc<Device>,
+}
+
+// SAFETY: events may be recorded and waited on from any thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    pub fn new(device: &Arc<Device>) -> Result<Event> {
+        let _b = device.bind()?;
+        let mut raw: cu::CUevent = std::ptr::null_mut();
+        // SAFETY: raw is a valid out-pointer; timing is not needed.
+        check(
+            unsafe {
+                cu::cuEventCreate(&mut raw, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            },
+            "cuEventCreate",
+        )?;
+        Ok(Event {
+            raw,
+            device: device.clone(),
+        })
+    }
+
+    pub fn record(&self, stream: Stream) -> Result<()> {
+        // SAFETY: both handles are valid.
+        check(
+            unsafe { cu::cuEventRecord(self.raw, stream.raw()) },
+            "cuEventRecord",
+        )
+    }
+
+    /// Makes `stream` wait for the work recorded in this event.
+    pub fn wait_on(&self, stream: Stream) -> Result<()> {
+        // SAFETY: both handles are valid.
+        check(
+            unsafe { cu::cuStreamWaitEvent(stream.raw(), self.raw, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Ok(_b) = self.device.bind() {
+            // SAFETY: the event was created by cuEventCreate and is destroyed once.
+            unsafe { cu::cuEventDestroy_v2(self.raw) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_gpu_everything_is_host_memory() {
+        // This machine (and CI) has no GPU: the queries must answer so, without panicking.
+        if device_count() == 0 {
+            let x = 5u32;
+            assert_eq!(classify(&x as *const u32 as *const c_void), MemKind::Host);
+            assert_eq!(current_device(), -1);
+            assert!(Device::get(0).is_err());
+        }
+        assert_eq!(classify(std::ptr::null()), MemKind::Host);
+    }
 }

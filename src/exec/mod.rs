@@ -1,3 +1,5 @@
-//! Executors carry schedules out: `host` with the CPU on host memory.
+//! Executors carry schedules out: `host` with the CPU on host memory, `device` as a program
+//! of stream operations for device memory.
 
+pub mod device;
 pub mod host;

@@ -19,8 +19,16 @@ fn submit(
     recv: *mut c_void,
     dtype: RawDataType,
     op: Option<RawRedOp>,
+    stream: cudaStream_t,
 ) -> Result<()> {
-    let call = c.check_call(coll, send as *const u8, recv as *mut u8, dtype, op)?;
+    let call = c.check_call(
+        coll,
+        send as *const u8,
+        recv as *mut u8,
+        dtype,
+        op,
+        stream as usize,
+    )?;
     group::submit(c, call)
 }
 
@@ -38,7 +46,6 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclAllReduce", comm, |c| {
         submit(
             c,
@@ -47,6 +54,7 @@ pub unsafe extern "C" fn ncclAllReduce(
             recvbuff,
             datatype,
             Some(op),
+            stream,
         )
     })
 }
@@ -61,7 +69,6 @@ pub unsafe extern "C" fn ncclBroadcast(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclBroadcast", comm, |c| {
         let root = root_of(root)?;
         submit(
@@ -71,6 +78,7 @@ pub unsafe extern "C" fn ncclBroadcast(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -85,7 +93,6 @@ pub unsafe extern "C" fn ncclBcast(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclBcast", comm, |c| {
         let root = root_of(root)?;
         submit(
@@ -95,6 +102,7 @@ pub unsafe extern "C" fn ncclBcast(
             buff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -110,7 +118,6 @@ pub unsafe extern "C" fn ncclReduce(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclReduce", comm, |c| {
         let root = root_of(root)?;
         submit(
@@ -120,6 +127,7 @@ pub unsafe extern "C" fn ncclReduce(
             recvbuff,
             datatype,
             Some(op),
+            stream,
         )
     })
 }
@@ -133,7 +141,6 @@ pub unsafe extern "C" fn ncclAllGather(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclAllGather", comm, |c| {
         submit(
             c,
@@ -142,6 +149,7 @@ pub unsafe extern "C" fn ncclAllGather(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -156,7 +164,6 @@ pub unsafe extern "C" fn ncclReduceScatter(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclReduceScatter", comm, |c| {
         submit(
             c,
@@ -165,6 +172,7 @@ pub unsafe extern "C" fn ncclReduceScatter(
             recvbuff,
             datatype,
             Some(op),
+            stream,
         )
     })
 }
@@ -178,7 +186,6 @@ pub unsafe extern "C" fn ncclAlltoAll(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclAlltoAll", comm, |c| {
         submit(
             c,
@@ -187,6 +194,7 @@ pub unsafe extern "C" fn ncclAlltoAll(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -207,7 +215,6 @@ pub unsafe extern "C" fn commAlltoAllv(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("commAlltoAllv", comm, |c| {
         let n = c.nranks;
         let arr = |p: *const usize, name: &str| -> Result<Vec<usize>> {
@@ -222,7 +229,7 @@ pub unsafe extern "C" fn commAlltoAllv(
             recv_counts: arr(recvcounts, "recvcounts")?,
             recv_displs: arr(rdispls, "rdispls")?,
         };
-        submit(c, coll, sendbuff, recvbuff, datatype, None)
+        submit(c, coll, sendbuff, recvbuff, datatype, None, stream)
     })
 }
 
@@ -236,7 +243,6 @@ pub unsafe extern "C" fn ncclGather(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclGather", comm, |c| {
         let root = root_of(root)?;
         submit(
@@ -246,6 +252,7 @@ pub unsafe extern "C" fn ncclGather(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -260,7 +267,6 @@ pub unsafe extern "C" fn ncclScatter(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclScatter", comm, |c| {
         let root = root_of(root)?;
         submit(
@@ -270,6 +276,7 @@ pub unsafe extern "C" fn ncclScatter(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -283,7 +290,6 @@ pub unsafe extern "C" fn ncclSend(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclSend", comm, |c| {
         let peer = nonneg(peer, "peer")?;
         submit(
@@ -293,6 +299,7 @@ pub unsafe extern "C" fn ncclSend(
             std::ptr::null_mut(),
             datatype,
             None,
+            stream,
         )
     })
 }
@@ -306,7 +313,6 @@ pub unsafe extern "C" fn ncclRecv(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclRecv", comm, |c| {
         let peer = nonneg(peer, "peer")?;
         submit(
@@ -316,6 +322,7 @@ pub unsafe extern "C" fn ncclRecv(
             recvbuff,
             datatype,
             None,
+            stream,
         )
     })
 }

@@ -10,24 +10,20 @@ use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-fn no_gpu<T>(what: &str) -> Result<T> {
-    crate::invalid_usage!(
-        "{what} needs the GPU path, which this build of comm does not have yet (host memory only)"
-    )
-}
-
 fn no_windows<T>(what: &str) -> Result<T> {
     crate::invalid_usage!(
         "{what}: windows and one-sided operations are not implemented in this version of comm yet"
     )
 }
 
+/// Device memory from CUDA's virtual memory management API on the calling thread's GPU (NCCL
+/// 2.19): suitable for every path of the library, freed with ncclMemFree.
 #[no_mangle]
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     guard("ncclMemAlloc", || {
         out(ptr, "ptr")?;
-        let _ = size;
-        no_gpu("ncclMemAlloc (CUDA VMM memory)")
+        *ptr = crate::cuda::vmm_alloc(size)? as *mut c_void;
+        Ok(())
     })
 }
 
@@ -37,7 +33,7 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         if ptr.is_null() {
             return Ok(());
         }
-        crate::invalid_arg!("{ptr:p} was not allocated by ncclMemAlloc")
+        crate::cuda::vmm_free(ptr as u64)
     })
 }
 

@@ -9,6 +9,7 @@
 
 pub mod loopback;
 pub mod os;
+pub mod p2p;
 pub mod shm;
 
 use crate::error::Result;

@@ -1,0 +1,209 @@
+//! The device transport between ranks of one host: each rank's device area (signal flags and
+//! outgoing message slots, see `exec::device`) is exported with a CUDA IPC handle and mapped by
+//! every peer in another process; ranks that are threads of one process use the address
+//! directly (enabling peer access when their GPUs differ). Peers then read each other's slots
+//! and raise each other's flags over NVLink or PCIe, and ranks sharing one GPU read from the
+//! same device memory.
+
+use crate::bootstrap::Bootstrap;
+use crate::cuda::{self, Device, DeviceMem, PeerMem};
+use crate::error::Result;
+use crate::exec::device::{flag_count, Flag, Loc, SLOTS};
+use crate::topo::{Path, Placement};
+use crate::wire::{self, Reader};
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// Whether every rank says yes.
+fn all_agree(boot: &Bootstrap, mine: bool) -> Result<bool> {
+    Ok(boot
+        .allgather(&[mine as u8])?
+        .iter()
+        .all(|v| v.as_slice() == [1]))
+}
+
+/// Where the flags end and the slots begin in an area.
+fn flags_bytes(nranks: usize) -> usize {
+    (flag_count(nranks, SLOTS) * 4).next_multiple_of(4096)
+}
+
+/// A peer's area as this process reaches it.
+enum Mapped {
+    /// Our own area, or a same-process peer's: its address works here.
+    Direct(u64),
+    /// Another process's area, opened through its IPC handle.
+    Ipc(PeerMem),
+}
+
+impl Mapped {
+    fn base(&self) -> u64 {
+        match self {
+            Mapped::Direct(p) => *p,
+            Mapped::Ipc(m) => m.ptr,
+        }
+    }
+}
+
+/// One rank's view of the device memory of its communicator.
+pub struct DeviceWorld {
+    pub device: Arc<Device>,
+    pub nranks: usize,
+    pub slot_bytes: usize,
+    _area: DeviceMem,
+    bases: Vec<Option<Mapped>>,
+    /// Device scratch for the operations' own temporaries; grows, never shrinks (a captured
+    /// graph may still point into an older block, so those are kept too).
+    scratch: Mutex<Vec<DeviceMem>>,
+}
+
+impl DeviceWorld {
+    /// Sets up the device areas of every rank. Collective over the bootstrap: either every rank
+    /// gets a world, or (when any rank has no usable GPU or cannot map a peer) every rank gets
+    /// None and the communicator stays on host memory, with the reason logged.
+    pub fn connect(
+        boot: &Bootstrap,
+        ordinal: Option<i32>,
+        paths: &[Path],
+        placements: &[Placement],
+    ) -> Result<Option<DeviceWorld>> {
+        let attempt = ordinal.map(|o| Self::allocate(boot.nranks(), o));
+        let ready = matches!(attempt, Some(Ok(_)));
+        if let Some(Err(e)) = &attempt {
+            crate::warn!("no device path: {}", e.msg);
+        }
+        if !all_agree(boot, ready)? {
+            return Ok(None);
+        }
+        let (device, area, slot_bytes) = attempt.expect("checked").expect("checked");
+        let mapped = Self::map_peers(
+            boot,
+            &device,
+            &area,
+            ordinal.expect("checked"),
+            paths,
+            placements,
+        );
+        if let Err(e) = &mapped {
+            crate::warn!("no device path: {}", e.msg);
+        }
+        if !all_agree(boot, mapped.is_ok())? {
+            return Ok(None);
+        }
+        crate::info!(
+            "device path on GPU {}: {} x {} MiB slots per peer",
+            device.ordinal,
+            SLOTS,
+            slot_bytes >> 20
+        );
+        Ok(Some(DeviceWorld {
+            nranks: boot.nranks(),
+            slot_bytes,
+            bases: mapped.expect("checked"),
+            _area: area,
+            device,
+            scratch: Mutex::new(Vec::new()),
+        }))
+    }
+
+    fn allocate(nranks: usize, ordinal: i32) -> Result<(Arc<Device>, DeviceMem, usize)> {
+        let device = Device::get(ordinal)?;
+        let slot_bytes = crate::env::size("DEVICE_SLOT_BYTES")
+            .unwrap_or(8 << 20)
+            .next_multiple_of(256)
+            .max(4096);
+        let area_len = flags_bytes(nranks) + nranks * SLOTS * slot_bytes;
+        let area = DeviceMem::new(&device, area_len)?;
+        // Full flags start low, Empty flags start raised (every slot free).
+        let half = flag_count(nranks, SLOTS) / 2;
+        area.fill_u32(0, 0, half)?;
+        area.fill_u32(half * 4, 1, half)?;
+        Ok((device, area, slot_bytes))
+    }
+
+    fn map_peers(
+        boot: &Bootstrap,
+        device: &Arc<Device>,
+        area: &DeviceMem,
+        ordinal: i32,
+        paths: &[Path],
+        placements: &[Placement],
+    ) -> Result<Vec<Option<Mapped>>> {
+        let nranks = boot.nranks();
+        let handle = area.ipc_handle()?;
+        let mut mine = Vec::new();
+        wire::put_u64(&mut mine, area.ptr);
+        wire::put_u32(&mut mine, ordinal as u32);
+        wire::put_blob(&mut mine, &handle);
+        let all = boot.allgather(&mine)?;
+        let mut bases = Vec::with_capacity(nranks);
+        for (r, bytes) in all.iter().enumerate() {
+            let mut rd = Reader::new(bytes);
+            let ptr = rd.u64()?;
+            let their_device = rd.u32()? as i32;
+            let h: [u8; 64] = rd.blob()?.as_slice().try_into().map_err(|_| {
+                crate::error::Error::new(
+                    crate::error::ErrorKind::Internal,
+                    "IPC handle of wrong size",
+                )
+            })?;
+            let mapped = match paths[r] {
+                Path::SelfRank => Some(Mapped::Direct(area.ptr)),
+                Path::SameProcess => {
+                    cuda::enable_peer_access(device, &Device::get(their_device)?)?;
+                    Some(Mapped::Direct(ptr))
+                }
+                Path::SameHost => Some(Mapped::Ipc(PeerMem::open(device, &h).map_err(|e| {
+                    e.context(format!(
+                        "mapping rank {r}'s device memory (pid {}, GPU {their_device})",
+                        placements[r].pid
+                    ))
+                })?)),
+                Path::Network => None,
+            };
+            bases.push(mapped);
+        }
+        Ok(bases)
+    }
+
+    fn base(&self, rank: usize) -> Result<u64> {
+        match &self.bases[rank] {
+            Some(m) => Ok(m.base()),
+            None => crate::invalid_usage!(
+                "rank {rank} is on another host: device buffers need the network transport, which this build does not have"
+            ),
+        }
+    }
+
+    /// The address of a slot location in whichever rank's area holds it.
+    pub fn slot_addr(&self, loc: Loc) -> Result<u64> {
+        match loc {
+            Loc::Slot {
+                owner,
+                to,
+                slot,
+                offset,
+            } => Ok(self.base(owner)?
+                + (flags_bytes(self.nranks) + (to * SLOTS + slot) * self.slot_bytes + offset)
+                    as u64),
+            Loc::Buf { .. } => crate::internal_err!("{loc:?} is not a slot"),
+        }
+    }
+
+    pub fn flag_addr(&self, flag: Flag) -> Result<u64> {
+        Ok(self.base(flag.owner())? + (flag.index(self.nranks, SLOTS) * 4) as u64)
+    }
+
+    /// At least `len` bytes of device scratch, valid until the communicator is destroyed.
+    pub fn scratch(&self, len: usize) -> Result<u64> {
+        let mut blocks = self.scratch.lock();
+        if let Some(last) = blocks.last() {
+            if last.len >= len {
+                return Ok(last.ptr);
+            }
+        }
+        let block = DeviceMem::new(&self.device, len.next_multiple_of(1 << 20))?;
+        let ptr = block.ptr;
+        blocks.push(block);
+        Ok(ptr)
+    }
+}

@@ -1,0 +1,491 @@
+//! comm-gpu-suite: the device-memory correctness suite, built here and run on a GPU machine
+//! (which has no Rust toolchain). Every collective x datatype x op on device buffers, in place
+//! and out of place, with ranks as processes sharing one GPU and as threads of one process,
+//! checked element by element against the same reference as the host tests.
+//!
+//!     comm-gpu-suite [--ranks 1,2,4,8] [--max-mib 256] [--quick]
+//!
+//! Exit status: 0 every check passed; 1 something failed; 77 there is no usable GPU, nothing
+//! was tested (never a pass).
+
+#[path = "../common/values.rs"]
+#[allow(dead_code)]
+mod values;
+
+use comm::cuda::{self, Device};
+use comm::ffi::types::*;
+use comm::ffi::*;
+use std::os::raw::c_void;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use values::*;
+
+const NO_GPU: i32 = 77;
+
+fn last_error() -> String {
+    // SAFETY: returns a NUL-terminated string owned by the library.
+    unsafe { std::ffi::CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+macro_rules! nccl {
+    ($e:expr) => {{
+        // SAFETY: the suite calls the C API as a C program would.
+        #[allow(unused_unsafe, clippy::macro_metavars_in_unsafe)]
+        let r = unsafe { $e };
+        if r != ncclResult_t::ncclSuccess {
+            return Err(format!(
+                "{} returned {r:?}: {}",
+                stringify!($e),
+                last_error()
+            ));
+        }
+    }};
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Coll {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AlltoAll,
+    Gather,
+    Scatter,
+    SendRecv,
+}
+
+const COLLS: [Coll; 9] = [
+    Coll::AllReduce,
+    Coll::Broadcast,
+    Coll::Reduce,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::AlltoAll,
+    Coll::Gather,
+    Coll::Scatter,
+    Coll::SendRecv,
+];
+
+fn reduces(c: Coll) -> bool {
+    matches!(c, Coll::AllReduce | Coll::Reduce | Coll::ReduceScatter)
+}
+
+/// Device memory from ncclMemAlloc, freed on drop.
+struct DevBuf {
+    ptr: u64,
+    len: usize,
+}
+
+impl DevBuf {
+    fn new(len: usize) -> Result<DevBuf, String> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        nccl!(ncclMemAlloc(&mut p, len.max(256)));
+        Ok(DevBuf { ptr: p as u64, len })
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by ncclMemAlloc above.
+        unsafe { ncclMemFree(self.ptr as *mut c_void) };
+    }
+}
+
+struct Rank {
+    comm: ncclComm_t,
+    rank: usize,
+    n: usize,
+    device: Arc<Device>,
+    /// One big buffer for in-place cases and two for out-of-place ones.
+    a: DevBuf,
+    b: DevBuf,
+}
+
+impl Rank {
+    fn run_case(
+        &self,
+        coll: Coll,
+        dt: i32,
+        op: i32,
+        count: usize,
+        in_place: bool,
+    ) -> Result<(), String> {
+        let (rank, n) = (self.rank, self.n);
+        let es = size_of(dt);
+        let root = (count + 1) % n;
+        let what = format!(
+            "{coll:?} {} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}",
+            name_of(dt)
+        );
+        let val = |r: usize, j: usize| {
+            if reduces(coll) {
+                input(dt, op, r, j)
+            } else {
+                payload(dt, r, j)
+            }
+        };
+        let (send_elems, recv_elems) = match coll {
+            Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => (count, count),
+            Coll::AllGather | Coll::Gather => (count, count * n),
+            Coll::ReduceScatter | Coll::Scatter => (count * n, count),
+            Coll::AlltoAll => (count * n, count * n),
+        };
+        let (send_bytes, recv_bytes) = (send_elems * es, recv_elems * es);
+        if send_bytes.max(recv_bytes) > self.a.len {
+            return Ok(());
+        }
+        let (soff, roff) = if in_place {
+            match coll {
+                Coll::AllGather => (rank * count * es, 0),
+                Coll::Gather if rank == root => (root * count * es, 0),
+                Coll::ReduceScatter => (0, rank * count * es),
+                Coll::Scatter if rank == root => (0, root * count * es),
+                _ => (0, 0),
+            }
+        } else {
+            (0, 0)
+        };
+        let sendp = self.a.ptr + soff as u64;
+        let recvp = if in_place {
+            self.a.ptr + roff as u64
+        } else {
+            self.b.ptr
+        };
+        let mut host = vec![0u8; send_bytes];
+        for (j, e) in host.chunks_exact_mut(es).enumerate() {
+            encode(dt, val(rank, j), e);
+        }
+        cuda::copy_to_device(&self.device, sendp, &host).map_err(|e| e.msg)?;
+        let mut scalar_bytes = [0u8; 8];
+        let mut redop = op;
+        if reduces(coll) && op == PREMULSUM {
+            encode(dt, scalar(dt), &mut scalar_bytes[..es]);
+            nccl!(ncclRedOpCreatePreMulSum(
+                &mut redop,
+                scalar_bytes.as_mut_ptr() as *mut c_void,
+                dt,
+                1,
+                self.comm
+            ));
+        }
+        let c = self.comm;
+        let s: cudaStream_t = std::ptr::null_mut();
+        let sp = sendp as *const c_void;
+        let rp = recvp as *mut c_void;
+        match coll {
+            Coll::AllReduce => nccl!(ncclAllReduce(sp, rp, count, dt, redop, c, s)),
+            Coll::Broadcast => nccl!(ncclBroadcast(sp, rp, count, dt, root as i32, c, s)),
+            Coll::Reduce => nccl!(ncclReduce(sp, rp, count, dt, redop, root as i32, c, s)),
+            Coll::AllGather => nccl!(ncclAllGather(sp, rp, count, dt, c, s)),
+            Coll::ReduceScatter => nccl!(ncclReduceScatter(sp, rp, count, dt, redop, c, s)),
+            Coll::AlltoAll => nccl!(ncclAlltoAll(sp, rp, count, dt, c, s)),
+            Coll::Gather => nccl!(ncclGather(sp, rp, count, dt, root as i32, c, s)),
+            Coll::Scatter => nccl!(ncclScatter(sp, rp, count, dt, root as i32, c, s)),
+            Coll::SendRecv => {
+                nccl!(ncclGroupStart());
+                nccl!(ncclSend(sp, count, dt, ((rank + 1) % n) as i32, c, s));
+                nccl!(ncclRecv(rp, count, dt, ((rank + n - 1) % n) as i32, c, s));
+                nccl!(ncclGroupEnd());
+            }
+        }
+        cuda::Stream(std::ptr::null_mut())
+            .synchronize()
+            .map_err(|e| e.msg)?;
+        if redop >= 5 {
+            nccl!(ncclRedOpDestroy(redop, c));
+        }
+        let skip = matches!(coll, Coll::Reduce | Coll::Gather) && rank != root;
+        if skip {
+            return Ok(());
+        }
+        let mut out = vec![0u8; recv_bytes];
+        cuda::copy_from_device(&self.device, &mut out, recvp).map_err(|e| e.msg)?;
+        let all = |j: usize| (0..n).map(|r| val(r, j)).collect::<Vec<f64>>();
+        let cnt = count.max(1);
+        match coll {
+            Coll::AllReduce | Coll::Reduce => {
+                check(dt, op, n, &what, &out, |i| reduce(dt, op, &all(i)))
+            }
+            Coll::Broadcast => check(dt, op, n, &what, &out, |i| val(root, i)),
+            Coll::AllGather | Coll::Gather => {
+                check(dt, op, n, &what, &out, |i| val(i / cnt, i % cnt))
+            }
+            Coll::ReduceScatter => check(dt, op, n, &what, &out, |i| {
+                reduce(dt, op, &all(rank * count + i))
+            }),
+            Coll::AlltoAll => check(dt, op, n, &what, &out, |i| {
+                val(i / cnt, rank * count + i % cnt)
+            }),
+            Coll::Scatter => check(dt, op, n, &what, &out, |i| val(root, rank * count + i)),
+            Coll::SendRecv => check(dt, op, n, &what, &out, |i| val((rank + n - 1) % n, i)),
+        }
+    }
+
+    /// Every collective x datatype x op; the largest sizes for float sums only.
+    fn matrix(&self, max_bytes: usize, quick: bool) -> Result<usize, String> {
+        let n = self.n;
+        let mut cases = 0;
+        let small = [0usize, 1, 7, 5 * n + 1, 1000];
+        for coll in COLLS {
+            for &(dt, _, es) in DTYPES.iter() {
+                let ops: Vec<i32> = if reduces(coll) {
+                    OPS.iter().map(|o| o.0).collect()
+                } else {
+                    vec![SUM]
+                };
+                for &op in &ops {
+                    let mut sizes = small.to_vec();
+                    if !quick {
+                        sizes.push((1 << 20) + 3);
+                    }
+                    if dt == 7 && op == SUM {
+                        sizes.push(max_bytes / es / n.max(1));
+                    }
+                    for &count in &sizes {
+                        for in_place in [false, true] {
+                            if coll == Coll::SendRecv && in_place {
+                                continue;
+                            }
+                            self.run_case(coll, dt, op, count, in_place)?;
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(cases)
+    }
+}
+
+fn id_hex(id: &ncclUniqueId) -> String {
+    id.internal
+        .iter()
+        .map(|b| format!("{:02x}", *b as u8))
+        .collect()
+}
+
+fn id_from(hex: &str) -> ncclUniqueId {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    for (i, c) in id.internal.iter_mut().enumerate() {
+        *c = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0) as std::os::raw::c_char;
+    }
+    id
+}
+
+fn worker(
+    rank: usize,
+    n: usize,
+    id: ncclUniqueId,
+    max_bytes: usize,
+    quick: bool,
+) -> Result<usize, String> {
+    let device = Device::get(0).map_err(|e| e.msg)?;
+    let _bound = device.bind().map_err(|e| e.msg)?;
+    let mut comm: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRank(&mut comm, n as i32, id, rank as i32));
+    let mut features = 0;
+    nccl!(commGetFeatures(&mut features));
+    if features & COMM_FEATURE_DEVICE_MEMORY == 0 {
+        return Err("the library reports no device memory support".into());
+    }
+    let buf = max_bytes.max(16 << 20);
+    let r = Rank {
+        comm,
+        rank,
+        n,
+        device,
+        a: DevBuf::new(buf)?,
+        b: DevBuf::new(buf)?,
+    };
+    let cases = r.matrix(max_bytes, quick)?;
+    nccl!(ncclCommDestroy(r.comm));
+    Ok(cases)
+}
+
+fn run_processes(n: usize, max_bytes: usize, quick: bool) -> Result<(), String> {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    nccl!(ncclGetUniqueId(&mut id));
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "--worker",
+            &r.to_string(),
+            &n.to_string(),
+            &id_hex(&id),
+            &max_bytes.to_string(),
+            if quick { "1" } else { "0" },
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        children.push(cmd.spawn().map_err(|e| e.to_string())?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60 * 20);
+    loop {
+        if children
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
+        {
+            break;
+        }
+        if Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            return Err(format!("{n} ranks did not finish within 20 minutes"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut failures = Vec::new();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            failures.push(format!("rank {r}: {}", text.trim()));
+        } else if r == 0 {
+            print!("{text}");
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n"))
+    }
+}
+
+/// Ranks as threads of this process (ncclCommInitAll on one GPU, listed n times).
+fn run_threads(n: usize, max_bytes: usize) -> Result<(), String> {
+    let device = Device::get(0).map_err(|e| e.msg)?;
+    let _bound = device.bind().map_err(|e| e.msg)?;
+    let mut comms = vec![std::ptr::null_mut(); n];
+    let devs = vec![0i32; n];
+    nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
+    let handles: Vec<_> = comms
+        .iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            let c = *c as usize;
+            std::thread::spawn(move || -> Result<usize, String> {
+                let device = Device::get(0).map_err(|e| e.msg)?;
+                let _b = device.bind().map_err(|e| e.msg)?;
+                let buf = max_bytes.max(16 << 20);
+                let r = Rank {
+                    comm: c as ncclComm_t,
+                    rank,
+                    n,
+                    device,
+                    a: DevBuf::new(buf)?,
+                    b: DevBuf::new(buf)?,
+                };
+                r.matrix(max_bytes, true)
+            })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for (r, h) in handles.into_iter().enumerate() {
+        match h.join() {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => errors.push(format!("thread rank {r}: {e}")),
+            Err(_) => errors.push(format!("thread rank {r} panicked")),
+        }
+    }
+    for c in comms {
+        // SAFETY: comms came from ncclCommInitAll.
+        unsafe { ncclCommDestroy(c) };
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--worker") {
+        let get = |i: usize| args.get(i).cloned().unwrap_or_default();
+        let (rank, n) = (get(2).parse().unwrap_or(0), get(3).parse().unwrap_or(1));
+        let max_bytes = get(5).parse().unwrap_or(256 << 20);
+        match worker(rank, n, id_from(&get(4)), max_bytes, get(6) == "1") {
+            Ok(cases) => {
+                println!("  {n} ranks: {cases} cases per rank passed");
+                std::process::exit(0)
+            }
+            Err(e) => {
+                println!("FAILED: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
+    let mut ranks = vec![1usize, 2, 4, 8];
+    let mut max_mib = 256usize;
+    let mut quick = false;
+    let mut i = 1;
+    while i < args.len() {
+        match args[i].as_str() {
+            "--ranks" => {
+                ranks = args
+                    .get(i + 1)
+                    .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+                    .unwrap_or(ranks);
+                i += 1;
+            }
+            "--max-mib" => {
+                max_mib = args
+                    .get(i + 1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(max_mib);
+                i += 1;
+            }
+            "--quick" => quick = true,
+            other => {
+                eprintln!("comm-gpu-suite: unknown argument {other}");
+                std::process::exit(2);
+            }
+        }
+        i += 1;
+    }
+    if cuda::device_count() == 0 {
+        println!("comm-gpu-suite: no GPU: no CUDA driver, no device, or a build without kernels; nothing was tested");
+        std::process::exit(NO_GPU);
+    }
+    let max_bytes = max_mib << 20;
+    let mut failed = false;
+    for &n in &ranks {
+        let t = Instant::now();
+        match run_processes(n, max_bytes, quick) {
+            Ok(()) => println!(
+                "PASS {n} processes on one GPU ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                println!("FAIL {n} processes on one GPU:\n{e}");
+                failed = true;
+            }
+        }
+    }
+    for n in [2usize, 4] {
+        let t = Instant::now();
+        match run_threads(n, max_bytes.min(64 << 20)) {
+            Ok(()) => println!(
+                "PASS {n} threads (ncclCommInitAll) on one GPU ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                println!("FAIL {n} threads on one GPU:\n{e}");
+                failed = true;
+            }
+        }
+    }
+    std::process::exit(if failed { 1 } else { 0 });
+}
