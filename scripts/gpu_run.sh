@@ -23,6 +23,8 @@ echo "== benchmarks on device memory (correctness: -c 1)"
 for b in "$here"/bench/*_perf; do
   [ -x "$b" ] || continue
   name=$(basename "$b")
+  # MPI builds need mpirun and are not what this run checks.
+  case "$name" in mpi_perf | *_mpi) continue ;; esac
   for layout in "-t 2" "-t 4"; do
     # shellcheck disable=SC2086
     if ! timeout 600 "$b" --memory device $layout -b 8 -e 64M -f 8 -n 2 -w 1 -c 1 >"/tmp/$name.log" 2>&1 \
