@@ -124,8 +124,24 @@ pub fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
     if queued {
         Ok(())
     } else {
-        run_calls(vec![(comm, call)])
+        run_one(&comm, call)
     }
+}
+
+/// A call outside any group: straight to its executor, without a group's bookkeeping.
+fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
+    c.check_usable()?;
+    if call.device {
+        return c.enqueue_device(std::slice::from_ref(&call));
+    }
+    let op = c.prepare(&call)?;
+    let _scope = crate::log::rank_scope(c.rank as i32);
+    let result = crate::exec::host::run_one(&c.wiring, op);
+    if let Err(e) = &result {
+        crate::warn!("{}", e.msg);
+        c.fail(e);
+    }
+    result
 }
 
 /// Queues an init in the current group; gives it back when there is no group.

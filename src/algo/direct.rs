@@ -30,27 +30,47 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
                 src: input,
             });
         }
-        for q in 0..n {
-            let last = q == n - 1;
-            let dst = if last { out } else { acc };
-            let prior = (q > 0).then_some(Operand::partial(acc));
-            if q == shape.rank {
-                let (a, b) = match prior {
-                    Some(p) => (p, Some(input)),
-                    None => (input, None),
-                };
-                s.push(Step::Local { dst, a, b, last });
-            } else {
-                s.push(Step::Recv {
-                    peer: q,
-                    dst,
-                    reduce_with: prior,
-                    last,
-                });
-            }
-        }
+        fold_in_rank_order(&mut s, shape.rank, n, input, acc, out);
     }
     s
+}
+
+/// Appends the steps that combine every rank's contribution to one slice in rank order,
+/// `((x0 (+) x1) (+) x2) ...`, so that every rank computing it gets the same bits: the others'
+/// contributions arrive as messages, this rank's own is `input`. Partial results go to `acc`,
+/// the final one to `out`. When this rank comes first, its input starts the chain where it is.
+fn fold_in_rank_order(
+    s: &mut Schedule,
+    me: usize,
+    n: usize,
+    input: Operand,
+    acc: Region,
+    out: Region,
+) {
+    let mut prior: Option<Operand> = None;
+    for q in 0..n {
+        let last = q == n - 1;
+        let dst = if last { out } else { acc };
+        if q == me {
+            if prior.is_none() && !last {
+                prior = Some(input);
+                continue;
+            }
+            let (a, b) = match prior {
+                Some(p) => (p, Some(input)),
+                None => (input, None),
+            };
+            s.push(Step::Local { dst, a, b, last });
+        } else {
+            s.push(Step::Recv {
+                peer: q,
+                dst,
+                reduce_with: prior,
+                last,
+            });
+        }
+        prior = Some(Operand::partial(acc));
+    }
 }
 
 /// Two-shot all-reduce: rank p gathers part p of every input and reduces it (in rank order, so
@@ -97,25 +117,7 @@ pub fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
             continue;
         };
         let dst_final = Region::new(Buf::Recv, input.offset, input.len);
-        for q in 0..n {
-            let last = q == n - 1;
-            let dst = if last { dst_final } else { slice };
-            let prior = (q > 0).then_some(Operand::partial(slice));
-            if q == me {
-                let (a, b) = match prior {
-                    Some(p) => (p, Some(Operand::input(input))),
-                    None => (Operand::input(input), None),
-                };
-                s.push(Step::Local { dst, a, b, last });
-            } else {
-                s.push(Step::Recv {
-                    peer: q,
-                    dst,
-                    reduce_with: prior,
-                    last,
-                });
-            }
-        }
+        fold_in_rank_order(&mut s, me, n, Operand::input(input), slice, dst_final);
     }
     // Phase 2: my reduced part to everyone, everyone's reduced part here.
     let out = part(Buf::Recv, me);

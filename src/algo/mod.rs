@@ -119,7 +119,7 @@ impl Schedule {
 
 /// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
 /// elements; `elem` is the element size in bytes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Collective {
     AllReduce {
         count: usize,

@@ -57,6 +57,8 @@ pub struct Comm {
     /// Children created so far, to derive every child's tag identically on all ranks.
     pub children: AtomicU64,
     pub custom_ops: CustomOps,
+    /// Schedules built so far, reused by calls of the same shape.
+    pub schedules: ops::ScheduleCache,
     life: AtomicU8,
     pub async_error: Mutex<Option<Error>>,
     pub last_error: Mutex<Option<String>>,
@@ -207,6 +209,7 @@ impl Comm {
             seq: AtomicU64::new(0),
             children: AtomicU64::new(0),
             custom_ops: CustomOps::default(),
+            schedules: Default::default(),
             life: AtomicU8::new(Life::Active as u8),
             async_error: Mutex::new(None),
             last_error: Mutex::new(None),

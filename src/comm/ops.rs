@@ -12,6 +12,7 @@ use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 
 /// The first value of a dynamic (user-created) op, as in NCCL.
 pub(crate) const FIRST_DYNAMIC_OP: i32 = 5;
@@ -48,6 +49,20 @@ pub struct CustomOps {
 /// Op values are unique across communicators, so an op used on the wrong one is recognised.
 static NEXT_OP: AtomicI32 = AtomicI32::new(FIRST_DYNAMIC_OP);
 static OP_OWNER: Lazy<Mutex<HashMap<i32, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// What a schedule depends on: calls with equal keys get the same (cached) schedule.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ScheduleKey {
+    coll: Collective,
+    elem: usize,
+    in_place: bool,
+    slice_bytes: usize,
+    algo: algo::Algorithm,
+    stage: bool,
+}
+
+/// A communicator's schedules, by what they depend on.
+pub type ScheduleCache = Mutex<rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>>;
 
 /// A validated call, waiting for its turn (the end of the group).
 #[derive(Clone, Debug)]
@@ -370,22 +385,21 @@ impl Comm {
         recv_bytes: usize,
     ) -> Result<bool> {
         use crate::cuda::{classify, MemKind};
-        let kinds: Vec<(&str, MemKind)> = [
-            ("sendbuff", send, send_bytes),
-            ("recvbuff", recv as *const u8, recv_bytes),
-        ]
-        .into_iter()
-        .filter(|(_, p, b)| *b > 0 && !p.is_null())
-        .map(|(n, p, _)| (n, classify(p as *const std::ffi::c_void)))
-        .collect();
-        if let [(a, ka), (b, kb)] = kinds.as_slice() {
-            if ka != kb {
-                return crate::invalid_arg!("{a} is {ka:?} memory but {b} is {kb:?} memory; both must be host or both device memory");
+        let kind = |p: *const u8, bytes: usize| {
+            (bytes > 0 && !p.is_null()).then(|| classify(p as *const std::ffi::c_void))
+        };
+        let (ks, kr) = (kind(send, send_bytes), kind(recv, recv_bytes));
+        if let (Some(a), Some(b)) = (ks, kr) {
+            if a != b {
+                return crate::invalid_arg!(
+                    "sendbuff is {a:?} memory but recvbuff is {b:?} memory; both must be host or both device memory"
+                );
             }
         }
-        match kinds.first() {
+        let first = ks.map(|k| ("sendbuff", k)).or(kr.map(|k| ("recvbuff", k)));
+        match first {
             Some((name, MemKind::Device(ordinal))) => match &self.device {
-                Some(w) if w.device.ordinal == *ordinal => Ok(true),
+                Some(w) if w.device.ordinal == ordinal => Ok(true),
                 Some(w) => crate::invalid_arg!(
                     "{name} is memory of GPU {ordinal} but this communicator was created on GPU {}",
                     w.device.ordinal
@@ -506,19 +520,39 @@ impl Comm {
         } else {
             self.tuner.choose(&call.coll, bytes, self.nranks)
         };
-        let schedule = match call.coll {
-            Collective::Send { peer, count } if call.stage => {
-                algo::staged_send(peer, count * shape.elem, &shape)
-            }
-            _ => algo::schedule(&call.coll, &shape, algo),
+        let key = ScheduleKey {
+            coll: call.coll.clone(),
+            elem: shape.elem,
+            in_place: call.in_place,
+            slice_bytes,
+            algo,
+            stage: call.stage,
         };
-        crate::trace!(
-            "{} {bytes} bytes {} with {} ({} steps)",
-            call.coll.name(),
-            call.dtype.name(),
-            algo.name(),
-            schedule.steps.len()
-        );
+        let cached = self.schedules.lock().get(&key).cloned();
+        let schedule = match cached {
+            Some(s) => s,
+            None => {
+                let s = Arc::new(match call.coll {
+                    Collective::Send { peer, count } if call.stage => {
+                        algo::staged_send(peer, count * shape.elem, &shape)
+                    }
+                    _ => algo::schedule(&call.coll, &shape, algo),
+                });
+                crate::trace!(
+                    "{} {bytes} bytes {} with {} ({} steps)",
+                    call.coll.name(),
+                    call.dtype.name(),
+                    algo.name(),
+                    s.steps.len()
+                );
+                let mut all = self.schedules.lock();
+                if all.len() >= 256 {
+                    all.clear();
+                }
+                all.insert(key, s.clone());
+                s
+            }
+        };
         let reduction = call.op.map(|op| self.reduction(op, call.dtype));
         Ok(HostOp {
             schedule,

@@ -4,9 +4,7 @@
 
 use super::Comm;
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -99,13 +97,22 @@ impl Entry {
     }
 }
 
-static TABLE: Lazy<RwLock<HashMap<usize, Arc<Entry>>>> = Lazy::new(|| RwLock::new(HashMap::new()));
+/// Entries by handle number (`(handle - BASE) / STRIDE - 1`): a lookup is an index, no hash.
+static TABLE: RwLock<Vec<Option<Arc<Entry>>>> = RwLock::new(Vec::new());
 static ISSUED: AtomicUsize = AtomicUsize::new(0);
 
+fn slot(h: usize) -> Option<usize> {
+    (h > BASE && (h - BASE) % STRIDE == 0).then(|| (h - BASE) / STRIDE - 1)
+}
+
 pub fn insert(e: Arc<Entry>) -> usize {
-    let h = BASE + STRIDE * (ISSUED.fetch_add(1, Ordering::SeqCst) + 1);
-    TABLE.write().insert(h, e);
-    h
+    let mut table = TABLE.write();
+    let n = ISSUED.fetch_add(1, Ordering::SeqCst);
+    if table.len() <= n {
+        table.resize(n + 1, None);
+    }
+    table[n] = Some(e);
+    BASE + STRIDE * (n + 1)
 }
 
 fn unknown(h: usize) -> Error {
@@ -121,11 +128,15 @@ fn unknown(h: usize) -> Error {
 }
 
 pub fn lookup(h: usize) -> Result<Arc<Entry>> {
-    TABLE.read().get(&h).cloned().ok_or_else(|| unknown(h))
+    slot(h)
+        .and_then(|i| TABLE.read().get(i).cloned().flatten())
+        .ok_or_else(|| unknown(h))
 }
 
 pub fn remove(h: usize) -> Result<Arc<Entry>> {
-    TABLE.write().remove(&h).ok_or_else(|| unknown(h))
+    slot(h)
+        .and_then(|i| TABLE.write().get_mut(i).and_then(Option::take))
+        .ok_or_else(|| unknown(h))
 }
 
 #[cfg(test)]

@@ -111,7 +111,7 @@ pub enum DevOp {
 /// One operation of a group, ready to compile.
 pub struct DeviceOp {
     pub coll: Collective,
-    pub schedule: Schedule,
+    pub schedule: std::sync::Arc<Schedule>,
     pub reduction: Option<Reduction>,
     pub elem: usize,
 }
@@ -631,7 +631,7 @@ mod tests {
                                 let ops: Vec<DeviceOp> = (0..2)
                                     .map(|_| DeviceOp {
                                         coll: coll.clone(),
-                                        schedule: algo::schedule(&coll, &shape, algo),
+                                        schedule: algo::schedule(&coll, &shape, algo).into(),
                                         reduction: Some(reduction),
                                         elem: 4,
                                     })
@@ -708,7 +708,7 @@ mod tests {
                 let ops: Vec<DeviceOp> = colls
                     .into_iter()
                     .map(|c| DeviceOp {
-                        schedule: algo::schedule(&c, &shape, Algorithm::Ring),
+                        schedule: algo::schedule(&c, &shape, Algorithm::Ring).into(),
                         coll: c,
                         reduction: None,
                         elem: 4,
@@ -745,7 +745,7 @@ mod tests {
         };
         let coll = Collective::Send { peer: 1, count: 16 };
         let op = DeviceOp {
-            schedule: algo::schedule(&coll, &shape, Algorithm::Ring),
+            schedule: algo::schedule(&coll, &shape, Algorithm::Ring).into(),
             coll,
             reduction: None,
             elem: 4,

@@ -32,7 +32,7 @@ pub struct Reduction {
 
 /// One operation of one communicator, with its buffers.
 pub struct HostOp {
-    pub schedule: Schedule,
+    pub schedule: Arc<Schedule>,
     pub send: *const u8,
     pub recv: *mut u8,
     pub tag: u64,
@@ -102,13 +102,71 @@ struct XStep {
     recv: RecvCursor,
 }
 
+/// The dependency graph of one schedule: how many steps each step waits for, and which steps
+/// wait for it (`edges[first[i]..first[i] + count[i]]`).
+struct Hazards {
+    waiting_on: Vec<u32>,
+    first: Vec<u32>,
+    count: Vec<u32>,
+    edges: Arc<[u32]>,
+}
+
+impl Hazards {
+    /// Step i waits for every earlier step j it conflicts with: it writes what j reads or
+    /// writes, or reads what j writes.
+    fn compute(steps: &[XStep]) -> Hazards {
+        let n = steps.len();
+        let mut pairs = Vec::new();
+        let mut waiting_on = vec![0u32; n];
+        let mut count = vec![0u32; n];
+        for i in 0..n {
+            let (ri, wi) = steps[i].action.ranges();
+            for j in 0..i {
+                let (rj, wj) = steps[j].action.ranges();
+                let conflict = overlaps(wi, wj)
+                    || rj.iter().any(|&r| overlaps(wi, r))
+                    || ri.iter().any(|&r| overlaps(r, wj));
+                if conflict {
+                    pairs.push((j as u32, i as u32));
+                    waiting_on[i] += 1;
+                    count[j] += 1;
+                }
+            }
+        }
+        let mut first = vec![0u32; n];
+        let mut at = 0u32;
+        for j in 0..n {
+            first[j] = at;
+            at += count[j];
+        }
+        let mut edges = vec![0u32; pairs.len()];
+        let mut filled = vec![0u32; n];
+        for &(j, i) in &pairs {
+            edges[(first[j as usize] + filled[j as usize]) as usize] = i;
+            filled[j as usize] += 1;
+        }
+        Hazards {
+            waiting_on,
+            first,
+            count,
+            edges: edges.into(),
+        }
+    }
+}
+
+/// How an operation's buffers relate, which together with its schedule fixes its hazards:
+/// disjoint, or the send buffer at a given distance from the receive buffer.
+type Aliasing = Option<isize>;
+
 /// The executor's tables, kept between calls so that their memory is reused.
 #[derive(Default)]
 pub struct ExecCache {
+    /// Hazards of single-operation runs, by schedule (its address: the Arc is kept alive in
+    /// the value) and aliasing. Repeated calls of one shape skip the quadratic analysis.
+    hazards: rustc_hash::FxHashMap<(usize, Aliasing), (Arc<Schedule>, Arc<Hazards>)>,
     scratch: Vec<u8>,
+    ops: Vec<HostOp>,
     steps: Vec<XStep>,
-    edges: Vec<u32>,
-    pairs: Vec<(u32, u32)>,
     send_q: Vec<VecDeque<u32>>,
     recv_q: Vec<VecDeque<u32>>,
     peers: Vec<usize>,
@@ -125,7 +183,7 @@ struct Exec<'a> {
     wiring: &'a Wiring,
     ops: Vec<HostOp>,
     steps: Vec<XStep>,
-    edges: Vec<u32>,
+    edges: Arc<[u32]>,
     send_q: Vec<VecDeque<u32>>,
     recv_q: Vec<VecDeque<u32>>,
     peers: Vec<usize>,
@@ -165,8 +223,10 @@ impl Action {
 impl<'a> Exec<'a> {
     /// Returns the tables' memory to the communicator's cache.
     fn recycle(self, cache: &mut ExecCache) {
+        let mut ops = self.ops;
+        ops.clear();
+        cache.ops = ops;
         cache.steps = self.steps;
-        cache.edges = self.edges;
         cache.send_q = self.send_q;
         cache.recv_q = self.recv_q;
         cache.peers = self.peers;
@@ -270,39 +330,29 @@ impl<'a> Exec<'a> {
             }
             scratch_at += op.schedule.scratch.next_multiple_of(64);
         }
-        // Hazards: step i waits for every earlier step j it conflicts with. The (j, i) pairs
-        // are then laid out by j, so each step finds its dependents in one slice.
-        let mut pairs = std::mem::take(&mut cache.pairs);
-        pairs.clear();
-        for i in 0..steps.len() {
-            let (ri, wi) = steps[i].action.ranges();
-            for j in 0..i {
-                let (rj, wj) = steps[j].action.ranges();
-                let conflict = overlaps(wi, wj)
-                    || rj.iter().any(|&r| overlaps(wi, r))
-                    || ri.iter().any(|&r| overlaps(r, wj));
-                if conflict {
-                    pairs.push((j as u32, i as u32));
-                    steps[i].waiting_on += 1;
-                    steps[j].dependents += 1;
+        let hazards = match ops.as_slice() {
+            [op] => {
+                let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
+                match cache.hazards.get(&key) {
+                    Some((_, h)) => h.clone(),
+                    None => {
+                        let h = Arc::new(Hazards::compute(&steps));
+                        if cache.hazards.len() >= 256 {
+                            cache.hazards.clear();
+                        }
+                        cache.hazards.insert(key, (op.schedule.clone(), h.clone()));
+                        h
+                    }
                 }
             }
+            _ => Arc::new(Hazards::compute(&steps)),
+        };
+        for (i, s) in steps.iter_mut().enumerate() {
+            s.waiting_on = hazards.waiting_on[i];
+            s.first_dependent = hazards.first[i];
+            s.dependents = hazards.count[i];
         }
-        let mut at = 0u32;
-        for s in steps.iter_mut() {
-            s.first_dependent = at;
-            at += s.dependents;
-            s.dependents = 0;
-        }
-        let mut edges = std::mem::take(&mut cache.edges);
-        edges.clear();
-        edges.resize(pairs.len(), 0);
-        for &(j, i) in &pairs {
-            let s = &mut steps[j as usize];
-            edges[(s.first_dependent + s.dependents) as usize] = i;
-            s.dependents += 1;
-        }
-        cache.pairs = pairs;
+        let edges = hazards.edges.clone();
         let mut send_q = std::mem::take(&mut cache.send_q);
         let mut recv_q = std::mem::take(&mut cache.recv_q);
         for q in send_q.iter_mut().chain(recv_q.iter_mut()) {
@@ -682,6 +732,23 @@ unsafe fn finish(dst: *mut u8, len: usize, last: bool, reduction: Option<Reducti
     }
 }
 
+/// How an operation's send and receive buffers overlap (see `Aliasing`).
+fn aliasing(op: &HostOp) -> Aliasing {
+    let extent = |buf: Buf| {
+        op.schedule
+            .steps
+            .iter()
+            .flat_map(|s| s.regions())
+            .filter(|r| r.buf == buf)
+            .map(|r| r.offset + r.len)
+            .max()
+            .unwrap_or(0)
+    };
+    let (s, r) = (op.send as usize, op.recv as usize);
+    let (sl, rl) = (extent(Buf::Send), extent(Buf::Recv));
+    (sl > 0 && rl > 0 && s < r + rl && r < s + sl).then(|| s as isize - r as isize)
+}
+
 /// Reads a PreMulSum scalar that lives at a host address (ncclScalarDevice residence used with
 /// host memory): the value in force when the collective runs.
 pub fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale {
@@ -708,9 +775,21 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     result
 }
 
+/// Runs one operation of one communicator (a call outside any group).
+pub fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
+    let mut cache = wiring.cache.lock();
+    let mut ops = std::mem::take(&mut cache.ops);
+    ops.clear();
+    ops.push(op);
+    let mut e = Exec::new(wiring, ops, &mut cache)?;
+    let result = drive(std::slice::from_mut(&mut e));
+    e.recycle(&mut cache);
+    result
+}
+
 /// Progresses every communicator's steps until all are done or one fails.
-fn drive(execs: &mut Vec<Exec>) -> Result<()> {
-    let single_doorbell = match execs.as_slice() {
+fn drive(execs: &mut [Exec]) -> Result<()> {
+    let single_doorbell = match &*execs {
         [only] => only.wiring.doorbell.clone(),
         _ => None,
     };
@@ -719,7 +798,7 @@ fn drive(execs: &mut Vec<Exec>) -> Result<()> {
     let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
     let mut warned = false;
-    let pass_all = |execs: &mut Vec<Exec>| -> Result<(bool, bool)> {
+    let pass_all = |execs: &mut [Exec]| -> Result<(bool, bool)> {
         let mut moved = false;
         for e in execs.iter_mut() {
             moved |= e.pass()?;

@@ -28,11 +28,14 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d32; // "commshm2"
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d33; // "commshm3": the slot layout's version
 const LINE: usize = 128;
 const CTL_BASE: usize = 4 * LINE;
 const CTL_STRIDE: usize = 3 * LINE;
-const SLOT_HEADER: usize = LINE;
+/// A slot starts with its message number (8 bytes, written last) and the header; data follows
+/// on the next cache line.
+const SLOT_HEADER: usize = 64;
+const SLOT_FIELDS: usize = 8;
 
 const KIND_EAGER: u32 = 1;
 const KIND_PULL: u32 = 2;
@@ -200,6 +203,13 @@ impl Segment {
         self.atomic_u32(CTL_BASE + sender * CTL_STRIDE + 2 * LINE)
     }
 
+    /// The message number the slot holds now: message k is in its slot once this reads k + 1.
+    fn slot_number(&self, sender: usize, seq: u64) -> &AtomicU64 {
+        // SAFETY: the slot start is in bounds (checked by slot()) and 8-aligned (the slot area
+        // and strides are multiples of 64); this word is only ever accessed atomically.
+        unsafe { &*(self.slot(sender, seq) as *const AtomicU64) }
+    }
+
     fn slot(&self, sender: usize, seq: u64) -> *mut u8 {
         let idx = (seq % self.geo.nslots as u64) as usize;
         let off = self.geo.slots_base() + (sender * self.geo.nslots + idx) * self.geo.slot_stride();
@@ -274,6 +284,8 @@ pub struct ShmPeer {
     watch: Option<ProcessWatch>,
     pull_threshold: usize,
     scratch: Mutex<Option<os::HugeMem>>,
+    /// The last value of the peer's tail this rank read (a lower bound of the real one).
+    tail_seen: AtomicU64,
 }
 
 impl ShmPeer {
@@ -283,15 +295,16 @@ impl ShmPeer {
     }
 
     fn read_header(&self, seq: u64) -> SlotHeader {
-        // SAFETY: the slot lies inside our segment; the sender wrote it before publishing `head`
-        // with Release, which we read with Acquire.
-        unsafe { (self.local.slot(self.peer, seq) as *const SlotHeader).read() }
+        // SAFETY: the header lies inside our segment after the slot's number; the sender wrote
+        // it before publishing that number with Release, which we read with Acquire.
+        unsafe { (self.local.slot(self.peer, seq).add(SLOT_FIELDS) as *const SlotHeader).read_unaligned() }
     }
 
     fn write_header(&self, seq: u64, h: &SlotHeader) {
-        // SAFETY: the slot lies inside the peer's segment and is free (head - tail < nslots), so
-        // the receiver does not read it until we publish.
-        unsafe { (self.remote.slot(self.me, seq) as *mut SlotHeader).write(*h) }
+        // SAFETY: the header lies inside the peer's segment after the slot's number; the slot is
+        // free (head - tail < nslots), and the receiver reads the header only once we publish
+        // the number.
+        unsafe { (self.remote.slot(self.me, seq).add(SLOT_FIELDS) as *mut SlotHeader).write_unaligned(*h) }
     }
 
     /// Moves up to PULL_BUDGET bytes of a pulled message into the sink.
@@ -391,7 +404,13 @@ impl Transport for ShmPeer {
         }
         let nslots = self.remote.geo.nslots as u64;
         let mut head = head_ref.load(Ordering::Relaxed);
-        let mut tail = tail_ref.load(Ordering::Acquire);
+        // The tail lives in the peer's memory and changes under its hands: look at it only when
+        // the slots we know to be free run out, not on every send.
+        let mut tail = self.tail_seen.load(Ordering::Relaxed);
+        if head - tail >= nslots {
+            tail = tail_ref.load(Ordering::Acquire);
+            self.tail_seen.store(tail, Ordering::Relaxed);
+        }
         let (scale, flags) = match msg.scale {
             Some(s) => (s.0, FLAG_SCALE),
             None => ([0u8; 8], 0),
@@ -416,7 +435,8 @@ impl Transport for ShmPeer {
                 });
             }
             self.write_header(head, &header(KIND_PULL, 0, msg.len));
-            head_ref.store(head + 1, Ordering::Release);
+            self.remote.slot_number(self.me, head).store(head + 1, Ordering::Release);
+            head_ref.store(head + 1, Ordering::Relaxed);
             self.remote.ring();
             cur.started = true;
             cur.sent = msg.len;
@@ -430,6 +450,7 @@ impl Transport for ShmPeer {
         while !(cur.started && cur.sent == msg.len) {
             if head - tail >= nslots {
                 tail = tail_ref.load(Ordering::Acquire);
+                self.tail_seen.store(tail, Ordering::Relaxed);
                 if head - tail >= nslots {
                     break;
                 }
@@ -442,8 +463,9 @@ impl Transport for ShmPeer {
             unsafe {
                 std::ptr::copy_nonoverlapping(msg.src.add(cur.sent), slot.add(SLOT_HEADER), n)
             };
+            self.remote.slot_number(self.me, head).store(head + 1, Ordering::Release);
             head += 1;
-            head_ref.store(head, Ordering::Release);
+            head_ref.store(head, Ordering::Relaxed);
             cur.sent += n;
             cur.started = true;
             moved = true;
@@ -467,7 +489,6 @@ impl Transport for ShmPeer {
         cur: &mut RecvCursor,
         sink: &mut dyn Sink,
     ) -> Result<Progress<bool>> {
-        let head_ref = self.local.head(self.peer);
         let tail_ref = self.local.tail(self.peer);
         let mut moved = false;
         loop {
@@ -486,7 +507,7 @@ impl Transport for ShmPeer {
                 return Ok(Progress { state: true, moved });
             }
             let tail = tail_ref.load(Ordering::Relaxed);
-            if head_ref.load(Ordering::Acquire) == tail {
+            if self.local.slot_number(self.peer, tail).load(Ordering::Acquire) != tail + 1 {
                 break;
             }
             let h = self.read_header(tail);
@@ -731,6 +752,7 @@ pub fn connect(
                     .then(|| ProcessWatch::new(placements[r].pid)),
                 pull_threshold,
                 scratch: Mutex::new(None),
+                tail_seen: AtomicU64::new(0),
             }));
         }
         Ok(peers)
