@@ -125,6 +125,7 @@ class CommWork(_WorkBase):
         self._future = None
         self._end_event = None  # CUDA event recorded after a device operation
         self._device = None
+        self._flush = None  # for deferred point-to-point work: starts it (Engine.flush_p2p)
 
     # -- completion (executor side)
     def _complete(self, error=None):
@@ -140,6 +141,8 @@ class CommWork(_WorkBase):
 
     # -- torch.distributed.Work interface
     def wait(self, timeout=None):
+        if self._flush is not None:
+            self._flush()
         if not self._done:
             if not self._event.wait(_seconds(timeout)):
                 raise CommError(f"comm: operation did not complete within {timeout}", call="wait")
@@ -151,6 +154,8 @@ class CommWork(_WorkBase):
         return True
 
     def is_completed(self):
+        if self._flush is not None:
+            self._flush()
         if not self._done:
             return False
         if self._end_event is not None and self._error is None:
@@ -178,6 +183,8 @@ class CommWork(_WorkBase):
         return self._result
 
     def get_future(self):
+        if self._flush is not None:
+            self._flush()
         with self._lock:
             if self._future is None:
                 self._base = torch.futures.Future()
@@ -203,7 +210,7 @@ class Task:
     enclosing group); ``finish`` runs after the group ended successfully (copy-outs);
     ``cleanup`` runs after the group in any case (reduction ops to destroy)."""
 
-    __slots__ = ("issue", "finish", "cleanup", "result", "cuda", "work", "keep")
+    __slots__ = ("issue", "finish", "cleanup", "result", "cuda", "work", "keep", "children")
 
     def __init__(self, issue, finish=None, cleanup=None, result=None, cuda=None, keep=None):
         self.issue = issue
@@ -215,6 +222,7 @@ class Task:
         # The calls take raw pointers: every tensor they point into stays referenced here
         # until the task has run.
         self.keep = keep
+        self.children = ()  # works of deferred point-to-point calls this group task runs
 
     def run(self):
         """Runs the calls in this thread; raises the first error. Returns the CUDA end
@@ -249,6 +257,8 @@ class Task:
         except BaseException as err:  # surfaced through wait(), never lost in the worker
             error = err if isinstance(err, Exception) else CommError(f"comm: {err!r}")
         self.work._complete(error)
+        for child in self.children:
+            child._complete(error)
 
 
 # What a synchronous operation that already ran inline returns: torch only waits on it.
@@ -371,6 +381,8 @@ class Engine:
         self._features = None
         self._destroyed = False
         self.origin = "init"  # or "split": how the communicator was made
+        self._p2p = []  # deferred (task, work) of point-to-point calls, see _dispatch
+        self._p2p_lock = threading.Lock()
 
     # -- creation
     @classmethod
@@ -407,6 +419,7 @@ class Engine:
             )
             return child.value
 
+        self.flush_p2p()
         child = self.executor.call(do_split)
         if color == _lib.SPLIT_NOCOLOR or not child:
             return None
@@ -426,6 +439,7 @@ class Engine:
             self._check(self.lib.ncclCommDestroy(self.handle), "ncclCommDestroy")
 
         try:
+            self.flush_p2p()
             self.executor.call(do_destroy)
         finally:
             self.executor.close()
@@ -481,7 +495,9 @@ class Engine:
         return (device, stream, start)
 
     # -- running tasks
-    def _submit(self, tensors, stream_box, issue, finish=None, cleanup=None, result=None, async_op=False, keep=()):
+    def _submit(
+        self, tensors, stream_box, issue, finish=None, cleanup=None, result=None, async_op=False, keep=(), p2p=False
+    ):
         """Wraps the calls of one operation in a Task and runs it (or records it while
         coalescing). ``stream_box[0]`` receives the stream handle the calls must pass;
         ``keep`` lists the buffers the calls point into besides ``tensors``."""
@@ -489,14 +505,35 @@ class Engine:
         if cuda is not None:
             stream_box[0] = cuda[1].cuda_stream
         task = Task(issue, finish, cleanup, result, cuda, (tensors, keep))
-        return self._dispatch(task, async_op)
+        return self._dispatch(task, async_op, p2p)
 
-    def _dispatch(self, task, async_op):
+    def _dispatch(self, task, async_op, p2p=False):
         if self._coalescing is not None:
             self._coalescing.append(task)
             # Valid once the work of end_coalescing completes, as with NCCL.
             return completed_work(task.result)
+        if p2p:
+            # Sends and receives wait until something needs them (a wait on one of them,
+            # or any other operation), then start together as one group. So, as with gloo,
+            # isend and irecv may be posted in any order: an irecv posted before the matching
+            # send cannot block the send behind it.
+            work = CommWork(task.result)
+            work._flush = self.flush_p2p
+            with self._p2p_lock:
+                self._p2p.append((task, work))
+            if not async_op:
+                work.wait()
+            return work
+        if self._p2p:
+            self.flush_p2p()
         return self.executor.run(task, async_op)
+
+    def flush_p2p(self):
+        """Starts the deferred point-to-point calls, as one group."""
+        with self._p2p_lock:
+            pending, self._p2p = self._p2p, []
+        if pending:
+            self._run_group([t for t, _ in pending], None, True, children=[w for _, w in pending])
 
     def _capture(self, make_op):
         """The Task that ``make_op()`` builds, without running it."""
@@ -529,6 +566,7 @@ class Engine:
         return self._dispatch(task, async_op)
 
     def start_coalescing(self):
+        self.flush_p2p()
         if self._coalescing is not None:
             raise RuntimeError("comm: start_coalescing called twice without end_coalescing")
         self._coalescing = []
@@ -547,7 +585,7 @@ class Engine:
             return completed_work(result)
         return self._run_group(tasks, result, async_op)
 
-    def _run_group(self, tasks, result, async_op):
+    def _run_group(self, tasks, result, async_op, children=()):
         if not tasks:
             return completed_work(result)
         lib, handle = self.lib, self.handle
@@ -571,7 +609,9 @@ class Engine:
                 if t.cleanup is not None:
                     t.cleanup()
 
-        return self.executor.run(Task(issue, finish, cleanup, result, cuda, [t.keep for t in tasks]), async_op)
+        group = Task(issue, finish, cleanup, result, cuda, [t.keep for t in tasks])
+        group.children = children
+        return self.executor.run(group, async_op)
 
     # -- reductions
     def _reduction(self, dtype, op):
@@ -665,7 +705,7 @@ class Engine:
     # Operations. Each returns a CommWork whose future yields ``result``.
 
     def all_reduce(self, tensor, op=SUM, async_op=False, result=None):
-        if not async_op and self._coalescing is None and tensor.is_cpu and tensor.is_contiguous():
+        if not async_op and self._coalescing is None and not self._p2p and tensor.is_cpu and tensor.is_contiguous():
             # The common synchronous case in as few Python steps as possible: small
             # all-reduces are bound by this overhead, not by the library.
             code, opcode = _DTYPES.get(tensor.dtype), _OPS.get(op.kind)
@@ -1072,7 +1112,7 @@ class Engine:
             if r:
                 lib.check(r, "ncclSend", handle)
 
-        return self._submit([tensor], stream, issue, None, None, result, async_op, keep=(buf,))
+        return self._submit([tensor], stream, issue, None, None, result, async_op, keep=(buf,), p2p=True)
 
     def recv(self, tensor, peer, async_op=False, result=None):
         self._peer(peer, "source rank")
@@ -1087,9 +1127,8 @@ class Engine:
             if r:
                 lib.check(r, "ncclRecv", handle)
 
-        return self._submit(
-            [tensor], stream, issue, self._copy_back(staged, tensor, buf), None, result, async_op, keep=(buf,)
-        )
+        finish = self._copy_back(staged, tensor, buf)
+        return self._submit([tensor], stream, issue, finish, None, result, async_op, keep=(buf,), p2p=True)
 
     def barrier(self, async_op=False):
         """A one-element all-reduce on host memory, so a dead peer fails it like any collective."""
