@@ -22,7 +22,7 @@ fi
 PY=$VENV/bin/python
 if ! "$PY" -c 'import torch.distributed, pytest, pytest_timeout' 2>/dev/null; then
   echo "installing ${COMM_TORCH_SPEC:-torch} and pytest into $VENV (the first time takes a while)" >&2
-  "$VENV/bin/pip" install -q "${COMM_TORCH_SPEC:-torch}" pytest pytest-timeout
+  "$VENV/bin/pip" install -q "${COMM_TORCH_SPEC:-torch}" pytest pytest-timeout "setuptools>=64" wheel
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -61,6 +61,16 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
             timed_out = True
             break
         time.sleep(0.05)
+    if timed_out:
+        # SIGABRT first: faulthandler (PYTHONFAULTHANDLER) prints every thread's stack into the
+        # rank's log, which says where it hung.
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGABRT)
+                except ProcessLookupError:
+                    pass
+        time.sleep(2)
     for p in procs:
         if p.poll() is None:
             try:

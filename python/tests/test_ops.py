@@ -36,7 +36,7 @@ GROUPS = [
     r"^gather/",
     r"^scatter/",
     r"^send_recv$",
-    r"^isend_irecv$",
+    r"^isend_irecv(/|$)",
     r"^batch_isend_irecv$",
     r"^barrier$",
     r"^async/",

@@ -85,5 +85,7 @@ def test_import_torch_with_ld_preload(libcomm_path):
     owners = eval(out.stdout.split("OWNERS", 1)[1].splitlines()[0])
     # Every NCCL function torch calls resolves in libcomm, none in NVIDIA's libnccl.
     assert owners == {real: len(names)}, owners
-    version = out.stdout.split("NCCL_VERSION", 1)[1].strip()
-    assert version == "(2, 30, 7)", version  # libcomm's ncclGetVersion: 23007
+    # torch.cuda.nccl.version() is the NCCL_MAJOR/MINOR/PATCH torch was compiled with
+    # (torch/csrc/cuda/nccl.cpp), not a call into the library, so it cannot show which
+    # library answers; the dladdr check above does.
+    print(out.stdout)

@@ -51,7 +51,7 @@ def test_import_registers():
 
 def test_missing_library_is_explained():
     out = _python(
-        "import torch.distributed as dist\n"
+        "import torch.distributed as dist, comm_torch\n"
         "dist.init_process_group('comm', store=dist.HashStore(), rank=0, world_size=1)",
         env={"COMM_LIBRARY": "/nonexistent/libcomm.so"},
     )
