@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# The main job: builds comm and runs all_reduce over 4 local ranks on host memory.
+# The main job: builds comm and its benchmarks, then runs all_reduce_perf over 4 local ranks
+# (processes, launched torchrun-style) on host memory from 8 B to 64 MiB and prints the table.
+# Extra arguments go to all_reduce_perf (e.g. -d all -o all, or -J out.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j2 >/dev/null
-exec build/bench/allreduce_example "${@:-4}"
+ranks=${COMM_MAIN_RANKS:-4}
+port=$((30000 + RANDOM % 20000))
+pids=()
+for ((r = 1; r < ranks; r++)); do
+  RANK=$r WORLD_SIZE=$ranks MASTER_PORT=$port build/bench/all_reduce_perf --memory host -b 8 -e 64M -f 2 "$@" >/dev/null &
+  pids+=($!)
+done
+RANK=0 WORLD_SIZE=$ranks MASTER_PORT=$port build/bench/all_reduce_perf --memory host -b 8 -e 64M -f 2 "$@"
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+exit $status
