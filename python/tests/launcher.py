@@ -7,6 +7,7 @@ write their results as JSON; the launcher never waits longer than ``timeout`` se
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
             log.seek(0)
             text = log.read()
             out.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{text[-6000:]}")
-        return "\n".join(out)
+        return f"(logs in {tmp})\n" + "\n".join(out)
 
     if timed_out:
         raise RankFailure(f"scenario {scenario!r} on {world} ranks did not finish in {timeout}s\n{tails()}")
@@ -105,6 +106,7 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
             results.append(None)
     for log in logs:
         log.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when a rank failed, for its logs
     return results
 
 
