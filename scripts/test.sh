@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: installs what it needs, checks formatting and lints,
-# builds libcomm.so, runs every Rust, C and packaging test.
+# builds libcomm.so, runs every Rust, C, packaging, benchmark and PyTorch test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -13,4 +13,5 @@ cargo build --release
 cargo test --release -- --test-threads="${COMM_TEST_THREADS:-2}"
 scripts/test_package.sh
 scripts/test_bench.sh
+scripts/test_python.sh
 echo "all tests passed"
