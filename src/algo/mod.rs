@@ -103,6 +103,9 @@ pub struct Schedule {
     pub steps: Vec<Step>,
     /// Bytes of scratch space the steps use.
     pub scratch: usize,
+    /// How far into the send and receive buffers the steps reach.
+    pub send_extent: usize,
+    pub recv_extent: usize,
 }
 
 impl Schedule {
@@ -111,9 +114,17 @@ impl Schedule {
             Step::Send { src, .. } => src.region.len,
             Step::Recv { dst, .. } | Step::Local { dst, .. } => dst.len,
         };
-        if len > 0 {
-            self.steps.push(step);
+        if len == 0 {
+            return;
         }
+        for r in step.regions() {
+            match r.buf {
+                Buf::Send => self.send_extent = self.send_extent.max(r.offset + r.len),
+                Buf::Recv => self.recv_extent = self.recv_extent.max(r.offset + r.len),
+                Buf::Scratch => {}
+            }
+        }
+        self.steps.push(step);
     }
 }
 

@@ -249,19 +249,9 @@ impl<'a> Exec<'a> {
         let mut scratch_at = 0usize;
         for (oi, op) in ops.iter().enumerate() {
             if let Some(min) = wiring.huge_pages_from {
-                let extent = |buf: Buf| {
-                    op.schedule
-                        .steps
-                        .iter()
-                        .flat_map(|s| s.regions())
-                        .filter(|r| r.buf == buf)
-                        .map(|r| r.offset + r.len)
-                        .max()
-                        .unwrap_or(0)
-                };
                 for (ptr, len) in [
-                    (op.send as usize, extent(Buf::Send)),
-                    (op.recv as usize, extent(Buf::Recv)),
+                    (op.send as usize, op.schedule.send_extent),
+                    (op.recv as usize, op.schedule.recv_extent),
                 ] {
                     if len >= min {
                         crate::transport::os::collapse_to_huge_pages(ptr, len);
@@ -734,18 +724,8 @@ unsafe fn finish(dst: *mut u8, len: usize, last: bool, reduction: Option<Reducti
 
 /// How an operation's send and receive buffers overlap (see `Aliasing`).
 fn aliasing(op: &HostOp) -> Aliasing {
-    let extent = |buf: Buf| {
-        op.schedule
-            .steps
-            .iter()
-            .flat_map(|s| s.regions())
-            .filter(|r| r.buf == buf)
-            .map(|r| r.offset + r.len)
-            .max()
-            .unwrap_or(0)
-    };
     let (s, r) = (op.send as usize, op.recv as usize);
-    let (sl, rl) = (extent(Buf::Send), extent(Buf::Recv));
+    let (sl, rl) = (op.schedule.send_extent, op.schedule.recv_extent);
     (sl > 0 && rl > 0 && s < r + rl && r < s + sl).then(|| s as isize - r as isize)
 }
 
