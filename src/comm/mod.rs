@@ -155,12 +155,11 @@ impl Comm {
             links.push(link);
         }
         let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
-        // With more ranks than cores, spinning steals the core from the rank we wait for.
-        let spin_us = crate::env::int("SPIN_US").unwrap_or(if local_ranks > topo::usable_cpus() {
-            0
-        } else {
-            50
-        });
+        // With more ranks than cores, spinning steals the core from the rank we wait for:
+        // yield it instead, then sleep.
+        let oversubscribed = local_ranks > topo::usable_cpus();
+        let spin_us = crate::env::int("SPIN_US").unwrap_or(if oversubscribed { 0 } else { 50 });
+        let yield_us = crate::env::int("YIELD_US").unwrap_or(if oversubscribed { 200 } else { 0 });
         let huge_pages_from = if crate::env::flag("SHM_HUGEPAGES") == Some(false) {
             None
         } else {
@@ -179,6 +178,7 @@ impl Comm {
                 .unwrap_or(Duration::from_secs(60)),
             cache: Mutex::new(Default::default()),
             spin: Duration::from_micros(spin_us.max(0) as u64),
+            yield_for: Duration::from_micros(yield_us.max(0) as u64),
             links,
             huge_pages_from,
         };

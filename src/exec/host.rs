@@ -56,6 +56,10 @@ pub struct Wiring {
     pub cache: Mutex<ExecCache>,
     /// Spin this long before sleeping on the doorbell.
     pub spin: Duration,
+    /// Then give the core away (sched_yield) for this long before sleeping: with more ranks
+    /// than cores the rank we wait for is often runnable, and yielding hands it our core
+    /// without a futex round trip.
+    pub yield_for: Duration,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
     pub huge_pages_from: Option<usize>,
@@ -805,6 +809,11 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
         if idle < execs[0].wiring.spin {
+            continue;
+        }
+        if idle < execs[0].wiring.spin + execs[0].wiring.yield_for {
+            std::thread::yield_now();
+            spins = spins.wrapping_add(63);
             continue;
         }
         if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {

@@ -234,6 +234,9 @@ impl Segment {
     /// The owner must look for work once more afterwards, then call `sleep` or `cancel_sleep`.
     pub fn prepare_sleep(&self) -> u32 {
         self.sleepers().fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in ring(): the owner's next look for work cannot move before the
+        // announcement (on x86 the locked add already is a full barrier).
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.doorbell().load(Ordering::SeqCst)
     }
 
