@@ -203,6 +203,48 @@ pub const KNOBS: &[Knob] = &[
         default: "",
         doc: "extra text mixed into the host identity",
     },
+    Knob {
+        name: "YIELD_US",
+        nccl: false,
+        default: "0",
+        doc: "microseconds to yield the core before sleeping (200 when ranks outnumber cores)",
+    },
+    Knob {
+        name: "SHM_HUGEPAGES",
+        nccl: false,
+        default: "1",
+        doc: "move large buffers onto huge pages before other processes copy them",
+    },
+    Knob {
+        name: "SHM_HUGEPAGES_FROM",
+        nccl: false,
+        default: "4194304",
+        doc: "smallest buffer moved onto huge pages",
+    },
+    Knob {
+        name: "DEVICE",
+        nccl: false,
+        default: "1",
+        doc: "0 keeps every communicator on host memory",
+    },
+    Knob {
+        name: "DEVICE_SLOT_BYTES",
+        nccl: false,
+        default: "8388608",
+        doc: "device message slot size",
+    },
+    Knob {
+        name: "DEVICE_ONESHOT_MAX",
+        nccl: false,
+        default: "262144",
+        doc: "largest device all-reduce done one-shot",
+    },
+    Knob {
+        name: "DEVICE_TWOSHOT_MAX",
+        nccl: false,
+        default: "67108864",
+        doc: "largest device all-reduce done two-shot",
+    },
 ];
 
 pub fn knob(key: &str) -> Option<&'static Knob> {

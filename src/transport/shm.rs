@@ -300,14 +300,18 @@ impl ShmPeer {
     fn read_header(&self, seq: u64) -> SlotHeader {
         // SAFETY: the header lies inside our segment after the slot's number; the sender wrote
         // it before publishing that number with Release, which we read with Acquire.
-        unsafe { (self.local.slot(self.peer, seq).add(SLOT_FIELDS) as *const SlotHeader).read_unaligned() }
+        unsafe {
+            (self.local.slot(self.peer, seq).add(SLOT_FIELDS) as *const SlotHeader).read_unaligned()
+        }
     }
 
     fn write_header(&self, seq: u64, h: &SlotHeader) {
         // SAFETY: the header lies inside the peer's segment after the slot's number; the slot is
         // free (head - tail < nslots), and the receiver reads the header only once we publish
         // the number.
-        unsafe { (self.remote.slot(self.me, seq).add(SLOT_FIELDS) as *mut SlotHeader).write_unaligned(*h) }
+        unsafe {
+            (self.remote.slot(self.me, seq).add(SLOT_FIELDS) as *mut SlotHeader).write_unaligned(*h)
+        }
     }
 
     /// Moves up to PULL_BUDGET bytes of a pulled message into the sink.
@@ -438,7 +442,9 @@ impl Transport for ShmPeer {
                 });
             }
             self.write_header(head, &header(KIND_PULL, 0, msg.len));
-            self.remote.slot_number(self.me, head).store(head + 1, Ordering::Release);
+            self.remote
+                .slot_number(self.me, head)
+                .store(head + 1, Ordering::Release);
             head_ref.store(head + 1, Ordering::Relaxed);
             self.remote.ring();
             cur.started = true;
@@ -466,7 +472,9 @@ impl Transport for ShmPeer {
             unsafe {
                 std::ptr::copy_nonoverlapping(msg.src.add(cur.sent), slot.add(SLOT_HEADER), n)
             };
-            self.remote.slot_number(self.me, head).store(head + 1, Ordering::Release);
+            self.remote
+                .slot_number(self.me, head)
+                .store(head + 1, Ordering::Release);
             head += 1;
             head_ref.store(head, Ordering::Relaxed);
             cur.sent += n;
@@ -510,7 +518,12 @@ impl Transport for ShmPeer {
                 return Ok(Progress { state: true, moved });
             }
             let tail = tail_ref.load(Ordering::Relaxed);
-            if self.local.slot_number(self.peer, tail).load(Ordering::Acquire) != tail + 1 {
+            if self
+                .local
+                .slot_number(self.peer, tail)
+                .load(Ordering::Acquire)
+                != tail + 1
+            {
                 break;
             }
             let h = self.read_header(tail);
