@@ -6,6 +6,7 @@ mod common;
 
 use comm::ffi::types::*;
 use comm::ffi::*;
+use common::cases::*;
 use common::values::*;
 use common::*;
 use std::os::raw::c_void;
@@ -40,35 +41,6 @@ impl Buf {
         self.bytes[..GUARD].iter().all(|&b| b == CANARY)
             && self.bytes[GUARD + self.len..].iter().all(|&b| b == CANARY)
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Coll {
-    AllReduce,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    AlltoAll,
-    Gather,
-    Scatter,
-    SendRecv,
-}
-
-const COLLS: [Coll; 9] = [
-    Coll::AllReduce,
-    Coll::Broadcast,
-    Coll::Reduce,
-    Coll::AllGather,
-    Coll::ReduceScatter,
-    Coll::AlltoAll,
-    Coll::Gather,
-    Coll::Scatter,
-    Coll::SendRecv,
-];
-
-fn reduces(c: Coll) -> bool {
-    matches!(c, Coll::AllReduce | Coll::Reduce | Coll::ReduceScatter)
 }
 
 struct Ctx {
@@ -112,28 +84,15 @@ fn run_case(
 ) -> Result<(), String> {
     let (rank, n) = (ctx.rank, ctx.n);
     let es = size_of(dt);
-    let root = (count + 1) % n;
+    let root = root_for(count, n);
     let what =
         format!("{coll:?} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}");
-    let val = |r: usize, j: usize| {
-        if reduces(coll) {
-            input(dt, op, r, j)
-        } else {
-            payload(dt, r, j)
-        }
-    };
-    let fill = |b: &mut [u8], r: usize, base: usize| {
+    let fill = |b: &mut [u8], r: usize| {
         for (j, e) in b.chunks_exact_mut(es).enumerate() {
-            encode(dt, val(r, base + j), e);
+            encode(dt, contribution(coll, dt, op, r, j), e);
         }
     };
-    // Elements in the send and receive buffers of this rank.
-    let (send_elems, recv_elems) = match coll {
-        Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => (count, count),
-        Coll::AllGather | Coll::Gather => (count, count * n),
-        Coll::ReduceScatter | Coll::Scatter => (count * n, count),
-        Coll::AlltoAll => (count * n, count * n),
-    };
+    let (send_elems, recv_elems) = elems(coll, count, n);
     let mut scalar_store = [0u8; 8];
     let redop = if reduces(coll) {
         make_op(ctx, dt, op, count % 2 == 1, &mut scalar_store)?
@@ -147,21 +106,15 @@ fn run_case(
     let (sendp, recvp): (*const c_void, *mut c_void);
     if in_place {
         let base = big.ptr() as *mut u8;
-        let (soff, roff) = match coll {
-            Coll::AllGather => (rank * count * es, 0),
-            Coll::Gather if rank == root => (root * count * es, 0),
-            Coll::ReduceScatter => (0, rank * count * es),
-            Coll::Scatter if rank == root => (0, root * count * es),
-            _ => (0, 0),
-        };
+        let (soff, roff) = in_place_offsets(coll, rank, root, count, es);
         let s = unsafe { std::slice::from_raw_parts_mut(base.add(soff), send_elems * es) };
         if !(matches!(coll, Coll::Scatter) && rank != root) {
-            fill(s, rank, 0);
+            fill(s, rank);
         }
         sendp = unsafe { base.add(soff) } as *const c_void;
         recvp = unsafe { base.add(roff) } as *mut c_void;
     } else {
-        fill(send_buf.data_mut(), rank, 0);
+        fill(send_buf.data_mut(), rank);
         sendp = send_buf.ptr();
         recvp = recv_buf.ptr();
     }
@@ -222,28 +175,7 @@ fn run_case(
     } else {
         recv_buf.data()
     };
-    let all = |j: usize| (0..n).map(|r| val(r, j)).collect::<Vec<f64>>();
-    match coll {
-        Coll::AllReduce => check(dt, op, n, &what, out, |i| reduce(dt, op, &all(i))),
-        Coll::Broadcast => check(dt, op, n, &what, out, |i| val(root, i)),
-        Coll::Reduce if rank == root => check(dt, op, n, &what, out, |i| reduce(dt, op, &all(i))),
-        Coll::Reduce => Ok(()),
-        Coll::AllGather => check(dt, op, n, &what, out, |i| {
-            val(i / count.max(1), i % count.max(1))
-        }),
-        Coll::ReduceScatter => check(dt, op, n, &what, out, |i| {
-            reduce(dt, op, &all(rank * count + i))
-        }),
-        Coll::AlltoAll => check(dt, op, n, &what, out, |i| {
-            val(i / count.max(1), rank * count + i % count.max(1))
-        }),
-        Coll::Gather if rank == root => check(dt, op, n, &what, out, |i| {
-            val(i / count.max(1), i % count.max(1))
-        }),
-        Coll::Gather => Ok(()),
-        Coll::Scatter => check(dt, op, n, &what, out, |i| val(root, rank * count + i)),
-        Coll::SendRecv => check(dt, op, n, &what, out, |i| val((rank + n - 1) % n, i)),
-    }
+    verify(coll, dt, op, rank, n, count, &what, out)
 }
 
 /// The whole matrix on one communicator. `level` "full" adds 1 MiB + 3 elements (sum and the

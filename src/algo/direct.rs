@@ -11,13 +11,7 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
-        s.push(Step::Local {
-            dst: Region::new(Buf::Recv, 0, bytes),
-            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
-            b: None,
-            last: true,
-        });
-        return s;
+        return Schedule::local_copy(bytes);
     }
     s.scratch = bytes;
     for input in shape.slices(Buf::Send, 0, bytes) {

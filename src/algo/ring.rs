@@ -10,13 +10,7 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, e) = (shape.nranks, shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
-        s.push(Step::Local {
-            dst: Region::new(Buf::Recv, 0, count * e),
-            a: Operand::input(Region::new(Buf::Send, 0, count * e)),
-            b: None,
-            last: true,
-        });
-        return s;
+        return Schedule::local_copy(count * e);
     }
     let chunks = partition(count, n);
     let chunk = |buf, c: usize| shape.slices(buf, chunks[c].0 * e, chunks[c].1 * e);
@@ -102,13 +96,7 @@ pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
-        s.push(Step::Local {
-            dst: Region::new(Buf::Recv, 0, bytes),
-            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
-            b: None,
-            last: true,
-        });
-        return s;
+        return Schedule::local_copy(bytes);
     }
     s.scratch = 2 * bytes;
     let scratch = |step: usize| Region::new(Buf::Scratch, (step % 2) * bytes, bytes);
@@ -192,13 +180,7 @@ pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
-        s.push(Step::Local {
-            dst: Region::new(Buf::Recv, 0, bytes),
-            a: Operand::input(Region::new(Buf::Send, 0, bytes)),
-            b: None,
-            last: true,
-        });
-        return s;
+        return Schedule::local_copy(bytes);
     }
     // Position along the chain: root+1 is first, the root is last.
     let pos = (shape.rank + n - root - 1) % n;

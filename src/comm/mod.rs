@@ -348,18 +348,16 @@ impl Comm {
             .collect();
         members.sort();
         let members: Vec<usize> = members.into_iter().map(|m| m.1).collect();
-        let boot = self
-            .boot
-            .sub(&members, tag, crate::bootstrap::init_timeout())?;
+        self.child(&members, tag, config).map(Some)
+    }
+
+    /// A communicator of `members` (ranks of this one, in their new order) under `tag`; the
+    /// config is this communicator's unless one is given.
+    fn child(&self, members: &[usize], tag: u64, config: Option<Config>) -> Result<Comm> {
+        let timeout = crate::bootstrap::init_timeout();
+        let boot = self.boot.sub(members, tag, timeout)?;
         let config = config.unwrap_or_else(|| self.config.clone());
-        Comm::establish(
-            boot,
-            config,
-            tag,
-            self.cuda_device,
-            crate::bootstrap::init_timeout(),
-        )
-        .map(Some)
+        Comm::establish(boot, config, tag, self.cuda_device, timeout)
     }
 
     /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the
@@ -383,17 +381,7 @@ impl Comm {
         let mut sorted = exclude.to_vec();
         sorted.sort_unstable();
         let tag = self.child_tag("shrink", hash_tag(&sorted) as i64);
-        let boot = self
-            .boot
-            .sub(&members, tag, crate::bootstrap::init_timeout())?;
-        let config = config.unwrap_or_else(|| self.config.clone());
-        Comm::establish(
-            boot,
-            config,
-            tag,
-            self.cuda_device,
-            crate::bootstrap::init_timeout(),
-        )
+        self.child(&members, tag, config)
     }
 
     /// ncclCommGrow for an existing rank: whoever holds the id shares it, then every rank (old

@@ -8,25 +8,12 @@ use crate::ffi::types::{ncclConfig_t, NCCL_API_MAGIC};
 use std::ffi::CStr;
 use std::os::raw::c_char;
 
-/// # Safety
-/// `ptr` is null or points to at least `size_of::<usize>()` readable bytes, followed by as many
-/// as the struct's own `size` field says.
-pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
-    if ptr.is_null() {
-        return Ok(None);
-    }
-    let size = std::ptr::read_unaligned(ptr as *const usize);
-    let min = std::mem::offset_of!(ncclConfig_t, blocking);
-    if size < min + 4 {
-        return crate::invalid_arg!(
-            "config->size is {size}: not an ncclConfig_t initialized with NCCL_CONFIG_INITIALIZER"
-        );
-    }
-    // Start from an initializer and copy what the caller's struct has of ours.
-    let mut c = ncclConfig_t {
+/// What NCCL_CONFIG_INITIALIZER produces: every field unset, stamped with `version`.
+fn initializer(version: u32) -> ncclConfig_t {
+    ncclConfig_t {
         size: std::mem::size_of::<ncclConfig_t>(),
         magic: NCCL_API_MAGIC,
-        version: 0,
+        version,
         blocking: UNDEF_INT,
         cgaClusterSize: UNDEF_INT,
         minCTAs: UNDEF_INT,
@@ -45,7 +32,25 @@ pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
         numRmaCtx: UNDEF_INT,
         maxP2pPeers: UNDEF_INT,
         graphStreamOrdering: UNDEF_INT,
-    };
+    }
+}
+
+/// # Safety
+/// `ptr` is null or points to at least `size_of::<usize>()` readable bytes, followed by as many
+/// as the struct's own `size` field says.
+pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    let size = std::ptr::read_unaligned(ptr as *const usize);
+    let min = std::mem::offset_of!(ncclConfig_t, blocking);
+    if size < min + 4 {
+        return crate::invalid_arg!(
+            "config->size is {size}: not an ncclConfig_t initialized with NCCL_CONFIG_INITIALIZER"
+        );
+    }
+    // Start from an initializer and copy what the caller's struct has of ours.
+    let mut c = initializer(0);
     let n = size.min(std::mem::size_of::<ncclConfig_t>());
     std::ptr::copy_nonoverlapping(ptr as *const u8, &mut c as *mut ncclConfig_t as *mut u8, n);
     if c.magic != NCCL_API_MAGIC {
@@ -97,29 +102,7 @@ mod tests {
     use super::*;
 
     fn initializer() -> ncclConfig_t {
-        ncclConfig_t {
-            size: std::mem::size_of::<ncclConfig_t>(),
-            magic: NCCL_API_MAGIC,
-            version: 23007,
-            blocking: UNDEF_INT,
-            cgaClusterSize: UNDEF_INT,
-            minCTAs: UNDEF_INT,
-            maxCTAs: UNDEF_INT,
-            netName: std::ptr::null(),
-            splitShare: UNDEF_INT,
-            trafficClass: UNDEF_INT,
-            commName: std::ptr::null(),
-            collnetEnable: UNDEF_INT,
-            CTAPolicy: UNDEF_INT,
-            shrinkShare: UNDEF_INT,
-            nvlsCTAs: UNDEF_INT,
-            nChannelsPerNetPeer: UNDEF_INT,
-            nvlinkCentricSched: UNDEF_INT,
-            graphUsageMode: UNDEF_INT,
-            numRmaCtx: UNDEF_INT,
-            maxP2pPeers: UNDEF_INT,
-            graphStreamOrdering: UNDEF_INT,
-        }
+        super::initializer(23007)
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! re-executes itself) or as threads (ncclCommInitAll), datatypes as test values, and checks.
 #![allow(dead_code)]
 
+pub mod cases;
 pub mod values;
 
 use comm::ffi::types::*;

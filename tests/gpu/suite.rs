@@ -12,6 +12,11 @@
 #[allow(dead_code)]
 mod values;
 
+#[path = "../common/cases.rs"]
+#[allow(dead_code)]
+mod cases;
+
+use cases::*;
 use comm::cuda::{self, Device};
 use comm::ffi::types::*;
 use comm::ffi::*;
@@ -43,35 +48,6 @@ macro_rules! nccl {
             ));
         }
     }};
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Coll {
-    AllReduce,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    AlltoAll,
-    Gather,
-    Scatter,
-    SendRecv,
-}
-
-const COLLS: [Coll; 9] = [
-    Coll::AllReduce,
-    Coll::Broadcast,
-    Coll::Reduce,
-    Coll::AllGather,
-    Coll::ReduceScatter,
-    Coll::AlltoAll,
-    Coll::Gather,
-    Coll::Scatter,
-    Coll::SendRecv,
-];
-
-fn reduces(c: Coll) -> bool {
-    matches!(c, Coll::AllReduce | Coll::Reduce | Coll::ReduceScatter)
 }
 
 /// Device memory from ncclMemAlloc, freed on drop.
@@ -116,36 +92,18 @@ impl Rank {
     ) -> Result<(), String> {
         let (rank, n) = (self.rank, self.n);
         let es = size_of(dt);
-        let root = (count + 1) % n;
+        let root = root_for(count, n);
         let what = format!(
             "{coll:?} {} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}",
             name_of(dt)
         );
-        let val = |r: usize, j: usize| {
-            if reduces(coll) {
-                input(dt, op, r, j)
-            } else {
-                payload(dt, r, j)
-            }
-        };
-        let (send_elems, recv_elems) = match coll {
-            Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => (count, count),
-            Coll::AllGather | Coll::Gather => (count, count * n),
-            Coll::ReduceScatter | Coll::Scatter => (count * n, count),
-            Coll::AlltoAll => (count * n, count * n),
-        };
+        let (send_elems, recv_elems) = elems(coll, count, n);
         let (send_bytes, recv_bytes) = (send_elems * es, recv_elems * es);
         if send_bytes.max(recv_bytes) > self.a.len {
             return Ok(());
         }
         let (soff, roff) = if in_place {
-            match coll {
-                Coll::AllGather => (rank * count * es, 0),
-                Coll::Gather if rank == root => (root * count * es, 0),
-                Coll::ReduceScatter => (0, rank * count * es),
-                Coll::Scatter if rank == root => (0, root * count * es),
-                _ => (0, 0),
-            }
+            in_place_offsets(coll, rank, root, count, es)
         } else {
             (0, 0)
         };
@@ -157,7 +115,7 @@ impl Rank {
         };
         let mut host = vec![0u8; send_bytes];
         for (j, e) in host.chunks_exact_mut(es).enumerate() {
-            encode(dt, val(rank, j), e);
+            encode(dt, contribution(coll, dt, op, rank, j), e);
         }
         cuda::copy_to_device(&self.device, sendp, &host).map_err(|e| e.msg)?;
         let mut scalar_bytes = [0u8; 8];
@@ -198,31 +156,12 @@ impl Rank {
         if redop >= 5 {
             nccl!(ncclRedOpDestroy(redop, c));
         }
-        let skip = matches!(coll, Coll::Reduce | Coll::Gather) && rank != root;
-        if skip {
+        if !has_output(coll, rank, root) {
             return Ok(());
         }
         let mut out = vec![0u8; recv_bytes];
         cuda::copy_from_device(&self.device, &mut out, recvp).map_err(|e| e.msg)?;
-        let all = |j: usize| (0..n).map(|r| val(r, j)).collect::<Vec<f64>>();
-        let cnt = count.max(1);
-        match coll {
-            Coll::AllReduce | Coll::Reduce => {
-                check(dt, op, n, &what, &out, |i| reduce(dt, op, &all(i)))
-            }
-            Coll::Broadcast => check(dt, op, n, &what, &out, |i| val(root, i)),
-            Coll::AllGather | Coll::Gather => {
-                check(dt, op, n, &what, &out, |i| val(i / cnt, i % cnt))
-            }
-            Coll::ReduceScatter => check(dt, op, n, &what, &out, |i| {
-                reduce(dt, op, &all(rank * count + i))
-            }),
-            Coll::AlltoAll => check(dt, op, n, &what, &out, |i| {
-                val(i / cnt, rank * count + i % cnt)
-            }),
-            Coll::Scatter => check(dt, op, n, &what, &out, |i| val(root, rank * count + i)),
-            Coll::SendRecv => check(dt, op, n, &what, &out, |i| val((rank + n - 1) % n, i)),
-        }
+        verify(coll, dt, op, rank, n, count, &what, &out)
     }
 
     /// Every collective x datatype x op; the largest sizes for float sums only.
