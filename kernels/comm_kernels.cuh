@@ -24,6 +24,10 @@ typedef struct {
   int nsrc;                                   /* 1..COMM_MAX_SOURCES; 1 is a (scaled) copy */
   unsigned long long count;                   /* elements */
   unsigned long long divide_by;               /* 0, or divide every result by it (averages) */
+  /* Per source: null, or a descriptor cell read at the start of the launch; when the cell holds a
+   * non-zero address, the source is read from there instead of src[i] (a peer's message in its
+   * registered buffer rather than in the slot it would have been staged into). */
+  const unsigned long long *via[COMM_MAX_SOURCES];
 } ReduceArgs;
 
 /* Every reduce kernel, as X(dtype, op). Bitwise ops exist for the integer types only. The Rust

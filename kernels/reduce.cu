@@ -136,11 +136,22 @@ __device__ __forceinline__ void fold_items(const ReduceArgs &args, unsigned long
   }
 }
 
-template <class D, class Op> __device__ __forceinline__ void reduce(const ReduceArgs &args) {
+// Sources with a descriptor cell are read wherever the cell points (when it is set). The cells
+// were written before the flag the stream waited on ahead of this launch, so every thread reads
+// the same value.
+__device__ __forceinline__ void resolve_sources(ReduceArgs &args) {
+  for (int s = 0; s < args.nsrc; ++s) {
+    if (args.via[s] != nullptr) {
+      const unsigned long long at = *static_cast<const volatile unsigned long long *>(args.via[s]);
+      if (at != 0) args.src[s] = reinterpret_cast<const void *>(at);
+    }
+  }
+}
+
+template <class D, class Op> __device__ __forceinline__ void reduce_resolved(const ReduceArgs &args) {
   typedef typename D::Bits T;
   const unsigned long long count = args.count;
   const int nsrc = args.nsrc;
-  if (count == 0 || nsrc < 1 || nsrc > COMM_MAX_SOURCES) return;
 
   const unsigned misalign = (unsigned)(reinterpret_cast<uintptr_t>(args.dst) & 15u);
   bool together = true;
@@ -159,6 +170,21 @@ template <class D, class Op> __device__ __forceinline__ void reduce(const Reduce
   }
   fold_items<D, Op, T, kScalarsPerThread>(args, head + (count - body_end), head, 0,
                                           body_end * sizeof(T));
+}
+
+// Launches without descriptors (all but receives from peers that may send in place) read the
+// parameters where they are; the others work on a copy with the sources resolved.
+template <class D, class Op> __device__ __forceinline__ void reduce(const ReduceArgs &args) {
+  if (args.count == 0 || args.nsrc < 1 || args.nsrc > COMM_MAX_SOURCES) return;
+  bool described = false;
+  for (int s = 0; s < args.nsrc; ++s) described |= args.via[s] != nullptr;
+  if (!described) {
+    reduce_resolved<D, Op>(args);
+    return;
+  }
+  ReduceArgs copy = args;
+  resolve_sources(copy);
+  reduce_resolved<D, Op>(copy);
 }
 
 } // namespace comm

@@ -425,7 +425,7 @@ impl Comm {
     /// Turns a group's validated device calls into one program on their stream.
     pub fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
         use crate::cuda::Stream;
-        use crate::exec::device::{compile, enqueue, DeviceOp, OpBuffers, SLOTS};
+        use crate::exec::device::{compile, enqueue, DeviceOp, Links, OpBuffers, SLOTS};
         let world = self.device.as_ref().ok_or_else(|| {
             crate::error::Error::new(
                 crate::error::ErrorKind::Internal,
@@ -471,7 +471,16 @@ impl Comm {
                 scratch: scratch_base + *off as u64,
             })
             .collect();
-        let prog = compile(&ops, self.rank, self.nranks, SLOTS, world.slot_bytes)?;
+        let links = Links::staged(self.nranks);
+        let prog = compile(
+            &ops,
+            &bufs,
+            self.rank,
+            self.nranks,
+            SLOTS,
+            world.slot_bytes,
+            &links,
+        )?;
         let capturing = stream.capturing();
         let mut order = self.device_order.lock();
         if !capturing {

@@ -64,6 +64,9 @@ pub struct ReduceArgs {
     pub count: u64,
     /// 0, or divide every result by this (the end of an integer average; truncates toward 0).
     pub divide_by: u64,
+    /// Per source: null, or a device descriptor cell; a non-zero value in it replaces `src[i]`
+    /// (a peer's message read in place from its registered buffer).
+    pub via: [*const u64; MAX_SOURCES],
 }
 
 impl Default for ReduceArgs {
@@ -76,6 +79,7 @@ impl Default for ReduceArgs {
             nsrc: 0,
             count: 0,
             divide_by: 0,
+            via: [std::ptr::null(); MAX_SOURCES],
         }
     }
 }
@@ -99,6 +103,7 @@ const _: () = {
     assert!(offset_of!(ReduceArgs, nsrc) == c_layout::NSRC);
     assert!(offset_of!(ReduceArgs, count) == c_layout::COUNT);
     assert!(offset_of!(ReduceArgs, divide_by) == c_layout::DIVIDE_BY);
+    assert!(offset_of!(ReduceArgs, via) == c_layout::VIA);
 };
 
 /// Keeps the embedded image 64-byte aligned: the driver parses it in place.

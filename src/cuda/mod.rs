@@ -437,6 +437,16 @@ impl Stream {
         )
     }
 
+    /// Stores a 64-bit `value` at `addr` once everything before it on the stream is done and
+    /// visible (a message descriptor; the flag raised after it orders it for the reader).
+    pub fn set_u64(self, addr: u64, value: u64) -> Result<()> {
+        // SAFETY: addr is an 8-byte aligned cell in device memory (local or mapped peer).
+        check(
+            unsafe { cu::cuStreamWriteValue64_v2(self.raw(), addr, value, 0) },
+            "cuStreamWriteValue64",
+        )
+    }
+
     /// Holds the stream until the flag at `addr` equals `value`.
     pub fn wait_flag(self, addr: u64, value: u32) -> Result<()> {
         // SAFETY: addr is a 4-byte flag in this device's memory.

@@ -19,6 +19,17 @@
 //! reads the slot across the peer mapping (copying it, or combining it with its own data in a
 //! reduction kernel) and raises the sender's Empty flag. Steps run strictly in list order, which
 //! the algorithms make safe (see `algo::interleave` and the bounded simulation in algo tests).
+//!
+//! Registered buffers skip the staging copy. Once a receiver has mapped some registered buffer of
+//! a sender, the pair switches to *described* messages (see `transport::reg` for how both sides
+//! agree on the program from which on): with every message the sender stores a descriptor,
+//! `Desc[from][slot]` in the receiver's area, before it raises Full. The descriptor is the
+//! address, in the receiver's mapping, of the sender's own buffer when the bytes sit in a
+//! registered buffer that nothing later in the program overwrites, and 0 when they were staged
+//! into the slot as usual. The receiver's kernels read the descriptor and take the bytes from
+//! wherever it points. A sender whose message was read in place waits, at the end of its
+//! program, for the receiver's Empty flag of that message, so the caller's buffer is not reused
+//! before the peer has read it.
 
 use super::host::Reduction;
 use crate::algo::{Buf, Collective, Operand, Region, Schedule, Step};
@@ -41,6 +52,26 @@ pub enum Loc {
         slot: usize,
         offset: usize,
     },
+    /// The message `from` sent `to` through slot `slot`, wherever its descriptor
+    /// (`Desc { owner: to, from, slot }`) says it is: in the sender's registered buffer, or in
+    /// that slot. Only read, and only by `to`.
+    Message { from: usize, to: usize, slot: usize },
+}
+
+/// A 64-bit descriptor cell in rank `owner`'s area: where the message `from` sent it through
+/// slot `slot` can be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc {
+    pub owner: usize,
+    pub from: usize,
+    pub slot: usize,
+}
+
+impl Desc {
+    /// Index of the cell among its owner's descriptor cells.
+    pub fn index(&self, slots: usize) -> usize {
+        self.from * slots + self.slot
+    }
 }
 
 /// A 32-bit flag in some rank's signal area.
@@ -106,6 +137,36 @@ pub enum DevOp {
     Set { flag: Flag, value: u32 },
     /// Holds the stream until a flag (in this rank's own area) equals `value`.
     Wait { flag: Flag, value: u32 },
+    /// Stores a message's descriptor in the receiver's area (before the Full flag that
+    /// announces the message). `direct` is None for a message staged in its slot; otherwise the
+    /// sender's own bytes (for the CPU model) and the address at which the receiver reads them.
+    Describe {
+        desc: Desc,
+        len: usize,
+        direct: Option<(Loc, u64)>,
+    },
+}
+
+/// How the messages of one program travel between this rank and each peer.
+pub struct Links<'a> {
+    /// Per peer: every message to it carries a descriptor (the peer reads through them).
+    pub describe_to: Vec<bool>,
+    /// Per peer: every message from it is read through its descriptor.
+    pub described_from: Vec<bool>,
+    /// Where `peer` reads `len` bytes of this rank's memory at `addr` in place (registered
+    /// memory the peer has mapped), if it can.
+    pub peer_view: &'a dyn Fn(usize, u64, usize) -> Option<u64>,
+}
+
+impl Links<'static> {
+    /// Every message staged through the slots: no registered buffers anywhere.
+    pub fn staged(nranks: usize) -> Links<'static> {
+        Links {
+            describe_to: vec![false; nranks],
+            described_from: vec![false; nranks],
+            peer_view: &|_, _, _| None,
+        }
+    }
 }
 
 /// One operation of a group, ready to compile.
@@ -116,19 +177,32 @@ pub struct DeviceOp {
     pub elem: usize,
 }
 
-/// Compiles a group's operations into one program for `rank` of `nranks`. Messages must fit a
-/// slot (the caller slices schedules with `slice_bytes <= slot_bytes`).
+/// Compiles a group's operations, whose buffers are `bufs`, into one program for `rank` of
+/// `nranks`. Messages must fit a slot (the caller slices schedules with
+/// `slice_bytes <= slot_bytes`).
+#[allow(clippy::too_many_arguments)]
 pub fn compile(
     ops: &[DeviceOp],
+    bufs: &[OpBuffers],
     rank: usize,
     nranks: usize,
     slots: usize,
     slot_bytes: usize,
+    links: &Links,
 ) -> Result<Vec<DevOp>> {
+    let steps = order(ops);
+    let addr = |op: usize, r: Region| bufs[op].base(r.buf) + r.offset as u64;
+    let overwritten = if links.describe_to.iter().any(|&d| d) {
+        overwritten_later(ops, &steps, &addr)
+    } else {
+        Vec::new()
+    };
     let mut prog = Vec::new();
     let mut sent = vec![0usize; nranks];
     let mut received = vec![0usize; nranks];
-    for (op, i) in order(ops) {
+    // Per peer and slot: whether the last message through it is read in place.
+    let mut read_in_place = vec![vec![false; slots]; nranks];
+    for (k, &(op, i)) in steps.iter().enumerate() {
         let o = &ops[op];
         let step = o.schedule.steps[i];
         let loc = |r: Region| Loc::Buf {
@@ -163,12 +237,6 @@ pub fn compile(
                     to: peer,
                     slot,
                 };
-                let dst = Loc::Slot {
-                    owner: rank,
-                    to: peer,
-                    slot,
-                    offset: 0,
-                };
                 prog.push(DevOp::Wait {
                     flag: empty,
                     value: 1,
@@ -178,20 +246,51 @@ pub fn compile(
                     value: 0,
                 });
                 let s = source(src);
-                match (s.scale, o.reduction) {
-                    (Some(_), Some(red)) => prog.push(DevOp::Reduce {
-                        dst,
-                        srcs: vec![s],
-                        count: len / o.elem,
-                        reducer: red.reducer,
-                        divide_by: None,
-                    }),
-                    _ => prog.push(DevOp::Copy {
-                        dst,
-                        src: s.loc,
-                        len,
-                    }),
+                // In place: the receiver reads the caller's (registered) bytes, so they must be
+                // final (unscaled) and stay as they are until the end of the program.
+                let direct = if links.describe_to[peer]
+                    && s.scale.is_none()
+                    && src.region.buf != Buf::Scratch
+                    && !overwritten[k]
+                {
+                    (links.peer_view)(peer, addr(op, src.region), len).map(|at| (s.loc, at))
+                } else {
+                    None
+                };
+                if direct.is_none() {
+                    let dst = Loc::Slot {
+                        owner: rank,
+                        to: peer,
+                        slot,
+                        offset: 0,
+                    };
+                    match (s.scale, o.reduction) {
+                        (Some(_), Some(red)) => prog.push(DevOp::Reduce {
+                            dst,
+                            srcs: vec![s],
+                            count: len / o.elem,
+                            reducer: red.reducer,
+                            divide_by: None,
+                        }),
+                        _ => prog.push(DevOp::Copy {
+                            dst,
+                            src: s.loc,
+                            len,
+                        }),
+                    }
                 }
+                if links.describe_to[peer] {
+                    prog.push(DevOp::Describe {
+                        desc: Desc {
+                            owner: peer,
+                            from: rank,
+                            slot,
+                        },
+                        len,
+                        direct,
+                    });
+                }
+                read_in_place[peer][slot] = direct.is_some();
                 prog.push(DevOp::Set {
                     flag: Flag::Full {
                         owner: peer,
@@ -229,11 +328,19 @@ pub fn compile(
                     value: 0,
                 });
                 let msg = Source {
-                    loc: Loc::Slot {
-                        owner: peer,
-                        to: rank,
-                        slot,
-                        offset: 0,
+                    loc: if links.described_from[peer] {
+                        Loc::Message {
+                            from: peer,
+                            to: rank,
+                            slot,
+                        }
+                    } else {
+                        Loc::Slot {
+                            owner: peer,
+                            to: rank,
+                            slot,
+                            offset: 0,
+                        }
                     },
                     scale: None,
                 };
@@ -307,7 +414,73 @@ pub fn compile(
             }
         }
     }
+    // The program is done only once every peer has read what it reads in place.
+    for (peer, per_slot) in read_in_place.iter().enumerate() {
+        for (slot, _) in per_slot.iter().enumerate().filter(|(_, &r)| r) {
+            prog.push(DevOp::Wait {
+                flag: Flag::Empty {
+                    owner: rank,
+                    to: peer,
+                    slot,
+                },
+                value: 1,
+            });
+        }
+    }
     Ok(prog)
+}
+
+/// For each step of `steps` (program order): whether a later step writes any byte it sends.
+fn overwritten_later(
+    ops: &[DeviceOp],
+    steps: &[(usize, usize)],
+    addr: &dyn Fn(usize, Region) -> u64,
+) -> Vec<bool> {
+    let mut later = Intervals::default();
+    let mut out = vec![false; steps.len()];
+    for (k, &(op, i)) in steps.iter().enumerate().rev() {
+        match ops[op].schedule.steps[i] {
+            Step::Send { src, .. } => {
+                out[k] = later.overlaps(addr(op, src.region), src.region.len as u64)
+            }
+            Step::Recv { dst, .. } | Step::Local { dst, .. } => {
+                later.insert(addr(op, dst), dst.len as u64)
+            }
+        }
+    }
+    out
+}
+
+/// A union of byte ranges, kept as disjoint `start -> end` entries.
+#[derive(Default)]
+struct Intervals(std::collections::BTreeMap<u64, u64>);
+
+impl Intervals {
+    fn insert(&mut self, start: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let (mut lo, mut hi) = (start, start + len);
+        // Absorb every range that touches [lo, hi).
+        while let Some((&s, &e)) = self.0.range(..=hi).next_back() {
+            if e < lo {
+                break;
+            }
+            self.0.remove(&s);
+            lo = lo.min(s);
+            hi = hi.max(e);
+        }
+        self.0.insert(lo, hi);
+    }
+
+    fn overlaps(&self, start: u64, len: u64) -> bool {
+        len > 0
+            && self
+                .0
+                .range(..start + len)
+                .next_back()
+                .is_some_and(|(_, &e)| e > start)
+    }
 }
 
 /// The order in which a group's steps run on the stream: collectives one after another in
@@ -360,6 +533,16 @@ pub struct OpBuffers {
     pub scratch: u64,
 }
 
+impl OpBuffers {
+    pub fn base(&self, buf: Buf) -> u64 {
+        match buf {
+            Buf::Send => self.send,
+            Buf::Recv => self.recv,
+            Buf::Scratch => self.scratch,
+        }
+    }
+}
+
 /// Enqueues a compiled program on `stream`. Nothing waits on the host: the program's own flag
 /// waits hold the stream until the peers' programs have done their part.
 pub fn enqueue(
@@ -368,26 +551,58 @@ pub fn enqueue(
     bufs: &[OpBuffers],
     stream: crate::cuda::Stream,
 ) -> Result<()> {
-    let addr = |loc: Loc| -> Result<u64> {
+    use crate::cuda::kernels::{reduce_kernel_name, ReduceArgs, MAX_SOURCES};
+    use crate::reduce::DataType;
+    // A location's address, and the descriptor cell to read first when it is a message that
+    // may sit in the sender's registered buffer.
+    let resolve = |loc: Loc| -> Result<(u64, u64)> {
         match loc {
-            Loc::Buf { op, buf, offset } => {
-                let b = &bufs[op];
-                let base = match buf {
-                    Buf::Send => b.send,
-                    Buf::Recv => b.recv,
-                    Buf::Scratch => b.scratch,
-                };
-                Ok(base + offset as u64)
-            }
-            Loc::Slot { .. } => world.slot_addr(loc),
+            Loc::Buf { op, buf, offset } => Ok((bufs[op].base(buf) + offset as u64, 0)),
+            Loc::Slot { .. } => Ok((world.slot_addr(loc)?, 0)),
+            Loc::Message { from, to, slot } => Ok((
+                world.slot_addr(Loc::Slot {
+                    owner: from,
+                    to,
+                    slot,
+                    offset: 0,
+                })?,
+                world.desc_addr(Desc {
+                    owner: to,
+                    from,
+                    slot,
+                })?,
+            )),
         }
     };
     let _bound = world.device.bind()?;
     for op in prog {
         match op {
-            DevOp::Copy { dst, src, len } => stream.copy(addr(*dst)?, addr(*src)?, *len)?,
+            DevOp::Copy { dst, src, len } => {
+                let (s, via) = resolve(*src)?;
+                let (d, _) = resolve(*dst)?;
+                if via == 0 {
+                    stream.copy(d, s, *len)?;
+                } else {
+                    // Where the bytes are is known only on the device: a byte copy kernel that
+                    // reads the descriptor first.
+                    let mut args = ReduceArgs {
+                        dst: d as *mut std::ffi::c_void,
+                        nsrc: 1,
+                        count: *len as u64,
+                        ..ReduceArgs::default()
+                    };
+                    args.src[0] = s as *const std::ffi::c_void;
+                    args.via[0] = via as *const u64;
+                    let name =
+                        reduce_kernel_name(DataType::Uint8, ReduceOp::Sum).expect("u8 sum exists");
+                    stream.reduce(&world.device, name, DataType::Uint8, &args)?;
+                }
+            }
             DevOp::Set { flag, value } => stream.set_flag(world.flag_addr(*flag)?, *value)?,
             DevOp::Wait { flag, value } => stream.wait_flag(world.flag_addr(*flag)?, *value)?,
+            DevOp::Describe { desc, direct, .. } => {
+                stream.set_u64(world.desc_addr(*desc)?, direct.map_or(0, |d| d.1))?
+            }
             DevOp::Reduce {
                 dst,
                 srcs,
@@ -395,7 +610,6 @@ pub fn enqueue(
                 reducer,
                 divide_by,
             } => {
-                use crate::cuda::kernels::{reduce_kernel_name, ReduceArgs, MAX_SOURCES};
                 if srcs.len() > MAX_SOURCES {
                     return crate::internal_err!("{} sources for one reduction", srcs.len());
                 }
@@ -409,27 +623,28 @@ pub fn enqueue(
                         ),
                     )
                 })?;
-                let dst_addr = addr(*dst)?;
+                let (dst_addr, _) = resolve(*dst)?;
                 let mut resolved = srcs
                     .iter()
-                    .map(|s| Ok((addr(s.loc)?, s.scale)))
+                    .map(|s| Ok((resolve(s.loc)?, s.scale)))
                     .collect::<Result<Vec<_>>>()?;
                 // The kernels allow only the first source to be the destination itself; the
                 // op is commutative, so put the aliased source first.
-                if let Some(k) = resolved.iter().position(|(a, _)| *a == dst_addr) {
+                if let Some(k) = resolved.iter().position(|((a, _), _)| *a == dst_addr) {
                     resolved.swap(0, k);
                 }
                 let mut args = ReduceArgs {
                     dst: dst_addr as *mut std::ffi::c_void,
-                    src: [std::ptr::null(); MAX_SOURCES],
-                    scale: [0; MAX_SOURCES],
-                    has_scale: 0,
                     nsrc: resolved.len() as i32,
                     count: *count as u64,
                     divide_by: divide_by.unwrap_or(0) as u64,
+                    ..ReduceArgs::default()
                 };
-                for (i, (a, scale)) in resolved.iter().enumerate() {
+                for (i, ((a, via), scale)) in resolved.iter().enumerate() {
                     args.src[i] = *a as *const std::ffi::c_void;
+                    if *via != 0 {
+                        args.via[i] = *via as *const u64;
+                    }
                     if let Some(s) = scale {
                         args.scale[i] = u64::from_le_bytes(s.0);
                         args.has_scale |= 1 << i;
@@ -453,32 +668,55 @@ pub fn supported(reducer: &Reducer) -> bool {
 
 #[cfg(test)]
 mod tests {
-    //! Runs every rank's program on the CPU: memories as byte vectors, flags as integers,
-    //! waits block the rank until the flag holds the value. Checks results against the host
-    //! reference and that every flag ends as it started.
+    //! Runs every rank's program on the CPU: each rank's memory is one byte vector in which the
+    //! operations' buffers sit at their addresses (so in-place aliasing is real), slots and flags
+    //! are separate, waits block the rank until the flag holds the value. Checks results against
+    //! exact sums, registered-buffer programs against the staged ones byte for byte, that no
+    //! rank overwrites bytes a peer has yet to read in place, and that flags end as they started.
     use super::*;
     use crate::algo::{self, Algorithm, Shape};
     use crate::reduce::DataType;
+    use std::collections::HashMap;
 
     struct Rank {
-        bufs: Vec<[Vec<u8>; 3]>,
+        mem: Vec<u8>,
+        bufs: Vec<OpBuffers>,
         slots: Vec<Vec<Vec<u8>>>,
         flags: Vec<u32>,
+        descs: Vec<u64>,
+        /// Descriptor cells written since their message was last read.
+        fresh: Vec<bool>,
         pc: usize,
     }
 
-    fn buf_index(b: Buf) -> usize {
-        match b {
-            Buf::Send => 0,
-            Buf::Recv => 1,
-            Buf::Scratch => 2,
+    impl Rank {
+        fn new(n: usize, slot_bytes: usize, mem: Vec<u8>, bufs: Vec<OpBuffers>) -> Rank {
+            let mut flags = vec![0u32; flag_count(n, SLOTS)];
+            for to in 0..n {
+                for slot in 0..SLOTS {
+                    flags[Flag::Empty { owner: 0, to, slot }.index(n, SLOTS)] = 1;
+                }
+            }
+            Rank {
+                mem,
+                bufs,
+                slots: (0..n).map(|_| vec![vec![0u8; slot_bytes]; SLOTS]).collect(),
+                flags,
+                descs: vec![0; n * SLOTS],
+                fresh: vec![false; n * SLOTS],
+                pc: 0,
+            }
         }
     }
 
-    fn read(ranks: &[Rank], me: usize, loc: Loc, len: usize) -> Vec<u8> {
+    /// Memory of a rank that peers are still to read in place: (peer, slot) -> (start, len).
+    type Pinned = Vec<HashMap<(usize, usize), (usize, usize)>>;
+
+    fn read(ranks: &mut [Rank], pinned: &mut Pinned, me: usize, loc: Loc, len: usize) -> Vec<u8> {
         match loc {
             Loc::Buf { op, buf, offset } => {
-                ranks[me].bufs[op][buf_index(buf)][offset..offset + len].to_vec()
+                let at = ranks[me].bufs[op].base(buf) as usize + offset;
+                ranks[me].mem[at..at + len].to_vec()
             }
             Loc::Slot {
                 owner,
@@ -486,13 +724,44 @@ mod tests {
                 slot,
                 offset,
             } => ranks[owner].slots[to][slot][offset..offset + len].to_vec(),
+            Loc::Message { from, to, slot } => {
+                assert_eq!(to, me, "rank {me} read a message meant for rank {to}");
+                let d = Desc {
+                    owner: to,
+                    from,
+                    slot,
+                }
+                .index(SLOTS);
+                assert!(
+                    ranks[me].fresh[d],
+                    "rank {me} read a stale descriptor from rank {from}"
+                );
+                ranks[me].fresh[d] = false;
+                match ranks[me].descs[d] {
+                    0 => ranks[from].slots[to][slot][..len].to_vec(),
+                    at => {
+                        let (start, plen) = pinned[from]
+                            .remove(&(to, slot))
+                            .expect("a direct message is pinned");
+                        assert_eq!((start, plen), (at as usize, len));
+                        ranks[from].mem[at as usize..at as usize + len].to_vec()
+                    }
+                }
+            }
         }
     }
 
-    fn write(ranks: &mut [Rank], me: usize, loc: Loc, data: &[u8]) {
+    fn write(ranks: &mut [Rank], pinned: &Pinned, me: usize, loc: Loc, data: &[u8]) {
         let dst = match loc {
             Loc::Buf { op, buf, offset } => {
-                &mut ranks[me].bufs[op][buf_index(buf)][offset..offset + data.len()]
+                let at = ranks[me].bufs[op].base(buf) as usize + offset;
+                for (&(peer, slot), &(start, len)) in &pinned[me] {
+                    assert!(
+                        at + data.len() <= start || start + len <= at,
+                        "rank {me} overwrote bytes rank {peer} had yet to read in place (slot {slot})"
+                    );
+                }
+                &mut ranks[me].mem[at..at + data.len()]
             }
             Loc::Slot {
                 owner,
@@ -503,12 +772,14 @@ mod tests {
                 assert_eq!(owner, me, "rank {me} wrote into rank {owner}'s slot");
                 &mut ranks[owner].slots[to][slot][offset..offset + data.len()]
             }
+            Loc::Message { .. } => panic!("rank {me} wrote into a message"),
         };
         dst.copy_from_slice(data);
     }
 
     /// Runs the programs of all ranks to the end (or panics on deadlock).
     fn run(progs: &[Vec<DevOp>], ranks: &mut [Rank], n: usize, elem: usize) {
+        let mut pinned: Pinned = vec![HashMap::new(); n];
         loop {
             let mut moved = false;
             for me in 0..n {
@@ -524,9 +795,31 @@ mod tests {
                             let i = flag.index(n, SLOTS);
                             ranks[flag.owner()].flags[i] = *value;
                         }
+                        DevOp::Describe { desc, len, direct } => {
+                            assert_ne!(desc.owner, me);
+                            let i = desc.index(SLOTS);
+                            let at = match direct {
+                                Some((loc, at)) => {
+                                    let Loc::Buf { op, buf, offset } = *loc else {
+                                        panic!("a direct message outside the caller's buffers")
+                                    };
+                                    assert_eq!(
+                                        *at as usize,
+                                        ranks[me].bufs[op].base(buf) as usize + offset
+                                    );
+                                    *at
+                                }
+                                None => 0,
+                            };
+                            ranks[desc.owner].descs[i] = at;
+                            ranks[desc.owner].fresh[i] = true;
+                            if at != 0 {
+                                pinned[me].insert((desc.owner, desc.slot), (at as usize, *len));
+                            }
+                        }
                         DevOp::Copy { dst, src, len } => {
-                            let data = read(ranks, me, *src, *len);
-                            write(ranks, me, *dst, &data);
+                            let data = read(ranks, &mut pinned, me, *src, *len);
+                            write(ranks, &pinned, me, *dst, &data);
                         }
                         DevOp::Reduce {
                             dst,
@@ -537,22 +830,29 @@ mod tests {
                         } => {
                             let len = count * elem;
                             let first = &srcs[0];
-                            let mut acc = read(ranks, me, first.loc, len);
+                            let mut acc = read(ranks, &mut pinned, me, first.loc, len);
                             if let Some(s) = first.scale {
                                 reducer.scale_in_place(&mut acc, s);
                             }
                             for s in &srcs[1..] {
-                                let b = read(ranks, me, s.loc, len);
+                                let b = read(ranks, &mut pinned, me, s.loc, len);
                                 reducer.reduce_in_place(&mut acc, None, &b, s.scale);
                             }
                             if let Some(d) = divide_by {
                                 reducer.divide_in_place(&mut acc, *d);
                             }
-                            write(ranks, me, *dst, &acc);
+                            write(ranks, &pinned, me, *dst, &acc);
                         }
                     }
                     ranks[me].pc += 1;
                     moved = true;
+                }
+                if ranks[me].pc == progs[me].len() {
+                    assert!(
+                        pinned[me].is_empty(),
+                        "rank {me} finished while peers had yet to read {:?} in place",
+                        pinned[me]
+                    );
                 }
             }
             if (0..n).all(|r| ranks[r].pc == progs[r].len()) {
@@ -566,41 +866,153 @@ mod tests {
         }
     }
 
-    fn fresh_ranks(n: usize, slot_bytes: usize, ops: usize) -> Vec<Rank> {
-        (0..n)
-            .map(|_| {
-                let mut flags = vec![0u32; flag_count(n, SLOTS)];
-                for to in 0..n {
-                    for slot in 0..SLOTS {
-                        flags[Flag::Empty { owner: 0, to, slot }.index(n, SLOTS)] = 1;
-                    }
-                }
-                Rank {
-                    bufs: (0..ops)
-                        .map(|_| [Vec::new(), Vec::new(), Vec::new()])
-                        .collect(),
-                    slots: (0..n).map(|_| vec![vec![0u8; slot_bytes]; SLOTS]).collect(),
-                    flags,
-                    pc: 0,
-                }
-            })
-            .collect()
-    }
-
     fn f32s(b: &[u8]) -> Vec<f32> {
         b.chunks_exact(4)
             .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
             .collect()
     }
 
-    fn bytes(v: &[f32]) -> Vec<u8> {
-        v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+    /// Elements in the send and the receive buffer of one rank.
+    fn elems(c: &Collective, n: usize) -> (usize, usize) {
+        match *c {
+            Collective::AllReduce { count }
+            | Collective::Broadcast { count, .. }
+            | Collective::Reduce { count, .. } => (count, count),
+            Collective::AllGather { count } | Collective::Gather { count, .. } => {
+                (count, count * n)
+            }
+            Collective::ReduceScatter { count } | Collective::Scatter { count, .. } => {
+                (count * n, count)
+            }
+            Collective::AlltoAll { count } => (count * n, count * n),
+            Collective::Send { count, .. } => (count, 0),
+            Collective::Recv { count, .. } => (0, count),
+            _ => unreachable!("not used here"),
+        }
+    }
+
+    /// NCCL's in-place rule: byte offsets of the send and receive parts in the one buffer.
+    fn in_place_offsets(c: &Collective, rank: usize, es: usize) -> (usize, usize) {
+        match *c {
+            Collective::AllGather { count } => (rank * count * es, 0),
+            Collective::Gather { count, root } if rank == root => (root * count * es, 0),
+            Collective::ReduceScatter { count } => (0, rank * count * es),
+            Collective::Scatter { count, root } if rank == root => (0, root * count * es),
+            _ => (0, 0),
+        }
+    }
+
+    /// A tiny deterministic generator (xorshift).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn coin(&mut self) -> bool {
+            self.next() & 1 == 1
+        }
+    }
+
+    /// One rank's operations, laid out in one memory: (ops, buffers, memory filled with small
+    /// integral floats).
+    struct Setup {
+        ops: Vec<DeviceOp>,
+        bufs: Vec<OpBuffers>,
+        mem: Vec<u8>,
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn setup(
+        colls: &[Collective],
+        algo: Algorithm,
+        rank: usize,
+        n: usize,
+        in_place: bool,
+        slot_bytes: usize,
+        reduction: Option<Reduction>,
+        seed: u64,
+    ) -> Setup {
+        let es = 4;
+        let shape = Shape {
+            rank,
+            nranks: n,
+            elem: es,
+            in_place,
+            slice_bytes: slot_bytes,
+        };
+        let mut ops = Vec::new();
+        let mut bufs = Vec::new();
+        let mut at = 64usize;
+        for c in colls {
+            let schedule = algo::schedule(c, &shape, algo);
+            let (se, re) = elems(c, n);
+            let (send, recv) = if in_place {
+                let (so, ro) = in_place_offsets(c, rank, es);
+                let base = at;
+                at += (se * es).max(re * es) + 64;
+                (base + so, base + ro)
+            } else {
+                let s = at;
+                at += se * es + 64;
+                let r = at;
+                at += re * es + 64;
+                (s, r)
+            };
+            let scratch = at;
+            at += schedule.scratch + 64;
+            let reduces = matches!(
+                c,
+                Collective::AllReduce { .. }
+                    | Collective::Reduce { .. }
+                    | Collective::ReduceScatter { .. }
+            );
+            ops.push(DeviceOp {
+                coll: c.clone(),
+                schedule: schedule.into(),
+                reduction: if reduces { reduction } else { None },
+                elem: es,
+            });
+            bufs.push(OpBuffers {
+                send: send as u64,
+                recv: recv as u64,
+                scratch: scratch as u64,
+            });
+        }
+        let mut rng = Rng(seed | 1);
+        let mem = (0..at / 4)
+            .flat_map(|_| ((rng.next() % 64) as f32).to_ne_bytes())
+            .collect();
+        Setup { ops, bufs, mem }
+    }
+
+    /// Runs one program per rank; returns every rank's memory and checks the flags came back.
+    fn run_all(setups: &[Setup], links: &[Links], slot_bytes: usize) -> Vec<Vec<u8>> {
+        let n = setups.len();
+        let progs: Vec<Vec<DevOp>> = setups
+            .iter()
+            .enumerate()
+            .map(|(r, s)| compile(&s.ops, &s.bufs, r, n, SLOTS, slot_bytes, &links[r]).unwrap())
+            .collect();
+        let mut ranks: Vec<Rank> = setups
+            .iter()
+            .map(|s| Rank::new(n, slot_bytes, s.mem.clone(), s.bufs.clone()))
+            .collect();
+        let initial: Vec<Vec<u32>> = ranks.iter().map(|r| r.flags.clone()).collect();
+        run(&progs, &mut ranks, n, 4);
+        for (r, rank) in ranks.iter().enumerate() {
+            assert_eq!(rank.flags, initial[r], "rank {r}'s flags not restored");
+        }
+        ranks.into_iter().map(|r| r.mem).collect()
     }
 
     /// All-reduce of f32 sums with every algorithm, twice in a row (slots and flags must be
     /// reusable), compared with the exact sum; PreMulSum-like input scaling included.
     #[test]
     fn all_reduce_programs_compute_sums_and_restore_flags() {
+        let slot_bytes = 16;
         for n in 1..=5 {
             for count in [0usize, 1, 7, 33] {
                 for algo in [
@@ -610,72 +1022,47 @@ mod tests {
                     Algorithm::TwoShot,
                 ] {
                     for scaled in [false, true] {
-                        let slot_bytes = 16;
-                        let sum = Reducer::new(DataType::Float32, ReduceOp::Sum);
                         let reduction = Reduction {
-                            reducer: sum,
+                            reducer: Reducer::new(DataType::Float32, ReduceOp::Sum),
                             input_scale: scaled
                                 .then(|| Scale::from_bytes(DataType::Float32, &2f32.to_ne_bytes())),
                             divide_by: None,
                         };
-                        let coll = Collective::AllReduce { count };
-                        let progs: Vec<Vec<DevOp>> = (0..n)
+                        let colls = vec![Collective::AllReduce { count }; 2];
+                        let setups: Vec<Setup> = (0..n)
                             .map(|r| {
-                                let shape = Shape {
-                                    rank: r,
-                                    nranks: n,
-                                    elem: 4,
-                                    in_place: false,
-                                    slice_bytes: slot_bytes,
-                                };
-                                let ops: Vec<DeviceOp> = (0..2)
-                                    .map(|_| DeviceOp {
-                                        coll: coll.clone(),
-                                        schedule: algo::schedule(&coll, &shape, algo).into(),
-                                        reduction: Some(reduction),
-                                        elem: 4,
-                                    })
-                                    .collect();
-                                compile(&ops, r, n, SLOTS, slot_bytes).unwrap()
+                                setup(
+                                    &colls,
+                                    algo,
+                                    r,
+                                    n,
+                                    false,
+                                    slot_bytes,
+                                    Some(reduction),
+                                    r as u64 + 7,
+                                )
                             })
                             .collect();
-                        let mut ranks = fresh_ranks(n, slot_bytes, 2);
-                        let initial_flags: Vec<Vec<u32>> =
-                            ranks.iter().map(|r| r.flags.clone()).collect();
-                        for (r, rank) in ranks.iter_mut().enumerate() {
-                            for op in 0..2 {
-                                let input: Vec<f32> =
-                                    (0..count).map(|i| (r * 10 + i + op) as f32).collect();
-                                let shape = Shape {
-                                    rank: r,
-                                    nranks: n,
-                                    elem: 4,
-                                    in_place: false,
-                                    slice_bytes: slot_bytes,
-                                };
-                                let scratch = algo::schedule(&coll, &shape, algo).scratch;
-                                rank.bufs[op] =
-                                    [bytes(&input), vec![0u8; count * 4], vec![0u8; scratch]];
-                            }
-                        }
-                        run(&progs, &mut ranks, n, 4);
+                        let links: Vec<Links> = (0..n).map(|_| Links::staged(n)).collect();
+                        let mems = run_all(&setups, &links, slot_bytes);
                         let f = if scaled { 2.0 } else { 1.0 };
-                        for (r, rank) in ranks.iter().enumerate() {
+                        for (r, mem) in mems.iter().enumerate() {
                             for op in 0..2 {
-                                let got = f32s(&rank.bufs[op][1]);
+                                let recv = setups[r].bufs[op].recv as usize;
+                                let got = f32s(&mem[recv..recv + count * 4]);
                                 for (i, g) in got.iter().enumerate() {
-                                    let want: f32 =
-                                        (0..n).map(|q| f * (q * 10 + i + op) as f32).sum();
+                                    let want: f32 = (0..n)
+                                        .map(|q| {
+                                            let s = setups[q].bufs[op].send as usize + 4 * i;
+                                            f * f32s(&setups[q].mem[s..s + 4])[0]
+                                        })
+                                        .sum();
                                     assert_eq!(
                                         *g, want,
                                         "{algo:?} n={n} count={count} rank {r} op {op} elem {i}"
                                     );
                                 }
                             }
-                            assert_eq!(
-                                rank.flags, initial_flags[r],
-                                "flags not restored ({algo:?} n={n})"
-                            );
                         }
                     }
                 }
@@ -683,20 +1070,241 @@ mod tests {
         }
     }
 
+    /// The collectives of rank r for a count.
+    type CollsOf = Box<dyn Fn(usize, usize) -> Vec<Collective>>;
+    type PeerView<'a> = Box<dyn Fn(usize, u64, usize) -> Option<u64> + 'a>;
+
+    /// Every collective, in place and out of place, with registered buffers read in place by
+    /// peers (randomly chosen registrations and described pairs): the same bytes as the staged
+    /// programs give, no rank overwrites what a peer has yet to read, no deadlock, flags
+    /// restored.
+    #[test]
+    fn registered_buffers_read_in_place_give_the_staged_results() {
+        let slot_bytes = 24;
+        let mut rng = Rng(0x5eed_1234_abcd);
+        let mut direct_reads = 0usize;
+        for n in 1..=5usize {
+            let cases: Vec<(Algorithm, CollsOf)> = vec![
+                (
+                    Algorithm::Ring,
+                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Tree,
+                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Direct,
+                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
+                ),
+                (
+                    Algorithm::TwoShot,
+                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Broadcast {
+                                count: c,
+                                root: c % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Tree,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Broadcast {
+                                count: c,
+                                root: (c + 1) % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Reduce {
+                                count: c,
+                                root: c % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Tree,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Reduce {
+                                count: c,
+                                root: (c + 1) % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(|_, c| vec![Collective::AllGather { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(|_, c| vec![Collective::ReduceScatter { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(|_, c| vec![Collective::AlltoAll { count: c }; 2]),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Gather {
+                                count: c,
+                                root: c % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(move |_, c| {
+                        vec![
+                            Collective::Scatter {
+                                count: c,
+                                root: (c + 1) % n
+                            };
+                            2
+                        ]
+                    }),
+                ),
+                (
+                    Algorithm::Ring,
+                    Box::new(move |r, c| {
+                        vec![
+                            Collective::Send {
+                                peer: (r + 1) % n,
+                                count: c,
+                            },
+                            Collective::Recv {
+                                peer: (r + n - 1) % n,
+                                count: c,
+                            },
+                        ]
+                    }),
+                ),
+            ];
+            for (k, (algo, colls)) in cases.iter().enumerate() {
+                let p2p = k == cases.len() - 1;
+                if p2p && n == 1 {
+                    continue;
+                }
+                for in_place in [false, true] {
+                    if p2p && in_place {
+                        continue;
+                    }
+                    for count in [0usize, 1, 7, 33] {
+                        for scaled in [false, true] {
+                            let reduction = Reduction {
+                                reducer: Reducer::new(DataType::Float32, ReduceOp::Sum),
+                                input_scale: scaled.then(|| {
+                                    Scale::from_bytes(DataType::Float32, &3f32.to_ne_bytes())
+                                }),
+                                divide_by: None,
+                            };
+                            let setups: Vec<Setup> = (0..n)
+                                .map(|r| {
+                                    setup(
+                                        &colls(r, count),
+                                        *algo,
+                                        r,
+                                        n,
+                                        in_place,
+                                        slot_bytes,
+                                        Some(reduction),
+                                        (r * 131 + count) as u64,
+                                    )
+                                })
+                                .collect();
+                            let staged: Vec<Links> = (0..n).map(|_| Links::staged(n)).collect();
+                            let want = run_all(&setups, &staged, slot_bytes);
+                            for _trial in 0..3 {
+                                // Which pairs are described, and which buffers each rank
+                                // registered (a random subset of its operations' buffers).
+                                let described: Vec<Vec<bool>> = (0..n)
+                                    .map(|_| (0..n).map(|_| rng.coin()).collect())
+                                    .collect();
+                                let registered: Vec<Vec<(u64, u64)>> = setups
+                                    .iter()
+                                    .map(|s| {
+                                        let mut regs = Vec::new();
+                                        for b in &s.bufs {
+                                            if rng.coin() {
+                                                regs.push((b.send.min(b.recv), b.scratch));
+                                            }
+                                        }
+                                        regs
+                                    })
+                                    .collect();
+                                let counter = std::cell::Cell::new(0usize);
+                                let views: Vec<PeerView> = registered
+                                    .iter()
+                                    .map(|regs| {
+                                        let regs = regs.clone();
+                                        let counter = &counter;
+                                        Box::new(move |_peer: usize, a: u64, len: usize| {
+                                            let hit = regs
+                                                .iter()
+                                                .any(|&(lo, hi)| a >= lo && a + len as u64 <= hi);
+                                            hit.then(|| {
+                                                counter.set(counter.get() + 1);
+                                                a
+                                            })
+                                        }) as PeerView
+                                    })
+                                    .collect();
+                                let links: Vec<Links> = (0..n)
+                                    .map(|r| Links {
+                                        describe_to: (0..n).map(|p| described[r][p]).collect(),
+                                        described_from: (0..n).map(|p| described[p][r]).collect(),
+                                        peer_view: &*views[r],
+                                    })
+                                    .collect();
+                                let got = run_all(&setups, &links, slot_bytes);
+                                for r in 0..n {
+                                    assert!(
+                                        got[r] == want[r],
+                                        "{algo:?} case {k} n={n} count={count} in_place={in_place} scaled={scaled}: rank {r} differs from the staged run"
+                                    );
+                                }
+                                direct_reads += counter.get();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // The registered path must actually have been taken, and often.
+        assert!(
+            direct_reads > 1000,
+            "only {direct_reads} messages were read in place"
+        );
+    }
+
     /// Point-to-point in a group, sends and receives in opposite orders on the two sides and
     /// many slices long: interleaving keeps the in-order programs from deadlocking.
     #[test]
     fn grouped_sendrecv_programs_exchange_without_deadlock() {
         let (n, count, slot_bytes) = (2usize, 40usize, 8usize);
-        let progs: Vec<Vec<DevOp>> = (0..n)
+        let setups: Vec<Setup> = (0..n)
             .map(|r| {
-                let shape = Shape {
-                    rank: r,
-                    nranks: n,
-                    elem: 4,
-                    in_place: false,
-                    slice_bytes: slot_bytes,
-                };
                 let peer = 1 - r;
                 let mut colls = vec![
                     Collective::Send { peer, count },
@@ -705,51 +1313,67 @@ mod tests {
                 if r == 1 {
                     colls.reverse();
                 }
-                let ops: Vec<DeviceOp> = colls
-                    .into_iter()
-                    .map(|c| DeviceOp {
-                        schedule: algo::schedule(&c, &shape, Algorithm::Ring).into(),
-                        coll: c,
-                        reduction: None,
-                        elem: 4,
-                    })
-                    .collect();
-                compile(&ops, r, n, SLOTS, slot_bytes).unwrap()
+                setup(
+                    &colls,
+                    Algorithm::Ring,
+                    r,
+                    n,
+                    false,
+                    slot_bytes,
+                    None,
+                    3 + r as u64,
+                )
             })
             .collect();
-        let mut ranks = fresh_ranks(n, slot_bytes, 2);
-        for (r, rank) in ranks.iter_mut().enumerate() {
-            let data: Vec<f32> = (0..count).map(|i| (r * 100 + i) as f32).collect();
-            // Rank 1 issued its receive first: op 0 is the receive there.
-            let (s, v) = if r == 0 { (0, 1) } else { (1, 0) };
-            rank.bufs[s] = [bytes(&data), Vec::new(), Vec::new()];
-            rank.bufs[v] = [Vec::new(), vec![0u8; count * 4], Vec::new()];
-        }
-        run(&progs, &mut ranks, n, 4);
-        let got0 = f32s(&ranks[0].bufs[1][1]);
-        let got1 = f32s(&ranks[1].bufs[0][1]);
-        for i in 0..count {
-            assert_eq!(got0[i], (100 + i) as f32);
-            assert_eq!(got1[i], i as f32);
-        }
+        let links: Vec<Links> = (0..n).map(|_| Links::staged(n)).collect();
+        let mems = run_all(&setups, &links, slot_bytes);
+        // Rank 1 issued its receive first: op 0 is the receive there.
+        let (s0, r0) = (
+            setups[0].bufs[0].send as usize,
+            setups[0].bufs[1].recv as usize,
+        );
+        let (s1, r1) = (
+            setups[1].bufs[1].send as usize,
+            setups[1].bufs[0].recv as usize,
+        );
+        assert_eq!(
+            mems[0][r0..r0 + count * 4],
+            setups[1].mem[s1..s1 + count * 4]
+        );
+        assert_eq!(
+            mems[1][r1..r1 + count * 4],
+            setups[0].mem[s0..s0 + count * 4]
+        );
     }
 
     #[test]
     fn oversized_messages_are_refused() {
-        let shape = Shape {
-            rank: 0,
-            nranks: 2,
-            elem: 4,
-            in_place: false,
-            slice_bytes: 64,
-        };
-        let coll = Collective::Send { peer: 1, count: 16 };
-        let op = DeviceOp {
-            schedule: algo::schedule(&coll, &shape, Algorithm::Ring).into(),
-            coll,
-            reduction: None,
-            elem: 4,
-        };
-        assert!(compile(&[op], 0, 2, SLOTS, 32).is_err());
+        let s = setup(
+            &[Collective::Send { peer: 1, count: 16 }],
+            Algorithm::Ring,
+            0,
+            2,
+            false,
+            64,
+            None,
+            1,
+        );
+        assert!(compile(&s.ops, &s.bufs, 0, 2, SLOTS, 32, &Links::staged(2)).is_err());
+    }
+
+    #[test]
+    fn intervals_merge_and_answer_overlaps() {
+        let mut iv = Intervals::default();
+        iv.insert(10, 5); // [10, 15)
+        iv.insert(20, 5); // [20, 25)
+        assert!(!iv.overlaps(15, 5));
+        assert!(iv.overlaps(14, 1));
+        assert!(iv.overlaps(0, 11));
+        assert!(!iv.overlaps(0, 10));
+        assert!(!iv.overlaps(12, 0));
+        iv.insert(15, 5); // joins both: [10, 25)
+        assert_eq!(iv.0.len(), 1);
+        assert!(iv.overlaps(24, 100));
+        assert!(!iv.overlaps(25, 100));
     }
 }

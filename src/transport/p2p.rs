@@ -8,7 +8,7 @@
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{self, Device, DeviceMem, PeerMem};
 use crate::error::Result;
-use crate::exec::device::{flag_count, Flag, Loc, SLOTS};
+use crate::exec::device::{flag_count, Desc, Flag, Loc, SLOTS};
 use crate::topo::{Path, Placement};
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
@@ -22,9 +22,14 @@ fn all_agree(boot: &Bootstrap, mine: bool) -> Result<bool> {
         .all(|v| v.as_slice() == [1]))
 }
 
-/// Where the flags end and the slots begin in an area.
-fn flags_bytes(nranks: usize) -> usize {
-    (flag_count(nranks, SLOTS) * 4).next_multiple_of(4096)
+/// Where the descriptor cells begin in an area (after the flags).
+fn descs_offset(nranks: usize) -> usize {
+    (flag_count(nranks, SLOTS) * 4).next_multiple_of(64)
+}
+
+/// Where the control part (flags, descriptors) ends and the slots begin in an area.
+fn control_bytes(nranks: usize) -> usize {
+    (descs_offset(nranks) + nranks * SLOTS * 8).next_multiple_of(4096)
 }
 
 /// A peer's area as this process reaches it.
@@ -111,12 +116,14 @@ impl DeviceWorld {
             .unwrap_or(8 << 20)
             .next_multiple_of(256)
             .max(4096);
-        let area_len = flags_bytes(nranks) + nranks * SLOTS * slot_bytes;
+        let area_len = control_bytes(nranks) + nranks * SLOTS * slot_bytes;
         let area = DeviceMem::new(&device, area_len)?;
         // Full flags start low, Empty flags start raised (every slot free).
         let half = flag_count(nranks, SLOTS) / 2;
         area.fill_u32(0, 0, half)?;
         area.fill_u32(half * 4, 1, half)?;
+        // No message is described yet.
+        area.fill_u32(descs_offset(nranks), 0, nranks * SLOTS * 2)?;
         Ok((device, area, slot_bytes))
     }
 
@@ -183,10 +190,15 @@ impl DeviceWorld {
                 slot,
                 offset,
             } => Ok(self.base(owner)?
-                + (flags_bytes(self.nranks) + (to * SLOTS + slot) * self.slot_bytes + offset)
+                + (control_bytes(self.nranks) + (to * SLOTS + slot) * self.slot_bytes + offset)
                     as u64),
-            Loc::Buf { .. } => crate::internal_err!("{loc:?} is not a slot"),
+            Loc::Buf { .. } | Loc::Message { .. } => crate::internal_err!("{loc:?} is not a slot"),
         }
+    }
+
+    /// The address of a descriptor cell in whichever rank's area holds it.
+    pub fn desc_addr(&self, desc: Desc) -> Result<u64> {
+        Ok(self.base(desc.owner)? + (descs_offset(self.nranks) + desc.index(SLOTS) * 8) as u64)
     }
 
     pub fn flag_addr(&self, flag: Flag) -> Result<u64> {
