@@ -126,6 +126,12 @@ pub const KNOBS: &[Knob] = &[
         doc: "default of ncclConfig_t.blocking",
     },
     Knob {
+        name: "LOCAL_REGISTER",
+        nccl: true,
+        default: "1",
+        doc: "peers read registered device buffers in place (0: always staged)",
+    },
+    Knob {
         name: "INIT_TIMEOUT",
         nccl: false,
         default: "600",

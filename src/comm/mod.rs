@@ -44,6 +44,9 @@ pub struct Comm {
     pub shm: Option<shm::ShmWorld>,
     /// Device memory shared with the peers, when every rank has a usable GPU.
     pub device: Option<crate::transport::p2p::DeviceWorld>,
+    /// Registered device buffers published to the peers and mapped from them, for in-place
+    /// reads (with a device path and peers on this host, unless NCCL_LOCAL_REGISTER=0).
+    pub registry: Option<crate::transport::reg::Registry>,
     /// The stream the last device program went to, and an event after it: a program on
     /// another stream waits for it, since programs share the slots and flags.
     pub device_order: Mutex<Option<(crate::cuda::Stream, crate::cuda::Event)>>,
@@ -143,6 +146,10 @@ impl Comm {
             &paths,
             &placements,
         )?;
+        let registry = (shm_world.is_some()
+            && device_world.is_some()
+            && crate::env::flag("LOCAL_REGISTER") != Some(false))
+        .then(|| crate::transport::reg::Registry::new(rank, nranks));
         let mut links: Vec<Arc<dyn Transport>> = Vec::with_capacity(nranks);
         for (r, path) in paths.iter().enumerate() {
             let link: Arc<dyn Transport> = match path {
@@ -203,6 +210,7 @@ impl Comm {
             paths,
             shm: shm_world,
             device: device_world,
+            registry,
             device_order: Mutex::new(None),
             wiring,
             cuda_device: device,
@@ -442,5 +450,14 @@ impl std::fmt::Debug for Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         self.destroy();
+        // Peers' buffers mapped here stay mapped until the last program that may read them
+        // has run.
+        if self.registry.as_ref().is_some_and(|r| r.holds_mappings()) {
+            if let Some((_, ev)) = self.device_order.lock().as_ref() {
+                if let Err(e) = ev.synchronize() {
+                    crate::warn!("waiting for the last device program at destroy: {}", e.msg);
+                }
+            }
+        }
     }
 }

@@ -94,6 +94,19 @@ pub fn parse_dtype(raw: i32) -> Result<DataType> {
     )
 }
 
+/// The peers a group's device operations send to and receive from.
+fn peers_of(ops: &[crate::exec::device::DeviceOp], nranks: usize) -> (Vec<bool>, Vec<bool>) {
+    let (mut to, mut from) = (vec![false; nranks], vec![false; nranks]);
+    for step in ops.iter().flat_map(|o| o.schedule.steps.iter()) {
+        match *step {
+            crate::algo::Step::Send { peer, .. } => to[peer] = true,
+            crate::algo::Step::Recv { peer, .. } => from[peer] = true,
+            crate::algo::Step::Local { .. } => {}
+        }
+    }
+    (to, from)
+}
+
 fn bytes_of(count: usize, times: usize, dtype: DataType, what: &str) -> Result<usize> {
     count
         .checked_mul(times)
@@ -425,7 +438,7 @@ impl Comm {
     /// Turns a group's validated device calls into one program on their stream.
     pub fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
         use crate::cuda::Stream;
-        use crate::exec::device::{compile, enqueue, DeviceOp, Links, OpBuffers, SLOTS};
+        use crate::exec::device::{DeviceOp, Links, OpBuffers};
         let world = self.device.as_ref().ok_or_else(|| {
             crate::error::Error::new(
                 crate::error::ErrorKind::Internal,
@@ -471,15 +484,66 @@ impl Comm {
                 scratch: scratch_base + *off as u64,
             })
             .collect();
-        let links = Links::staged(self.nranks);
+        // With registered buffers about, the pairs agree per program whether messages carry
+        // descriptors; that counts the program, so from here on it must reach the stream or
+        // the communicator is unusable.
+        let plan = match (&self.registry, &self.shm) {
+            (Some(reg), Some(shm)) => {
+                let (sends_to, recvs_from) = peers_of(&ops, self.nranks);
+                Some((
+                    shm,
+                    reg.plan(
+                        shm,
+                        Some(&world.device),
+                        &self.paths,
+                        &self.placements,
+                        &sends_to,
+                        &recvs_from,
+                    ),
+                ))
+            }
+            _ => None,
+        };
+        let view = |peer: usize, addr: u64, len: usize| {
+            plan.as_ref()
+                .and_then(|(shm, p)| p.peer_view(shm, self.rank, peer, addr, len))
+        };
+        let links = match &plan {
+            Some((_, p)) => Links {
+                describe_to: p.describe_to.clone(),
+                described_from: p.described_from.clone(),
+                peer_view: &view,
+            },
+            None => Links::staged(self.nranks),
+        };
+        let counted = plan.is_some();
+        let enqueued = self.enqueue_program(&ops, &bufs, &links, world, stream);
+        if let Err(e) = &enqueued {
+            if counted {
+                self.fail(e);
+            }
+        }
+        enqueued
+    }
+
+    /// Compiles and enqueues one program, after the previous one on another stream.
+    fn enqueue_program(
+        &self,
+        ops: &[crate::exec::device::DeviceOp],
+        bufs: &[crate::exec::device::OpBuffers],
+        links: &crate::exec::device::Links,
+        world: &crate::transport::p2p::DeviceWorld,
+        stream: crate::cuda::Stream,
+    ) -> Result<()> {
+        use crate::exec::device::{compile, enqueue, SLOTS};
         let prog = compile(
-            &ops,
-            &bufs,
+            ops,
+            bufs,
             self.rank,
             self.nranks,
             SLOTS,
             world.slot_bytes,
-            &links,
+            links,
         )?;
         let capturing = stream.capturing();
         let mut order = self.device_order.lock();
@@ -490,7 +554,7 @@ impl Comm {
                 }
             }
         }
-        enqueue(&prog, world, &bufs, stream)?;
+        enqueue(&prog, world, bufs, stream)?;
         if !capturing {
             let ev = match order.take() {
                 Some((_, ev)) => ev,
@@ -498,6 +562,12 @@ impl Comm {
             };
             ev.record(stream)?;
             *order = Some((stream, ev));
+        }
+        if let Some(reg) = &self.registry {
+            // The program is on its way; a failure here only keeps old mappings longer.
+            if let Err(e) = reg.after_enqueue(&world.device, stream) {
+                crate::warn!("releasing peers' retired buffers: {}", e.msg);
+            }
         }
         Ok(())
     }

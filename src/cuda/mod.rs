@@ -6,6 +6,7 @@
 //! present, so a process without CUDA simply sees "no devices" and stays on host memory.
 
 pub mod kernels;
+pub mod share;
 
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::sys as cu;
@@ -666,6 +667,23 @@ impl Event {
         check(
             unsafe { cu::cuEventRecord(self.raw, stream.raw()) },
             "cuEventRecord",
+        )
+    }
+
+    /// Whether the work recorded in this event is done (an error counts as done: nothing more
+    /// will happen on that work).
+    pub fn done(&self) -> bool {
+        // SAFETY: the event is valid.
+        let r = unsafe { cu::cuEventQuery(self.raw) };
+        r != cu::CUresult::CUDA_ERROR_NOT_READY
+    }
+
+    /// Waits on the host for the work recorded in this event.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the event is valid.
+        check(
+            unsafe { cu::cuEventSynchronize(self.raw) },
+            "cuEventSynchronize",
         )
     }
 

@@ -37,10 +37,13 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
     })
 }
 
-/// Registered buffers: host memory needs no pinning or mapping for the host transports, but
-/// handles are tracked so that deregistration is checked.
+/// Registered buffers. Device memory is published to the peers on this host, which then read
+/// it in place instead of having it staged (`transport::reg`); host memory needs no pinning or
+/// mapping for the host transports. Handles are tracked so that deregistration is checked.
 struct Registration {
     comm: usize,
+    /// The communicator's registry entry, for device memory published to the peers.
+    entry: Option<usize>,
 }
 
 static REGISTRATIONS: Lazy<Mutex<HashMap<usize, Registration>>> =
@@ -60,14 +63,34 @@ pub unsafe extern "C" fn ncclCommRegister(
         if buff.is_null() && size > 0 {
             return crate::invalid_arg!("buff is NULL but size is {size}");
         }
+        let mut entry = None;
+        match crate::cuda::classify(buff) {
+            crate::cuda::MemKind::Device(ordinal) if size > 0 => {
+                match (&c.device, &c.shm, &c.registry) {
+                    (Some(w), _, _) if w.device.ordinal != ordinal => {
+                        return crate::invalid_arg!(
+                            "buff is memory of GPU {ordinal} but this communicator was created on GPU {}",
+                            w.device.ordinal
+                        )
+                    }
+                    (Some(w), Some(shm), Some(reg)) => {
+                        entry = reg.export(shm, &w.device, buff as u64, size)?;
+                    }
+                    _ => crate::info!(
+                        "registered {size} bytes of device memory at {buff:p}; no peer on this host reads it in place (no device path, no local peers, or NCCL_LOCAL_REGISTER=0)"
+                    ),
+                }
+            }
+            _ => crate::info!("registered {size} bytes at {buff:p} (host memory: nothing to pin)"),
+        }
         let h = 0x5e60_0000_0000 + 0x40 * NEXT_REG.fetch_add(1, Ordering::SeqCst);
         REGISTRATIONS.lock().insert(
             h,
             Registration {
                 comm: comm as usize,
+                entry,
             },
         );
-        crate::info!("registered {size} bytes at {buff:p} (host memory: nothing to pin)");
         *handle = h as *mut c_void;
         Ok(())
     })
@@ -75,10 +98,13 @@ pub unsafe extern "C" fn ncclCommRegister(
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
-    guard_comm("ncclCommDeregister", comm, |_c| {
+    guard_comm("ncclCommDeregister", comm, |c| {
         let mut regs = REGISTRATIONS.lock();
         match regs.get(&(handle as usize)) {
             Some(r) if r.comm == comm as usize => {
+                if let (Some(i), Some(shm), Some(reg)) = (r.entry, &c.shm, &c.registry) {
+                    reg.unexport(shm, i);
+                }
                 regs.remove(&(handle as usize));
                 Ok(())
             }

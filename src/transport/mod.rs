@@ -10,6 +10,7 @@
 pub mod loopback;
 pub mod os;
 pub mod p2p;
+pub mod reg;
 pub mod shm;
 
 use crate::error::Result;

@@ -364,6 +364,26 @@ pub fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
 }
 
 /// Duplicates a descriptor of this process (a same-process peer's segment).
+/// A duplicate of descriptor `fd` of process `pid` (pidfd_getfd: Linux 5.6 or later, and the
+/// same permission as ptrace, which process_vm_readv needs too).
+pub fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(Error::last_os(format!("pidfd_open({pid})")));
+    }
+    // SAFETY: pidfd_open returned a fresh descriptor that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number and flags; returns a new
+    // (close-on-exec) descriptor or -1.
+    let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if new < 0 {
+        return Err(Error::last_os(format!("pidfd_getfd(pid {pid}, fd {fd})")));
+    }
+    // SAFETY: a fresh descriptor that we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
+}
+
 pub fn dup(fd: RawFd) -> Result<OwnedFd> {
     // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor or -1; fd is checked by the kernel.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
@@ -377,6 +397,39 @@ pub fn dup(fd: RawFd) -> Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// pidfd_getfd on a child process: the duplicate reaches the child's memfd (what a peer
+    /// does with a registered VMM buffer's descriptor). The child is a fork that waits.
+    #[test]
+    fn take_fd_duplicates_another_process_descriptor() {
+        let fd = memfd("take-fd", 4096).unwrap();
+        let m = Mapping::map(fd.as_raw_fd(), 4096).unwrap();
+        // SAFETY: the mapping is 4096 bytes.
+        unsafe { *m.ptr().add(100) = 7 };
+        // SAFETY: the child only sleeps and exits; it touches nothing of the parent's state.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork failed");
+        if child == 0 {
+            // SAFETY: async-signal-safe calls only.
+            unsafe {
+                libc::sleep(5);
+                libc::_exit(0)
+            };
+        }
+        // Our own descriptor number is the child's too (inherited across fork).
+        let got = take_fd(child as u32, fd.as_raw_fd());
+        // SAFETY: the child is ours to stop and reap.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, std::ptr::null_mut(), 0);
+        }
+        let dup = got.expect("pidfd_getfd of a child's descriptor");
+        let n = Mapping::map(dup.as_raw_fd(), 4096).unwrap();
+        // SAFETY: 4096 bytes mapped.
+        assert_eq!(unsafe { *n.ptr().add(100) }, 7);
+        // A descriptor the child does not have is an error, not a wrong file.
+        assert!(take_fd(std::process::id(), 1_000_000).is_err());
+    }
 
     #[test]
     fn memfd_maps_shared_between_two_mappings() {

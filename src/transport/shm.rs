@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d33; // "commshm3": the slot layout's version
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d34; // "commshm4": the segment layout's version
 const LINE: usize = 128;
 const CTL_BASE: usize = 4 * LINE;
 const CTL_STRIDE: usize = 3 * LINE;
@@ -82,8 +82,13 @@ impl Geometry {
         (CTL_BASE + self.nranks * CTL_STRIDE).next_multiple_of(4096)
     }
 
+    /// Where the registry of registered buffers begins (see `transport::reg`).
+    fn registry_base(&self) -> usize {
+        (self.slots_base() + self.nranks * self.nslots * self.slot_stride()).next_multiple_of(4096)
+    }
+
     fn total(&self) -> usize {
-        self.slots_base() + self.nranks * self.nslots * self.slot_stride()
+        self.registry_base() + super::reg::area_bytes(self.nranks)
     }
 }
 
@@ -171,6 +176,11 @@ impl Segment {
         // SAFETY: in bounds and aligned (checked above); the mapping lives as long as &self and is
         // only ever accessed atomically at this offset.
         unsafe { &*(self.map.ptr().add(off) as *const AtomicU32) }
+    }
+
+    /// The 64-bit word at byte `off` of the registry area.
+    pub(super) fn registry_u64(&self, off: usize) -> &AtomicU64 {
+        self.atomic_u64(self.geo.registry_base() + off)
     }
 
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
@@ -282,7 +292,7 @@ pub struct ShmPeer {
     /// Our segment: the FIFO this peer sends us, and our doorbell.
     local: Arc<Segment>,
     /// The peer's segment: the FIFO we send it, and its doorbell.
-    remote: Arc<Segment>,
+    pub(super) remote: Arc<Segment>,
     access: Access,
     watch: Option<ProcessWatch>,
     pull_threshold: usize,

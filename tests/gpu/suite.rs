@@ -50,24 +50,89 @@ macro_rules! nccl {
     }};
 }
 
-/// Device memory from ncclMemAlloc, freed on drop.
+/// How the suite's device buffers are made and whether they are registered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    /// ncclMemAlloc, not registered: every message staged through the slots.
+    Plain,
+    /// ncclMemAlloc (VMM, shared with peers as a file descriptor), registered.
+    RegisteredVmm,
+    /// cuMemAlloc (shared with peers as a legacy IPC handle), registered.
+    RegisteredIpc,
+}
+
+impl Memory {
+    fn parse(s: &str) -> Memory {
+        match s {
+            "vmm" => Memory::RegisteredVmm,
+            "ipc" => Memory::RegisteredIpc,
+            _ => Memory::Plain,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Memory::Plain => "plain",
+            Memory::RegisteredVmm => "vmm",
+            Memory::RegisteredIpc => "ipc",
+        }
+    }
+
+    fn registered(self) -> bool {
+        self != Memory::Plain
+    }
+}
+
+/// Device memory (ncclMemAlloc or cuMemAlloc), registered with the communicator when asked;
+/// deregistered and freed on drop.
 struct DevBuf {
     ptr: u64,
     len: usize,
+    comm: ncclComm_t,
+    handle: *mut c_void,
+    _plain: Option<cuda::DeviceMem>,
 }
 
 impl DevBuf {
-    fn new(len: usize) -> Result<DevBuf, String> {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        nccl!(ncclMemAlloc(&mut p, len.max(256)));
-        Ok(DevBuf { ptr: p as u64, len })
+    fn new(
+        len: usize,
+        memory: Memory,
+        device: &Arc<Device>,
+        comm: ncclComm_t,
+    ) -> Result<DevBuf, String> {
+        let (ptr, plain) = if memory == Memory::RegisteredIpc {
+            let m = cuda::DeviceMem::new(device, len.max(256)).map_err(|e| e.msg)?;
+            (m.ptr, Some(m))
+        } else {
+            let mut p: *mut c_void = std::ptr::null_mut();
+            nccl!(ncclMemAlloc(&mut p, len.max(256)));
+            (p as u64, None)
+        };
+        let mut handle: *mut c_void = std::ptr::null_mut();
+        if memory.registered() {
+            nccl!(ncclCommRegister(comm, ptr as *mut c_void, len, &mut handle));
+        }
+        Ok(DevBuf {
+            ptr,
+            len,
+            comm,
+            handle,
+            _plain: plain,
+        })
     }
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated by ncclMemAlloc above.
-        unsafe { ncclMemFree(self.ptr as *mut c_void) };
+        // SAFETY: registered on this communicator and allocated above, released once.
+        unsafe {
+            if !self.handle.is_null() {
+                ncclCommDeregister(self.comm, self.handle);
+            }
+            if self._plain.is_none() {
+                ncclMemFree(self.ptr as *mut c_void);
+            }
+        }
     }
 }
 
@@ -223,6 +288,7 @@ fn worker(
     id: ncclUniqueId,
     max_bytes: usize,
     quick: bool,
+    memory: Memory,
 ) -> Result<usize, String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
@@ -238,16 +304,17 @@ fn worker(
         comm,
         rank,
         n,
+        a: DevBuf::new(buf, memory, &device, comm)?,
+        b: DevBuf::new(buf, memory, &device, comm)?,
         device,
-        a: DevBuf::new(buf)?,
-        b: DevBuf::new(buf)?,
     };
     let cases = r.matrix(max_bytes, quick)?;
-    nccl!(ncclCommDestroy(r.comm));
+    drop(r);
+    nccl!(ncclCommDestroy(comm));
     Ok(cases)
 }
 
-fn run_processes(n: usize, max_bytes: usize, quick: bool) -> Result<(), String> {
+fn run_processes(n: usize, max_bytes: usize, quick: bool, memory: Memory) -> Result<(), String> {
     let mut id = ncclUniqueId {
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
@@ -263,9 +330,14 @@ fn run_processes(n: usize, max_bytes: usize, quick: bool) -> Result<(), String> 
             &id_hex(&id),
             &max_bytes.to_string(),
             if quick { "1" } else { "0" },
+            memory.name(),
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+        if memory.registered() {
+            // The log says when a pair switches to reading registered buffers in place.
+            cmd.env("COMM_DEBUG", "INFO");
+        }
         children.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
     let deadline = Instant::now() + Duration::from_secs(60 * 20);
@@ -285,14 +357,32 @@ fn run_processes(n: usize, max_bytes: usize, quick: bool) -> Result<(), String> 
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut failures = Vec::new();
+    let mut in_place = 0;
     for (r, c) in children.into_iter().enumerate() {
         let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        in_place += stderr.matches("read through descriptors").count();
         if !out.status.success() {
-            failures.push(format!("rank {r}: {}", text.trim()));
+            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
+            failures.push(format!(
+                "rank {r}: {}\n{}",
+                stdout.trim(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            ));
         } else if r == 0 {
-            print!("{text}");
+            print!("{stdout}");
+        }
+    }
+    if failures.is_empty() && memory.registered() && n > 1 {
+        // Every rank receives from some peer in these collectives, so every rank must have
+        // switched at least one pair to in-place reads.
+        if in_place < n {
+            failures.push(format!(
+                "registered buffers: only {in_place} of {n} ranks read any peer's buffer in place"
+            ));
+        } else {
+            println!("  {in_place} sender->receiver pairs read registered buffers in place");
         }
     }
     if failures.is_empty() {
@@ -303,7 +393,7 @@ fn run_processes(n: usize, max_bytes: usize, quick: bool) -> Result<(), String> 
 }
 
 /// Ranks as threads of this process (ncclCommInitAll on one GPU, listed n times).
-fn run_threads(n: usize, max_bytes: usize) -> Result<(), String> {
+fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
     let mut comms = vec![std::ptr::null_mut(); n];
@@ -318,13 +408,14 @@ fn run_threads(n: usize, max_bytes: usize) -> Result<(), String> {
                 let device = Device::get(0).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let buf = max_bytes.max(16 << 20);
+                let comm = c as ncclComm_t;
                 let r = Rank {
-                    comm: c as ncclComm_t,
+                    comm,
                     rank,
                     n,
+                    a: DevBuf::new(buf, memory, &device, comm)?,
+                    b: DevBuf::new(buf, memory, &device, comm)?,
                     device,
-                    a: DevBuf::new(buf)?,
-                    b: DevBuf::new(buf)?,
                 };
                 r.matrix(max_bytes, true)
             })
@@ -355,7 +446,14 @@ fn main() {
         let get = |i: usize| args.get(i).cloned().unwrap_or_default();
         let (rank, n) = (get(2).parse().unwrap_or(0), get(3).parse().unwrap_or(1));
         let max_bytes = get(5).parse().unwrap_or(256 << 20);
-        match worker(rank, n, id_from(&get(4)), max_bytes, get(6) == "1") {
+        match worker(
+            rank,
+            n,
+            id_from(&get(4)),
+            max_bytes,
+            get(6) == "1",
+            Memory::parse(&get(7)),
+        ) {
             Ok(cases) => {
                 println!("  {n} ranks: {cases} cases per rank passed");
                 std::process::exit(0)
@@ -400,31 +498,52 @@ fn main() {
     }
     let max_bytes = max_mib << 20;
     let mut failed = false;
+    let mut report = |what: String, t: Instant, r: Result<(), String>| match r {
+        Ok(()) => println!("PASS {what} ({:.1} s)", t.elapsed().as_secs_f64()),
+        Err(e) => {
+            println!("FAIL {what}:\n{e}");
+            failed = true;
+        }
+    };
     for &n in &ranks {
         let t = Instant::now();
-        match run_processes(n, max_bytes, quick) {
-            Ok(()) => println!(
-                "PASS {n} processes on one GPU ({:.1} s)",
-                t.elapsed().as_secs_f64()
-            ),
-            Err(e) => {
-                println!("FAIL {n} processes on one GPU:\n{e}");
-                failed = true;
-            }
-        }
+        let r = run_processes(n, max_bytes, quick, Memory::Plain);
+        report(format!("{n} processes on one GPU"), t, r);
     }
-    for n in [2usize, 4] {
+    // Registered buffers, read in place by the peers: VMM memory (file descriptors) and
+    // cuMemAlloc memory (IPC handles), odd and even rank counts; the quick matrix.
+    for (n, memory) in [
+        (2usize, Memory::RegisteredVmm),
+        (3, Memory::RegisteredVmm),
+        (2, Memory::RegisteredIpc),
+        (4, Memory::RegisteredIpc),
+    ] {
         let t = Instant::now();
-        match run_threads(n, max_bytes.min(64 << 20)) {
-            Ok(()) => println!(
-                "PASS {n} threads (ncclCommInitAll) on one GPU ({:.1} s)",
-                t.elapsed().as_secs_f64()
+        let r = run_processes(n, max_bytes.min(64 << 20), true, memory);
+        report(
+            format!(
+                "{n} processes on one GPU, registered {} buffers",
+                memory.name()
             ),
-            Err(e) => {
-                println!("FAIL {n} threads on one GPU:\n{e}");
-                failed = true;
-            }
-        }
+            t,
+            r,
+        );
+    }
+    for (n, memory) in [
+        (2usize, Memory::Plain),
+        (4, Memory::Plain),
+        (3, Memory::RegisteredVmm),
+    ] {
+        let t = Instant::now();
+        let r = run_threads(n, max_bytes.min(64 << 20), memory);
+        report(
+            format!(
+                "{n} threads (ncclCommInitAll) on one GPU, {} buffers",
+                memory.name()
+            ),
+            t,
+            r,
+        );
     }
     std::process::exit(if failed { 1 } else { 0 });
 }
