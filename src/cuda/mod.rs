@@ -577,11 +577,24 @@ pub fn vmm_alloc(size: usize) -> Result<u64> {
         unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) },
         &format!("cuMemCreate({size} bytes)"),
     )?;
+    let ptr = map_allocation(handle, size, gran, ordinal)?;
+    VMM.lock().push((ptr, handle, size, ordinal));
+    Ok(ptr)
+}
+
+/// Maps all `size` bytes of VMM allocation `handle` at a fresh address, readable and writable
+/// by device `ordinal`. On failure everything is undone and the handle released.
+fn map_allocation(
+    handle: cu::CUmemGenericAllocationHandle,
+    size: usize,
+    align: usize,
+    ordinal: i32,
+) -> Result<u64> {
     let mut ptr: cu::CUdeviceptr = 0;
     // SAFETY: reserves a fresh address range of `size` bytes.
-    let r = unsafe { cu::cuMemAddressReserve(&mut ptr, size, gran, 0, 0) };
+    let r = unsafe { cu::cuMemAddressReserve(&mut ptr, size, align, 0, 0) };
     if let Err(e) = check(r, "cuMemAddressReserve") {
-        // SAFETY: handle was created above and is not mapped.
+        // SAFETY: the handle is valid and not mapped.
         unsafe { cu::cuMemRelease(handle) };
         return Err(e);
     }
@@ -608,7 +621,6 @@ pub fn vmm_alloc(size: usize) -> Result<u64> {
         }
         return Err(e);
     }
-    VMM.lock().push((ptr, handle, size, ordinal));
     Ok(ptr)
 }
 

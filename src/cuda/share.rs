@@ -132,38 +132,8 @@ pub fn import_fd(device: &Arc<Device>, fd: &OwnedFd, len: usize) -> Result<Impor
         },
         "cuMemImportFromShareableHandle",
     )?;
-    let mut ptr: cu::CUdeviceptr = 0;
-    // SAFETY: reserves a fresh range; len is the exporter's allocation size (a multiple of
-    // its granularity, which the mapping requires).
-    let r = unsafe { cu::cuMemAddressReserve(&mut ptr, len, 0, 0, 0) };
-    if let Err(e) = check(r, "cuMemAddressReserve") {
-        // SAFETY: the handle was imported above and is not mapped.
-        unsafe { cu::cuMemRelease(handle) };
-        return Err(e);
-    }
-    // SAFETY: maps the whole allocation at the reserved range, then opens it to this device.
-    let mapped =
-        check(unsafe { cu::cuMemMap(ptr, len, 0, handle, 0) }, "cuMemMap").and_then(|_| {
-            // SAFETY: plain-data struct.
-            let mut access: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-            access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            access.location.id = device.ordinal;
-            access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            // SAFETY: [ptr, ptr+len) is mapped; one descriptor.
-            check(
-                unsafe { cu::cuMemSetAccess(ptr, len, &access, 1) },
-                "cuMemSetAccess",
-            )
-        });
-    if let Err(e) = mapped {
-        // SAFETY: undoing what was done above, in reverse.
-        unsafe {
-            cu::cuMemUnmap(ptr, len);
-            cu::cuMemAddressFree(ptr, len);
-            cu::cuMemRelease(handle);
-        }
-        return Err(e);
-    }
+    // The exporter's size is a multiple of its granularity, which the mapping requires.
+    let ptr = super::map_allocation(handle, len, 0, device.ordinal)?;
     Ok(Imported::Vmm(VmmMapping {
         ptr,
         len,
