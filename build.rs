@@ -288,6 +288,7 @@ fn probe_layout(nvcc: &Nvcc, kernels: &Path, out: &Path, layout: &Path) -> Resul
         "count",
         "divide_by",
         "via",
+        "scale_at",
     ];
     let mut body = String::from(
         "#include <stddef.h>\n#include <stdio.h>\n#include \"comm_kernels.cuh\"\nint main(void) {\n\

@@ -28,6 +28,9 @@ typedef struct {
    * non-zero address, the source is read from there instead of src[i] (a peer's message in its
    * registered buffer rather than in the slot it would have been staged into). */
   const unsigned long long *via[COMM_MAX_SOURCES];
+  /* Per source: null, or the address of a value of the datatype that replaces scale[i] (a
+   * PreMulSum scalar in device memory, read when the launch runs). */
+  const void *scale_at[COMM_MAX_SOURCES];
 } ReduceArgs;
 
 /* Every reduce kernel, as X(dtype, op). Bitwise ops exist for the integer types only. The Rust

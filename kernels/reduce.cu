@@ -136,14 +136,19 @@ __device__ __forceinline__ void fold_items(const ReduceArgs &args, unsigned long
   }
 }
 
-// Sources with a descriptor cell are read wherever the cell points (when it is set). The cells
+// Sources with a descriptor cell are read wherever the cell points (when it is set); the cells
 // were written before the flag the stream waited on ahead of this launch, so every thread reads
-// the same value.
-__device__ __forceinline__ void resolve_sources(ReduceArgs &args) {
+// the same value. Multipliers kept in device memory are read the same way.
+template <class D> __device__ __forceinline__ void resolve_sources(ReduceArgs &args) {
   for (int s = 0; s < args.nsrc; ++s) {
     if (args.via[s] != nullptr) {
       const unsigned long long at = *static_cast<const volatile unsigned long long *>(args.via[s]);
       if (at != 0) args.src[s] = reinterpret_cast<const void *>(at);
+    }
+    if (args.scale_at[s] != nullptr) {
+      unsigned long long raw = 0;
+      memcpy(&raw, args.scale_at[s], sizeof(typename D::Bits));
+      args.scale[s] = raw;
     }
   }
 }
@@ -172,18 +177,20 @@ template <class D, class Op> __device__ __forceinline__ void reduce_resolved(con
                                           body_end * sizeof(T));
 }
 
-// Launches without descriptors (all but receives from peers that may send in place) read the
-// parameters where they are; the others work on a copy with the sources resolved.
+// Launches without descriptors or multipliers in device memory (nearly all) read the parameters
+// where they are; the others work on a copy with those resolved.
 template <class D, class Op> __device__ __forceinline__ void reduce(const ReduceArgs &args) {
   if (args.count == 0 || args.nsrc < 1 || args.nsrc > COMM_MAX_SOURCES) return;
-  bool described = false;
-  for (int s = 0; s < args.nsrc; ++s) described |= args.via[s] != nullptr;
-  if (!described) {
+  bool indirect = false;
+  for (int s = 0; s < args.nsrc; ++s) {
+    indirect |= args.via[s] != nullptr || args.scale_at[s] != nullptr;
+  }
+  if (!indirect) {
     reduce_resolved<D, Op>(args);
     return;
   }
   ReduceArgs copy = args;
-  resolve_sources(copy);
+  resolve_sources<D>(copy);
   reduce_resolved<D, Op>(copy);
 }
 

@@ -94,6 +94,12 @@ pub fn parse_dtype(raw: i32) -> Result<DataType> {
     )
 }
 
+/// Whether a ncclScalarDevice scalar lives in device memory (read by the kernels) rather than
+/// host memory (read when the operation is built).
+fn scalar_on_device(p: usize) -> bool {
+    crate::cuda::classify(p as *const std::ffi::c_void) != crate::cuda::MemKind::Host
+}
+
 /// The peers a group's device operations send to and receive from.
 fn peers_of(ops: &[crate::exec::device::DeviceOp], nranks: usize) -> (Vec<bool>, Vec<bool>) {
     let (mut to, mut from) = (vec![false; nranks], vec![false; nranks]);
@@ -365,14 +371,11 @@ impl Comm {
             }
         }
         let device = self.memory_kind(send, send_bytes, recv, recv_bytes)?;
-        if device {
-            if let Some(OpChoice::PreMulSum(ScalarSrc::Pointer(p))) = op {
-                if crate::cuda::classify(p as *const std::ffi::c_void) != crate::cuda::MemKind::Host
-                {
-                    return crate::invalid_usage!(
-                        "a PreMulSum scalar in device memory (ncclScalarDevice) is not supported on device buffers yet; create the op with ncclScalarHostImmediate"
-                    );
-                }
+        if let Some(OpChoice::PreMulSum(ScalarSrc::Pointer(p))) = op {
+            if !device && scalar_on_device(p) {
+                return crate::invalid_arg!(
+                    "the PreMulSum scalar is in device memory but the buffers are host memory; host calls read their scalar on the host (use ncclScalarHostImmediate or a host address)"
+                );
             }
         }
         Ok(Call {
@@ -648,17 +651,28 @@ impl Comm {
             OpChoice::Plain(p) => Reduction {
                 reducer: Reducer::new(dtype, p),
                 input_scale: None,
+                input_scale_at: None,
                 divide_by: None,
             },
             OpChoice::Avg if dtype.is_float() => Reduction {
                 reducer: sum,
                 input_scale: Some(Scale::reciprocal(dtype, self.nranks)),
+                input_scale_at: None,
                 divide_by: None,
             },
             OpChoice::Avg => Reduction {
                 reducer: sum,
                 input_scale: None,
+                input_scale_at: None,
                 divide_by: Some(self.nranks),
+            },
+            // A scalar in device memory is read by the kernels, when the call runs on the
+            // stream (only device calls get here with one; see check_call).
+            OpChoice::PreMulSum(ScalarSrc::Pointer(p)) if scalar_on_device(p) => Reduction {
+                reducer: sum,
+                input_scale: None,
+                input_scale_at: Some(p as u64),
+                divide_by: None,
             },
             OpChoice::PreMulSum(src) => Reduction {
                 reducer: sum,
@@ -666,6 +680,7 @@ impl Comm {
                     ScalarSrc::Value(s) => s,
                     ScalarSrc::Pointer(p) => crate::exec::host::read_scalar(p, dtype),
                 }),
+                input_scale_at: None,
                 divide_by: None,
             },
         }

@@ -67,6 +67,9 @@ pub struct ReduceArgs {
     /// Per source: null, or a device descriptor cell; a non-zero value in it replaces `src[i]`
     /// (a peer's message read in place from its registered buffer).
     pub via: [*const u64; MAX_SOURCES],
+    /// Per source: null, or the device address of a value of the datatype that replaces
+    /// `scale[i]` when the launch runs (a PreMulSum scalar in device memory).
+    pub scale_at: [*const std::ffi::c_void; MAX_SOURCES],
 }
 
 impl Default for ReduceArgs {
@@ -80,6 +83,7 @@ impl Default for ReduceArgs {
             count: 0,
             divide_by: 0,
             via: [std::ptr::null(); MAX_SOURCES],
+            scale_at: [std::ptr::null(); MAX_SOURCES],
         }
     }
 }
@@ -104,6 +108,7 @@ const _: () = {
     assert!(offset_of!(ReduceArgs, count) == c_layout::COUNT);
     assert!(offset_of!(ReduceArgs, divide_by) == c_layout::DIVIDE_BY);
     assert!(offset_of!(ReduceArgs, via) == c_layout::VIA);
+    assert!(offset_of!(ReduceArgs, scale_at) == c_layout::SCALE_AT);
 };
 
 /// Keeps the embedded image 64-byte aligned: the driver parses it in place.

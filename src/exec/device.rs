@@ -113,11 +113,19 @@ pub fn flag_count(nranks: usize, slots: usize) -> usize {
     2 * nranks * slots
 }
 
+/// A multiplier: known when the program is built, or read from device memory when it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Factor {
+    Value(Scale),
+    /// A value of the datatype at this device address of the rank (ncclScalarDevice).
+    At(u64),
+}
+
 /// One source of a reduction, with the multiplier applied to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Source {
     pub loc: Loc,
-    pub scale: Option<Scale>,
+    pub scale: Option<Factor>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -210,7 +218,11 @@ pub fn compile(
             buf: r.buf,
             offset: r.offset,
         };
-        let input_scale = o.reduction.and_then(|r| r.input_scale);
+        let input_scale = o.reduction.and_then(|r| {
+            r.input_scale_at
+                .map(Factor::At)
+                .or(r.input_scale.map(Factor::Value))
+        });
         let source = |x: Operand| Source {
             loc: loc(x.region),
             scale: if x.input { input_scale } else { None },
@@ -645,8 +657,12 @@ pub fn enqueue(
                     if *via != 0 {
                         args.via[i] = *via as *const u64;
                     }
-                    if let Some(s) = scale {
-                        args.scale[i] = u64::from_le_bytes(s.0);
+                    match scale {
+                        Some(Factor::Value(s)) => args.scale[i] = u64::from_le_bytes(s.0),
+                        Some(Factor::At(at)) => args.scale_at[i] = *at as *const std::ffi::c_void,
+                        None => {}
+                    }
+                    if scale.is_some() {
                         args.has_scale |= 1 << i;
                     }
                 }
@@ -830,13 +846,23 @@ mod tests {
                         } => {
                             let len = count * elem;
                             let first = &srcs[0];
+                            let factor = |f: Option<Factor>, rank: &Rank| {
+                                f.map(|f| match f {
+                                    Factor::Value(s) => s,
+                                    Factor::At(at) => Scale::from_bytes(
+                                        reducer.dtype,
+                                        &rank.mem[at as usize..at as usize + elem],
+                                    ),
+                                })
+                            };
                             let mut acc = read(ranks, &mut pinned, me, first.loc, len);
-                            if let Some(s) = first.scale {
+                            if let Some(s) = factor(first.scale, &ranks[me]) {
                                 reducer.scale_in_place(&mut acc, s);
                             }
                             for s in &srcs[1..] {
                                 let b = read(ranks, &mut pinned, me, s.loc, len);
-                                reducer.reduce_in_place(&mut acc, None, &b, s.scale);
+                                let f = factor(s.scale, &ranks[me]);
+                                reducer.reduce_in_place(&mut acc, None, &b, f);
                             }
                             if let Some(d) = divide_by {
                                 reducer.divide_in_place(&mut acc, *d);
@@ -1009,7 +1035,8 @@ mod tests {
     }
 
     /// All-reduce of f32 sums with every algorithm, twice in a row (slots and flags must be
-    /// reusable), compared with the exact sum; PreMulSum-like input scaling included.
+    /// reusable), compared with the exact sum; PreMulSum with a different scalar per rank, known
+    /// when the program is built or read from the rank's memory when it runs.
     #[test]
     fn all_reduce_programs_compute_sums_and_restore_flags() {
         let slot_bytes = 16;
@@ -1021,31 +1048,43 @@ mod tests {
                     Algorithm::Direct,
                     Algorithm::TwoShot,
                 ] {
-                    for scaled in [false, true] {
-                        let reduction = Reduction {
+                    for scaling in ["none", "value", "memory"] {
+                        // Rank r multiplies its input by r + 2.
+                        let factor = |r: usize| {
+                            if scaling == "none" {
+                                1.0
+                            } else {
+                                r as f32 + 2.0
+                            }
+                        };
+                        let reduction = |r: usize| Reduction {
                             reducer: Reducer::new(DataType::Float32, ReduceOp::Sum),
-                            input_scale: scaled
-                                .then(|| Scale::from_bytes(DataType::Float32, &2f32.to_ne_bytes())),
+                            input_scale: (scaling == "value").then(|| {
+                                Scale::from_bytes(DataType::Float32, &factor(r).to_ne_bytes())
+                            }),
+                            // Bytes 0..4 of the rank's memory (its buffers start at 64).
+                            input_scale_at: (scaling == "memory").then_some(0),
                             divide_by: None,
                         };
                         let colls = vec![Collective::AllReduce { count }; 2];
                         let setups: Vec<Setup> = (0..n)
                             .map(|r| {
-                                setup(
+                                let mut s = setup(
                                     &colls,
                                     algo,
                                     r,
                                     n,
                                     false,
                                     slot_bytes,
-                                    Some(reduction),
+                                    Some(reduction(r)),
                                     r as u64 + 7,
-                                )
+                                );
+                                s.mem[..4].copy_from_slice(&factor(r).to_ne_bytes());
+                                s
                             })
                             .collect();
                         let links: Vec<Links> = (0..n).map(|_| Links::staged(n)).collect();
                         let mems = run_all(&setups, &links, slot_bytes);
-                        let f = if scaled { 2.0 } else { 1.0 };
                         for (r, mem) in mems.iter().enumerate() {
                             for op in 0..2 {
                                 let recv = setups[r].bufs[op].recv as usize;
@@ -1054,12 +1093,12 @@ mod tests {
                                     let want: f32 = (0..n)
                                         .map(|q| {
                                             let s = setups[q].bufs[op].send as usize + 4 * i;
-                                            f * f32s(&setups[q].mem[s..s + 4])[0]
+                                            factor(q) * f32s(&setups[q].mem[s..s + 4])[0]
                                         })
                                         .sum();
                                     assert_eq!(
                                         *g, want,
-                                        "{algo:?} n={n} count={count} rank {r} op {op} elem {i}"
+                                        "{algo:?} {scaling} n={n} count={count} rank {r} op {op} elem {i}"
                                     );
                                 }
                             }
@@ -1217,6 +1256,7 @@ mod tests {
                                 input_scale: scaled.then(|| {
                                     Scale::from_bytes(DataType::Float32, &3f32.to_ne_bytes())
                                 }),
+                                input_scale_at: None,
                                 divide_by: None,
                             };
                             let setups: Vec<Setup> = (0..n)

@@ -26,6 +26,9 @@ pub struct Reduction {
     pub reducer: Reducer,
     /// Applied once to this rank's own input (PreMulSum's scalar, 1/n for a float average).
     pub input_scale: Option<Scale>,
+    /// Device calls only: the input's multiplier is read from this device address when the
+    /// kernels run (a PreMulSum scalar in device memory, ncclScalarDevice).
+    pub input_scale_at: Option<u64>,
     /// Final values are divided by this (an integer average).
     pub divide_by: Option<usize>,
 }

@@ -144,6 +144,8 @@ struct Rank {
     /// One big buffer for in-place cases and two for out-of-place ones.
     a: DevBuf,
     b: DevBuf,
+    /// Where PreMulSum scalars in device memory live.
+    scalar: cuda::DeviceMem,
 }
 
 impl Rank {
@@ -187,12 +189,17 @@ impl Rank {
         let mut redop = op;
         if reduces(coll) && op == PREMULSUM {
             encode(dt, scalar(dt), &mut scalar_bytes[..es]);
+            // Odd counts take the scalar from device memory (ncclScalarDevice), read by the
+            // kernels when the call runs; even ones as an immediate value.
+            let (at, residence) = if count % 2 == 1 {
+                cuda::copy_to_device(&self.device, self.scalar.ptr, &scalar_bytes)
+                    .map_err(|e| e.msg)?;
+                (self.scalar.ptr as *mut c_void, 0)
+            } else {
+                (scalar_bytes.as_mut_ptr() as *mut c_void, 1)
+            };
             nccl!(ncclRedOpCreatePreMulSum(
-                &mut redop,
-                scalar_bytes.as_mut_ptr() as *mut c_void,
-                dt,
-                1,
-                self.comm
+                &mut redop, at, dt, residence, self.comm
             ));
         }
         let c = self.comm;
@@ -306,6 +313,7 @@ fn worker(
         n,
         a: DevBuf::new(buf, memory, &device, comm)?,
         b: DevBuf::new(buf, memory, &device, comm)?,
+        scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
         device,
     };
     let cases = r.matrix(max_bytes, quick)?;
@@ -415,6 +423,7 @@ fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String>
                     n,
                     a: DevBuf::new(buf, memory, &device, comm)?,
                     b: DevBuf::new(buf, memory, &device, comm)?,
+                    scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
                     device,
                 };
                 r.matrix(max_bytes, true)
