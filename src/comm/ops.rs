@@ -448,13 +448,25 @@ impl Comm {
                 "device call without a device path",
             )
         })?;
-        let stream = calls[0].stream;
-        if calls.iter().any(|c| c.stream != stream) {
-            return crate::invalid_usage!(
-                "the device operations of one communicator in one group must use one stream"
-            );
+        // The group's program runs on the first call's stream; the other streams of the group
+        // join it before and wait for it after, as NCCL does with the streams of a group.
+        let mut streams: Vec<Stream> = Vec::new();
+        for c in calls {
+            let s = Stream(c.stream as *mut std::ffi::c_void);
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
         }
-        let stream = Stream(stream as *mut std::ffi::c_void);
+        let stream = streams[0];
+        let others = &streams[1..];
+        if !others.is_empty() {
+            let _bound = world.device.bind()?;
+            for s in others {
+                let joined = crate::cuda::Event::new(&world.device)?;
+                joined.record(*s)?;
+                joined.wait_on(stream)?;
+            }
+        }
         let mut ops = Vec::with_capacity(calls.len());
         let mut offsets = Vec::with_capacity(calls.len());
         let mut scratch = 0usize;
@@ -520,7 +532,17 @@ impl Comm {
             None => Links::staged(self.nranks),
         };
         let counted = plan.is_some();
-        let enqueued = self.enqueue_program(&ops, &bufs, &links, world, stream);
+        let enqueued = self
+            .enqueue_program(&ops, &bufs, &links, world, stream)
+            .and_then(|()| {
+                if others.is_empty() {
+                    return Ok(());
+                }
+                let _bound = world.device.bind()?;
+                let done = crate::cuda::Event::new(&world.device)?;
+                done.record(stream)?;
+                others.iter().try_for_each(|s| done.wait_on(*s))
+            });
         if let Err(e) = &enqueued {
             if counted {
                 self.fail(e);

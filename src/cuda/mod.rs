@@ -497,6 +497,30 @@ impl Stream {
         )
     }
 
+    /// A new non-blocking stream on `device` (tests and benchmarks); destroy it with
+    /// [`Stream::destroy`].
+    pub fn create(device: &Device) -> Result<Stream> {
+        let _b = device.bind()?;
+        let mut raw: cu::CUstream = std::ptr::null_mut();
+        // SAFETY: raw is a valid out-pointer; the context is current.
+        check(
+            unsafe {
+                cu::cuStreamCreate(&mut raw, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            },
+            "cuStreamCreate",
+        )?;
+        Ok(Stream(raw as *mut c_void))
+    }
+
+    /// Destroys a stream made by [`Stream::create`] (its pending work still completes).
+    pub fn destroy(self) -> Result<()> {
+        // SAFETY: the stream came from cuStreamCreate and is destroyed once.
+        check(
+            unsafe { cu::cuStreamDestroy_v2(self.raw()) },
+            "cuStreamDestroy",
+        )
+    }
+
     /// Waits on the host until everything on the stream is done.
     pub fn synchronize(self) -> Result<()> {
         // SAFETY: the handle is valid (or null, the default stream).

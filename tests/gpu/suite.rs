@@ -236,6 +236,55 @@ impl Rank {
         verify(coll, dt, op, rank, n, count, &what, &out)
     }
 
+    /// One group of all-reduces issued on two streams (NCCL joins a group's streams): each
+    /// result checked, on both streams, after synchronizing them.
+    fn grouped_streams(&self) -> Result<(), String> {
+        let (n, count) = (self.n, 1000usize + 3);
+        let s1 = cuda::Stream::create(&self.device).map_err(|e| e.msg)?;
+        let s2 = cuda::Stream::create(&self.device).map_err(|e| e.msg)?;
+        let half = (self.a.len / 2) as u64;
+        let mut bufs = Vec::new();
+        for (k, base) in [(0usize, self.a.ptr), (1, self.a.ptr + half)] {
+            let host: Vec<u8> = (0..count)
+                .flat_map(|j| ((self.rank * 7 + j + k) as f32).to_ne_bytes())
+                .collect();
+            cuda::copy_to_device(&self.device, base, &host).map_err(|e| e.msg)?;
+            bufs.push((base, self.b.ptr + k as u64 * half));
+        }
+        nccl!(ncclGroupStart());
+        for (k, (src, dst)) in bufs.iter().enumerate() {
+            let s = if k == 0 { s1 } else { s2 };
+            nccl!(ncclAllReduce(
+                *src as *const c_void,
+                *dst as *mut c_void,
+                count,
+                7,
+                SUM,
+                self.comm,
+                s.0 as cudaStream_t
+            ));
+        }
+        nccl!(ncclGroupEnd());
+        for s in [s1, s2] {
+            s.synchronize().map_err(|e| e.msg)?;
+            s.destroy().map_err(|e| e.msg)?;
+        }
+        for (k, (_, dst)) in bufs.iter().enumerate() {
+            let mut out = vec![0u8; count * 4];
+            cuda::copy_from_device(&self.device, &mut out, *dst).map_err(|e| e.msg)?;
+            for (j, c) in out.chunks_exact(4).enumerate() {
+                let got = f32::from_ne_bytes(c.try_into().unwrap());
+                let want: f32 = (0..n).map(|r| (r * 7 + j + k) as f32).sum();
+                if got != want {
+                    return Err(format!(
+                        "all-reduce {k} of a group on two streams: element {j} is {got}, expected {want}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Every collective x datatype x op; the largest sizes for float sums only.
     fn matrix(&self, max_bytes: usize, quick: bool) -> Result<usize, String> {
         let n = self.n;
@@ -317,6 +366,7 @@ fn worker(
         device,
     };
     let cases = r.matrix(max_bytes, quick)?;
+    r.grouped_streams()?;
     drop(r);
     nccl!(ncclCommDestroy(comm));
     Ok(cases)
