@@ -1109,8 +1109,66 @@ mod tests {
         }
     }
 
-    /// The collectives of rank r for a count.
-    type CollsOf = Box<dyn Fn(usize, usize) -> Vec<Collective>>;
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Case {
+        AllReduce,
+        Broadcast,
+        Reduce,
+        AllGather,
+        ReduceScatter,
+        AlltoAll,
+        Gather,
+        Scatter,
+        SendRecv,
+    }
+
+    const CASES: [(Algorithm, Case); 14] = [
+        (Algorithm::Ring, Case::AllReduce),
+        (Algorithm::Tree, Case::AllReduce),
+        (Algorithm::Direct, Case::AllReduce),
+        (Algorithm::TwoShot, Case::AllReduce),
+        (Algorithm::Ring, Case::Broadcast),
+        (Algorithm::Tree, Case::Broadcast),
+        (Algorithm::Ring, Case::Reduce),
+        (Algorithm::Tree, Case::Reduce),
+        (Algorithm::Ring, Case::AllGather),
+        (Algorithm::Ring, Case::ReduceScatter),
+        (Algorithm::Ring, Case::AlltoAll),
+        (Algorithm::Ring, Case::Gather),
+        (Algorithm::Ring, Case::Scatter),
+        (Algorithm::Ring, Case::SendRecv),
+    ];
+
+    /// What rank `r` of `n` calls in one group for a case: the collective twice (slots and
+    /// flags reused), or a send to the next rank and a receive from the previous one. Roots
+    /// move with the count (and the algorithm), so every rank gets to be one.
+    fn colls(case: Case, algo: Algorithm, r: usize, n: usize, count: usize) -> Vec<Collective> {
+        let root = (count + (algo == Algorithm::Tree) as usize) % n;
+        let one = match case {
+            Case::AllReduce => Collective::AllReduce { count },
+            Case::Broadcast => Collective::Broadcast { count, root },
+            Case::Reduce => Collective::Reduce { count, root },
+            Case::AllGather => Collective::AllGather { count },
+            Case::ReduceScatter => Collective::ReduceScatter { count },
+            Case::AlltoAll => Collective::AlltoAll { count },
+            Case::Gather => Collective::Gather { count, root },
+            Case::Scatter => Collective::Scatter { count, root },
+            Case::SendRecv => {
+                return vec![
+                    Collective::Send {
+                        peer: (r + 1) % n,
+                        count,
+                    },
+                    Collective::Recv {
+                        peer: (r + n - 1) % n,
+                        count,
+                    },
+                ]
+            }
+        };
+        vec![one; 2]
+    }
+
     type PeerView<'a> = Box<dyn Fn(usize, u64, usize) -> Option<u64> + 'a>;
 
     /// Every collective, in place and out of place, with registered buffers read in place by
@@ -1123,125 +1181,8 @@ mod tests {
         let mut rng = Rng(0x5eed_1234_abcd);
         let mut direct_reads = 0usize;
         for n in 1..=5usize {
-            let cases: Vec<(Algorithm, CollsOf)> = vec![
-                (
-                    Algorithm::Ring,
-                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Tree,
-                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Direct,
-                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
-                ),
-                (
-                    Algorithm::TwoShot,
-                    Box::new(|_, c| vec![Collective::AllReduce { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Broadcast {
-                                count: c,
-                                root: c % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Tree,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Broadcast {
-                                count: c,
-                                root: (c + 1) % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Reduce {
-                                count: c,
-                                root: c % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Tree,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Reduce {
-                                count: c,
-                                root: (c + 1) % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(|_, c| vec![Collective::AllGather { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(|_, c| vec![Collective::ReduceScatter { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(|_, c| vec![Collective::AlltoAll { count: c }; 2]),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Gather {
-                                count: c,
-                                root: c % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(move |_, c| {
-                        vec![
-                            Collective::Scatter {
-                                count: c,
-                                root: (c + 1) % n
-                            };
-                            2
-                        ]
-                    }),
-                ),
-                (
-                    Algorithm::Ring,
-                    Box::new(move |r, c| {
-                        vec![
-                            Collective::Send {
-                                peer: (r + 1) % n,
-                                count: c,
-                            },
-                            Collective::Recv {
-                                peer: (r + n - 1) % n,
-                                count: c,
-                            },
-                        ]
-                    }),
-                ),
-            ];
-            for (k, (algo, colls)) in cases.iter().enumerate() {
-                let p2p = k == cases.len() - 1;
+            for &(algo, case) in CASES.iter() {
+                let p2p = case == Case::SendRecv;
                 if p2p && n == 1 {
                     continue;
                 }
@@ -1262,8 +1203,8 @@ mod tests {
                             let setups: Vec<Setup> = (0..n)
                                 .map(|r| {
                                     setup(
-                                        &colls(r, count),
-                                        *algo,
+                                        &colls(case, algo, r, n, count),
+                                        algo,
                                         r,
                                         n,
                                         in_place,
@@ -1321,7 +1262,7 @@ mod tests {
                                 for r in 0..n {
                                     assert!(
                                         got[r] == want[r],
-                                        "{algo:?} case {k} n={n} count={count} in_place={in_place} scaled={scaled}: rank {r} differs from the staged run"
+                                        "{algo:?} {case:?} n={n} count={count} in_place={in_place} scaled={scaled}: rank {r} differs from the staged run"
                                     );
                                 }
                                 direct_reads += counter.get();
