@@ -149,6 +149,27 @@ struct Rank {
 }
 
 impl Rank {
+    /// A rank's buffers for cases up to `max_bytes`.
+    fn new(
+        comm: ncclComm_t,
+        rank: usize,
+        n: usize,
+        device: Arc<Device>,
+        max_bytes: usize,
+        memory: Memory,
+    ) -> Result<Rank, String> {
+        let buf = max_bytes.max(16 << 20);
+        Ok(Rank {
+            comm,
+            rank,
+            n,
+            a: DevBuf::new(buf, memory, &device, comm)?,
+            b: DevBuf::new(buf, memory, &device, comm)?,
+            scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
+            device,
+        })
+    }
+
     fn run_case(
         &self,
         coll: Coll,
@@ -355,16 +376,7 @@ fn worker(
     if features & COMM_FEATURE_DEVICE_MEMORY == 0 {
         return Err("the library reports no device memory support".into());
     }
-    let buf = max_bytes.max(16 << 20);
-    let r = Rank {
-        comm,
-        rank,
-        n,
-        a: DevBuf::new(buf, memory, &device, comm)?,
-        b: DevBuf::new(buf, memory, &device, comm)?,
-        scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
-        device,
-    };
+    let r = Rank::new(comm, rank, n, device, max_bytes, memory)?;
     let cases = r.matrix(max_bytes, quick)?;
     r.grouped_streams()?;
     drop(r);
@@ -465,17 +477,7 @@ fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String>
             std::thread::spawn(move || -> Result<usize, String> {
                 let device = Device::get(0).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
-                let buf = max_bytes.max(16 << 20);
-                let comm = c as ncclComm_t;
-                let r = Rank {
-                    comm,
-                    rank,
-                    n,
-                    a: DevBuf::new(buf, memory, &device, comm)?,
-                    b: DevBuf::new(buf, memory, &device, comm)?,
-                    scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
-                    device,
-                };
+                let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
                 r.matrix(max_bytes, true)
             })
         })
