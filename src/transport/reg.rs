@@ -574,6 +574,11 @@ impl Registry {
     /// After a program was enqueued on `stream`: lets go of retired mappings nothing reads any
     /// more.
     pub fn after_enqueue(&self, device: &Arc<Device>, stream: Stream) -> Result<()> {
+        // An event recorded during graph capture becomes part of the graph and says nothing
+        // about when work runs; retire on the next eager program instead.
+        if stream.capturing() {
+            return Ok(());
+        }
         let mut st = self.state.lock();
         let received = st.received.clone();
         for r in st.retiring.iter_mut() {
