@@ -288,12 +288,101 @@ fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// ncclCommRegister / ncclCommDeregister on host memory: buffers stay usable while
+/// registered; bad handles, double deregistration and another communicator's handle are
+/// refused with a message and leave the communicator working.
+fn registration(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let count = 4099;
+    let mut buf = vec![rank as f32 + 1.0; count];
+    let bytes = count * 4;
+    let mut h: *mut c_void = std::ptr::null_mut();
+    nccl!(ncclCommRegister(
+        comm,
+        buf.as_mut_ptr() as *mut c_void,
+        bytes,
+        &mut h
+    ));
+    if h.is_null() {
+        return Err("ncclCommRegister succeeded but gave a NULL handle".into());
+    }
+    // In place on the registered buffer.
+    let p = buf.as_mut_ptr() as *mut c_void;
+    nccl!(ncclAllReduce(p, p, count, FLOAT, SUM, comm, S));
+    let want = (n * (n + 1) / 2) as f32;
+    if let Some(i) = buf.iter().position(|&v| v != want) {
+        return Err(format!(
+            "registered buffer: element {i} is {}, expected {want}",
+            buf[i]
+        ));
+    }
+    let refused = |what: &str, r: ncclResult_t, code: ncclResult_t, words: &str| {
+        let msg = last_error();
+        if r != code || !msg.contains(words) {
+            Err(format!(
+                "{what}: got {r:?} \"{msg}\", expected {code:?} mentioning \"{words}\""
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: the calls are made as a C program would, with deliberately bad arguments.
+    unsafe {
+        let r = ncclCommRegister(comm, std::ptr::null_mut(), 64, &mut h);
+        refused("NULL buffer", r, ncclResult_t::ncclInvalidArgument, "NULL")?;
+        let r = ncclCommRegister(comm, p, bytes, std::ptr::null_mut());
+        refused(
+            "NULL handle pointer",
+            r,
+            ncclResult_t::ncclInvalidArgument,
+            "handle",
+        )?;
+        let r = ncclCommDeregister(comm, 0x1234 as *mut c_void);
+        refused(
+            "made-up handle",
+            r,
+            ncclResult_t::ncclInvalidArgument,
+            "not a live registration",
+        )?;
+    }
+    // A handle of another communicator is refused there.
+    let mut other: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(
+        comm,
+        0,
+        rank as i32,
+        &mut other,
+        std::ptr::null_mut()
+    ));
+    // SAFETY: as above.
+    let r = unsafe { ncclCommDeregister(other, h) };
+    refused(
+        "another communicator's handle",
+        r,
+        ncclResult_t::ncclInvalidArgument,
+        "another communicator",
+    )?;
+    nccl!(ncclCommDestroy(other));
+    nccl!(ncclCommDeregister(comm, h));
+    // SAFETY: as above.
+    let r = unsafe { ncclCommDeregister(comm, h) };
+    refused(
+        "second deregistration",
+        r,
+        ncclResult_t::ncclInvalidArgument,
+        "already deregistered",
+    )?;
+    // The communicator still works after every refusal.
+    sum_check(comm, 1.0, n as f32, 17)
+}
+
 fn scenario(w: &Worker) -> Result<(), String> {
     match w.scenario.as_str() {
-        "split" | "shrink" | "queries" | "sendrecv" | "simulate" | "sendrecv_in_place" => {
+        "split" | "shrink" | "queries" | "sendrecv" | "simulate" | "sendrecv_in_place"
+        | "registration" => {
             let c = init_rank(w)?;
             match w.scenario.as_str() {
                 "split" => split(c, w.rank, w.nranks)?,
+                "registration" => registration(c, w.rank, w.nranks)?,
                 "shrink" => shrink(c, w.rank, w.nranks)?,
                 "queries" => queries(c, w.rank, w.nranks)?,
                 "simulate" => simulate(c, w.rank, w.nranks)?,
@@ -413,6 +502,16 @@ fn procs(scenario: &str, n: usize, env: &[(&str, &str)]) {
 #[test]
 fn queries_report_rank_count_and_no_device() {
     procs("queries", 3, &[]);
+}
+
+#[test]
+fn registration_processes() {
+    procs("registration", 3, &[]);
+}
+
+#[test]
+fn registration_threads() {
+    with_threads(2, Duration::from_secs(120), registration);
 }
 
 #[test]
