@@ -672,6 +672,78 @@ pub fn vmm_free(ptr: u64) -> Result<()> {
     }
 }
 
+/// Work captured from a stream into an instantiated CUDA graph (the device tests capture
+/// collectives and replay them).
+pub struct Graph {
+    graph: cu::CUgraph,
+    exec: cu::CUgraphExec,
+    device: Arc<Device>,
+}
+
+impl Graph {
+    /// Starts capturing what this thread enqueues on `stream`.
+    pub fn begin_capture(device: &Device, stream: Stream) -> Result<()> {
+        let _b = device.bind()?;
+        // SAFETY: the stream is valid; thread-local mode keeps other threads' calls legal.
+        check(
+            unsafe {
+                cu::cuStreamBeginCapture_v2(
+                    stream.raw(),
+                    cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
+            "cuStreamBeginCapture",
+        )
+    }
+
+    /// Ends the capture on `stream` and instantiates what it recorded.
+    pub fn end_capture(device: &Arc<Device>, stream: Stream) -> Result<Graph> {
+        let _b = device.bind()?;
+        let mut graph: cu::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing (begin_capture); graph is a valid out-pointer.
+        check(
+            unsafe { cu::cuStreamEndCapture(stream.raw(), &mut graph) },
+            "cuStreamEndCapture",
+        )?;
+        let mut exec: cu::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: graph was just captured; exec is a valid out-pointer.
+        if let Err(e) = check(
+            unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "cuGraphInstantiate",
+        ) {
+            // SAFETY: the graph is ours and not instantiated.
+            unsafe { cu::cuGraphDestroy(graph) };
+            return Err(e);
+        }
+        Ok(Graph {
+            graph,
+            exec,
+            device: device.clone(),
+        })
+    }
+
+    /// Enqueues one replay on `stream`.
+    pub fn launch(&self, stream: Stream) -> Result<()> {
+        // SAFETY: exec is an instantiated graph of this device; the stream is valid.
+        check(
+            unsafe { cu::cuGraphLaunch(self.exec, stream.raw()) },
+            "cuGraphLaunch",
+        )
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if let Ok(_b) = self.device.bind() {
+            // SAFETY: made by end_capture, destroyed once.
+            unsafe {
+                cu::cuGraphExecDestroy(self.exec);
+                cu::cuGraphDestroy(self.graph);
+            }
+        }
+    }
+}
+
 /// A CUDA event used to order a communicator's work across streams.
 pub struct Event {
     raw: cu::CUevent,

@@ -306,6 +306,61 @@ impl Rank {
         Ok(())
     }
 
+    /// All-reduces captured into a CUDA graph, then replayed three times with new inputs in
+    /// between: every replay's result checked (flags and slots must come back to their start
+    /// for that to work). Sizes for the one-shot, two-shot and ring algorithms.
+    fn graph_replay(&self) -> Result<(), String> {
+        let stream = cuda::Stream::create(&self.device).map_err(|e| e.msg)?;
+        for count in [1003usize, (1 << 20) + 3, (24 << 20) + 3] {
+            if count * 4 > self.a.len {
+                continue;
+            }
+            let fill = |round: usize| -> Result<(), String> {
+                let host: Vec<u8> = (0..count)
+                    .flat_map(|j| ((self.rank * 3 + j % 1000 + round) as f32).to_ne_bytes())
+                    .collect();
+                cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)
+            };
+            let reduce = || {
+                nccl!(ncclAllReduce(
+                    self.a.ptr as *const c_void,
+                    self.b.ptr as *mut c_void,
+                    count,
+                    7,
+                    SUM,
+                    self.comm,
+                    stream.0 as cudaStream_t
+                ));
+                Ok::<(), String>(())
+            };
+            // Once eagerly first, so that nothing has to be allocated while capturing.
+            fill(0)?;
+            reduce()?;
+            stream.synchronize().map_err(|e| e.msg)?;
+            cuda::Graph::begin_capture(&self.device, stream).map_err(|e| e.msg)?;
+            let captured = reduce();
+            let graph = cuda::Graph::end_capture(&self.device, stream).map_err(|e| e.msg)?;
+            captured?;
+            for round in 1..=3 {
+                fill(round)?;
+                graph.launch(stream).map_err(|e| e.msg)?;
+                stream.synchronize().map_err(|e| e.msg)?;
+                let mut out = vec![0u8; count * 4];
+                cuda::copy_from_device(&self.device, &mut out, self.b.ptr).map_err(|e| e.msg)?;
+                for (j, c) in out.chunks_exact(4).enumerate() {
+                    let got = f32::from_ne_bytes(c.try_into().unwrap());
+                    let want: f32 = (0..self.n).map(|r| (r * 3 + j % 1000 + round) as f32).sum();
+                    if got != want {
+                        return Err(format!(
+                            "graph replay {round} of an all-reduce of {count}: element {j} is {got}, expected {want}"
+                        ));
+                    }
+                }
+            }
+        }
+        stream.destroy().map_err(|e| e.msg)
+    }
+
     /// Every collective x datatype x op; the largest sizes for float sums only.
     fn matrix(&self, max_bytes: usize, quick: bool) -> Result<usize, String> {
         let n = self.n;
@@ -379,6 +434,7 @@ fn worker(
     let r = Rank::new(comm, rank, n, device, max_bytes, memory)?;
     let cases = r.matrix(max_bytes, quick)?;
     r.grouped_streams()?;
+    r.graph_replay()?;
     drop(r);
     nccl!(ncclCommDestroy(comm));
     Ok(cases)
