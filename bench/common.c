@@ -1286,7 +1286,9 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
         ri->device = dev;
         bench_cuda_describe(dev, &ri->pci[0], &ri->pci[1], &ri->pci[2], ri->name, sizeof ri->name);
         CUDACHECK(bench_cu.SetDevice(dev));
-        if (!o->stream_null) CUDACHECK(bench_cu.StreamCreate(&t->streams[i]));
+        /* Non-blocking, as nccl-tests makes them: ranks that are threads on one GPU must not be
+           held up by the legacy stream (the harness's cudaMemcpy runs there). */
+        if (!o->stream_null) CUDACHECK(bench_cu.StreamCreateWithFlags(&t->streams[i], 1));
       } else {
         t->devs[i] = -1;
         ri->device = -1;

@@ -40,7 +40,7 @@ int bench_cuda_load(char* why, size_t len) {
       {(void**)&bench_cu.Malloc, "cudaMalloc"},
       {(void**)&bench_cu.Free, "cudaFree"},
       {(void**)&bench_cu.Memcpy, "cudaMemcpy"},
-      {(void**)&bench_cu.StreamCreate, "cudaStreamCreate"},
+      {(void**)&bench_cu.StreamCreateWithFlags, "cudaStreamCreateWithFlags"},
       {(void**)&bench_cu.StreamDestroy, "cudaStreamDestroy"},
       {(void**)&bench_cu.StreamSynchronize, "cudaStreamSynchronize"},
       {(void**)&bench_cu.DeviceGetPCIBusId, "cudaDeviceGetPCIBusId"},

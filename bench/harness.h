@@ -112,7 +112,7 @@ typedef struct bench_cuda {
   int (*Malloc)(void**, size_t);
   int (*Free)(void*);
   int (*Memcpy)(void*, const void*, size_t, int);
-  int (*StreamCreate)(cudaStream_t*);
+  int (*StreamCreateWithFlags)(cudaStream_t*, unsigned int);
   int (*StreamDestroy)(cudaStream_t);
   int (*StreamSynchronize)(cudaStream_t);
   int (*DeviceGetPCIBusId)(char*, int, int);

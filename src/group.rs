@@ -215,6 +215,40 @@ fn stage_overwritten_sends(calls: &mut [Call]) {
     }
 }
 
+/// Refuses a group in which two ranks of one communicator (threads of this process) put device
+/// work on the same stream: each rank's program waits for flags the other's sets, and one stream
+/// runs them one after the other, so the first would wait forever.
+fn refuse_shared_streams(comms: &[Arc<Comm>], per_comm: &[Vec<Call>]) -> Result<()> {
+    let uses = comms.iter().zip(per_comm).flat_map(|(c, calls)| {
+        calls
+            .iter()
+            .filter(|call| call.device)
+            .map(|call| (c.tag, c.rank, call.stream))
+    });
+    match shared_stream(uses) {
+        Some((a, b, stream)) => crate::invalid_usage!(
+            "ranks {a} and {b} of one communicator put device calls of this group on the same stream ({stream:#x}); each rank's program waits for the other's, so each rank needs a stream of its own"
+        ),
+        None => Ok(()),
+    }
+}
+
+/// The first two different ranks of one communicator (equal tags) on one stream, among
+/// (communicator tag, rank, stream) uses: (earlier rank, later rank, stream).
+fn shared_stream(uses: impl Iterator<Item = (u64, usize, usize)>) -> Option<(usize, usize, usize)> {
+    let mut seen: Vec<(u64, usize, usize)> = Vec::new();
+    for (tag, rank, stream) in uses {
+        if let Some(&(_, other, _)) = seen
+            .iter()
+            .find(|&&(t, r, s)| t == tag && r != rank && s == stream)
+        {
+            return Some((other, rank, stream));
+        }
+        seen.push((tag, rank, stream));
+    }
+    None
+}
+
 /// Runs calls now: per communicator in issue order, all communicators in one executor pass.
 pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
     if calls.is_empty() {
@@ -231,6 +265,7 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
             }
         }
     }
+    refuse_shared_streams(&comms, &per_comm)?;
     let mut jobs = Vec::with_capacity(comms.len());
     for (c, calls) in comms.iter().zip(per_comm) {
         // Device calls become one program on their stream and return at once.
@@ -262,4 +297,31 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
         }
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_stream;
+
+    #[test]
+    fn two_ranks_of_one_communicator_on_one_stream_are_found() {
+        // Different communicators, or one rank with several calls, may share a stream.
+        let fine = [
+            (1, 0, 7),
+            (1, 0, 7),
+            (2, 1, 7),
+            (1, 1, 8),
+            (3, 0, 0),
+            (4, 0, 0),
+        ];
+        assert_eq!(shared_stream(fine.into_iter()), None);
+        // Ranks 0 and 2 of communicator 5 both on stream 9.
+        let clash = [(5, 0, 9), (6, 2, 9), (5, 1, 10), (5, 2, 9)];
+        assert_eq!(shared_stream(clash.into_iter()), Some((0, 2, 9)));
+        // The legacy stream (0) counts like any other.
+        assert_eq!(
+            shared_stream([(5, 0, 0), (5, 1, 0)].into_iter()),
+            Some((0, 1, 0))
+        );
+    }
 }

@@ -386,7 +386,12 @@ impl Bootstrap {
     }
 
     pub fn barrier(&self) -> Result<()> {
-        let w = Waiter::new(None, &self.abort);
+        self.barrier_until(None)
+    }
+
+    /// A barrier that fails once `deadline` has passed.
+    pub fn barrier_until(&self, deadline: Option<Instant>) -> Result<()> {
+        let w = Waiter::new(deadline, &self.abort);
         self.ring
             .lock()
             .allgather(&[], ring::BARRIER, w)

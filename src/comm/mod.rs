@@ -21,6 +21,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long destroy waits for this rank's last device program, and then for the other ranks
+/// to reach destroy, before it leaves the device memory allocated (see `DeviceWorld::retire`).
+const DESTROY_WAIT: Duration = Duration::from_secs(30);
+
 /// Lifecycle states (NCCL: finalize, then destroy; abort or revoke at any time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -450,14 +454,25 @@ impl std::fmt::Debug for Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         self.destroy();
-        // Peers' buffers mapped here stay mapped until the last program that may read them
-        // has run.
-        if self.registry.as_ref().is_some_and(|r| r.holds_mappings()) {
-            if let Some((_, ev)) = self.device_order.lock().as_ref() {
-                if let Err(e) = ev.synchronize() {
-                    crate::warn!("waiting for the last device program at destroy: {}", e.msg);
-                }
-            }
+        let Some(world) = self.device.take() else {
+            return;
+        };
+        // The device memory (ours, and peers' buffers mapped here) must outlive the last
+        // program that may use it. An aborted communicator's programs may wait forever for a
+        // peer, so it does not wait at all; otherwise a bounded wait.
+        let deadline = Instant::now()
+            + if self.life() == Life::Aborted {
+                Duration::ZERO
+            } else {
+                DESTROY_WAIT
+            };
+        let quiet = match self.device_order.lock().as_ref() {
+            Some((_, ev)) => ev.wait_until(deadline),
+            None => true,
+        };
+        if !quiet {
+            std::mem::forget(self.registry.take());
         }
+        world.retire(&self.boot, quiet, deadline);
     }
 }

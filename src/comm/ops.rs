@@ -371,6 +371,18 @@ impl Comm {
             }
         }
         let device = self.memory_kind(send, send_bytes, recv, recv_bytes)?;
+        if device {
+            // Kernels load whole elements; a misaligned one is a fault that kills the context.
+            let elem = dtype.size();
+            for (name, at, bytes) in [("sendbuff", s, send_bytes), ("recvbuff", r, recv_bytes)] {
+                if bytes > 0 && at % elem != 0 {
+                    return crate::invalid_arg!(
+                        "{name} {at:#x} is not aligned to its {elem}-byte {} elements (device buffers must be)",
+                        dtype.name()
+                    );
+                }
+            }
+        }
         if let Some(OpChoice::PreMulSum(ScalarSrc::Pointer(p))) = op {
             if !device && scalar_on_device(p) {
                 return crate::invalid_arg!(
@@ -448,6 +460,7 @@ impl Comm {
                 "device call without a device path",
             )
         })?;
+        let _relaxed = crate::cuda::RelaxedCapture::enter();
         // The group's program runs on the first call's stream; the other streams of the group
         // join it before and wait for it after, as NCCL does with the streams of a group.
         let mut streams: Vec<Stream> = Vec::new();
@@ -456,6 +469,14 @@ impl Comm {
             if !streams.contains(&s) {
                 streams.push(s);
             }
+        }
+        // The legacy default stream is one queue for the whole context: a program there would
+        // wait for flags that another rank's program, queued behind it, is to set.
+        let legacy = |s: &Stream| s.0.is_null() || s.0 as usize == crate::cuda::STREAM_LEGACY;
+        if world.gpu_shared_in_process && streams.iter().any(legacy) {
+            return crate::invalid_usage!(
+                "stream is the legacy default stream (0), but other ranks of this communicator are threads of this process on the same GPU and would queue behind this rank on it: give each rank a stream of its own (cudaStreamCreateWithFlags with cudaStreamNonBlocking)"
+            );
         }
         let stream = streams[0];
         let others = &streams[1..];

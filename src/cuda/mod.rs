@@ -163,6 +163,26 @@ pub fn classify(ptr: *const c_void) -> MemKind {
     })
 }
 
+/// Whether kernels on `device` may read device memory at `ptr` through its address in this
+/// process: memory of `device` itself, or of another GPU when it is not a VMM mapping (peer
+/// access covers cuMemAlloc memory) or the VMM mapping grants `device` access.
+pub fn readable_from(device: &Device, ptr: u64) -> bool {
+    match classify(ptr as *const c_void) {
+        MemKind::Device(o) if o == device.ordinal => return true,
+        MemKind::Device(_) => {}
+        MemKind::Host => return false,
+    }
+    // SAFETY: plain-data struct.
+    let mut location: cu::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    location.id = device.ordinal;
+    let mut flags: u64 = 0;
+    // SAFETY: out-pointer and location are valid; the driver only inspects the address.
+    let r = unsafe { cu::cuMemGetAccess(&mut flags, &location, ptr) };
+    r != cu::CUresult::CUDA_SUCCESS
+        || flags != cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE as u64
+}
+
 /// A device's primary context and what the library loaded into it.
 pub struct Device {
     pub ordinal: i32,
@@ -249,11 +269,18 @@ impl Device {
             unsafe { cu::cuModuleLoadData(&mut module, kernels::FATBIN.as_ptr() as *const c_void) },
             "cuModuleLoadData (comm's kernels)",
         )?;
+        // Every kernel is resolved now: with lazy loading (CUDA's default) a kernel is loaded
+        // at its first lookup, which may wait for the context to go idle, and by then another
+        // rank's program in this process may hold a stream waiting for this rank.
+        let mut functions = HashMap::new();
+        for name in kernels::reduce_kernel_names().chain([kernels::FILL_U32]) {
+            functions.insert(name, load_function(module, name)? as usize);
+        }
         let dev = Arc::new(Device {
             ordinal,
             ctx,
             module,
-            functions: Mutex::new(HashMap::new()),
+            functions: Mutex::new(functions),
             sms: sms.max(1) as u32,
         });
         all[ordinal as usize] = Some(dev.clone());
@@ -275,16 +302,22 @@ impl Device {
         if let Some(f) = fns.get(name) {
             return Ok(*f as cu::CUfunction);
         }
-        let cname = std::ffi::CString::new(name).expect("kernel names have no NUL");
-        let mut f: cu::CUfunction = std::ptr::null_mut();
-        // SAFETY: module was loaded in new(); f is a valid out-pointer.
-        check(
-            unsafe { cu::cuModuleGetFunction(&mut f, self.module, cname.as_ptr()) },
-            &format!("cuModuleGetFunction({name})"),
-        )?;
+        let f = load_function(self.module, name)?;
         fns.insert(name, f as usize);
         Ok(f)
     }
+}
+
+/// Looks kernel `name` up in `module` (which loads it, under lazy loading).
+fn load_function(module: cu::CUmodule, name: &'static str) -> Result<cu::CUfunction> {
+    let cname = std::ffi::CString::new(name).expect("kernel names have no NUL");
+    let mut f: cu::CUfunction = std::ptr::null_mut();
+    // SAFETY: module is loaded; f is a valid out-pointer.
+    check(
+        unsafe { cu::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
+        &format!("cuModuleGetFunction({name})"),
+    )?;
+    Ok(f)
 }
 
 /// Device memory from cuMemAlloc, freed on drop. Used with this device's context bound.
@@ -310,13 +343,15 @@ impl DeviceMem {
         })
     }
 
-    /// Sets `count` 32-bit words at byte `offset` to `value` (synchronously).
-    pub fn fill_u32(&self, offset: usize, value: u32, count: usize) -> Result<()> {
+    /// Sets `count` 32-bit words at byte `offset` to `value`, ordered on `stream`. (Not the
+    /// synchronous cuMemsetD32: on device memory it returns before it is done, and it runs on the
+    /// legacy stream, behind whatever the application queued there.)
+    pub fn fill_u32(&self, stream: Stream, offset: usize, value: u32, count: usize) -> Result<()> {
         let _b = self.device.bind()?;
         // SAFETY: the range lies inside the allocation (callers' layout).
         check(
-            unsafe { cu::cuMemsetD32_v2(self.ptr + offset as u64, value, count) },
-            "cuMemsetD32",
+            unsafe { cu::cuMemsetD32Async(self.ptr + offset as u64, value, count, stream.raw()) },
+            "cuMemsetD32Async",
         )
     }
 
@@ -403,6 +438,9 @@ pub fn enable_peer_access(device: &Arc<Device>, peer: &Arc<Device>) -> Result<()
     }
     check(r, "cuCtxEnablePeerAccess")
 }
+
+/// `CU_STREAM_LEGACY`: the legacy default stream named explicitly (as null names it).
+pub const STREAM_LEGACY: usize = 0x1;
 
 /// A CUDA stream as the C API hands it over (`cudaStream_t` and `CUstream` are the same
 /// handle; null is the legacy default stream).
@@ -601,18 +639,37 @@ pub fn vmm_alloc(size: usize) -> Result<u64> {
         unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) },
         &format!("cuMemCreate({size} bytes)"),
     )?;
-    let ptr = map_allocation(handle, size, gran, ordinal)?;
+    // Like cuMemAlloc memory under peer access, readable by every GPU that can reach this one
+    // (ranks that are threads on other GPUs read registered buffers in place).
+    let mut access = vec![ordinal];
+    access.extend(
+        (0..device_count()).filter(|&other| other != ordinal && can_access_peer(other, ordinal)),
+    );
+    let ptr = map_allocation(handle, size, gran, &access)?;
     VMM.lock().push((ptr, handle, size, ordinal));
     Ok(ptr)
 }
 
+/// Whether device `from` can map memory of device `to` (false where anything fails).
+fn can_access_peer(from: i32, to: i32) -> bool {
+    let (mut a, mut b): (cu::CUdevice, cu::CUdevice) = (0, 0);
+    let mut can = 0;
+    // SAFETY: out-pointers are valid; ordinals come from device_count().
+    unsafe {
+        cu::cuDeviceGet(&mut a, from) == cu::CUresult::CUDA_SUCCESS
+            && cu::cuDeviceGet(&mut b, to) == cu::CUresult::CUDA_SUCCESS
+            && cu::cuDeviceCanAccessPeer(&mut can, a, b) == cu::CUresult::CUDA_SUCCESS
+            && can == 1
+    }
+}
+
 /// Maps all `size` bytes of VMM allocation `handle` at a fresh address, readable and writable
-/// by device `ordinal`. On failure everything is undone and the handle released.
+/// by each device of `ordinals`. On failure everything is undone and the handle released.
 fn map_allocation(
     handle: cu::CUmemGenericAllocationHandle,
     size: usize,
     align: usize,
-    ordinal: i32,
+    ordinals: &[i32],
 ) -> Result<u64> {
     let mut ptr: cu::CUdeviceptr = 0;
     // SAFETY: reserves a fresh address range of `size` bytes.
@@ -625,14 +682,20 @@ fn map_allocation(
     // SAFETY: maps the whole allocation at the reserved address.
     let mapped =
         check(unsafe { cu::cuMemMap(ptr, size, 0, handle, 0) }, "cuMemMap").and_then(|_| {
-            // SAFETY: plain-data struct.
-            let mut access: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-            access.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            access.location.id = ordinal;
-            access.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            // SAFETY: [ptr, ptr+size) is mapped; one descriptor.
+            let access: Vec<cu::CUmemAccessDesc> = ordinals
+                .iter()
+                .map(|&ordinal| {
+                    // SAFETY: plain-data struct.
+                    let mut a: cu::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                    a.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                    a.location.id = ordinal;
+                    a.flags = cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                    a
+                })
+                .collect();
+            // SAFETY: [ptr, ptr+size) is mapped; `access` holds that many descriptors.
             check(
-                unsafe { cu::cuMemSetAccess(ptr, size, &access, 1) },
+                unsafe { cu::cuMemSetAccess(ptr, size, access.as_ptr(), access.len()) },
                 "cuMemSetAccess",
             )
         });
@@ -744,6 +807,39 @@ impl Drop for Graph {
     }
 }
 
+/// Lets this thread make calls that stream capture in global mode would refuse (allocating
+/// scratch, mapping a peer's newly registered buffer, querying events) until dropped, as NCCL
+/// does while it enqueues: an application capturing on some stream must not have its capture
+/// invalidated by the library's own bookkeeping. Nothing of it is captured either way.
+pub struct RelaxedCapture {
+    /// The mode to put back (None when the exchange failed and nothing changed).
+    previous: Option<cu::CUstreamCaptureMode>,
+}
+
+impl RelaxedCapture {
+    pub fn enter() -> RelaxedCapture {
+        let mut mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: mode is a valid in/out value; the call only changes this thread's mode.
+        let r = unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            crate::warn!("cuThreadExchangeStreamCaptureMode failed ({r:?})");
+            return RelaxedCapture { previous: None };
+        }
+        RelaxedCapture {
+            previous: Some(mode),
+        }
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.previous {
+            // SAFETY: as in enter().
+            unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
+
 /// A CUDA event used to order a communicator's work across streams.
 pub struct Event {
     raw: cu::CUevent,
@@ -778,12 +874,28 @@ impl Event {
         )
     }
 
-    /// Whether the work recorded in this event is done (an error counts as done: nothing more
-    /// will happen on that work).
+    /// Whether the work recorded in this event is known to be done. An error answers no: it
+    /// may only mean the query was refused (another thread capturing in global mode), and
+    /// what the work reads must then stay mapped.
     pub fn done(&self) -> bool {
         // SAFETY: the event is valid.
         let r = unsafe { cu::cuEventQuery(self.raw) };
-        r != cu::CUresult::CUDA_ERROR_NOT_READY
+        r == cu::CUresult::CUDA_SUCCESS
+    }
+
+    /// Waits on the host, polling, for the work recorded in this event: true once it is done,
+    /// false at `deadline` (or on an error, when nothing says it is done).
+    pub fn wait_until(&self, deadline: std::time::Instant) -> bool {
+        loop {
+            // SAFETY: the event is valid.
+            match unsafe { cu::cuEventQuery(self.raw) } {
+                cu::CUresult::CUDA_SUCCESS => return true,
+                cu::CUresult::CUDA_ERROR_NOT_READY if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_micros(200))
+                }
+                _ => return false,
+            }
+        }
     }
 
     /// Waits on the host for the work recorded in this event.

@@ -133,7 +133,7 @@ pub fn import_fd(device: &Arc<Device>, fd: &OwnedFd, len: usize) -> Result<Impor
         "cuMemImportFromShareableHandle",
     )?;
     // The exporter's size is a multiple of its granularity, which the mapping requires.
-    let ptr = super::map_allocation(handle, len, 0, device.ordinal)?;
+    let ptr = super::map_allocation(handle, len, 0, &[device.ordinal])?;
     Ok(Imported::Vmm(VmmMapping {
         ptr,
         len,

@@ -12,7 +12,13 @@ use crate::exec::device::{flag_count, Desc, Flag, Loc, SLOTS};
 use crate::topo::{Path, Placement};
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+/// The device areas of this process's ranks, by address, so that a rank that is a thread of
+/// this process holds its peers' areas: an area is freed only once no rank here may still run a
+/// program reading it.
+static AREAS: Mutex<Vec<(u64, Weak<DeviceMem>)>> = Mutex::new(Vec::new());
 
 /// Whether every rank says yes.
 fn all_agree(boot: &Bootstrap, mine: bool) -> Result<bool> {
@@ -34,8 +40,10 @@ fn control_bytes(nranks: usize) -> usize {
 
 /// A peer's area as this process reaches it.
 enum Mapped {
-    /// Our own area, or a same-process peer's: its address works here.
-    Direct(u64),
+    /// Our own area.
+    Own(u64),
+    /// A same-process peer's area, kept allocated while we may read it.
+    Kept(Arc<DeviceMem>),
     /// Another process's area, opened through its IPC handle.
     Ipc(PeerMem),
 }
@@ -43,7 +51,8 @@ enum Mapped {
 impl Mapped {
     fn base(&self) -> u64 {
         match self {
-            Mapped::Direct(p) => *p,
+            Mapped::Own(p) => *p,
+            Mapped::Kept(m) => m.ptr,
             Mapped::Ipc(m) => m.ptr,
         }
     }
@@ -54,8 +63,11 @@ pub struct DeviceWorld {
     pub device: Arc<Device>,
     pub nranks: usize,
     pub slot_bytes: usize,
-    _area: DeviceMem,
+    _area: Arc<DeviceMem>,
     bases: Vec<Option<Mapped>>,
+    /// Some other rank is a thread of this process on this same GPU: its programs and ours
+    /// share the context's legacy default stream, so that stream cannot carry them.
+    pub gpu_shared_in_process: bool,
     /// Device scratch for the operations' own temporaries; grows, never shrinks (a captured
     /// graph may still point into an older block, so those are kept too).
     scratch: Mutex<Vec<DeviceMem>>,
@@ -100,17 +112,33 @@ impl DeviceWorld {
             SLOTS,
             slot_bytes >> 20
         );
+        let (bases, local) = mapped.expect("checked");
+        // Streams of one context share the GPU's hardware queues; a program waiting for a flag
+        // holds up whatever shares its queue, so ranks of one process on one GPU need a queue
+        // each (CUDA hands out CUDA_DEVICE_MAX_CONNECTIONS of them, 8 by default).
+        let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(8);
+        if local > queues {
+            crate::warn!(
+                "{local} ranks of this communicator are threads of this process on GPU {}, but CUDA_DEVICE_MAX_CONNECTIONS allows {queues} hardware queues: their streams may share queues and wait for each other; raise it (up to 32) before CUDA starts",
+                device.ordinal
+            );
+        }
+        let gpu_shared_in_process = local > 1;
         Ok(Some(DeviceWorld {
             nranks: boot.nranks(),
             slot_bytes,
-            bases: mapped.expect("checked"),
+            bases,
+            gpu_shared_in_process,
             _area: area,
             device,
             scratch: Mutex::new(Vec::new()),
         }))
     }
 
-    fn allocate(nranks: usize, ordinal: i32) -> Result<(Arc<Device>, DeviceMem, usize)> {
+    fn allocate(nranks: usize, ordinal: i32) -> Result<(Arc<Device>, Arc<DeviceMem>, usize)> {
         let device = Device::get(ordinal)?;
         let slot_bytes = crate::env::size("DEVICE_SLOT_BYTES")
             .unwrap_or(8 << 20)
@@ -118,24 +146,36 @@ impl DeviceWorld {
             .max(4096);
         let area_len = control_bytes(nranks) + nranks * SLOTS * slot_bytes;
         let area = DeviceMem::new(&device, area_len)?;
-        // Full flags start low, Empty flags start raised (every slot free).
+        // Full flags start low, Empty flags start raised (every slot free), and no message is
+        // described yet: all of it in place before the area is shown to any peer, and on a
+        // stream of our own, not behind the application's work.
+        let stream = cuda::Stream::create(&device)?;
         let half = flag_count(nranks, SLOTS) / 2;
-        area.fill_u32(0, 0, half)?;
-        area.fill_u32(half * 4, 1, half)?;
-        // No message is described yet.
-        area.fill_u32(descs_offset(nranks), 0, nranks * SLOTS * 2)?;
+        let filled = area
+            .fill_u32(stream, 0, 0, half)
+            .and_then(|()| area.fill_u32(stream, half * 4, 1, half))
+            .and_then(|()| area.fill_u32(stream, descs_offset(nranks), 0, nranks * SLOTS * 2))
+            .and_then(|()| stream.synchronize());
+        let destroyed = stream.destroy();
+        filled.and(destroyed)?;
+        let area = Arc::new(area);
+        let mut areas = AREAS.lock();
+        areas.retain(|(_, a)| a.strong_count() > 0);
+        areas.push((area.ptr, Arc::downgrade(&area)));
         Ok((device, area, slot_bytes))
     }
 
     fn map_peers(
         boot: &Bootstrap,
         device: &Arc<Device>,
-        area: &DeviceMem,
+        area: &Arc<DeviceMem>,
         ordinal: i32,
         paths: &[Path],
         placements: &[Placement],
-    ) -> Result<Vec<Option<Mapped>>> {
+    ) -> Result<(Vec<Option<Mapped>>, usize)> {
         let nranks = boot.nranks();
+        // Ranks of this process on this GPU, this one included.
+        let mut local = 1;
         let handle = area.ipc_handle()?;
         let mut mine = Vec::new();
         wire::put_u64(&mut mine, area.ptr);
@@ -154,10 +194,24 @@ impl DeviceWorld {
                 )
             })?;
             let mapped = match paths[r] {
-                Path::SelfRank => Some(Mapped::Direct(area.ptr)),
+                Path::SelfRank => Some(Mapped::Own(area.ptr)),
                 Path::SameProcess => {
+                    local += usize::from(their_device == ordinal);
                     cuda::enable_peer_access(device, &Device::get(their_device)?)?;
-                    Some(Mapped::Direct(ptr))
+                    let theirs = AREAS
+                        .lock()
+                        .iter()
+                        .rev()
+                        .find(|(p, _)| *p == ptr)
+                        .and_then(|(_, a)| a.upgrade());
+                    Some(Mapped::Kept(theirs.ok_or_else(|| {
+                        crate::error::Error::new(
+                            crate::error::ErrorKind::Internal,
+                            format!(
+                                "rank {r}'s device area at {ptr:#x} is not known in this process"
+                            ),
+                        )
+                    })?))
                 }
                 Path::SameHost => Some(Mapped::Ipc(PeerMem::open(device, &h).map_err(|e| {
                     e.context(format!(
@@ -169,7 +223,36 @@ impl DeviceWorld {
             };
             bases.push(mapped);
         }
-        Ok(bases)
+        Ok((bases, local))
+    }
+
+    /// Lets go of the device memory at destroy, once this rank's last program is done
+    /// (`quiet`). Peers in other processes map this rank's area and may still read its slots
+    /// (a sender's program ends before the receiver has read its last message), so the area
+    /// is freed only after every rank has closed its mappings, which a bootstrap barrier
+    /// (bounded by `deadline`) shows. Where that cannot be shown, or our own programs may
+    /// still run, the memory is left allocated, with a warning: a leak, not a fault.
+    pub fn retire(mut self, boot: &Bootstrap, quiet: bool, deadline: Instant) {
+        if !quiet {
+            crate::warn!(
+                "device work of this communicator is still pending at destroy (a peer gone, or the communicator aborted); its device memory stays allocated"
+            );
+            std::mem::forget(self);
+            return;
+        }
+        let other_processes = self.bases.iter().any(|b| matches!(b, Some(Mapped::Ipc(_))));
+        if !other_processes {
+            return;
+        }
+        // Close our mappings of the peers' areas, then wait for them to close theirs of ours.
+        self.bases.clear();
+        if let Err(e) = boot.barrier_until(Some(deadline)) {
+            crate::warn!(
+                "not every rank reached destroy ({}); this rank's device area stays allocated, since peers may still map it",
+                e.msg
+            );
+            std::mem::forget(self);
+        }
     }
 
     fn base(&self, rank: usize) -> Result<u64> {

@@ -552,6 +552,11 @@ impl Registry {
         placements: &[Placement],
     ) -> Result<Reach> {
         if paths[s] == Path::SameProcess {
+            if device.is_some_and(|d| !crate::cuda::readable_from(d, e.alloc_base)) {
+                return crate::invalid_usage!(
+                    "it is VMM memory of another GPU that does not grant this GPU access"
+                );
+            }
             return Ok(Reach::Direct(e.alloc_base));
         }
         let Some(device) = device else {

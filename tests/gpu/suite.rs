@@ -146,6 +146,16 @@ struct Rank {
     b: DevBuf,
     /// Where PreMulSum scalars in device memory live.
     scalar: cuda::DeviceMem,
+    /// The rank's own non-blocking stream (ranks that are threads on one GPU cannot share the
+    /// legacy default stream).
+    stream: cuda::Stream,
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        let _ = self.stream.destroy();
+    }
 }
 
 impl Rank {
@@ -166,6 +176,7 @@ impl Rank {
             a: DevBuf::new(buf, memory, &device, comm)?,
             b: DevBuf::new(buf, memory, &device, comm)?,
             scalar: cuda::DeviceMem::new(&device, 256).map_err(|e| e.msg)?,
+            stream: cuda::Stream::create(&device).map_err(|e| e.msg)?,
             device,
         })
     }
@@ -224,7 +235,7 @@ impl Rank {
             ));
         }
         let c = self.comm;
-        let s: cudaStream_t = std::ptr::null_mut();
+        let s = self.stream.0 as cudaStream_t;
         let sp = sendp as *const c_void;
         let rp = recvp as *mut c_void;
         match coll {
@@ -243,9 +254,7 @@ impl Rank {
                 nccl!(ncclGroupEnd());
             }
         }
-        cuda::Stream(std::ptr::null_mut())
-            .synchronize()
-            .map_err(|e| e.msg)?;
+        self.stream.synchronize().map_err(|e| e.msg)?;
         if redop >= 5 {
             nccl!(ncclRedOpDestroy(redop, c));
         }
@@ -255,6 +264,55 @@ impl Rank {
         let mut out = vec![0u8; recv_bytes];
         cuda::copy_from_device(&self.device, &mut out, recvp).map_err(|e| e.msg)?;
         verify(coll, dt, op, rank, n, count, &what, &out)
+    }
+
+    /// Ranks that are threads on one GPU: a device call on the legacy default stream is
+    /// refused with a message (their programs would queue behind each other there), and
+    /// nothing of it is left behind (the matrix runs after it).
+    fn legacy_stream_refused(&self) -> Result<(), String> {
+        // SAFETY: valid device buffers and communicator; the call is expected to be refused.
+        let r = unsafe {
+            ncclAllReduce(
+                self.a.ptr as *const c_void,
+                self.b.ptr as *mut c_void,
+                1003,
+                7,
+                SUM,
+                self.comm,
+                std::ptr::null_mut(),
+            )
+        };
+        let message = last_error();
+        if r != ncclResult_t::ncclInvalidUsage || !message.contains("legacy default stream") {
+            return Err(format!(
+                "an all-reduce on the legacy stream by a thread rank sharing the GPU returned {r:?} ({message}); expected ncclInvalidUsage naming the legacy default stream"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A float buffer 2 bytes off its element alignment is refused with a message (a kernel
+    /// would fault on it and take the context down), and nothing was enqueued.
+    fn misaligned_refused(&self) -> Result<(), String> {
+        // SAFETY: valid device buffers and communicator; the call is expected to be refused.
+        let r = unsafe {
+            ncclAllReduce(
+                (self.a.ptr + 2) as *const c_void,
+                self.b.ptr as *mut c_void,
+                1003,
+                7,
+                SUM,
+                self.comm,
+                self.stream.0 as cudaStream_t,
+            )
+        };
+        let message = last_error();
+        if r != ncclResult_t::ncclInvalidArgument || !message.contains("not aligned") {
+            return Err(format!(
+                "an all-reduce of floats from a misaligned sendbuff returned {r:?} ({message}); expected ncclInvalidArgument saying it is not aligned"
+            ));
+        }
+        Ok(())
     }
 
     /// One group of all-reduces issued on two streams (NCCL joins a group's streams): each
@@ -432,6 +490,7 @@ fn worker(
         return Err("the library reports no device memory support".into());
     }
     let r = Rank::new(comm, rank, n, device, max_bytes, memory)?;
+    r.misaligned_refused()?;
     let cases = r.matrix(max_bytes, quick)?;
     r.grouped_streams()?;
     r.graph_replay()?;
@@ -534,6 +593,9 @@ fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String>
                 let device = Device::get(0).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
+                if n > 1 {
+                    r.legacy_stream_refused()?;
+                }
                 r.matrix(max_bytes, true)
             })
         })
