@@ -458,10 +458,10 @@ impl Drop for Comm {
             return;
         };
         // The device memory (ours, and peers' buffers mapped here) must outlive the last
-        // program that may use it. An aborted communicator's programs may wait forever for a
-        // peer, so it does not wait at all; otherwise a bounded wait.
+        // program that may use it. An aborted or failed communicator's programs may wait
+        // forever for a peer, so it does not wait at all; otherwise a bounded wait.
         let deadline = Instant::now()
-            + if self.life() == Life::Aborted {
+            + if matches!(self.life(), Life::Aborted | Life::Failed) {
                 Duration::ZERO
             } else {
                 DESTROY_WAIT
