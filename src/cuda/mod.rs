@@ -440,7 +440,7 @@ pub fn enable_peer_access(device: &Arc<Device>, peer: &Arc<Device>) -> Result<()
 }
 
 /// `CU_STREAM_LEGACY`: the legacy default stream named explicitly (as null names it).
-pub const STREAM_LEGACY: usize = 0x1;
+pub(crate) const STREAM_LEGACY: usize = 0x1;
 
 /// A CUDA stream as the C API hands it over (`cudaStream_t` and `CUstream` are the same
 /// handle; null is the legacy default stream).
