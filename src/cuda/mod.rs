@@ -898,15 +898,6 @@ impl Event {
         }
     }
 
-    /// Waits on the host for the work recorded in this event.
-    pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: the event is valid.
-        check(
-            unsafe { cu::cuEventSynchronize(self.raw) },
-            "cuEventSynchronize",
-        )
-    }
-
     /// Makes `stream` wait for the work recorded in this event.
     pub fn wait_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: both handles are valid.

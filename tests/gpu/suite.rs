@@ -266,53 +266,60 @@ impl Rank {
         verify(coll, dt, op, rank, n, count, &what, &out)
     }
 
-    /// Ranks that are threads on one GPU: a device call on the legacy default stream is
-    /// refused with a message (their programs would queue behind each other there), and
-    /// nothing of it is left behind (the matrix runs after it).
-    fn legacy_stream_refused(&self) -> Result<(), String> {
+    /// A float all-reduce of 1003 elements from `send` on `stream` must be refused with
+    /// `expected` and a message containing `needle`; `what` describes the call for a failure.
+    fn expect_refused(
+        &self,
+        send: u64,
+        stream: cudaStream_t,
+        expected: ncclResult_t,
+        needle: &str,
+        what: &str,
+    ) -> Result<(), String> {
         // SAFETY: valid device buffers and communicator; the call is expected to be refused.
         let r = unsafe {
             ncclAllReduce(
-                self.a.ptr as *const c_void,
+                send as *const c_void,
                 self.b.ptr as *mut c_void,
                 1003,
                 7,
                 SUM,
                 self.comm,
-                std::ptr::null_mut(),
+                stream,
             )
         };
         let message = last_error();
-        if r != ncclResult_t::ncclInvalidUsage || !message.contains("legacy default stream") {
+        if r != expected || !message.contains(needle) {
             return Err(format!(
-                "an all-reduce on the legacy stream by a thread rank sharing the GPU returned {r:?} ({message}); expected ncclInvalidUsage naming the legacy default stream"
+                "{what} returned {r:?} ({message}); expected {expected:?} with \"{needle}\""
             ));
         }
         Ok(())
     }
 
+    /// Ranks that are threads on one GPU: a device call on the legacy default stream is
+    /// refused with a message (their programs would queue behind each other there), and
+    /// nothing of it is left behind (the matrix runs after it).
+    fn legacy_stream_refused(&self) -> Result<(), String> {
+        self.expect_refused(
+            self.a.ptr,
+            std::ptr::null_mut(),
+            ncclResult_t::ncclInvalidUsage,
+            "legacy default stream",
+            "an all-reduce on the legacy stream by a thread rank sharing the GPU",
+        )
+    }
+
     /// A float buffer 2 bytes off its element alignment is refused with a message (a kernel
     /// would fault on it and take the context down), and nothing was enqueued.
     fn misaligned_refused(&self) -> Result<(), String> {
-        // SAFETY: valid device buffers and communicator; the call is expected to be refused.
-        let r = unsafe {
-            ncclAllReduce(
-                (self.a.ptr + 2) as *const c_void,
-                self.b.ptr as *mut c_void,
-                1003,
-                7,
-                SUM,
-                self.comm,
-                self.stream.0 as cudaStream_t,
-            )
-        };
-        let message = last_error();
-        if r != ncclResult_t::ncclInvalidArgument || !message.contains("not aligned") {
-            return Err(format!(
-                "an all-reduce of floats from a misaligned sendbuff returned {r:?} ({message}); expected ncclInvalidArgument saying it is not aligned"
-            ));
-        }
-        Ok(())
+        self.expect_refused(
+            self.a.ptr + 2,
+            self.stream.0 as cudaStream_t,
+            ncclResult_t::ncclInvalidArgument,
+            "not aligned",
+            "an all-reduce of floats from a misaligned sendbuff",
+        )
     }
 
     /// One group of all-reduces issued on two streams (NCCL joins a group's streams): each
