@@ -872,3 +872,132 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         }
     }
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::{Buf, Region, Step};
+    use crate::transport::loopback::Loopback;
+    use crate::transport::Progress;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A peer whose bytes become visible only after the executor has noticed that the peer
+    /// left: the order a slow receiver sees when the sender finishes and destroys its end
+    /// between two of the receiver's passes.
+    struct DepartedAfterSending {
+        payload: Vec<u8>,
+        checks: AtomicUsize,
+        /// Passes (receive attempts) after the first peer check that still see nothing.
+        hidden_after_check: usize,
+        attempts_after_check: AtomicUsize,
+    }
+
+    impl Transport for DepartedAfterSending {
+        fn send(&self, _: &OutMsg, _: &mut SendCursor) -> Result<Progress<SendState>> {
+            crate::internal_err!("this peer only sends")
+        }
+
+        fn recv(
+            &self,
+            expect: &InExpect,
+            cur: &mut RecvCursor,
+            sink: &mut dyn Sink,
+        ) -> Result<Progress<bool>> {
+            let idle = Progress {
+                state: false,
+                moved: false,
+            };
+            if self.checks.load(Ordering::SeqCst) == 0 {
+                return Ok(idle);
+            }
+            if self.attempts_after_check.fetch_add(1, Ordering::SeqCst) < self.hidden_after_check
+            {
+                return Ok(idle);
+            }
+            assert_eq!(expect.len, self.payload.len());
+            sink.put(0, &self.payload, None)?;
+            cur.received = expect.len;
+            Ok(Progress {
+                state: true,
+                moved: true,
+            })
+        }
+
+        fn check_peer(&self) -> Result<()> {
+            self.checks.fetch_add(1, Ordering::SeqCst);
+            crate::remote_err!("rank 1 destroyed its communicator while this rank still needs it")
+        }
+
+        fn describe(&self) -> String {
+            "test/departed".into()
+        }
+    }
+
+    fn wiring(peer: Arc<DepartedAfterSending>) -> Wiring {
+        Wiring {
+            rank: 0,
+            links: vec![Arc::new(Loopback::default()), peer],
+            doorbell: None,
+            abort: Arc::new(AtomicBool::new(false)),
+            timeout: Some(Duration::from_secs(20)),
+            warn_after: Duration::from_secs(60),
+            cache: Mutex::new(Default::default()),
+            spin: Duration::ZERO,
+            yield_for: Duration::ZERO,
+            huge_pages_from: None,
+        }
+    }
+
+    fn receive_from_rank_1(w: &Wiring, dst: &mut [u8]) -> Result<()> {
+        let mut schedule = Schedule::default();
+        schedule.steps.push(Step::Recv {
+            peer: 1,
+            dst: Region::new(Buf::Recv, 0, dst.len()),
+            reduce_with: None,
+            last: true,
+        });
+        schedule.recv_extent = dst.len();
+        run_one(
+            w,
+            HostOp {
+                schedule: Arc::new(schedule),
+                send: dst.as_ptr(),
+                recv: dst.as_mut_ptr(),
+                tag: crate::transport::tag(crate::transport::kind::ALL_REDUCE, 1),
+                reduction: None,
+            },
+        )
+    }
+
+    #[test]
+    fn a_departed_peer_whose_bytes_arrived_does_not_fail_the_receiver() {
+        let peer = Arc::new(DepartedAfterSending {
+            payload: (0..=255).collect(),
+            checks: AtomicUsize::new(0),
+            hidden_after_check: 0,
+            attempts_after_check: AtomicUsize::new(0),
+        });
+        let w = wiring(peer.clone());
+        let mut dst = vec![0u8; 256];
+        receive_from_rank_1(&w, &mut dst).expect("every byte was there after the departure");
+        assert_eq!(dst, peer.payload);
+        assert!(peer.checks.load(Ordering::SeqCst) >= 1);
+    }
+
+    #[test]
+    fn a_departed_peer_whose_bytes_never_come_fails_the_receiver() {
+        let peer = Arc::new(DepartedAfterSending {
+            payload: vec![7; 16],
+            checks: AtomicUsize::new(0),
+            hidden_after_check: usize::MAX,
+            attempts_after_check: AtomicUsize::new(0),
+        });
+        let w = wiring(peer.clone());
+        let mut dst = vec![0u8; 16];
+        let t = Instant::now();
+        let e = receive_from_rank_1(&w, &mut dst).expect_err("the bytes never come");
+        assert_eq!(e.kind, ErrorKind::Remote);
+        assert!(e.msg.contains("rank 1 destroyed"), "{}", e.msg);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(dst, vec![0u8; 16]);
+    }
+}
