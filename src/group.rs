@@ -187,7 +187,7 @@ pub fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     let mut first_err = None;
     for (entry, h) in handles {
         let _ = h.join();
-        if let Err(e) = entry.wait() {
+        if let Err(e) = entry.init_outcome() {
             first_err.get_or_insert(e);
         }
     }
@@ -265,7 +265,19 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
             }
         }
     }
-    refuse_shared_streams(&comms, &per_comm)?;
+    let result = run_grouped(&comms, per_comm);
+    if let Err(e) = &result {
+        // Every communicator of the group did nothing or failed with it: its last error says so.
+        for c in &comms {
+            crate::comm::note_error(&c.last_error, "ncclGroupEnd", e);
+        }
+    }
+    result
+}
+
+/// The calls of a group, by communicator (`per_comm[i]` are `comms[i]`'s).
+fn run_grouped(comms: &[Arc<Comm>], per_comm: Vec<Vec<Call>>) -> Result<()> {
+    refuse_shared_streams(comms, &per_comm)?;
     let mut jobs = Vec::with_capacity(comms.len());
     for (c, calls) in comms.iter().zip(per_comm) {
         // Device calls become one program on their stream and return at once.
@@ -292,7 +304,7 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
     let result = crate::exec::host::run(jobs);
     if let Err(e) = &result {
         crate::warn!("{}", e.msg);
-        for c in &comms {
+        for c in comms {
             c.fail(e);
         }
     }

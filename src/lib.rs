@@ -11,6 +11,7 @@ pub mod bootstrap;
 pub mod comm;
 pub mod cuda;
 pub mod exec;
+mod fault;
 pub mod ffi;
 pub mod group;
 pub mod reduce;

@@ -196,7 +196,7 @@ pub(crate) fn client_on(w: &mut dyn Wire, secret: &[u8; 32], ctx: &[u8]) -> Resu
     })
 }
 
-fn client_steps(w: &mut dyn Wire, secret: &[u8; 32], ctx: &[u8]) -> Result<()> {
+pub(crate) fn client_steps(w: &mut dyn Wire, secret: &[u8; 32], ctx: &[u8]) -> Result<()> {
     if ctx.len() > MAX_CONTEXT {
         return crate::internal_err!("authentication context of {} bytes is too long", ctx.len());
     }

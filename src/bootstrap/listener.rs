@@ -23,6 +23,9 @@ use crate::error::{Error, Result};
 pub(crate) const MAX_PENDING: usize = 1024;
 
 const PEER_CTX_LABEL: &[u8] = b"comm-peer-v1";
+
+/// How often a rank waiting for a peer's connection checks that the peer still exists.
+pub(crate) const PROBE_EVERY: Duration = Duration::from_millis(250);
 const PEER_CTX_BYTES: usize = PEER_CTX_LABEL.len() + 8 + 1 + 8 + 4 + 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +34,8 @@ pub(crate) enum Purpose {
     Ring = 1,
     /// The ring of a sub-communicator (`key` is its tag), set up over the parent's listeners.
     Sub = 2,
+    /// A rank waiting for this one checks that it is still alive; dropped once authenticated.
+    Probe = 3,
 }
 
 /// What a rank-to-rank connection is for; bound into its handshake.
@@ -63,6 +68,7 @@ impl PeerCtx {
         let purpose = match b[8] {
             1 => Purpose::Ring,
             2 => Purpose::Sub,
+            3 => Purpose::Probe,
             _ => return None,
         };
         Some(PeerCtx {
@@ -308,8 +314,17 @@ impl Listener {
     }
 
     /// The next authenticated connection whose context is `ctx`, waiting for it if needed.
-    pub fn take(&self, ctx: &[u8], w: Waiter<'_>, what: &dyn Fn() -> String) -> Result<TcpStream> {
+    /// Every `PROBE_EVERY` of waiting, `alive` checks that the rank expected to connect still
+    /// exists; its error ends the wait.
+    pub fn take(
+        &self,
+        ctx: &[u8],
+        w: Waiter<'_>,
+        what: &dyn Fn() -> String,
+        alive: &dyn Fn() -> Result<()>,
+    ) -> Result<TcpStream> {
         let mut stash = self.shared.stash.lock();
+        let mut next_probe = Instant::now() + PROBE_EVERY;
         loop {
             if let Some(queue) = stash.get_mut(ctx) {
                 let stream = queue.pop_front();
@@ -321,6 +336,12 @@ impl Listener {
                 }
             }
             w.check(what)?;
+            if Instant::now() >= next_probe {
+                // Probing connects and authenticates: not under the lock the listener needs.
+                parking_lot::MutexGuard::unlocked(&mut stash, alive)?;
+                next_probe = Instant::now() + PROBE_EVERY;
+                continue;
+            }
             let slice = w.slice();
             self.shared.arrived.wait_for(&mut stash, slice);
         }
@@ -392,6 +413,11 @@ fn serve(
             match outcome {
                 Progress::Done => {
                     let ctx = p.context().to_vec();
+                    let probe = PeerCtx::decode(&ctx).filter(|c| c.purpose == Purpose::Probe);
+                    if let Some(c) = probe {
+                        crate::trace!("{label}: rank {} checked that this rank is alive", c.from);
+                        continue;
+                    }
                     if let Some(c) = PeerCtx::decode(&ctx) {
                         crate::trace!(
                             "{label}: rank {} ({}) connected for {:?}",

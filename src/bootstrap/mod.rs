@@ -182,6 +182,7 @@ impl Bootstrap {
             listen: listener.addr(),
         };
         let session = RootSession::open(id, root::CHECK_IN, &me, w)?;
+        crate::fault::point("init:checked-in");
         // The first rank of a block is the successor of the previous block's last rank, which
         // only the previous root can introduce to it.
         let announce = if nroots > 1 && first_of_block {
@@ -217,16 +218,20 @@ impl Bootstrap {
                 to: to as u32,
             };
             let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+            // The root does not tell us where the predecessor listens, so a predecessor that
+            // dies before connecting is only noticed when the wait ends.
+            let prev_watch = None;
             form_ring(
                 &listener,
                 &secret,
                 (next, next_addr, ctx(rank, next)),
-                (prev, ctx(prev, rank)),
+                (prev, ctx(prev, rank), prev_watch),
                 rank,
                 nranks,
                 w,
             )?
         };
+        crate::fault::point("init:ring");
         let boot =
             Bootstrap::assemble(rank, nranks, tag, secret, listener, ring, abort.clone(), w)?;
         if rank == 0 {
@@ -298,6 +303,7 @@ impl Bootstrap {
             );
         };
         let n = members.len();
+        crate::fault::point("sub:start");
         let started = Instant::now();
         let w = Waiter::new(timeout.map(|t| started + t), &self.abort);
 
@@ -337,11 +343,22 @@ impl Bootstrap {
                 from: from as u32,
                 to: to as u32,
             };
+            // The predecessor's listener is its parent listener, which answers as long as its
+            // process lives.
+            let prev_watch = Watch {
+                addr: self.addrs[prev],
+                secret: self.secret,
+                ctx: PeerCtx {
+                    purpose: Purpose::Probe,
+                    key: 0,
+                    ..ctx(self.rank, prev)
+                },
+            };
             form_ring(
                 &self.listener,
                 &self.secret,
                 (next, self.addrs[next], ctx(self.rank, next)),
-                (prev, ctx(prev, self.rank)),
+                (prev, ctx(prev, self.rank), Some(prev_watch)),
                 i,
                 n,
                 w,
@@ -416,18 +433,56 @@ impl Bootstrap {
     }
 }
 
-/// Connects to the successor and takes the predecessor's connection from our listener.
+/// Where a peer's listener is and how to prove we may knock: enough to tell whether the peer's
+/// process still exists.
+struct Watch {
+    addr: SocketAddr,
+    secret: [u8; 32],
+    ctx: PeerCtx,
+}
+
+impl Watch {
+    /// Err(Remote) when the peer's listener refuses connections: its process is gone. A peer
+    /// that answers, or cannot be reached in time (a slow or partitioned host), counts as alive;
+    /// the caller's deadline covers those.
+    fn alive(&self, rank: usize, abort: &AtomicBool) -> Result<()> {
+        let who = format!("rank {rank} ({})", self.addr);
+        let w = Waiter::new(Some(Instant::now() + Duration::from_secs(1)), abort);
+        let stream = match net::connect(self.addr, w, false, &who) {
+            Ok(s) => s,
+            Err(e) if e.kind == ErrorKind::Remote => {
+                return crate::remote_err!(
+                    "rank {rank} is gone: its bootstrap listener at {} refuses connections (the process exited or was killed)",
+                    self.addr
+                )
+            }
+            Err(_) => return Ok(()),
+        };
+        let mut wire = auth::TcpWire {
+            stream: &stream,
+            waiter: w,
+            peer: &who,
+        };
+        if let Err(e) = auth::client_steps(&mut wire, &self.secret, &self.ctx.encode()) {
+            crate::trace!("liveness probe of {who}: {}", e.msg);
+        }
+        Ok(())
+    }
+}
+
+/// Connects to the successor and takes the predecessor's connection from our listener, checking
+/// while it waits that the predecessor still exists when `prev` says how.
 fn form_ring(
     listener: &Listener,
     secret: &[u8; 32],
     next: (usize, SocketAddr, PeerCtx),
-    prev: (usize, PeerCtx),
+    prev: (usize, PeerCtx, Option<Watch>),
     rank: usize,
     nranks: usize,
     w: Waiter<'_>,
 ) -> Result<Ring> {
     let (next_rank, next_addr, next_ctx) = next;
-    let (prev_rank, prev_ctx) = prev;
+    let (prev_rank, prev_ctx, prev_watch) = prev;
     let who = format!("rank {next_rank} ({next_addr})");
     let to_next = net::connect(next_addr, w, false, &who)?;
     let mut wire = auth::TcpWire {
@@ -436,13 +491,26 @@ fn form_ring(
         peer: &who,
     };
     auth::client_on(&mut wire, secret, &next_ctx.encode())?;
+    let alive = || match &prev_watch {
+        Some(watch) => watch.alive(prev_rank, w.abort),
+        None => Ok(()),
+    };
     let from_prev = listener
-        .take(&prev_ctx.encode(), w, &|| {
-            format!("rank {prev_rank} to connect to this rank's bootstrap listener")
-        })
+        .take(
+            &prev_ctx.encode(),
+            w,
+            &|| format!("rank {prev_rank} to connect to this rank's bootstrap listener"),
+            &alive,
+        )
         .map_err(|e| match e.kind {
             ErrorKind::Timeout => e.context(format!("rank {rank} of {nranks}")),
             _ => e,
-        })?;
+        });
+    let from_prev = match from_prev {
+        Ok(s) => s,
+        // The successor is already connected and will wait on it: tell it why nothing comes,
+        // so that the cause travels around the ring instead of a bare hang-up.
+        Err(e) => return Err(Ring::new(rank, nranks, Some(to_next), None).fail(e)),
+    };
     Ok(Ring::new(rank, nranks, Some(to_next), Some(from_prev)))
 }

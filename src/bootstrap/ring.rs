@@ -255,7 +255,7 @@ impl Ring {
     /// so that they stop waiting on us at once. Only the sending side: shutting down reception
     /// would make the kernel answer a neighbour's next bytes with a reset, which can overtake the
     /// notice and leave that neighbour without the reason.
-    fn fail(&mut self, e: Error) -> Error {
+    pub(crate) fn fail(&mut self, e: Error) -> Error {
         let cause = self
             .relayed
             .take()

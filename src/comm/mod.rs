@@ -68,8 +68,21 @@ pub struct Comm {
     pub schedules: ops::ScheduleCache,
     life: AtomicU8,
     pub async_error: Mutex<Option<Error>>,
-    pub last_error: Mutex<Option<String>>,
+    /// The message of this communicator's last failed call, shared with its registry entry so
+    /// that a failure recorded before the communicator existed (its init) or after it left the
+    /// entry's hands (a group) lands in the one place ncclGetLastError reads.
+    pub last_error: LastError,
     pub suspended: AtomicBool,
+}
+
+/// Where the message of a communicator's last failure is kept (see `Comm::last_error`).
+pub type LastError = Arc<Mutex<Option<String>>>;
+
+/// Records that `func` failed with `e` in `slot`, in the form ncclGetLastError reports.
+pub fn note_error(slot: &LastError, func: &str, e: &Error) -> String {
+    let msg = format!("{func}: {}", e.msg);
+    *slot.lock() = Some(msg.clone());
+    msg
 }
 
 fn hash_tag(parts: impl Hash) -> u64 {
@@ -224,7 +237,7 @@ impl Comm {
             schedules: Default::default(),
             life: AtomicU8::new(Life::Active as u8),
             async_error: Mutex::new(None),
-            last_error: Mutex::new(None),
+            last_error: LastError::default(),
             suspended: AtomicBool::new(false),
         })
     }
@@ -293,6 +306,7 @@ impl Comm {
 
     /// Local teardown: peers still waiting on this rank get an error instead of hanging.
     pub fn destroy(&self) {
+        crate::fault::point("destroy");
         if let Some(w) = &self.shm {
             w.local.mark_closed(false);
             for p in w.peers.iter().flatten() {
@@ -343,6 +357,7 @@ impl Comm {
         crate::wire::put_u32(&mut mine, color as u32);
         crate::wire::put_u32(&mut mine, key as u32);
         let all = self.boot.allgather(&mine)?;
+        crate::fault::point("split:colors");
         let mut entries = Vec::with_capacity(self.nranks);
         for (r, b) in all.iter().enumerate() {
             let mut rd = Reader::new(b);

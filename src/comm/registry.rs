@@ -21,6 +21,8 @@ pub struct Entry {
     state: Mutex<State>,
     settled: Condvar,
     pub blocking: bool,
+    /// The communicator's last error message (the communicator shares it once it exists).
+    pub last_error: super::LastError,
 }
 
 impl Entry {
@@ -29,12 +31,14 @@ impl Entry {
             state: Mutex::new(State::Initializing),
             settled: Condvar::new(),
             blocking,
+            last_error: Default::default(),
         })
     }
 
     pub fn ready_now(comm: Comm) -> Arc<Entry> {
         let blocking = comm.config.blocking;
         Arc::new(Entry {
+            last_error: comm.last_error.clone(),
             state: Mutex::new(State::Ready(Arc::new(comm))),
             settled: Condvar::new(),
             blocking,
@@ -44,8 +48,14 @@ impl Entry {
     pub fn settle(&self, result: Result<Comm>) {
         let mut st = self.state.lock();
         *st = match result {
-            Ok(c) => State::Ready(Arc::new(c)),
-            Err(e) => State::Failed(e),
+            Ok(mut c) => {
+                c.last_error = self.last_error.clone();
+                State::Ready(Arc::new(c))
+            }
+            Err(e) => {
+                super::note_error(&self.last_error, "communicator initialization", &e);
+                State::Failed(e)
+            }
         };
         self.settled.notify_all();
     }
@@ -66,12 +76,26 @@ impl Entry {
 
     /// Blocks until initialisation settles.
     pub fn wait(&self) -> Result<Arc<Comm>> {
+        self.wait_settled();
+        self.comm()
+    }
+
+    fn wait_settled(&self) {
         let mut st = self.state.lock();
         while matches!(*st, State::Initializing) {
             self.settled.wait(&mut st);
         }
-        drop(st);
-        self.comm()
+    }
+
+    /// Blocks until initialisation settles and returns how it ended: the init's own error
+    /// (a timeout stays a timeout), not the error of using a communicator that failed.
+    pub fn init_outcome(&self) -> Result<Arc<Comm>> {
+        self.wait_settled();
+        match &*self.state.lock() {
+            State::Failed(e) => Err(e.clone()),
+            State::Ready(c) => Ok(c.clone()),
+            State::Initializing => crate::internal_err!("init settled but is still running"),
+        }
     }
 
     /// ncclCommGetAsyncError's view: in progress, failed, or the communicator's own state.

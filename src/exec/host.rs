@@ -609,9 +609,25 @@ impl<'a> Exec<'a> {
         }
         let (ranks, _) = self.blocked_on();
         for r in ranks {
-            self.wiring.links[r].check_peer()?;
+            if let Err(e) = self.wiring.links[r].check_peer() {
+                return Err(self.with_other_losses(e, r));
+            }
         }
         Ok(())
+    }
+
+    /// A peer we wait for failed; it may have failed because another rank was lost first (it
+    /// aborted after losing it). Name every peer that is gone, so the error reaches the cause.
+    fn with_other_losses(&self, e: Error, first: usize) -> Error {
+        let others: Vec<String> = (0..self.wiring.links.len())
+            .filter(|&p| p != first && p != self.wiring.rank)
+            .filter_map(|p| self.wiring.links[p].check_peer().err().map(|e| e.msg))
+            .collect();
+        if others.is_empty() {
+            e
+        } else {
+            Error::new(e.kind, format!("{}; also {}", e.msg, others.join("; ")))
+        }
     }
 }
 
@@ -909,8 +925,7 @@ mod tests {
             if self.checks.load(Ordering::SeqCst) == 0 {
                 return Ok(idle);
             }
-            if self.attempts_after_check.fetch_add(1, Ordering::SeqCst) < self.hidden_after_check
-            {
+            if self.attempts_after_check.fetch_add(1, Ordering::SeqCst) < self.hidden_after_check {
                 return Ok(idle);
             }
             assert_eq!(expect.len, self.payload.len());

@@ -1,7 +1,7 @@
 //! Version, unique ids, communicator lifecycle, errors and queries.
 
 use super::types::*;
-use super::{comm_of, guard, guard_comm, nonneg, out};
+use super::{comm_of, guard, guard_comm, guard_on, nonneg, out};
 use crate::bootstrap::{self, UniqueId, UNIQUE_ID_BYTES};
 use crate::comm::config::{Config, RawConfig};
 use crate::comm::registry::{self, Entry};
@@ -57,7 +57,7 @@ unsafe fn start_init(
     };
     if blocking {
         entry.settle((job.run)());
-        if let Err(e) = entry.wait() {
+        if let Err(e) = entry.init_outcome() {
             let _ = registry::remove(h);
             *out_comm = std::ptr::null_mut();
             return Err(e);
@@ -226,7 +226,7 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
-    guard("ncclCommDestroy", || {
+    guard_on("ncclCommDestroy", comm, || {
         if comm.is_null() {
             return Ok(());
         }
@@ -240,7 +240,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
-    guard("ncclCommAbort", || {
+    guard_on("ncclCommAbort", comm, || {
         if comm.is_null() {
             return Ok(());
         }
@@ -378,7 +378,7 @@ pub unsafe extern "C" fn ncclCommGrow(
     newcomm: *mut ncclComm_t,
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
-    guard("ncclCommGrow", || {
+    guard_on("ncclCommGrow", comm, || {
         out(newcomm, "newcomm")?;
         let n = nonneg(nRanks, "nRanks")?;
         let cfg = config_from(config)?;
@@ -481,12 +481,17 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
     comm: ncclComm_t,
     asyncError: *mut ncclResult_t,
 ) -> ncclResult_t {
-    guard("ncclCommGetAsyncError", || {
+    guard_on("ncclCommGetAsyncError", comm, || {
         out(asyncError, "asyncError")?;
         let entry = registry::lookup(comm as usize)?;
         *asyncError = match entry.async_state() {
             Ok(()) => ncclResult_t::ncclSuccess,
-            Err(e) => super::code(e.kind),
+            Err(e) => {
+                if e.kind != ErrorKind::InProgress {
+                    super::note_async_error(&entry, &e);
+                }
+                super::code(e.kind)
+            }
         };
         Ok(())
     })

@@ -62,8 +62,7 @@ thread_local! {
 pub(crate) fn last_error_ptr(comm: ncclComm_t) -> *const c_char {
     let of_comm = registry::lookup(comm as usize)
         .ok()
-        .and_then(|e| e.peek())
-        .and_then(|c| c.last_error.lock().clone());
+        .and_then(|e| e.last_error.lock().clone());
     if let Some(msg) = of_comm.or_else(|| THREAD_LAST.with(|t| t.borrow().clone())) {
         return remember(&msg);
     }
@@ -97,26 +96,63 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Records a failure of `func` so `ncclGetLastError` can report it.
-pub(crate) fn report(func: &str, e: &Error, comm: Option<&Comm>) {
-    let msg = format!("{func}: {}", e.msg);
+/// Records a failure of `func` so `ncclGetLastError` can report it: for this thread, for the
+/// process, and for the communicator the call named (`comm`, when the handle is known).
+pub(crate) fn report(func: &str, e: &Error, comm: ncclComm_t) {
+    let msg = match registry::lookup(comm as usize) {
+        Ok(entry) => crate::comm::note_error(&entry.last_error, func, e),
+        Err(_) => format!("{func}: {}", e.msg),
+    };
     crate::warn!("{msg}");
     remember(&msg);
-    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg.clone()));
-    if let Some(c) = comm {
-        *c.last_error.lock() = Some(msg);
-    }
+    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg));
     crate::group::record_error(e);
+}
+
+/// ncclCommGetAsyncError found the communicator failed: from now on ncclGetLastError describes
+/// that failure (unless it already does), for the communicator and for this thread.
+pub(crate) fn note_async_error(entry: &registry::Entry, e: &Error) {
+    let mut slot = entry.last_error.lock();
+    if slot.as_deref().is_some_and(|m| m.contains(&e.msg)) {
+        return;
+    }
+    let msg = format!("asynchronous error: {}", e.msg);
+    *slot = Some(msg.clone());
+    remember(&msg);
+    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg));
 }
 
 /// Runs an entry point's body: no panic crosses the C boundary, every error becomes its code
 /// and a message.
 pub(crate) fn guard(func: &'static str, body: impl FnOnce() -> Result<()>) -> ncclResult_t {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+    guard_on(func, std::ptr::null_mut(), body)
+}
+
+/// Like `guard`, for an entry point that names communicator `comm` without needing it ready
+/// (destroy, abort, grow, the async-error query): a failure is also recorded on it.
+pub(crate) fn guard_on(
+    func: &'static str,
+    comm: ncclComm_t,
+    body: impl FnOnce() -> Result<()>,
+) -> ncclResult_t {
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
+    outcome(func, comm, r, None)
+}
+
+/// The code for how an entry point's body ended; failures are reported (inside the rank's log
+/// scope when the communicator was found).
+fn outcome(
+    func: &'static str,
+    comm: ncclComm_t,
+    r: std::thread::Result<Result<()>>,
+    rank: Option<i32>,
+) -> ncclResult_t {
+    let _scope = rank.map(crate::log::rank_scope);
+    match r {
         Ok(Ok(())) => ncclResult_t::ncclSuccess,
         Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,
         Ok(Err(e)) => {
-            report(func, &e, None);
+            report(func, &e, comm);
             code(e.kind)
         }
         Err(p) => {
@@ -124,7 +160,7 @@ pub(crate) fn guard(func: &'static str, body: impl FnOnce() -> Result<()>) -> nc
                 ErrorKind::Internal,
                 format!("internal error (panic): {}", panic_message(&*p)),
             );
-            report(func, &e, None);
+            report(func, &e, comm);
             ncclResult_t::ncclInternalError
         }
     }
@@ -136,30 +172,14 @@ pub(crate) fn guard_comm(
     comm: ncclComm_t,
     body: impl FnOnce(Arc<Comm>) -> Result<()>,
 ) -> ncclResult_t {
-    let mut seen: Option<Arc<Comm>> = None;
+    let mut rank: Option<i32> = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let c = comm_of(comm)?;
-        seen = Some(c.clone());
+        rank = Some(c.rank as i32);
         let _scope = crate::log::rank_scope(c.rank as i32);
         body(c)
     }));
-    let _scope = seen.as_ref().map(|c| crate::log::rank_scope(c.rank as i32));
-    match r {
-        Ok(Ok(())) => ncclResult_t::ncclSuccess,
-        Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,
-        Ok(Err(e)) => {
-            report(func, &e, seen.as_deref());
-            code(e.kind)
-        }
-        Err(p) => {
-            let e = Error::new(
-                ErrorKind::Internal,
-                format!("internal error (panic): {}", panic_message(&*p)),
-            );
-            report(func, &e, seen.as_deref());
-            ncclResult_t::ncclInternalError
-        }
-    }
+    outcome(func, comm, r, rank)
 }
 
 /// The communicator behind a handle, ready for use.

@@ -193,6 +193,12 @@ impl Segment {
         self.atomic_u32(28)
     }
 
+    /// The first peer this rank found gone, plus one (0: none). Peers that see this rank
+    /// abort or destroy read it, so their error names the rank that was lost first.
+    fn first_lost(&self) -> &AtomicU32 {
+        self.atomic_u32(3 * LINE)
+    }
+
     fn doorbell(&self) -> &AtomicU32 {
         self.atomic_u32(LINE)
     }
@@ -379,9 +385,24 @@ impl ShmPeer {
         Ok(())
     }
 
+    /// This rank lost its peer: noted in our segment for the other peers, and the error.
+    fn lost(&self, msg: String) -> Error {
+        let _ = self.local.first_lost().compare_exchange(
+            0,
+            self.peer as u32 + 1,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        Error::new(crate::error::ErrorKind::Remote, msg)
+    }
+
     fn cma_error(&self, e: std::io::Error) -> Error {
         if let Err(dead) = self.check_peer() {
             return dead;
+        }
+        // The process is being torn down: its memory is gone before it counts as exited.
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            return self.lost(format!("rank {} exited (its process is gone)", self.peer));
         }
         Error::from_io(
             format!("reading rank {}'s buffer with process_vm_readv", self.peer),
@@ -596,24 +617,30 @@ impl Transport for ShmPeer {
     }
 
     fn check_peer(&self) -> Result<()> {
-        match self.remote.closed().load(Ordering::SeqCst) {
-            CLOSED_ABORTED => {
-                return crate::remote_err!("rank {} aborted its communicator", self.peer)
+        let cause = || match self.remote.first_lost().load(Ordering::SeqCst) {
+            0 => String::new(),
+            r => format!(" after it lost rank {}", r - 1),
+        };
+        let gone = match self.remote.closed().load(Ordering::SeqCst) {
+            CLOSED_ABORTED => Some(format!(
+                "rank {} aborted its communicator{}",
+                self.peer,
+                cause()
+            )),
+            CLOSED_DESTROYED => Some(format!(
+                "rank {} destroyed its communicator{} while this rank still needs it",
+                self.peer,
+                cause()
+            )),
+            _ if self.watch.as_ref().is_some_and(|w| !w.alive()) => {
+                Some(format!("rank {} exited (its process is gone)", self.peer))
             }
-            CLOSED_DESTROYED => {
-                return crate::remote_err!(
-                    "rank {} destroyed its communicator while this rank still needs it",
-                    self.peer
-                )
-            }
-            _ => {}
+            _ => None,
+        };
+        match gone {
+            Some(msg) => Err(self.lost(msg)),
+            None => Ok(()),
         }
-        if let Some(w) = &self.watch {
-            if !w.alive() {
-                return crate::remote_err!("rank {} exited (its process is gone)", self.peer);
-            }
-        }
-        Ok(())
     }
 
     fn prefers_huge_pages(&self) -> bool {
@@ -715,6 +742,7 @@ pub fn connect(
         base: local.base_addr() as u64,
     };
     let all = boot.allgather(&mine.encode())?;
+    crate::fault::point("shm:announced");
     let announces = all
         .iter()
         .map(|b| Announce::decode(b))
@@ -722,8 +750,16 @@ pub fn connect(
 
     // Serve our memfd to the peers in other processes while we fetch theirs.
     let stop = Arc::new(AtomicBool::new(false));
+    // Peers that die while we set up must not leave us waiting for them until the deadline.
+    let watches: Vec<(usize, ProcessWatch)> = other_process
+        .iter()
+        .map(|&r| (r, ProcessWatch::new(placements[r].pid)))
+        .collect();
     let server = listener.map(|l| {
-        let expected = other_process.clone();
+        let expected: Vec<(usize, ProcessWatch)> = other_process
+            .iter()
+            .map(|&r| (r, ProcessWatch::new(placements[r].pid)))
+            .collect();
         let secret = *boot.secret();
         let fd = mine.fd;
         let stop = stop.clone();
@@ -738,21 +774,33 @@ pub fn connect(
     let pull_threshold = crate::env::size("SHM_PULL_THRESHOLD").unwrap_or(32 << 10);
     let fetched = (|| -> Result<Vec<Option<Arc<ShmPeer>>>> {
         let mut peers: Vec<Option<Arc<ShmPeer>>> = (0..nranks).map(|_| None).collect();
+        // A peer that died fails its own fetch, but the fetches from the living go on: each of
+        // them serves its segment until every living rank has it, so a rank that stopped at the
+        // first failure would leave the others waiting on its server.
+        let mut lost: Option<Error> = None;
         for r in 0..nranks {
             let (fd, access) = match paths[r] {
                 Path::SameProcess => (os::dup(announces[r].fd)?, Access::Direct),
-                Path::SameHost => (
-                    fetch_segment(
+                Path::SameHost => {
+                    let fd = fetch_segment(
                         &announces[r].socket,
                         boot.secret(),
                         comm_tag,
                         me,
                         r,
                         deadline,
+                        watches.iter().find(|w| w.0 == r).map(|w| &w.1),
                     )
-                    .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")))?,
-                    Access::Cma(placements[r].pid),
-                ),
+                    .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")));
+                    match fd {
+                        Ok(fd) => (fd, Access::Cma(placements[r].pid)),
+                        Err(e) if e.kind == crate::error::ErrorKind::Remote => {
+                            lost.get_or_insert(e);
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
                 _ => continue,
             };
             let remote = Arc::new(Segment::open(fd, announces[r].nonce, nranks)?);
@@ -781,9 +829,16 @@ pub fn connect(
                 tail_seen: AtomicU64::new(0),
             }));
         }
-        Ok(peers)
+        match lost {
+            Some(e) => Err(e),
+            None => Ok(peers),
+        }
     })();
-    if fetched.is_err() {
+    // A lost peer does not stop the server: the living still fetch from us (see above).
+    if fetched
+        .as_ref()
+        .is_err_and(|e| e.kind != crate::error::ErrorKind::Remote)
+    {
         stop.store(true, Ordering::SeqCst);
     }
     let served = server
@@ -815,7 +870,7 @@ fn probe_cma(pid: u32, remote_base: usize) -> bool {
 fn serve_segment(
     listener: UnixListener,
     fd: i32,
-    expected: &[usize],
+    expected: &[(usize, ProcessWatch)],
     secret: &[u8; 32],
     comm_tag: u64,
     me: usize,
@@ -825,10 +880,28 @@ fn serve_segment(
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::from_io("unix listener", e))?;
-    let mut pending: Vec<usize> = expected.to_vec();
+    let mut pending: Vec<usize> = expected.iter().map(|e| e.0).collect();
+    // Peers that died before fetching: the living are still served, then this is the error.
+    let mut lost: Option<Error> = None;
     while !pending.is_empty() {
         if stop.load(Ordering::SeqCst) {
             return Ok(());
+        }
+        for (r, w) in expected {
+            if pending.contains(r) && !w.alive() {
+                pending.retain(|p| p != r);
+                lost.get_or_insert_with(|| {
+                    Error::new(
+                        crate::error::ErrorKind::Remote,
+                        format!(
+                            "rank {r} exited before it fetched this rank's shared memory segment"
+                        ),
+                    )
+                });
+            }
+        }
+        if pending.is_empty() {
+            break;
         }
         if deadline.is_some_and(|d| Instant::now() > d) {
             return crate::timeout_err!(
@@ -867,7 +940,7 @@ fn serve_segment(
             Err(e) => crate::warn!("refused a connection to the shm setup socket: {}", e.msg),
         }
     }
-    Ok(())
+    lost.map_or(Ok(()), Err)
 }
 
 fn fetch_segment(
@@ -877,12 +950,18 @@ fn fetch_segment(
     me: usize,
     peer: usize,
     deadline: Option<Instant>,
+    watch: Option<&ProcessWatch>,
 ) -> Result<OwnedFd> {
     let addr = SocketAddr::from_abstract_name(socket.as_bytes())
         .map_err(|e| Error::from_io("abstract unix socket name", e))?;
     let mut s = loop {
         match UnixStream::connect_addr(&addr) {
             Ok(s) => break s,
+            Err(_) if watch.is_some_and(|w| !w.alive()) => {
+                return crate::remote_err!(
+                    "rank {peer} exited before it served its shared memory segment"
+                )
+            }
             Err(e) if deadline.is_none_or(|d| Instant::now() < d) => {
                 crate::trace!("connect to rank {peer}'s shm socket: {e}; retrying");
                 std::thread::sleep(Duration::from_millis(5));

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod run;
 pub mod values;
 
 use comm::ffi::types::*;

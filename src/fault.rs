@@ -1,0 +1,30 @@
+//! Fault injection for the failure tests: `COMM_FAULT_INJECT=<point>[:stop]` makes this process
+//! kill itself (SIGKILL), or stop itself (SIGSTOP) with `:stop`, the first time it reaches the
+//! named point. The points sit between the steps of the bootstrap-level operations (init,
+//! split, shrink, destroy), where a test cannot aim a signal from outside. Unset, a point costs
+//! one comparison with a string read once.
+
+use once_cell::sync::Lazy;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static TARGET: Lazy<Option<(String, libc::c_int)>> = Lazy::new(|| {
+    let spec = std::env::var("COMM_FAULT_INJECT").ok()?;
+    Some(match spec.strip_suffix(":stop") {
+        Some(point) => (point.to_string(), libc::SIGSTOP),
+        None => (spec, libc::SIGKILL),
+    })
+});
+
+static FIRED: AtomicBool = AtomicBool::new(false);
+
+/// Where the library may be told to die: see the module documentation.
+pub(crate) fn point(name: &str) {
+    let Some((target, signal)) = TARGET.as_ref() else {
+        return;
+    };
+    if target == name && !FIRED.swap(true, Ordering::SeqCst) {
+        crate::warn!("COMM_FAULT_INJECT: {name}: raising signal {signal}");
+        // SAFETY: raise takes a signal number and affects only this process.
+        unsafe { libc::raise(*signal) };
+    }
+}

@@ -1,0 +1,175 @@
+//! Running one collective case on a communicator: buffers with canaries, the op (PreMulSum
+//! created when needed), in place or out of place, and the element-by-element check.
+
+use super::cases::*;
+use super::values::*;
+use crate::nccl;
+use comm::ffi::types::*;
+use comm::ffi::*;
+use std::os::raw::c_void;
+
+const GUARD: usize = 64;
+const CANARY: u8 = 0xa5;
+
+/// A buffer with canaries on both sides, to catch writes out of bounds.
+pub struct Buf {
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+impl Buf {
+    pub fn new(len: usize) -> Buf {
+        Buf {
+            bytes: vec![CANARY; len + 2 * GUARD],
+            len,
+        }
+    }
+    pub fn ptr(&mut self) -> *mut c_void {
+        unsafe { self.bytes.as_mut_ptr().add(GUARD) as *mut c_void }
+    }
+    pub fn data(&self) -> &[u8] {
+        &self.bytes[GUARD..GUARD + self.len]
+    }
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes[GUARD..GUARD + self.len]
+    }
+    pub fn canaries_intact(&self) -> bool {
+        self.bytes[..GUARD].iter().all(|&b| b == CANARY)
+            && self.bytes[GUARD + self.len..].iter().all(|&b| b == CANARY)
+    }
+}
+
+pub struct Ctx {
+    pub comm: ncclComm_t,
+    pub rank: usize,
+    pub n: usize,
+}
+
+/// The op value to pass for `op` on `dt` (creating the PreMulSum op when needed).
+pub fn make_op(
+    ctx: &Ctx,
+    dt: i32,
+    op: i32,
+    device_residence: bool,
+    scalar_store: &mut [u8; 8],
+) -> Result<i32, String> {
+    if op != PREMULSUM {
+        return Ok(op);
+    }
+    let mut out = 0;
+    encode(dt, scalar(dt), &mut scalar_store[..size_of(dt)]);
+    let residence = if device_residence { 0 } else { 1 };
+    nccl!(ncclRedOpCreatePreMulSum(
+        &mut out,
+        scalar_store.as_mut_ptr() as *mut c_void,
+        dt,
+        residence,
+        ctx.comm
+    ));
+    Ok(out)
+}
+
+/// Runs one case and checks every element of the result (and the canaries).
+pub fn run_case(
+    ctx: &Ctx,
+    coll: Coll,
+    dt: i32,
+    op: i32,
+    count: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let (rank, n) = (ctx.rank, ctx.n);
+    let es = size_of(dt);
+    let root = root_for(count, n);
+    let what =
+        format!("{coll:?} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}");
+    let fill = |b: &mut [u8], r: usize| {
+        for (j, e) in b.chunks_exact_mut(es).enumerate() {
+            encode(dt, contribution(coll, dt, op, r, j), e);
+        }
+    };
+    let (send_elems, recv_elems) = elems(coll, count, n);
+    let mut scalar_store = [0u8; 8];
+    let redop = if reduces(coll) {
+        make_op(ctx, dt, op, count % 2 == 1, &mut scalar_store)?
+    } else {
+        0
+    };
+    // In place: one buffer, with the send part where NCCL's rule puts it.
+    let mut big = Buf::new(send_elems.max(recv_elems) * es);
+    let mut recv_buf = Buf::new(recv_elems * es);
+    let mut send_buf = Buf::new(send_elems * es);
+    let (sendp, recvp): (*const c_void, *mut c_void);
+    if in_place {
+        let base = big.ptr() as *mut u8;
+        let (soff, roff) = in_place_offsets(coll, rank, root, count, es);
+        let s = unsafe { std::slice::from_raw_parts_mut(base.add(soff), send_elems * es) };
+        if !(matches!(coll, Coll::Scatter) && rank != root) {
+            fill(s, rank);
+        }
+        sendp = unsafe { base.add(soff) } as *const c_void;
+        recvp = unsafe { base.add(roff) } as *mut c_void;
+    } else {
+        fill(send_buf.data_mut(), rank);
+        sendp = send_buf.ptr();
+        recvp = recv_buf.ptr();
+    }
+    let null_recv =
+        !in_place && matches!(coll, Coll::Reduce | Coll::Gather) && rank != root && count % 2 == 0;
+    let recvp = if null_recv {
+        std::ptr::null_mut()
+    } else {
+        recvp
+    };
+    let c = ctx.comm;
+    let s = std::ptr::null_mut();
+    match coll {
+        Coll::AllReduce => nccl!(ncclAllReduce(sendp, recvp, count, dt, redop, c, s)),
+        Coll::Broadcast => nccl!(ncclBroadcast(sendp, recvp, count, dt, root as i32, c, s)),
+        Coll::Reduce => nccl!(ncclReduce(
+            sendp,
+            recvp,
+            count,
+            dt,
+            redop,
+            root as i32,
+            c,
+            s
+        )),
+        Coll::AllGather => nccl!(ncclAllGather(sendp, recvp, count, dt, c, s)),
+        Coll::ReduceScatter => nccl!(ncclReduceScatter(sendp, recvp, count, dt, redop, c, s)),
+        Coll::AlltoAll => nccl!(ncclAlltoAll(sendp, recvp, count, dt, c, s)),
+        Coll::Gather => nccl!(ncclGather(sendp, recvp, count, dt, root as i32, c, s)),
+        Coll::Scatter => nccl!(ncclScatter(sendp, recvp, count, dt, root as i32, c, s)),
+        Coll::SendRecv => {
+            // A ring shift inside one group: everyone sends before anyone receives.
+            nccl!(ncclGroupStart());
+            nccl!(ncclSend(sendp, count, dt, ((rank + 1) % n) as i32, c, s));
+            nccl!(ncclRecv(
+                recvp,
+                count,
+                dt,
+                ((rank + n - 1) % n) as i32,
+                c,
+                s
+            ));
+            nccl!(ncclGroupEnd());
+        }
+    }
+    if redop >= 5 {
+        nccl!(ncclRedOpDestroy(redop, c));
+    }
+    if !big.canaries_intact() || !recv_buf.canaries_intact() || !send_buf.canaries_intact() {
+        return Err(format!("{what}: wrote outside its buffers"));
+    }
+    if null_recv {
+        return Ok(());
+    }
+    let out: &[u8] = if in_place {
+        let roff = recvp as usize - big.ptr() as usize;
+        &big.data()[roff..roff + recv_elems * es]
+    } else {
+        recv_buf.data()
+    };
+    verify(coll, dt, op, rank, n, count, &what, out)
+}

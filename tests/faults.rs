@@ -1,0 +1,964 @@
+//! Fault injection, teardown stress and soak, all multi-process and each under a timeout.
+//!
+//! The victim of a fault is always the last rank. It dies (SIGKILL) or freezes (SIGSTOP) at a
+//! named point inside a bootstrap-level operation (`COMM_FAULT_INJECT`, see `src/fault.rs`), or
+//! from a thread of its own while it runs collectives; the survivors assert the code they get,
+//! that the message names the lost rank, and how long after the fault they returned. The
+//! victim notes the moment it signals itself in a file, so the survivors measure from the
+//! fault, not from their own call.
+//!
+//! Every scenario is one entry of `SCENARIOS`.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::cases::*;
+use common::run::*;
+use common::*;
+use std::os::raw::c_void;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+const S: cudaStream_t = std::ptr::null_mut();
+const REMOTE: ncclResult_t = ncclResult_t::ncclRemoteError;
+const TIMEOUT: ncclResult_t = ncclResult_t::ncclTimeout;
+
+/// How long after a fault every survivor must have returned. The detection itself takes
+/// milliseconds (a closed socket, a vanished process) to a quarter second (a liveness probe);
+/// the rest is slack for a loaded 2-core CI machine.
+const DETECT_BOUND: Duration = Duration::from_secs(3);
+
+type Scenario = fn(&Worker) -> Result<(), String>;
+
+/// Every scenario by name: `launch` names one, the worker runs it.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("kill_in_bootstrap", kill_in_bootstrap),
+    ("kill_in_collective", kill_in_collective),
+    ("stop_in_collective", stop_in_collective),
+    ("stop_in_split", stop_in_split),
+    ("abort_while_blocked", abort_while_blocked),
+    ("stale_errors", stale_errors),
+    ("teardown_cycles", teardown_cycles),
+    ("soak", soak),
+];
+
+#[test]
+fn worker() {
+    if let Some(w) = worker_env() {
+        let Some((_, run)) = SCENARIOS.iter().find(|(name, _)| *name == w.scenario) else {
+            finish(Err(format!("unknown scenario {}", w.scenario)));
+        };
+        finish(run(&w));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+fn victim(w: &Worker) -> usize {
+    w.nranks - 1
+}
+
+/// The argument's fields: `a|b|c`.
+fn fields(w: &Worker) -> Vec<&str> {
+    w.arg.split('|').collect()
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// The victim's last words: when it signalled itself, and its pid (for a stopped victim).
+fn note_fault(file: &str) {
+    let _ = std::fs::write(file, format!("{} {}", now_ns(), std::process::id()));
+}
+
+/// How long ago the victim noted its fault (None when it did not note one yet).
+fn since_fault(file: &str) -> Option<Duration> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let ns: u128 = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(now_ns().saturating_sub(ns) as u64))
+}
+
+fn victim_pid(file: &str) -> Option<i32> {
+    std::fs::read_to_string(file)
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Checks a survivor's failure: the code, the lost rank named, and the time since the fault.
+fn expect_fault(
+    what: &str,
+    r: ncclResult_t,
+    code: ncclResult_t,
+    lost: usize,
+    file: &str,
+    bound: Duration,
+) -> Result<(), String> {
+    let msg = last_error();
+    let waited = since_fault(file);
+    println!("{what}: {r:?} {:?} after the fault: {msg}", waited);
+    if r != code {
+        return Err(format!("{what}: returned {r:?}, expected {code:?}: {msg}"));
+    }
+    if !msg.contains(&format!("rank {lost}")) {
+        return Err(format!(
+            "{what}: the message does not name rank {lost}: {msg}"
+        ));
+    }
+    match waited {
+        Some(t) if t <= bound => Ok(()),
+        Some(t) => Err(format!(
+            "{what}: returned {t:?} after the fault (bound {bound:?})"
+        )),
+        None => Err(format!("{what}: failed before the victim's fault: {msg}")),
+    }
+}
+
+fn init(w: &Worker) -> (ncclResult_t, ncclComm_t) {
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    (r, c)
+}
+
+fn all_reduce(c: ncclComm_t, send: &[f32], recv: &mut [f32]) -> ncclResult_t {
+    unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            send.len(),
+            FLOAT,
+            SUM,
+            c,
+            S,
+        )
+    }
+}
+
+fn split(c: ncclComm_t, color: i32, key: i32) -> (ncclResult_t, ncclComm_t) {
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    let r = unsafe { ncclCommSplit(c, color, key, &mut child, std::ptr::null_mut()) };
+    (r, child)
+}
+
+fn shrink_none(c: ncclComm_t) -> (ncclResult_t, ncclComm_t) {
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    let r = unsafe {
+        ncclCommShrink(
+            c,
+            std::ptr::null_mut(),
+            0,
+            &mut child,
+            std::ptr::null_mut(),
+            NCCL_SHRINK_DEFAULT as i32,
+        )
+    };
+    (r, child)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios
+
+/// arg: `point|file`. The victim dies at `point` of init, split, shrink or destroy; the others
+/// run the same operation and must fail fast naming it (or, for destroy, finish normally).
+fn kill_in_bootstrap(w: &Worker) -> Result<(), String> {
+    let f = fields(w);
+    let (point, file) = (f[0], f[1]);
+    let lost = victim(w);
+    if w.rank == lost {
+        note_fault(file);
+        std::env::set_var("COMM_FAULT_INJECT", point);
+    }
+    let what = format!("rank {} with rank {lost} killed at {point}", w.rank);
+    let (r, c) = init(w);
+    if point.starts_with("init:") || point == "shm:announced" {
+        return expect_fault(&what, r, REMOTE, lost, file, DETECT_BOUND);
+    }
+    if r != OK {
+        return Err(format!("{what}: init failed: {}", last_error()));
+    }
+    let send = [1f32; 64];
+    let mut recv = [0f32; 64];
+    nccl!(all_reduce(c, &send, &mut recv));
+    let result = match point {
+        "split:colors" => {
+            let (r, _) = split(c, 0, w.rank as i32);
+            expect_fault(&what, r, REMOTE, lost, file, DETECT_BOUND)
+        }
+        "sub:start" => {
+            let (r, _) = shrink_none(c);
+            expect_fault(&what, r, REMOTE, lost, file, DETECT_BOUND)
+        }
+        "destroy" => {
+            // Destroy is local on host memory: the survivors' ends close normally.
+            let t = Instant::now();
+            nccl!(ncclCommDestroy(c));
+            if t.elapsed() > DETECT_BOUND {
+                return Err(format!("{what}: destroy took {:?}", t.elapsed()));
+            }
+            return Ok(());
+        }
+        other => Err(format!("unknown fault point {other}")),
+    };
+    unsafe { ncclCommAbort(c) };
+    result
+}
+
+/// One `coll` of 4 MiB per rank, float sum, out of place (the result is not the point here).
+fn run_coll(c: ncclComm_t, coll: Coll, n: usize, big: &mut Buf) -> ncclResult_t {
+    let count = (4 << 20) / 4;
+    let (send_elems, recv_elems) = elems(coll, count, n);
+    let bytes = send_elems.max(recv_elems) * 4;
+    let base = big.ptr() as *mut u8;
+    // Out of place: send from the first half, receive into the second.
+    let (sp, rp) = unsafe { (base as *const c_void, base.add(bytes) as *mut c_void) };
+    let root = 0i32;
+    unsafe {
+        match coll {
+            Coll::AllReduce => ncclAllReduce(sp, rp, count, FLOAT, SUM, c, S),
+            Coll::Broadcast => ncclBroadcast(sp, rp, count, FLOAT, root, c, S),
+            Coll::Reduce => ncclReduce(sp, rp, count, FLOAT, SUM, root, c, S),
+            Coll::AllGather => ncclAllGather(sp, rp, count, FLOAT, c, S),
+            Coll::ReduceScatter => ncclReduceScatter(sp, rp, count, FLOAT, SUM, c, S),
+            Coll::AlltoAll => ncclAlltoAll(sp, rp, count, FLOAT, c, S),
+            Coll::Gather => ncclGather(sp, rp, count, FLOAT, root, c, S),
+            Coll::Scatter => ncclScatter(sp, rp, count, FLOAT, root, c, S),
+            Coll::SendRecv => {
+                let r = ncclGroupStart();
+                if r != OK {
+                    return r;
+                }
+                // Everyone exchanges with everyone: the victim is somebody's peer either way.
+                for p in 0..n {
+                    let r = ncclSend(sp, count, FLOAT, p as i32, c, S);
+                    if r != OK {
+                        return r;
+                    }
+                    let r = ncclRecv(rp, count, FLOAT, p as i32, c, S);
+                    if r != OK {
+                        return r;
+                    }
+                }
+                ncclGroupEnd()
+            }
+        }
+    }
+}
+
+fn coll_named(name: &str) -> Result<Coll, String> {
+    COLLS
+        .iter()
+        .copied()
+        .find(|c| format!("{c:?}") == name)
+        .ok_or_else(|| format!("unknown collective {name}"))
+}
+
+/// arg: `coll|file`. Every rank runs `coll` in a loop; the victim's own thread kills it 20 ms
+/// into a round. The survivors must get ncclRemoteError naming it within the bound.
+fn kill_in_collective(w: &Worker) -> Result<(), String> {
+    collective_fault(w, libc::SIGKILL, REMOTE)
+}
+
+/// arg: `coll|file`; run with COMM_TIMEOUT set. The victim freezes; the survivors time out
+/// naming it, then rank 0 kills it so that the test ends.
+fn stop_in_collective(w: &Worker) -> Result<(), String> {
+    collective_fault(w, libc::SIGSTOP, TIMEOUT)
+}
+
+fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), String> {
+    let f = fields(w);
+    let (coll, file) = (coll_named(f[0])?, f[1].to_string());
+    let lost = victim(w);
+    let c = init_rank(w)?;
+    let (send_elems, recv_elems) = elems(coll, (4 << 20) / 4, w.nranks);
+    let mut big = Buf::new(2 * send_elems.max(recv_elems) * 4);
+    // Every rank completes one round before the fault, so the fault lands in a later one.
+    nccl!(run_coll(c, coll, w.nranks, &mut big));
+    if w.rank == lost {
+        let file = file.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            note_fault(&file);
+            unsafe { libc::raise(signal) };
+        });
+        loop {
+            run_coll(c, coll, w.nranks, &mut big);
+        }
+    }
+    let what = format!(
+        "rank {} in {coll:?} with rank {lost} signalled {signal}",
+        w.rank
+    );
+    let started = Instant::now();
+    let bound = if code == TIMEOUT {
+        DETECT_BOUND + Duration::from_secs(2)
+    } else {
+        DETECT_BOUND
+    };
+    let result = loop {
+        let r = run_coll(c, coll, w.nranks, &mut big);
+        if r != OK {
+            break expect_fault(&what, r, code, lost, &file, bound);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            break Err(format!("{what}: still succeeding 30 s later"));
+        }
+    };
+    if signal == libc::SIGSTOP && w.rank == 0 {
+        // The other survivors time out about when this one did: let them, then end the victim.
+        std::thread::sleep(Duration::from_secs(2));
+        match victim_pid(&file) {
+            Some(pid) => unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            },
+            None => return Err(format!("{what}: the victim noted no pid")),
+        }
+    }
+    unsafe { ncclCommAbort(c) };
+    result
+}
+
+/// arg: `point|file`; run with COMM_INIT_TIMEOUT=2. The victim freezes inside split or shrink
+/// (its sockets stay open, so nothing looks closed): the survivors must time out, not hang.
+fn stop_in_split(w: &Worker) -> Result<(), String> {
+    let f = fields(w);
+    let (point, file) = (f[0], f[1]);
+    let lost = victim(w);
+    if w.rank == lost {
+        // Before the first library call: the library reads it once.
+        std::env::set_var("COMM_FAULT_INJECT", format!("{point}:stop"));
+    }
+    let c = init_rank(w)?;
+    if w.rank == lost {
+        note_fault(file);
+    }
+    let what = format!("rank {} with rank {lost} stopped at {point}", w.rank);
+    let (r, _) = match point {
+        "split:colors" => split(c, 0, w.rank as i32),
+        _ => shrink_none(c),
+    };
+    let result = expect_fault(&what, r, TIMEOUT, lost, file, Duration::from_secs(8));
+    if w.rank == 0 {
+        if let Some(pid) = victim_pid(file) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    unsafe { ncclCommAbort(c) };
+    result
+}
+
+/// arg: an operation. The victim never joins it (it sleeps, then exits); a survivor's second
+/// thread aborts the communicator 300 ms into the call, which must then return at once.
+fn abort_while_blocked(w: &Worker) -> Result<(), String> {
+    let op = w.arg.as_str();
+    let c = init_rank(w)?;
+    if w.rank == victim(w) {
+        std::thread::sleep(Duration::from_secs(4));
+        std::process::exit(0);
+    }
+    let handle = c as usize;
+    let aborted_at = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let stamp = aborted_at.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        *stamp.lock().unwrap() = Some(Instant::now());
+        unsafe { ncclCommAbort(handle as ncclComm_t) };
+    });
+    let send = vec![1f32; 1 << 16];
+    let mut recv = vec![0f32; 1 << 16];
+    let r = match op {
+        "allreduce" => all_reduce(c, &send, &mut recv),
+        "split" => split(c, 0, 0).0,
+        "shrink" => shrink_none(c).0,
+        "sendrecv" => unsafe {
+            let peer = victim(w) as i32;
+            ncclGroupStart();
+            ncclSend(
+                send.as_ptr() as *const c_void,
+                send.len(),
+                FLOAT,
+                peer,
+                c,
+                S,
+            );
+            ncclRecv(
+                recv.as_mut_ptr() as *mut c_void,
+                recv.len(),
+                FLOAT,
+                peer,
+                c,
+                S,
+            );
+            ncclGroupEnd()
+        },
+        other => return Err(format!("unknown operation {other}")),
+    };
+    let late = aborted_at.lock().unwrap().map(|t| t.elapsed());
+    println!("{op}: {r:?} {late:?} after the abort: {}", last_error());
+    if r == OK {
+        return Err(format!(
+            "{op}: succeeded although rank {} never came",
+            victim(w)
+        ));
+    }
+    match late {
+        Some(t) if t < Duration::from_secs(1) => Ok(()),
+        Some(t) => Err(format!("{op}: returned {t:?} after the abort")),
+        None => Err(format!(
+            "{op}: returned {r:?} before the abort: {}",
+            last_error()
+        )),
+    }
+}
+
+/// ncclGetLastError(comm) describes the last failure of that communicator, whichever entry
+/// point failed: after an unrelated earlier failure, each entry point's own failure replaces
+/// it. Then the victim exits and ncclCommGetAsyncError's error becomes the last one.
+fn stale_errors(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    let last = |c: ncclComm_t| unsafe {
+        std::ffi::CStr::from_ptr(ncclGetLastError(c))
+            .to_string_lossy()
+            .into_owned()
+    };
+    // An unrelated failure first (of another entry point than the one under test).
+    let earlier = |c: ncclComm_t, name: &str| unsafe {
+        if name == "ncclCommCount" {
+            (
+                "ncclCommUserRank",
+                ncclCommUserRank(c, std::ptr::null_mut()),
+            )
+        } else {
+            ("ncclCommCount", ncclCommCount(c, std::ptr::null_mut()))
+        }
+    };
+    let mut buf = [0f32; 8];
+    let bp = buf.as_mut_ptr() as *mut c_void;
+    let mut out: ncclComm_t = std::ptr::null_mut();
+    let op = &mut out as *mut ncclComm_t;
+    let id = unique_id();
+    // (entry point, a call of it that fails locally, without involving the peers).
+    type Call<'a> = Box<dyn Fn(ncclComm_t) -> ncclResult_t + 'a>;
+    let calls: Vec<(&str, Call)> = vec![
+        (
+            "ncclAllReduce",
+            Box::new(|c| unsafe { ncclAllReduce(bp, bp, 8, 99, SUM, c, S) }),
+        ),
+        (
+            "ncclBroadcast",
+            Box::new(|c| unsafe { ncclBroadcast(bp, bp, 8, FLOAT, -1, c, S) }),
+        ),
+        (
+            "ncclReduce",
+            Box::new(|c| unsafe { ncclReduce(bp, bp, 8, FLOAT, 77, 0, c, S) }),
+        ),
+        (
+            "ncclAllGather",
+            Box::new(|c| unsafe { ncclAllGather(bp, std::ptr::null_mut(), 8, FLOAT, c, S) }),
+        ),
+        (
+            "ncclReduceScatter",
+            Box::new(|c| unsafe { ncclReduceScatter(bp, bp, 8, 99, SUM, c, S) }),
+        ),
+        (
+            "ncclAlltoAll",
+            Box::new(|c| unsafe { ncclAlltoAll(std::ptr::null(), bp, 8, FLOAT, c, S) }),
+        ),
+        (
+            "ncclGather",
+            Box::new(|c| unsafe { ncclGather(bp, bp, 8, FLOAT, 99, c, S) }),
+        ),
+        (
+            "ncclScatter",
+            Box::new(|c| unsafe { ncclScatter(bp, bp, 8, FLOAT, 99, c, S) }),
+        ),
+        (
+            "ncclSend",
+            Box::new(|c| unsafe { ncclSend(bp, 8, FLOAT, 99, c, S) }),
+        ),
+        (
+            "ncclRecv",
+            Box::new(|c| unsafe { ncclRecv(bp, 8, FLOAT, -5, c, S) }),
+        ),
+        (
+            "ncclRedOpDestroy",
+            Box::new(|c| unsafe { ncclRedOpDestroy(1234, c) }),
+        ),
+        (
+            "ncclCommCount",
+            Box::new(|c| unsafe { ncclCommCount(c, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommUserRank",
+            Box::new(|c| unsafe { ncclCommUserRank(c, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommCuDevice",
+            Box::new(|c| unsafe { ncclCommCuDevice(c, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommMemStats",
+            Box::new(|c| unsafe { ncclCommMemStats(c, 9, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommSuspend",
+            Box::new(|c| unsafe { ncclCommSuspend(c, 0x40) }),
+        ),
+        ("ncclCommResume", Box::new(|c| unsafe { ncclCommResume(c) })),
+        (
+            "ncclCommRevoke",
+            Box::new(|c| unsafe { ncclCommRevoke(c, 77) }),
+        ),
+        (
+            "ncclCommSplit",
+            Box::new(|c| unsafe { ncclCommSplit(c, -7, 0, op, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommGetUniqueId",
+            Box::new(|c| unsafe { ncclCommGetUniqueId(c, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommGrow",
+            Box::new(|c| unsafe { ncclCommGrow(c, 1, &id, 0, op, std::ptr::null_mut()) }),
+        ),
+        (
+            "ncclCommRegister",
+            Box::new(|c| unsafe {
+                ncclCommRegister(c, std::ptr::null_mut(), 8, std::ptr::null_mut())
+            }),
+        ),
+        (
+            "ncclCommDeregister",
+            Box::new(|c| unsafe { ncclCommDeregister(c, 0x1234 as *mut c_void) }),
+        ),
+        (
+            "ncclCommGetAsyncError",
+            Box::new(|c| unsafe { ncclCommGetAsyncError(c, std::ptr::null_mut()) }),
+        ),
+    ];
+    for (name, call) in &calls {
+        let (first, r) = earlier(c, name);
+        if r == OK {
+            return Err(format!("{first} did not fail"));
+        }
+        let before = last(c);
+        if !before.starts_with(first) {
+            return Err(format!("{name}: the earlier failure reads {before:?}"));
+        }
+        let r = call(c);
+        let after = last(c);
+        if r == OK {
+            return Err(format!("{name}: the failing call succeeded"));
+        }
+        if !after.starts_with(name) || after == before {
+            return Err(format!(
+                "{name} returned {r:?} but ncclGetLastError(comm) still says {after:?}"
+            ));
+        }
+    }
+    // An asynchronous failure: the peer exits; the survivor's collective fails, then an
+    // unrelated local failure, then the async query must bring the peer's failure back.
+    let lost = victim(w);
+    if w.rank == lost {
+        std::process::exit(0);
+    }
+    let send = [1f32; 64];
+    let mut recv = [0f32; 64];
+    let r = all_reduce(c, &send, &mut recv);
+    if r != REMOTE {
+        return Err(format!("all-reduce with rank {lost} gone returned {r:?}"));
+    }
+    earlier(c, "");
+    let mut state = OK;
+    nccl!(ncclCommGetAsyncError(c, &mut state));
+    let after = last(c);
+    if state != REMOTE || !after.contains(&format!("rank {lost}")) {
+        return Err(format!(
+            "ncclCommGetAsyncError reported {state:?} but ncclGetLastError(comm) says {after:?}"
+        ));
+    }
+    unsafe { ncclCommAbort(c) };
+    Ok(())
+}
+
+/// arg: cycles. Every cycle: all-reduce, then destroy, then a new init with an id rank 0 made
+/// and broadcast over the old communicator. No cycle may fail.
+fn teardown_cycles(w: &Worker) -> Result<(), String> {
+    let cycles: usize = w.arg.parse().map_err(|_| format!("bad cycles {}", w.arg))?;
+    let mut c = init_rank(w)?;
+    let n = w.nranks;
+    let want = (n * (n + 1) / 2) as f32;
+    for cycle in 0..cycles {
+        let mut id = if w.rank == 0 {
+            unique_id()
+        } else {
+            ncclUniqueId {
+                internal: [0; NCCL_UNIQUE_ID_BYTES],
+            }
+        };
+        let idp = id.internal.as_mut_ptr() as *mut c_void;
+        nccl!(ncclBroadcast(idp, idp, NCCL_UNIQUE_ID_BYTES, 0, 0, c, S));
+        let send = [(w.rank + 1) as f32; 13];
+        let mut recv = [0f32; 13];
+        let r = all_reduce(c, &send, &mut recv);
+        if r != OK {
+            return Err(format!(
+                "cycle {cycle}: all-reduce returned {r:?}: {}",
+                last_error()
+            ));
+        }
+        if recv.iter().any(|&v| v != want) {
+            return Err(format!("cycle {cycle}: all-reduce gave {recv:?}"));
+        }
+        nccl!(ncclCommDestroy(c));
+        let mut next: ncclComm_t = std::ptr::null_mut();
+        let r = unsafe { ncclCommInitRank(&mut next, n as i32, id, w.rank as i32) };
+        if r != OK {
+            return Err(format!(
+                "cycle {cycle}: init returned {r:?}: {}",
+                last_error()
+            ));
+        }
+        c = next;
+    }
+    nccl!(ncclCommDestroy(c));
+    println!("rank {}: {cycles} cycles, no error", w.rank);
+    Ok(())
+}
+
+/// This process's open descriptors, threads and resident bytes.
+fn resources() -> (usize, usize, usize) {
+    let count = |dir: &str| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    let rss_pages: usize = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0);
+    (
+        count("/proc/self/fd"),
+        count("/proc/self/task"),
+        rss_pages * 4096,
+    )
+}
+
+/// The same pseudo-random sequence on every rank (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// arg: `seed|seconds`. A random mix of collectives, datatypes, ops, sizes (0 to 16 MiB) and
+/// in/out of place, on the communicator and on a split half of it, with sub-communicators
+/// created and destroyed along the way; every result checked element by element. After the
+/// first fifth of the time, descriptors and threads must stay where they were and resident
+/// memory must not keep growing.
+fn soak(w: &Worker) -> Result<(), String> {
+    let f = fields(w);
+    let mut rng = Rng(f[0].parse::<u64>().map_err(|e| e.to_string())? | 1);
+    let secs: u64 = f[1].parse().map_err(|_| format!("bad seconds {}", f[1]))?;
+    let c = init_rank(w)?;
+    let (h, half) = split(c, (w.rank % 2) as i32, w.rank as i32);
+    if h != OK {
+        return Err(format!("split: {}", last_error()));
+    }
+    let (mut hn, mut hr) = (0i32, 0i32);
+    nccl!(ncclCommCount(half, &mut hn));
+    nccl!(ncclCommUserRank(half, &mut hr));
+    let started = Instant::now();
+    let total = Duration::from_secs(secs);
+    let mut baseline: Option<(usize, usize, usize)> = None;
+    let mut ops = 0usize;
+    // Every rank must take every decision the same way: stop after a number of ops agreed on
+    // by all (the slowest rank's view of time decides, through an all-reduce of a flag).
+    loop {
+        if ops % 32 == 0 {
+            let done = [(started.elapsed() >= total) as i32 as f32];
+            let mut any = [0f32];
+            nccl!(ncclAllReduce(
+                done.as_ptr() as *const c_void,
+                any.as_mut_ptr() as *mut c_void,
+                1,
+                FLOAT,
+                2, /* max */
+                c,
+                S
+            ));
+            if any[0] > 0.0 {
+                break;
+            }
+            if baseline.is_none() && started.elapsed() >= total / 5 {
+                baseline = Some(resources());
+            }
+        }
+        ops += 1;
+        let coll = COLLS[rng.below(COLLS.len())];
+        let (dt, _, _) = common::values::DTYPES[rng.below(common::values::DTYPES.len())];
+        let op = if reduces(coll) {
+            common::values::OPS[rng.below(common::values::OPS.len())].0
+        } else {
+            SUM
+        };
+        let es = common::values::size_of(dt);
+        let max_bytes = match rng.below(10) {
+            0 => 16 << 20,
+            1..=3 => 256 << 10,
+            _ => 4 << 10,
+        };
+        let mut count = rng.below(max_bytes / es / w.nranks + 1);
+        if op != SUM && count > 4096 {
+            count = 4096 + count % 7;
+        }
+        let in_place = coll != Coll::SendRecv && rng.below(2) == 0;
+        let on_half = rng.below(4) == 0;
+        let lifecycle = rng.below(64) == 0;
+        let ctx = if on_half {
+            Ctx {
+                comm: half,
+                rank: hr as usize,
+                n: hn as usize,
+            }
+        } else {
+            Ctx {
+                comm: c,
+                rank: w.rank,
+                n: w.nranks,
+            }
+        };
+        run_case(&ctx, coll, dt, op, count, in_place).map_err(|e| format!("op {ops}: {e}"))?;
+        if lifecycle {
+            let (r, child) = split(c, 0, (w.nranks - w.rank) as i32);
+            if r != OK {
+                return Err(format!("op {ops}: split: {}", last_error()));
+            }
+            let ctx = Ctx {
+                comm: child,
+                rank: w.nranks - 1 - w.rank,
+                n: w.nranks,
+            };
+            run_case(&ctx, Coll::AllReduce, FLOAT, SUM, 1001, false)?;
+            nccl!(ncclCommDestroy(child));
+        }
+    }
+    let (fd0, th0, rss0) = baseline.ok_or("the soak ended before its warm-up")?;
+    let (fd1, th1, rss1) = resources();
+    println!(
+        "rank {}: {ops} operations in {:.0} s; fds {fd0} -> {fd1}, threads {th0} -> {th1}, rss {} -> {} MiB",
+        w.rank,
+        started.elapsed().as_secs_f64(),
+        rss0 >> 20,
+        rss1 >> 20
+    );
+    if fd1 > fd0 || th1 > th0 {
+        return Err(format!(
+            "descriptors {fd0} -> {fd1}, threads {th0} -> {th1} after warm-up"
+        ));
+    }
+    if rss1 > rss0 + (96 << 20) {
+        return Err(format!(
+            "resident memory grew from {} to {} MiB",
+            rss0 >> 20,
+            rss1 >> 20
+        ));
+    }
+    nccl!(ncclCommDestroy(half));
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+fn fault_file(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "comm-fault-{}-{tag}-{}",
+        std::process::id(),
+        now_ns()
+    ))
+}
+
+fn run(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)], secs: u64) {
+    let r = launch("worker", scenario, n, arg, env, Duration::from_secs(secs));
+    assert_all_ok(&r, &format!("{scenario} ({arg}) with {n} processes"));
+}
+
+/// Survivors run the scenario; the victim's own exit status is not the point (it is killed).
+fn run_with_victim(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)], secs: u64) {
+    let r = launch("worker", scenario, n, arg, env, Duration::from_secs(secs));
+    let survivors: Vec<RankResult> = r.into_iter().filter(|r| r.rank != n - 1).collect();
+    for s in &survivors {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(
+        &survivors,
+        &format!("{scenario} ({arg}) with {n} processes"),
+    );
+}
+
+fn bootstrap_fault(point: &str, n: usize) {
+    let file = fault_file(&point.replace(':', "-"));
+    let arg = format!("{point}|{}", file.display());
+    run_with_victim(
+        "kill_in_bootstrap",
+        n,
+        &arg,
+        &[("COMM_INIT_TIMEOUT", "60")],
+        60,
+    );
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn kill_after_checking_in_at_init() {
+    bootstrap_fault("init:checked-in", 3);
+}
+
+#[test]
+fn kill_while_init_forms_its_ring() {
+    bootstrap_fault("init:ring", 3);
+}
+
+#[test]
+fn kill_while_init_connects_shared_memory() {
+    bootstrap_fault("shm:announced", 3);
+}
+
+#[test]
+fn kill_during_split() {
+    bootstrap_fault("split:colors", 3);
+}
+
+#[test]
+fn kill_during_shrink() {
+    bootstrap_fault("sub:start", 4);
+}
+
+#[test]
+fn kill_during_destroy() {
+    bootstrap_fault("destroy", 3);
+}
+
+#[test]
+fn kill_during_each_collective() {
+    for coll in COLLS {
+        let file = fault_file(&format!("{coll:?}"));
+        let arg = format!("{coll:?}|{}", file.display());
+        run_with_victim("kill_in_collective", 3, &arg, &[], 60);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+#[test]
+fn stop_during_collectives_times_out() {
+    for coll in [Coll::AllReduce, Coll::SendRecv] {
+        let file = fault_file(&format!("stop-{coll:?}"));
+        let arg = format!("{coll:?}|{}", file.display());
+        run_with_victim("stop_in_collective", 3, &arg, &[("COMM_TIMEOUT", "1")], 60);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+#[test]
+fn stop_during_split_and_shrink_times_out() {
+    for point in ["split:colors", "sub:start"] {
+        let file = fault_file(&format!("stop-{}", point.replace(':', "-")));
+        let arg = format!("{point}|{}", file.display());
+        run_with_victim("stop_in_split", 3, &arg, &[("COMM_INIT_TIMEOUT", "2")], 60);
+        let _ = std::fs::remove_file(file);
+    }
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_each_operation() {
+    for op in ["allreduce", "sendrecv", "split", "shrink"] {
+        run_with_victim("abort_while_blocked", 3, op, &[], 60);
+    }
+}
+
+#[test]
+fn last_error_follows_every_entry_point() {
+    run_with_victim("stale_errors", 2, "", &[], 60);
+}
+
+/// Busy loops on every core beside the ranks, as on a node where other work competes.
+struct Contention(Vec<std::process::Child>);
+
+impl Contention {
+    fn start() -> Contention {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Contention(
+            (0..cores)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .expect("spawn a busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Contention {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn teardown_cycles_under_contention(n: usize) {
+    let cycles = std::env::var("COMM_TEST_TEARDOWN_CYCLES").unwrap_or_else(|_| "300".into());
+    let _busy = Contention::start();
+    let t = Instant::now();
+    run("teardown_cycles", n, &cycles, &[], 900);
+    println!(
+        "{cycles} init + all-reduce + destroy cycles on {n} processes in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn teardown_cycles_2_processes_oversubscribed() {
+    teardown_cycles_under_contention(2);
+}
+
+#[test]
+fn teardown_cycles_3_processes_oversubscribed() {
+    teardown_cycles_under_contention(3);
+}
+
+fn soak_for(n: usize) {
+    let secs = std::env::var("COMM_TEST_SOAK_SECS").unwrap_or_else(|_| "40".into());
+    let seed = now_ns() as u64;
+    println!("soak on {n} processes for {secs} s, seed {seed}");
+    let limit = secs.parse::<u64>().unwrap_or(40) * 3 + 120;
+    run("soak", n, &format!("{seed}|{secs}"), &[], limit);
+}
+
+#[test]
+fn soak_3_processes() {
+    soak_for(3);
+}
+
+#[test]
+fn soak_4_processes() {
+    soak_for(4);
+}
