@@ -199,11 +199,19 @@ impl Bootstrap {
         } else {
             None
         };
-        let ready = session.wait_ready(w, started)?;
+        let mut ready = root::Ready::decode(&session.wait_ready(w, started)?)?;
         if let Some(a) = &announce {
-            a.wait_ready(w, started)?;
+            // The previous root answers with our predecessor, the last rank of its block.
+            let answer = a.wait_ready(w, started)?;
+            ready.prev = Some(root::announced_prev(&answer)?);
         }
-        let next_addr = net::Dec::new(&ready).addr()?;
+        let next_addr = ready.next;
+        // Used to probe the predecessor's liveness while waiting for its connection.
+        let Some(_prev_addr) = ready.prev else {
+            return crate::internal_err!(
+                "the bootstrap root did not say which rank precedes rank {rank}"
+            );
+        };
         drop((session, announce));
 
         let ring = if nranks == 1 {

@@ -2,12 +2,14 @@
 //!
 //! Ranks check in with their listener address. The root knows which ranks to expect from the first
 //! valid check-in (nranks, and with several roots which block of ranks is its own). When all are
-//! there it tells each rank the listener address of its successor, so the ranks can form a ring and
-//! learn everything else from each other; the root never sends the O(nranks) table to everyone.
+//! there it tells each rank the listener addresses of its successor and predecessor (see [`Ready`]),
+//! so the ranks can form a ring and learn everything else from each other; the root never sends the
+//! O(nranks) table to everyone.
 //!
 //! With several roots (ncclCommInitRankScalable), root k serves the ranks r with
 //! r * nroots / nranks == k, and the first rank of the next block also announces itself to root k,
-//! so that k can hand the last rank of its block its successor.
+//! so that k can hand the last rank of its block its successor, and hand the announcer its
+//! predecessor (the last rank of k's block) in return.
 //!
 //! The root handles every connection from one poll loop: an unauthenticated, silent or slow client
 //! costs a slot until its handshake deadline and never delays anybody else. A checked-in rank may
@@ -94,6 +96,58 @@ impl CheckIn {
         d.finish()?;
         Ok(c)
     }
+}
+
+/// What a checked-in rank learns from its root: the listener addresses of its successor and of its
+/// predecessor, so that it can connect to the one and watch for the other.
+///
+/// With several roots the predecessor of the first rank of a block is the last rank of the
+/// previous block, which this root does not know: `prev` is then `None`, and the rank learns it from
+/// the previous root's answer to its announcement (see [`announced_prev`]), which it waits for anyway;
+/// so every rank gets both without an extra round trip.
+///
+/// Wire format: next address, then a presence byte (0 or 1) and, when 1, the prev address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ready {
+    pub next: SocketAddr,
+    pub prev: Option<SocketAddr>,
+}
+
+impl Ready {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.addr(&self.next);
+        match &self.prev {
+            Some(p) => e.u8(1).addr(p),
+            None => e.u8(0),
+        };
+        e.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Ready> {
+        let mut d = Dec::new(b);
+        let next = d.addr()?;
+        let prev = match d.u8()? {
+            0 => None,
+            1 => Some(d.addr()?),
+            k => {
+                return crate::internal_err!(
+                    "the bootstrap root sent a READY frame with a bad predecessor marker {k}"
+                )
+            }
+        };
+        d.finish()?;
+        Ok(Ready { next, prev })
+    }
+}
+
+/// The root's answer to an announcement: the announcer's predecessor, the last rank of the block
+/// that root serves.
+pub(crate) fn announced_prev(b: &[u8]) -> Result<SocketAddr> {
+    let mut d = Dec::new(b);
+    let prev = d.addr()?;
+    d.finish()?;
+    Ok(prev)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -616,14 +670,27 @@ impl Root {
                     }
                 },
             };
-            let mut e = Enc::default();
-            e.addr(&next_addr);
-            if let Err(e) = send(&m.stream, READY, &e.0, &format!("rank {r}")) {
-                crate::warn!("{}: could not tell rank {r} its successor: {e}", self.label);
+            // Unknown only for the first rank of a block when there are several roots: that rank
+            // learns it from the previous root, which answers its announcement below.
+            let prev_addr = self.members.get(&((r + p.nranks - 1) % p.nranks));
+            let ready = Ready {
+                next: next_addr,
+                prev: prev_addr.map(|m| m.listen),
+            };
+            if let Err(e) = send(&m.stream, READY, &ready.encode(), &format!("rank {r}")) {
+                crate::warn!(
+                    "{}: could not tell rank {r} its neighbours: {e}",
+                    self.label
+                );
             }
         }
         if let Some((a, m)) = &self.announcer {
-            if let Err(e) = send(&m.stream, READY, &[], &format!("rank {a}")) {
+            // The announcer's predecessor is the last rank of this block.
+            let mut e = Enc::default();
+            if let Some(last) = self.members.get(&(p.end - 1)) {
+                e.addr(&last.listen);
+            }
+            if let Err(e) = send(&m.stream, READY, &e.0, &format!("rank {a}")) {
                 crate::warn!("{}: could not acknowledge rank {a}: {e}", self.label);
             }
         }

@@ -221,6 +221,83 @@ fn scalable_init_with_several_roots() {
     }
 }
 
+/// Checks every rank in with its root(s) the way `Bootstrap::init` does, with made-up listener
+/// addresses (nobody connects to them), and returns what each rank learns: its root's READY and,
+/// for the first rank of a block with several roots, the previous root's answer to its announcement.
+fn neighbours_from_the_roots(
+    ids: &[UniqueId],
+    n: usize,
+    listen: impl Fn(usize) -> SocketAddr + Sync,
+) -> Vec<(root::Ready, Option<SocketAddr>)> {
+    let (_, tag) = comm_identity(ids);
+    let nroots = ids.len();
+    let listen = &listen;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn(move || {
+                    let never = std::sync::atomic::AtomicBool::new(false);
+                    let started = Instant::now();
+                    let w = Waiter::new(Some(started + Duration::from_secs(20)), &never);
+                    let k = root::root_of(r, n, nroots);
+                    let me = CheckIn {
+                        rank: r as u32,
+                        nranks: n as u32,
+                        nroots: nroots as u32,
+                        root_index: k as u32,
+                        tag,
+                        listen: listen(r),
+                    };
+                    let own = RootSession::open(&ids[k], root::CHECK_IN, &me, w).unwrap();
+                    let announce = (nroots > 1 && r == root::first_of(k, n, nroots)).then(|| {
+                        let prev_root = root::root_of((r + n - 1) % n, n, nroots);
+                        let a = CheckIn {
+                            root_index: prev_root as u32,
+                            ..me
+                        };
+                        RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
+                    });
+                    let ready = root::Ready::decode(&own.wait_ready(w, started).unwrap()).unwrap();
+                    let announced = announce
+                        .map(|a| root::announced_prev(&a.wait_ready(w, started).unwrap()).unwrap());
+                    (ready, announced)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ready_names_the_successor_and_the_predecessor() {
+    let _w = watchdog(
+        "ready_names_the_successor_and_the_predecessor",
+        Duration::from_secs(60),
+    );
+    let fake = |r: usize| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 40000 + r as u16);
+    for (n, nroots) in [(1usize, 1usize), (2, 1), (5, 1), (7, 3), (5, 2), (4, 4)] {
+        let ids: Vec<UniqueId> = (0..nroots).map(|_| new_unique_id().unwrap()).collect();
+        let got = neighbours_from_the_roots(&ids, n, fake);
+        for (r, (ready, announced)) in got.into_iter().enumerate() {
+            let case = format!("rank {r} of {n} with {nroots} roots");
+            assert_eq!(ready.next, fake((r + 1) % n), "{case}: next");
+            let first_of_block = r == root::first_of(root::root_of(r, n, nroots), n, nroots);
+            if nroots > 1 && first_of_block {
+                // Only the previous root knows it, and says so in its answer to the announcement.
+                assert_eq!(ready.prev, None, "{case}: own root's prev");
+                assert_eq!(
+                    announced,
+                    Some(fake((r + n - 1) % n)),
+                    "{case}: announced prev"
+                );
+            } else {
+                assert_eq!(ready.prev, Some(fake((r + n - 1) % n)), "{case}: prev");
+                assert_eq!(announced, None, "{case}: no announcement");
+            }
+        }
+    }
+}
+
 #[test]
 fn comm_id_mode_rank0_starts_the_root_and_the_port_can_be_reused() {
     let _w = watchdog(
