@@ -160,7 +160,8 @@ impl Bootstrap {
                     id.root
                 ))
             })?;
-            root::spawn(l, id, root::RootConfig::from_env())?;
+            // The process's root service owns the listener until the rendezvous ends.
+            root::serve_at(l, id)?;
         }
 
         let listener = Listener::start(

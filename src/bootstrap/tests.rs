@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::iface::{choose, Family, IfSpec, Iface};
 use super::net::Waiter;
-use super::root::{self, CheckIn, RootConfig, RootHandle, RootSession};
+use super::root::{self, CheckIn, RootService, RootSession, SessionHandle};
 use super::*;
 use crate::error::ErrorKind;
 
@@ -41,16 +41,23 @@ impl Drop for Watchdog {
     }
 }
 
-/// A root on loopback with chosen timeouts, as new_unique_id would start it.
-fn loopback_root(cfg: RootConfig) -> (UniqueId, RootHandle) {
-    let listener = net::listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
-    let id = UniqueId {
-        root: listener.local_addr().unwrap(),
-        secret: auth::random32().unwrap(),
-        root_at_init: false,
-    };
-    let handle = root::spawn(listener, &id, cfg).unwrap();
-    (id, handle)
+/// Timeouts of a test's root service and of the id it serves.
+#[derive(Clone, Copy, Debug)]
+struct RootConfig {
+    /// How long an accepted connection may take to authenticate and check in.
+    handshake_timeout: Option<Duration>,
+    /// COMM_INIT_TIMEOUT of the id.
+    init_timeout: Option<Duration>,
+}
+
+/// A root service of the test's own on loopback with chosen timeouts, and an id it serves, as
+/// new_unique_id would make it. Dropping the service stops it.
+fn loopback_root(cfg: RootConfig) -> (UniqueId, SessionHandle, RootService) {
+    let service = RootService::start(cfg.handshake_timeout).unwrap();
+    let (id, handle) = service
+        .new_id(IpAddr::V4(Ipv4Addr::LOCALHOST), cfg.init_timeout)
+        .unwrap();
+    (id, handle, service)
 }
 
 fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
@@ -449,7 +456,7 @@ fn root_reports_its_own_deadline_to_everyone() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_millis(500)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, service) = loopback_root(cfg);
     let t0 = Instant::now();
     let results = std::thread::scope(|s| {
         let hs: Vec<_> = [0usize, 2]
@@ -473,7 +480,9 @@ fn root_reports_its_own_deadline_to_everyone() {
             e.msg
         );
     }
-    handle.thread.join().unwrap();
+    // The session is gone with its deadline.
+    wait_until("the session has ended", || handle.ended());
+    assert_eq!(service.live_sessions(), 0);
 }
 
 fn rogue_check_in(id: &UniqueId, c: CheckIn) -> crate::error::Error {
@@ -495,7 +504,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_secs(20)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, service) = loopback_root(cfg);
     let (_, tag) = comm_identity(std::slice::from_ref(&id));
     let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
 
@@ -509,7 +518,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
     wrong
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let e = auth::client(&mut wrong, &[7u8; 32], &root::root_context(id.root)).unwrap_err();
+    let e = auth::client(&mut wrong, &[7u8; 32], &root::root_context(&id)).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
 
     let t0 = Instant::now();
@@ -579,8 +588,10 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
         "took {:?}",
         t0.elapsed()
     );
-    handle.thread.join().unwrap();
-    // The root is gone and took the bad connections with it.
+    wait_until("the session has ended", || handle.ended());
+    assert_eq!(service.live_sessions(), 0);
+    // Stopping the service takes the bad connections with it.
+    drop(service);
     for s in [&mut silent, &mut garbage] {
         s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut b = [0u8; 16];
@@ -608,7 +619,7 @@ fn silent_clients_are_dropped_after_the_handshake_timeout() {
         handshake_timeout: Some(Duration::from_millis(200)),
         init_timeout: Some(Duration::from_secs(10)),
     };
-    let (id, _handle) = loopback_root(cfg);
+    let (id, _handle, _service) = loopback_root(cfg);
     let mut silent = TcpStream::connect(id.root).unwrap();
     let mut partial = TcpStream::connect(id.root).unwrap();
     partial.write_all(b"COMMAUTH").unwrap();
@@ -638,7 +649,7 @@ fn duplicate_rank_is_refused_and_the_rendezvous_goes_on() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_secs(20)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, _service) = loopback_root(cfg);
     let (_, tag) = comm_identity(std::slice::from_ref(&id));
     std::thread::scope(|s| {
         let first = s.spawn(|| Bootstrap::init(std::slice::from_ref(&id), 0, 2, T));
@@ -1025,4 +1036,77 @@ fn rank_listeners_refuse_strangers() {
     let subs = on_all(&boots, |b| b.sub(&[2, 0, 1], 3, T).map(|c| c.rank()));
     let ranks: Vec<usize> = subs.into_iter().map(|r| r.unwrap()).collect();
     assert_eq!(ranks, vec![1, 2, 0]);
+}
+
+#[test]
+fn two_ids_rendezvous_at_once_on_one_service() {
+    let _w = watchdog(
+        "two_ids_rendezvous_at_once_on_one_service",
+        Duration::from_secs(60),
+    );
+    let service = RootService::start(Some(Duration::from_secs(5))).unwrap();
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let (a, ha) = service.new_id(lo, Some(Duration::from_secs(20))).unwrap();
+    let (b, hb) = service.new_id(lo, Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(a.root, b.root, "ids of one service share its listener");
+    assert_ne!(a.secret, b.secret);
+    let (_, tag_b) = comm_identity(std::slice::from_ref(&b));
+    let results = std::thread::scope(|s| {
+        let run = |id: &UniqueId, r: usize, n: usize| {
+            let id = id.clone();
+            s.spawn(move || {
+                let boot = Bootstrap::init(std::slice::from_ref(&id), r, n, T)?;
+                boot.allgather(&[r as u8, n as u8])
+            })
+        };
+        // Interleaved: A0, B1, A2, then the intruders, then B0 and A1.
+        let mut hs = vec![run(&a, 0, 3)];
+        wait_until("A0 is in", || ha.admitted.load(Ordering::Acquire) >= 1);
+        hs.push(run(&b, 1, 2));
+        wait_until("B1 is in", || hb.admitted.load(Ordering::Acquire) >= 1);
+        hs.push(run(&a, 2, 3));
+        wait_until("A2 is in", || ha.admitted.load(Ordering::Acquire) >= 2);
+
+        // A's secret with B's context: the service answers with B's secret, which A's holder
+        // cannot match.
+        let mut forged = TcpStream::connect(b.root).unwrap();
+        forged
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let e = auth::client(&mut forged, &a.secret, &root::root_context(&b)).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        // A's secret with a context naming A but a check-in meant for B's communicator: it lands
+        // in A's session, which refuses it as another communicator's.
+        let e = rogue_check_in(
+            &a,
+            CheckIn {
+                rank: 0,
+                nranks: 2,
+                nroots: 1,
+                root_index: 0,
+                tag: tag_b,
+                listen: "127.0.0.1:9".parse().unwrap(),
+            },
+        );
+        assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
+        assert_eq!(
+            hb.admitted.load(Ordering::Acquire),
+            1,
+            "B took in an intruder"
+        );
+
+        hs.push(run(&b, 0, 2));
+        hs.push(run(&a, 1, 3));
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let want_a = vec![vec![0, 3], vec![1, 3], vec![2, 3]];
+    let want_b = vec![vec![0, 2], vec![1, 2]];
+    let wants = [&want_a, &want_b, &want_a, &want_b, &want_a];
+    for (r, want) in results.into_iter().zip(wants) {
+        assert_eq!(&r.unwrap(), want);
+    }
+    wait_until("both sessions have ended", || ha.ended() && hb.ended());
+    assert_eq!(service.live_sessions(), 0);
 }
