@@ -1038,6 +1038,110 @@ fn rank_listeners_refuse_strangers() {
     assert_eq!(ranks, vec![1, 2, 0]);
 }
 
+/// This process's threads and open descriptors.
+fn threads_and_fds() -> (usize, usize) {
+    let count = |dir: &str| std::fs::read_dir(dir).unwrap().count();
+    (count("/proc/self/task"), count("/proc/self/fd"))
+}
+
+const CHILD_ENV: &str = "COMM_BOOTSTRAP_TEST_CHILD";
+
+#[test]
+fn unused_ids_cost_no_thread_or_descriptor_each() {
+    const NAME: &str = "bootstrap::tests::unused_ids_cost_no_thread_or_descriptor_each";
+    const IDS: usize = 100;
+    if std::env::var(CHILD_ENV).as_deref() == Ok("unused-ids") {
+        // The child: alone in its process, so the counts are exact.
+        let before = threads_and_fds();
+        let ids: Vec<UniqueId> = (0..IDS).map(|_| new_unique_id().unwrap()).collect();
+        let after = threads_and_fds();
+        let ports: std::collections::BTreeSet<SocketAddr> = ids.iter().map(|i| i.root).collect();
+        println!(
+            "COUNTS threads {} -> {}, fds {} -> {}, {} distinct root addresses",
+            before.0,
+            after.0,
+            before.1,
+            after.1,
+            ports.len()
+        );
+        return;
+    }
+    let _w = watchdog(NAME, Duration::from_secs(60));
+    // Other tests of this process start and stop threads and sockets all the time: measure in a
+    // process of its own.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "unused-ids")
+        .env_remove("COMM_ID")
+        .env_remove("NCCL_COMM_ID")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("COUNTS ").map(|(_, c)| c))
+        .unwrap_or_else(|| panic!("no counts in the child's output: {stdout}"));
+    eprintln!("{IDS} unused ids: {line}");
+    let n: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let (threads, fds, addrs) = (n[1] - n[0], n[3] - n[2], n[4]);
+    // One service thread, its listener and its wake-up pair, however many ids.
+    assert!(threads <= 2, "{IDS} ids added {threads} threads: {line}");
+    assert!(fds <= 4, "{IDS} ids added {fds} descriptors: {line}");
+    assert_eq!(addrs, 1, "ids of one process share the root's port: {line}");
+}
+
+#[test]
+fn an_unused_id_is_dropped_after_the_init_timeout() {
+    let _w = watchdog(
+        "an_unused_id_is_dropped_after_the_init_timeout",
+        Duration::from_secs(60),
+    );
+    let cfg = RootConfig {
+        handshake_timeout: Some(Duration::from_secs(5)),
+        init_timeout: Some(Duration::from_secs(1)),
+    };
+    let t0 = Instant::now();
+    let (id, handle, service) = loopback_root(cfg);
+    // A second id that is used in time is not disturbed by the first one's expiry.
+    let (used, _) = service
+        .new_id(id.root.ip(), Some(Duration::from_secs(20)))
+        .unwrap();
+    assert_eq!(service.live_sessions(), 2);
+    wait_until("the unused id has expired", || handle.ended());
+    let expired_after = t0.elapsed();
+    assert!(
+        expired_after >= Duration::from_millis(900) && expired_after < Duration::from_secs(3),
+        "the unused id expired after {expired_after:?}, its timeout is 1 s"
+    );
+    assert_eq!(service.live_sessions(), 1);
+    // A late rank is told, at once, that nobody serves this id any more.
+    let t1 = Instant::now();
+    let e = Bootstrap::init(std::slice::from_ref(&id), 0, 2, T)
+        .err()
+        .expect("a late check-in must fail");
+    assert!(
+        t1.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t1.elapsed()
+    );
+    assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+    assert!(e.msg.contains("does not serve this unique id"), "{}", e.msg);
+    let boots = init_all(std::slice::from_ref(&used), 2);
+    for r in on_all(&boots, |b| b.barrier()) {
+        r.unwrap();
+    }
+    assert_eq!(service.live_sessions(), 0);
+}
+
 #[test]
 fn two_ids_rendezvous_at_once_on_one_service() {
     let _w = watchdog(
