@@ -13,13 +13,13 @@
 //! ```
 
 use std::fmt;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 
 use sha2::{Digest, Sha256};
 
 use super::net::{self, ADDR_BYTES};
-use super::root::{self, RootConfig};
-use super::{auth, iface, UNIQUE_ID_BYTES};
+use super::root;
+use super::{iface, UNIQUE_ID_BYTES};
 use crate::error::Result;
 
 const MAGIC: &[u8; 4] = b"CMID";
@@ -44,15 +44,11 @@ pub struct UniqueId {
 /// Never prints the secret, only a fingerprint that tells two ids apart in a log.
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let fp = Sha256::digest(self.secret);
         f.debug_struct("UniqueId")
             .field("root", &self.root)
             .field(
                 "secret",
-                &format_args!(
-                    "<fingerprint {:02x}{:02x}{:02x}{:02x}>",
-                    fp[0], fp[1], fp[2], fp[3]
-                ),
+                &format_args!("<fingerprint {}>", self.fingerprint()),
             )
             .field("root_at_init", &self.root_at_init)
             .finish()
@@ -60,6 +56,13 @@ impl fmt::Debug for UniqueId {
 }
 
 impl UniqueId {
+    /// Tells ids apart in a log (ids of one process share the root address) and reveals nothing
+    /// of the secret.
+    pub(crate) fn fingerprint(&self) -> String {
+        let fp = Sha256::digest(self.secret);
+        format!("{:02x}{:02x}{:02x}{:02x}", fp[0], fp[1], fp[2], fp[3])
+    }
+
     pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[..4].copy_from_slice(MAGIC);
@@ -125,18 +128,15 @@ pub fn new_unique_id() -> Result<UniqueId> {
         );
         return Ok(id);
     }
-    let ip = iface::local_ip()?;
-    let listener = net::listen(SocketAddr::new(ip, 0))?;
-    let root = listener
-        .local_addr()
-        .map_err(|e| crate::error::Error::from_io("bootstrap root address", e))?;
-    let id = UniqueId {
-        root,
-        secret: auth::random32()?,
-        root_at_init: false,
-    };
-    root::spawn(listener, &id, RootConfig::from_env())?;
-    crate::info!("bootstrap: unique id created, root listening on {root}");
+    // A session of this process's root service, which serves every id made here through one
+    // listener per address; its state goes when the rendezvous completes or COMM_INIT_TIMEOUT
+    // passes unused.
+    let id = root::new_id(iface::local_ip()?)?;
+    crate::info!(
+        "bootstrap: unique id {} created, root at {}",
+        id.fingerprint(),
+        id.root
+    );
     Ok(id)
 }
 

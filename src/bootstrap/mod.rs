@@ -160,7 +160,8 @@ impl Bootstrap {
                     id.root
                 ))
             })?;
-            root::spawn(l, id, root::RootConfig::from_env())?;
+            // The process's root service owns the listener until the rendezvous ends.
+            root::serve_at(l, id)?;
         }
 
         let listener = Listener::start(
@@ -200,11 +201,19 @@ impl Bootstrap {
         } else {
             None
         };
-        let ready = session.wait_ready(w, started)?;
+        let mut ready = root::Ready::decode(&session.wait_ready(w, started)?)?;
         if let Some(a) = &announce {
-            a.wait_ready(w, started)?;
+            // The previous root answers with our predecessor, the last rank of its block.
+            let answer = a.wait_ready(w, started)?;
+            ready.prev = Some(root::announced_prev(&answer)?);
         }
-        let next_addr = net::Dec::new(&ready).addr()?;
+        let next_addr = ready.next;
+        // Used to probe the predecessor's liveness while waiting for its connection.
+        let Some(_prev_addr) = ready.prev else {
+            return crate::internal_err!(
+                "the bootstrap root did not say which rank precedes rank {rank}"
+            );
+        };
         drop((session, announce));
 
         let ring = if nranks == 1 {

@@ -1,26 +1,41 @@
-//! The bootstrap root: a thread that serves one rendezvous and exits.
+//! The bootstrap root service: one thread per process that serves the rendezvous of every unique
+//! id created in it.
 //!
-//! Ranks check in with their listener address. The root knows which ranks to expect from the first
-//! valid check-in (nranks, and with several roots which block of ranks is its own). When all are
-//! there it tells each rank the listener address of its successor, so the ranks can form a ring and
-//! learn everything else from each other; the root never sends the O(nranks) table to everyone.
+//! Each id is a session of the service, found by the key in the handshake context (see
+//! [`root_context`]). Ranks check in with their listener address. A session knows which ranks to
+//! expect from the first valid check-in (nranks, and with several roots which block of ranks is its
+//! own). When all are there it tells each rank the listener addresses of its successor and
+//! predecessor (see [`Ready`]), so the ranks can form a ring and learn everything else from each
+//! other; the root never sends the O(nranks) table to everyone.
 //!
 //! With several roots (ncclCommInitRankScalable), root k serves the ranks r with
 //! r * nroots / nranks == k, and the first rank of the next block also announces itself to root k,
-//! so that k can hand the last rank of its block its successor.
+//! so that k can hand the last rank of its block its successor, and hand the announcer its
+//! predecessor (the last rank of k's block) in return. Roots made by one process are sessions of
+//! the same service.
 //!
-//! The root handles every connection from one poll loop: an unauthenticated, silent or slow client
-//! costs a slot until its handshake deadline and never delays anybody else. A checked-in rank may
-//! ask which ranks are still missing (it does so when its own timeout expires), and the root tells
-//! everybody when its own deadline passes.
+//! The service handles every connection of every session from one poll loop: an unauthenticated,
+//! silent or slow client costs a slot until its handshake deadline and never delays anybody else. A
+//! checked-in rank may ask which ranks are still missing (it does so when its own timeout expires),
+//! and a session tells everybody when its own deadline passes.
+//!
+//! Cost: one thread, one wake-up socket pair and one listening socket per local address, however
+//! many ids are made (NCCL spends a thread and a socket on every id, forever if it is never used).
+//! A session's state is dropped when its rendezvous completes, or when COMM_INIT_TIMEOUT passes:
+//! counted from the id's creation while no rank has used it, and from the first check-in once one
+//! has (as before), so a slow but live rendezvous gets the same time it always had.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::auth::{self, TcpWire};
 use super::listener::{accept_all, Handshaking, Progress, MAX_PENDING};
@@ -41,13 +56,24 @@ const ROOT_FRAME_LIMIT: u64 = 64 << 10;
 /// How long a rank whose own timeout expired waits for the root to say who is missing.
 const QUERY_GRACE: Duration = Duration::from_secs(2);
 
-/// The secret proves a client belongs to the job; the context binds the handshake to this root.
-pub(crate) fn root_context(root: SocketAddr) -> Vec<u8> {
-    let mut c = b"comm-root-v1".to_vec();
-    c.extend_from_slice(&net::encode_addr(&root));
+const CONTEXT_LABEL: &[u8] = b"comm-root-v2";
+
+/// The secret proves a client belongs to the job; the context binds the handshake to this root and
+/// names the id (the session) it is for, by a key derived from the id's secret.
+///
+/// The key is a one-way function of the secret, so it may travel in the clear: the service answers
+/// the handshake with the secret of the session the key names, and only a client that knows that
+/// secret can complete it. A client that knows one id's secret therefore cannot join another id's
+/// session, whether it sends its own key (it lands in its own session) or the other's (it cannot
+/// prove the other secret).
+pub(crate) fn root_context(id: &UniqueId) -> Vec<u8> {
+    let addr = net::encode_addr(&id.root);
+    let key = auth::hmac(&id.secret, &[b"comm-root-session-v1", &addr]);
+    let mut c = CONTEXT_LABEL.to_vec();
+    c.extend_from_slice(&addr);
+    c.extend_from_slice(&key);
     c
 }
-
 /// Which root serves `rank`.
 pub(crate) fn root_of(rank: usize, nranks: usize, nroots: usize) -> usize {
     (rank as u128 * nroots as u128 / nranks as u128) as usize
@@ -96,56 +122,582 @@ impl CheckIn {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct RootConfig {
-    pub handshake_timeout: Option<Duration>,
-    /// Counted from the first valid check-in.
-    pub init_timeout: Option<Duration>,
+/// What a checked-in rank learns from its root: the listener addresses of its successor and of its
+/// predecessor, so that it can connect to the one and watch for the other.
+///
+/// With several roots the predecessor of the first rank of a block is the last rank of the
+/// previous block, which this root does not know: `prev` is then `None`, and the rank learns it from
+/// the previous root's answer to its announcement (see [`announced_prev`]), which it waits for anyway;
+/// so every rank gets both without an extra round trip.
+///
+/// Wire format: next address, then a presence byte (0 or 1) and, when 1, the prev address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ready {
+    pub next: SocketAddr,
+    pub prev: Option<SocketAddr>,
 }
 
-impl RootConfig {
-    pub fn from_env() -> RootConfig {
-        RootConfig {
-            handshake_timeout: super::handshake_timeout(),
-            init_timeout: super::init_timeout(),
+impl Ready {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.addr(&self.next);
+        match &self.prev {
+            Some(p) => e.u8(1).addr(p),
+            None => e.u8(0),
+        };
+        e.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Ready> {
+        let mut d = Dec::new(b);
+        let next = d.addr()?;
+        let prev = match d.u8()? {
+            0 => None,
+            1 => Some(d.addr()?),
+            k => {
+                return crate::internal_err!(
+                    "the bootstrap root sent a READY frame with a bad predecessor marker {k}"
+                )
+            }
+        };
+        d.finish()?;
+        Ok(Ready { next, prev })
+    }
+}
+
+/// The root's answer to an announcement: the announcer's predecessor, the last rank of the block
+/// that root serves.
+pub(crate) fn announced_prev(b: &[u8]) -> Result<SocketAddr> {
+    let mut d = Dec::new(b);
+    let prev = d.addr()?;
+    d.finish()?;
+    Ok(prev)
+}
+
+/// A fresh unique id, served by this process's root service on a local address.
+pub(crate) fn new_id(ip: IpAddr) -> Result<UniqueId> {
+    let (id, _) = RootService::global()?.new_id(ip, super::init_timeout())?;
+    Ok(id)
+}
+
+/// NCCL_COMM_ID mode: serves `id` on `listener`, bound by the caller at the user's address, until
+/// its rendezvous ends.
+pub(crate) fn serve_at(listener: TcpListener, id: &UniqueId) -> Result<()> {
+    RootService::global()?.serve_at(listener, id, super::init_timeout());
+    Ok(())
+}
+
+/// What the creator of an id can observe of its session.
+#[derive(Clone)]
+#[cfg_attr(not(test), allow(dead_code))] // read by tests
+pub(crate) struct SessionHandle {
+    /// Ranks admitted so far; lets tests order events without sleeping.
+    pub admitted: Arc<AtomicUsize>,
+    ended: Arc<AtomicBool>,
+}
+
+#[cfg_attr(not(test), allow(dead_code))]
+impl SessionHandle {
+    /// Whether the service has dropped the session (completed, timed out, abandoned or expired).
+    pub fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+}
+
+/// What the caller hands the service thread.
+#[derive(Default)]
+struct Inbox {
+    listeners: Vec<TcpListener>,
+    sessions: Vec<Session>,
+}
+
+/// The root service: a thread that serves every session from one poll loop.
+///
+/// The process-wide one ([`RootService::global`]) starts with the first id and is never stopped.
+/// When its last session ends it keeps its thread and listening socket rather than releasing them:
+/// the id of every session to come names that socket's port, so releasing it would mean a new port
+/// (and a fresh thread) for the next id and a race between an id being made and the service winding
+/// down, to save one idle thread that sleeps in poll with no timeout and one descriptor per address.
+/// Neither count grows with the number of ids.
+pub(crate) struct RootService {
+    handshake_timeout: Option<Duration>,
+    inbox: Arc<Mutex<Inbox>>,
+    /// The listener shared by the ids made for each local address, bound on first use.
+    shared: Mutex<HashMap<IpAddr, SocketAddr>>,
+    live: Arc<AtomicUsize>,
+    /// A byte written here wakes the thread; closing it stops the thread.
+    wake: Option<UnixStream>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// This process's service and the process id it was started in: a child forked after the first
+/// id inherits the memory but not the thread, so it starts a service of its own.
+static GLOBAL: std::sync::Mutex<Option<(u32, &'static RootService)>> = std::sync::Mutex::new(None);
+
+impl RootService {
+    /// This process's service, started on first use.
+    pub fn global() -> Result<&'static RootService> {
+        let mut global = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+        let pid = std::process::id();
+        match *global {
+            Some((started_in, service)) if started_in == pid => Ok(service),
+            _ => {
+                // Never stopped: see the type's documentation.
+                let service = Box::leak(Box::new(RootService::start(super::handshake_timeout())?));
+                *global = Some((pid, service));
+                Ok(service)
+            }
+        }
+    }
+
+    /// A service of its own (tests use one to choose timeouts); dropping it stops it, closing every
+    /// connection it holds.
+    pub fn start(handshake_timeout: Option<Duration>) -> Result<RootService> {
+        let (wake, woken) = UnixStream::pair()
+            .and_then(|(a, b)| {
+                a.set_nonblocking(true)?;
+                b.set_nonblocking(true)?;
+                Ok((a, b))
+            })
+            .map_err(|e| Error::from_io("bootstrap root service wake-up socket", e))?;
+        let inbox = Arc::new(Mutex::new(Inbox::default()));
+        let live = Arc::new(AtomicUsize::new(0));
+        let service = Service {
+            woken,
+            inbox: inbox.clone(),
+            live: live.clone(),
+            handshake_timeout,
+            ports: Vec::new(),
+            incoming: Vec::new(),
+            sessions: BTreeMap::new(),
+            by_ctx: HashMap::new(),
+            next_serial: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("comm-boot-root".into())
+            .spawn(move || service.run())
+            .map_err(|e| Error::from_io("starting the bootstrap root service thread", e))?;
+        Ok(RootService {
+            handshake_timeout,
+            inbox,
+            shared: Mutex::new(HashMap::new()),
+            live,
+            wake: Some(wake),
+            thread: Some(thread),
+        })
+    }
+
+    /// A fresh id, served through this service's listener on `ip` (every id for `ip` shares it).
+    pub fn new_id(
+        &self,
+        ip: IpAddr,
+        init_timeout: Option<Duration>,
+    ) -> Result<(UniqueId, SessionHandle)> {
+        let root = self.shared_listener(ip)?;
+        let id = UniqueId {
+            root,
+            secret: auth::random32()?,
+            root_at_init: false,
+        };
+        let handle = self.register(&id, None, init_timeout);
+        Ok((id, handle))
+    }
+
+    /// Serves `id` on a listener of its own, closed when the session ends (NCCL_COMM_ID mode).
+    pub fn serve_at(
+        &self,
+        listener: TcpListener,
+        id: &UniqueId,
+        init_timeout: Option<Duration>,
+    ) -> SessionHandle {
+        self.register(id, Some(listener), init_timeout)
+    }
+
+    /// Sessions not yet ended.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn live_sessions(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+
+    fn shared_listener(&self, ip: IpAddr) -> Result<SocketAddr> {
+        let mut shared = self.shared.lock();
+        if let Some(addr) = shared.get(&ip) {
+            return Ok(*addr);
+        }
+        let listener = net::listen(SocketAddr::new(ip, 0))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::from_io("bootstrap root address", e))?;
+        self.inbox.lock().listeners.push(listener);
+        self.wake();
+        shared.insert(ip, addr);
+        crate::info!(
+            "bootstrap root service listening on {addr} (handshake timeout {:?})",
+            self.handshake_timeout
+        );
+        Ok(addr)
+    }
+
+    fn register(
+        &self,
+        id: &UniqueId,
+        listener: Option<TcpListener>,
+        init_timeout: Option<Duration>,
+    ) -> SessionHandle {
+        let session = Session::new(id, listener, init_timeout);
+        let handle = SessionHandle {
+            admitted: session.admitted.clone(),
+            ended: session.ended.clone(),
+        };
+        self.live.fetch_add(1, Ordering::AcqRel);
+        // The session is in the inbox before the id leaves this function, and the thread empties
+        // the inbox after every poll, before it looks at any handshake: no check-in can arrive
+        // before its session is known.
+        self.inbox.lock().sessions.push(session);
+        self.wake();
+        handle
+    }
+
+    fn wake(&self) {
+        if let Some(w) = &self.wake {
+            // WouldBlock means wake-ups are already pending, which is just as good.
+            let _ = (&*w).write(&[1]);
         }
     }
 }
 
-pub(crate) struct RootHandle {
-    #[allow(dead_code)] // joined by tests; detached otherwise
-    pub thread: JoinHandle<()>,
-    /// Ranks admitted so far; lets tests order events without sleeping.
-    #[allow(dead_code)]
-    pub admitted: Arc<AtomicUsize>,
+impl Drop for RootService {
+    fn drop(&mut self) {
+        drop(self.wake.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
-/// Starts the root service on an already bound, non-blocking listener.
-pub(crate) fn spawn(listener: TcpListener, id: &UniqueId, cfg: RootConfig) -> Result<RootHandle> {
-    let admitted = Arc::new(AtomicUsize::new(0));
-    let root = Root {
-        addr: id.root,
-        secret: id.secret,
-        ctx: root_context(id.root),
-        listener: Some(listener),
-        paused_until: None,
-        incoming: Vec::new(),
-        members: BTreeMap::new(),
-        announcer: None,
-        plan: None,
-        departed: BTreeSet::new(),
-        deadline: None,
-        cfg,
-        admitted: admitted.clone(),
-        label: format!("bootstrap root {}", id.root),
-    };
-    let thread = std::thread::Builder::new()
-        .name("comm-boot-root".into())
-        .spawn(move || root.run())
-        .map_err(|e| Error::from_io("starting the bootstrap root thread", e))?;
-    Ok(RootHandle { thread, admitted })
+/// A listening socket the service accepts on.
+struct Port {
+    listener: TcpListener,
+    /// Out of descriptors: the listener is left alone until then instead of spinning on it.
+    paused_until: Option<Instant>,
+    label: String,
 }
 
+impl Port {
+    fn new(listener: TcpListener) -> Port {
+        let label = match listener.local_addr() {
+            Ok(a) => format!("bootstrap root {a}"),
+            Err(_) => "bootstrap root".to_string(),
+        };
+        Port {
+            listener,
+            paused_until: None,
+            label,
+        }
+    }
+
+    /// The descriptor to poll, or -1 while paused.
+    fn fd(&mut self, now: Instant) -> RawFd {
+        if self.paused_until.is_some_and(|t| now >= t) {
+            self.paused_until = None;
+        }
+        match self.paused_until {
+            None => self.listener.as_raw_fd(),
+            Some(_) => -1,
+        }
+    }
+
+    fn accept(&mut self, timeout: Option<Duration>, into: &mut Vec<Incoming>) {
+        let (fresh, healthy) = accept_all(&self.listener, timeout, &self.label);
+        if !healthy {
+            self.paused_until = Some(Instant::now() + SLICE);
+        }
+        into.extend(fresh.into_iter().map(|hs| Incoming {
+            hs,
+            label: self.label.clone(),
+            session: None,
+            reader: None,
+        }));
+    }
+}
+
+/// An accepted connection that has not checked in yet.
+struct Incoming {
+    hs: Handshaking,
+    /// The listener it came through, for the log.
+    label: String,
+    /// Set once authenticated: the session its context named.
+    session: Option<u64>,
+    /// Set once authenticated: the check-in frame being read.
+    reader: Option<FrameReader>,
+}
+
+/// What a polled descriptor belongs to.
+enum Slot {
+    Port(usize),
+    OwnPort(u64),
+    Member(u64, Who),
+}
+
+/// The service thread's state.
+struct Service {
+    woken: UnixStream,
+    inbox: Arc<Mutex<Inbox>>,
+    live: Arc<AtomicUsize>,
+    handshake_timeout: Option<Duration>,
+    ports: Vec<Port>,
+    incoming: Vec<Incoming>,
+    sessions: BTreeMap<u64, Session>,
+    /// Handshake context -> session.
+    by_ctx: HashMap<Vec<u8>, u64>,
+    next_serial: u64,
+}
+
+impl Service {
+    fn run(mut self) {
+        loop {
+            self.take_inbox();
+            self.settle();
+            match self.turn() {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    crate::warn!("bootstrap root service: {e}; failing every rendezvous under way");
+                    let serials: Vec<u64> = self.sessions.keys().copied().collect();
+                    for k in serials {
+                        if let Some(s) = self.sessions.get(&k) {
+                            s.fail_all(e.kind, &e.msg);
+                        }
+                        self.end(k);
+                    }
+                    std::thread::sleep(SLICE);
+                }
+            }
+        }
+        let serials: Vec<u64> = self.sessions.keys().copied().collect();
+        for k in serials {
+            if let Some(s) = self.sessions.get(&k) {
+                s.fail_all(ErrorKind::Remote, "the bootstrap root service stopped");
+            }
+            self.end(k);
+        }
+    }
+
+    fn take_inbox(&mut self) {
+        let Inbox {
+            listeners,
+            sessions,
+        } = std::mem::take(&mut *self.inbox.lock());
+        self.ports.extend(listeners.into_iter().map(Port::new));
+        for s in sessions {
+            if self.by_ctx.contains_key(&s.ctx) {
+                // Only NCCL_COMM_ID ids can repeat, and their address cannot be bound twice.
+                crate::warn!(
+                    "{}: a rendezvous for this unique id is already under way; refusing a second one",
+                    s.label
+                );
+                s.ended.store(true, Ordering::Release);
+                self.live.fetch_sub(1, Ordering::AcqRel);
+                continue;
+            }
+            let k = self.next_serial;
+            self.next_serial += 1;
+            self.by_ctx.insert(s.ctx.clone(), k);
+            self.sessions.insert(k, s);
+        }
+    }
+
+    /// Ends the sessions that are complete, timed out, abandoned or expired.
+    fn settle(&mut self) {
+        let now = Instant::now();
+        let over: Vec<u64> = self
+            .sessions
+            .iter_mut()
+            .filter_map(|(&k, s)| s.settle(now).then_some(k))
+            .collect();
+        for k in over {
+            self.end(k);
+        }
+    }
+
+    fn end(&mut self, k: u64) {
+        if let Some(s) = self.sessions.remove(&k) {
+            self.by_ctx.remove(&s.ctx);
+            s.ended.store(true, Ordering::Release);
+            self.live.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// One poll and whatever it found; false once the owner has gone.
+    fn turn(&mut self) -> Result<bool> {
+        let now = Instant::now();
+        let mut fds = vec![pollfd(self.woken.as_raw_fd(), libc::POLLIN)];
+        let mut slots = Vec::new();
+        for (i, p) in self.ports.iter_mut().enumerate() {
+            fds.push(pollfd(p.fd(now), libc::POLLIN));
+            slots.push(Slot::Port(i));
+        }
+        for (&k, s) in self.sessions.iter_mut() {
+            if let Some(p) = s.listener.as_mut() {
+                fds.push(pollfd(p.fd(now), libc::POLLIN));
+                slots.push(Slot::OwnPort(k));
+            }
+        }
+        let incoming_at = fds.len();
+        for inc in &self.incoming {
+            let events = if inc.reader.is_some() {
+                libc::POLLIN
+            } else {
+                inc.hs.events()
+            };
+            fds.push(pollfd(inc.hs.stream().as_raw_fd(), events));
+        }
+        let members_at = fds.len();
+        for (&k, s) in &self.sessions {
+            for (&r, m) in &s.members {
+                fds.push(pollfd(m.stream.as_raw_fd(), libc::POLLIN));
+                slots.push(Slot::Member(k, Who::Rank(r)));
+            }
+            if let Some((_, m)) = &s.announcer {
+                fds.push(pollfd(m.stream.as_raw_fd(), libc::POLLIN));
+                slots.push(Slot::Member(k, Who::Announcer));
+            }
+        }
+        // Idle, the thread sleeps until a connection or a new id arrives; otherwise it wakes every
+        // slice for deadlines.
+        let idle = self.sessions.is_empty()
+            && self.incoming.is_empty()
+            && self.ports.iter().all(|p| p.paused_until.is_none());
+        net::poll(&mut fds, if idle { None } else { Some(SLICE) })?;
+
+        if fds[0].revents != 0 && !self.drain_wake_ups() {
+            return Ok(false);
+        }
+        self.take_inbox();
+        self.serve_incoming(&fds[incoming_at..members_at]);
+        let listeners = slots.iter().filter(|s| !matches!(s, Slot::Member(..)));
+        let members = slots.iter().filter(|s| matches!(s, Slot::Member(..)));
+        for (j, slot) in members.enumerate() {
+            if fds[members_at + j].revents == 0 {
+                continue;
+            }
+            if let Slot::Member(k, who) = slot {
+                if let Some(s) = self.sessions.get_mut(k) {
+                    s.serve_member(who);
+                }
+            }
+        }
+        for (j, slot) in listeners.enumerate() {
+            if fds[1 + j].revents == 0 {
+                continue;
+            }
+            let port = match slot {
+                Slot::Port(i) => self.ports.get_mut(*i),
+                Slot::OwnPort(k) => self.sessions.get_mut(k).and_then(|s| s.listener.as_mut()),
+                Slot::Member(..) => None,
+            };
+            if let Some(p) = port {
+                p.accept(self.handshake_timeout, &mut self.incoming);
+            }
+        }
+        while self.incoming.len() > MAX_PENDING {
+            let old = self.incoming.remove(0);
+            crate::warn!(
+                "{}: refused connection from {}: too many unfinished handshakes",
+                old.label,
+                old.hs.peer
+            );
+        }
+        Ok(true)
+    }
+
+    /// False when the owner closed its end: time to stop.
+    fn drain_wake_ups(&mut self) -> bool {
+        let mut buf = [0u8; 64];
+        loop {
+            match (&self.woken).read(&mut buf) {
+                Ok(0) => return false,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+    }
+
+    fn serve_incoming(&mut self, fds: &[libc::pollfd]) {
+        let now = Instant::now();
+        let (sessions, by_ctx) = (&self.sessions, &self.by_ctx);
+        let lookup = |c: &[u8]| -> std::result::Result<[u8; 32], String> {
+            match by_ctx.get(c).and_then(|k| sessions.get(k)) {
+                Some(s) => Ok(s.secret),
+                None if c.starts_with(CONTEXT_LABEL) => Err(
+                    "asks for a unique id this root does not serve (its rendezvous is over, it expired after COMM_INIT_TIMEOUT, or another process made it)"
+                        .into(),
+                ),
+                None => {
+                    Err("is meant for another bootstrap root or purpose (context mismatch)".into())
+                }
+            }
+        };
+        let mut kept = Vec::with_capacity(self.incoming.len());
+        let mut arrived = Vec::new();
+        for (i, mut inc) in std::mem::take(&mut self.incoming).into_iter().enumerate() {
+            let ready = fds.get(i).is_some_and(|f| f.revents != 0);
+            let mut outcome = Ok(false);
+            if ready && inc.reader.is_none() {
+                match inc.hs.progress(&lookup) {
+                    Progress::Pending => {}
+                    Progress::Done => {
+                        inc.session = by_ctx.get(inc.hs.context()).copied();
+                        inc.reader = Some(FrameReader::new(ROOT_FRAME_LIMIT));
+                    }
+                    Progress::Failed(why) => outcome = Err(why),
+                }
+            }
+            if ready && outcome.is_ok() {
+                if let Some(r) = inc.reader.as_mut() {
+                    let who = format!("the client at {}", inc.hs.peer);
+                    outcome = r.progress(inc.hs.stream(), &who).map_err(|e| e.msg);
+                }
+            }
+            match outcome {
+                Ok(true) => arrived.push(inc),
+                Ok(false) if inc.hs.deadline.is_some_and(|d| now >= d) => {
+                    crate::warn!(
+                        "{}: refused connection from {}: no complete handshake and check-in within {:?} (silent or half-open client)",
+                        inc.label,
+                        inc.hs.peer,
+                        self.handshake_timeout.unwrap_or_default()
+                    );
+                }
+                Ok(false) => kept.push(inc),
+                Err(why) => {
+                    crate::warn!(
+                        "{}: refused connection from {}: {why}",
+                        inc.label,
+                        inc.hs.peer
+                    );
+                }
+            }
+        }
+        self.incoming = kept;
+        for inc in arrived {
+            let reader = inc.reader.expect("arrived without a frame");
+            let peer = inc.hs.peer;
+            let (h, body) = reader.into_frame();
+            let stream = inc.hs.into_stream();
+            match inc.session.and_then(|k| self.sessions.get_mut(&k)) {
+                Some(s) => s.admit(stream, peer, h, &body),
+                None => {
+                    // It authenticated, then its session ended before its check-in arrived.
+                    let msg = "the rendezvous of this unique id is over";
+                    crate::warn!("{}: refused connection from {peer}: {msg}", inc.label);
+                    let _ = send_fail(&stream, ErrorKind::InvalidUsage, msg);
+                }
+            }
+        }
+    }
+}
 /// Which ranks this root serves, fixed by the first valid check-in.
 #[derive(Clone, Copy, Debug)]
 struct Plan {
@@ -221,27 +773,24 @@ struct Member {
     reader: FrameReader,
 }
 
-struct Incoming {
-    hs: Handshaking,
-    /// Set once authenticated: the check-in frame being read.
-    reader: Option<FrameReader>,
-}
-
-struct Root {
+/// The rendezvous of one unique id.
+struct Session {
     addr: SocketAddr,
     secret: [u8; 32],
     ctx: Vec<u8>,
-    listener: Option<TcpListener>,
-    paused_until: Option<Instant>,
-    incoming: Vec<Incoming>,
+    /// NCCL_COMM_ID mode: the listener at the user's address, closed when the session ends.
+    listener: Option<Port>,
     members: BTreeMap<usize, Member>,
     announcer: Option<(usize, Member)>,
     plan: Option<Plan>,
     /// Ranks that checked in and then hung up before the rendezvous completed.
     departed: BTreeSet<usize>,
+    /// Until the first check-in, when the unused id expires; after it, when the rendezvous times out.
     deadline: Option<Instant>,
-    cfg: RootConfig,
+    created: Instant,
+    init_timeout: Option<Duration>,
     admitted: Arc<AtomicUsize>,
+    ended: Arc<AtomicBool>,
     label: String,
 }
 
@@ -250,37 +799,64 @@ enum Who {
     Announcer,
 }
 
-impl Root {
-    fn run(mut self) {
-        loop {
-            if self.complete() {
-                self.finish();
-                return;
-            }
-            if self.deadline.is_some_and(|d| Instant::now() >= d) {
-                let msg = format!(
-                    "{} (the root waited {:.1} s; see COMM_INIT_TIMEOUT)",
-                    self.missing_text(),
-                    self.cfg.init_timeout.unwrap_or_default().as_secs_f64()
-                );
-                crate::warn!("{}: giving up: {msg}", self.label);
-                self.fail_all(ErrorKind::Timeout, &msg);
-                return;
-            }
-            if !self.departed.is_empty() && self.members.is_empty() && self.announcer.is_none() {
-                crate::warn!(
-                    "{}: every rank that checked in has left ({}); the rendezvous is over",
-                    self.label,
-                    self.missing_text()
-                );
-                return;
-            }
-            if let Err(e) = self.turn() {
-                crate::warn!("{}: {e}; giving up", self.label);
-                self.fail_all(e.kind, &e.msg);
-                return;
-            }
+impl Session {
+    fn new(
+        id: &UniqueId,
+        listener: Option<TcpListener>,
+        init_timeout: Option<Duration>,
+    ) -> Session {
+        let created = Instant::now();
+        Session {
+            addr: id.root,
+            secret: id.secret,
+            ctx: root_context(id),
+            listener: listener.map(Port::new),
+            members: BTreeMap::new(),
+            announcer: None,
+            plan: None,
+            departed: BTreeSet::new(),
+            deadline: init_timeout.map(|t| created + t),
+            created,
+            init_timeout,
+            admitted: Arc::new(AtomicUsize::new(0)),
+            ended: Arc::new(AtomicBool::new(false)),
+            label: format!("bootstrap root {} [id {}]", id.root, id.fingerprint()),
         }
+    }
+
+    /// Whether the session is over, having done what its end calls for.
+    fn settle(&mut self, now: Instant) -> bool {
+        if self.complete() {
+            self.finish();
+            return true;
+        }
+        if self.deadline.is_some_and(|d| now >= d) {
+            if self.plan.is_none() {
+                crate::info!(
+                    "{}: no rank used this unique id within {:.1} s of its creation; dropping it (see COMM_INIT_TIMEOUT)",
+                    self.label,
+                    now.duration_since(self.created).as_secs_f64()
+                );
+                return true;
+            }
+            let msg = format!(
+                "{} (the root waited {:.1} s; see COMM_INIT_TIMEOUT)",
+                self.missing_text(),
+                self.init_timeout.unwrap_or_default().as_secs_f64()
+            );
+            crate::warn!("{}: giving up: {msg}", self.label);
+            self.fail_all(ErrorKind::Timeout, &msg);
+            return true;
+        }
+        if !self.departed.is_empty() && self.members.is_empty() && self.announcer.is_none() {
+            crate::warn!(
+                "{}: every rank that checked in has left ({}); the rendezvous is over",
+                self.label,
+                self.missing_text()
+            );
+            return true;
+        }
+        false
     }
 
     fn complete(&self) -> bool {
@@ -288,122 +864,6 @@ impl Root {
         self.members.len() == p.end - p.first
             && p.announcer
                 .is_none_or(|a| self.announcer.as_ref().is_some_and(|m| m.0 == a))
-    }
-
-    fn turn(&mut self) -> Result<()> {
-        let now = Instant::now();
-        if self.paused_until.is_some_and(|t| now >= t) {
-            self.paused_until = None;
-        }
-        let mut fds = Vec::with_capacity(1 + self.incoming.len() + self.members.len() + 1);
-        let lfd = match (&self.listener, self.paused_until) {
-            (Some(l), None) => l.as_raw_fd(),
-            _ => -1,
-        };
-        fds.push(pollfd(lfd, libc::POLLIN));
-        for inc in &self.incoming {
-            let events = if inc.reader.is_some() {
-                libc::POLLIN
-            } else {
-                inc.hs.events()
-            };
-            fds.push(pollfd(inc.hs.stream().as_raw_fd(), events));
-        }
-        let member_base = fds.len();
-        let mut who = Vec::with_capacity(self.members.len() + 1);
-        for (&r, m) in &self.members {
-            fds.push(pollfd(m.stream.as_raw_fd(), libc::POLLIN));
-            who.push(Who::Rank(r));
-        }
-        if let Some((_, m)) = &self.announcer {
-            fds.push(pollfd(m.stream.as_raw_fd(), libc::POLLIN));
-            who.push(Who::Announcer);
-        }
-        net::poll(&mut fds, Some(SLICE))?;
-
-        self.serve_incoming(&fds[1..member_base]);
-        for (j, w) in who.iter().enumerate() {
-            if fds[member_base + j].revents != 0 {
-                self.serve_member(w);
-            }
-        }
-        if fds[0].revents != 0 {
-            if let Some(l) = &self.listener {
-                let (fresh, healthy) = accept_all(l, self.cfg.handshake_timeout, &self.label);
-                if !healthy {
-                    self.paused_until = Some(Instant::now() + SLICE);
-                }
-                self.incoming
-                    .extend(fresh.into_iter().map(|hs| Incoming { hs, reader: None }));
-                while self.incoming.len() > MAX_PENDING {
-                    let old = self.incoming.remove(0);
-                    crate::warn!(
-                        "{}: refused connection from {}: too many unfinished handshakes",
-                        self.label,
-                        old.hs.peer
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn serve_incoming(&mut self, fds: &[libc::pollfd]) {
-        let now = Instant::now();
-        let secret = self.secret;
-        let ctx = self.ctx.clone();
-        let lookup = move |c: &[u8]| -> std::result::Result<[u8; 32], String> {
-            if c == ctx.as_slice() {
-                Ok(secret)
-            } else {
-                Err("is meant for another bootstrap root or purpose (context mismatch)".into())
-            }
-        };
-        let mut kept = Vec::with_capacity(self.incoming.len());
-        let mut arrived = Vec::new();
-        for (i, mut inc) in std::mem::take(&mut self.incoming).into_iter().enumerate() {
-            let ready = fds.get(i).is_some_and(|f| f.revents != 0);
-            let mut outcome = Ok(false);
-            if ready && inc.reader.is_none() {
-                match inc.hs.progress(&lookup) {
-                    Progress::Pending => {}
-                    Progress::Done => inc.reader = Some(FrameReader::new(ROOT_FRAME_LIMIT)),
-                    Progress::Failed(why) => outcome = Err(why),
-                }
-            }
-            if ready && outcome.is_ok() {
-                if let Some(r) = inc.reader.as_mut() {
-                    let who = format!("the client at {}", inc.hs.peer);
-                    outcome = r.progress(inc.hs.stream(), &who).map_err(|e| e.msg);
-                }
-            }
-            match outcome {
-                Ok(true) => arrived.push(inc),
-                Ok(false) if inc.hs.deadline.is_some_and(|d| now >= d) => {
-                    crate::warn!(
-                        "{}: refused connection from {}: no complete handshake and check-in within {:?} (silent or half-open client)",
-                        self.label,
-                        inc.hs.peer,
-                        self.cfg.handshake_timeout.unwrap_or_default()
-                    );
-                }
-                Ok(false) => kept.push(inc),
-                Err(why) => {
-                    crate::warn!(
-                        "{}: refused connection from {}: {why}",
-                        self.label,
-                        inc.hs.peer
-                    );
-                }
-            }
-        }
-        self.incoming = kept;
-        for inc in arrived {
-            let reader = inc.reader.expect("arrived without a frame");
-            let peer = inc.hs.peer;
-            let (h, body) = reader.into_frame();
-            self.admit(inc.hs.into_stream(), peer, h, &body);
-        }
     }
 
     fn admit(&mut self, stream: TcpStream, peer: SocketAddr, h: Header, body: &[u8]) {
@@ -449,7 +909,8 @@ impl Root {
         let Some(plan) = self.plan else {
             let plan = Plan::from_first(kind, &c).map_err(|m| (ErrorKind::InvalidArgument, m))?;
             self.plan = Some(plan);
-            self.deadline = self.cfg.init_timeout.map(|t| Instant::now() + t);
+            // From now on the rendezvous gets its full time, however old the id is.
+            self.deadline = self.init_timeout.map(|t| Instant::now() + t);
             crate::info!(
                 "{}: first rank arrived; expecting {} (root #{} of {} for a communicator of {} ranks)",
                 self.label,
@@ -600,8 +1061,10 @@ impl Root {
         text
     }
 
-    fn finish(mut self) {
-        // No more check-ins: a late duplicate is refused by the kernel rather than left hanging.
+    fn finish(&mut self) {
+        // Before anyone hears READY: NCCL_COMM_ID's address must be free again by the time a rank
+        // can start its next rendezvous there. A late duplicate is refused (by the kernel, or by
+        // the shared listener's handshake since the session is gone) rather than left hanging.
         self.listener = None;
         let Some(p) = self.plan else { return };
         for (&r, m) in &self.members {
@@ -616,14 +1079,27 @@ impl Root {
                     }
                 },
             };
-            let mut e = Enc::default();
-            e.addr(&next_addr);
-            if let Err(e) = send(&m.stream, READY, &e.0, &format!("rank {r}")) {
-                crate::warn!("{}: could not tell rank {r} its successor: {e}", self.label);
+            // Unknown only for the first rank of a block when there are several roots: that rank
+            // learns it from the previous root, which answers its announcement below.
+            let prev_addr = self.members.get(&((r + p.nranks - 1) % p.nranks));
+            let ready = Ready {
+                next: next_addr,
+                prev: prev_addr.map(|m| m.listen),
+            };
+            if let Err(e) = send(&m.stream, READY, &ready.encode(), &format!("rank {r}")) {
+                crate::warn!(
+                    "{}: could not tell rank {r} its neighbours: {e}",
+                    self.label
+                );
             }
         }
         if let Some((a, m)) = &self.announcer {
-            if let Err(e) = send(&m.stream, READY, &[], &format!("rank {a}")) {
+            // The announcer's predecessor is the last rank of this block.
+            let mut e = Enc::default();
+            if let Some(last) = self.members.get(&(p.end - 1)) {
+                e.addr(&last.listen);
+            }
+            if let Err(e) = send(&m.stream, READY, &e.0, &format!("rank {a}")) {
                 crate::warn!("{}: could not acknowledge rank {a}: {e}", self.label);
             }
         }
@@ -650,7 +1126,9 @@ impl Root {
     }
 }
 
-/// A small frame to a rank, which is always waiting to read; bounded in case it is not.
+/// A small frame to a rank, which is always waiting to read; bounded in case it is not. The frames
+/// are far smaller than a socket's send buffer, so in practice this never waits and one session's
+/// stuck rank cannot hold up the service's other sessions.
 fn send(s: &TcpStream, kind: u8, body: &[u8], who: &str) -> Result<()> {
     let never = AtomicBool::new(false);
     let w = Waiter::new(Some(Instant::now() + Duration::from_secs(5)), &never);
@@ -679,7 +1157,16 @@ impl RootSession {
             waiter: w,
             peer: &who,
         };
-        auth::client_on(&mut wire, &id.secret, &root_context(id.root))?;
+        auth::client_on(&mut wire, &id.secret, &root_context(id)).map_err(|e| {
+            if e.kind == ErrorKind::Remote {
+                e.context(format!(
+                    "the bootstrap root {} does not serve this unique id (any more): its rendezvous is over, it expired after COMM_INIT_TIMEOUT, or the process that made it restarted",
+                    id.root
+                ))
+            } else {
+                e
+            }
+        })?;
         let body = me.encode();
         net::send_frame(&stream, Header::new(kind, 0, 0, body.len()), &body, w, &who)?;
         Ok(RootSession {

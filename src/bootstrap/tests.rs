@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::iface::{choose, Family, IfSpec, Iface};
 use super::net::Waiter;
-use super::root::{self, CheckIn, RootConfig, RootHandle, RootSession};
+use super::root::{self, CheckIn, RootService, RootSession, SessionHandle};
 use super::*;
 use crate::error::ErrorKind;
 
@@ -41,16 +41,23 @@ impl Drop for Watchdog {
     }
 }
 
-/// A root on loopback with chosen timeouts, as new_unique_id would start it.
-fn loopback_root(cfg: RootConfig) -> (UniqueId, RootHandle) {
-    let listener = net::listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).unwrap();
-    let id = UniqueId {
-        root: listener.local_addr().unwrap(),
-        secret: auth::random32().unwrap(),
-        root_at_init: false,
-    };
-    let handle = root::spawn(listener, &id, cfg).unwrap();
-    (id, handle)
+/// Timeouts of a test's root service and of the id it serves.
+#[derive(Clone, Copy, Debug)]
+struct RootConfig {
+    /// How long an accepted connection may take to authenticate and check in.
+    handshake_timeout: Option<Duration>,
+    /// COMM_INIT_TIMEOUT of the id.
+    init_timeout: Option<Duration>,
+}
+
+/// A root service of the test's own on loopback with chosen timeouts, and an id it serves, as
+/// new_unique_id would make it. Dropping the service stops it.
+fn loopback_root(cfg: RootConfig) -> (UniqueId, SessionHandle, RootService) {
+    let service = RootService::start(cfg.handshake_timeout).unwrap();
+    let (id, handle) = service
+        .new_id(IpAddr::V4(Ipv4Addr::LOCALHOST), cfg.init_timeout)
+        .unwrap();
+    (id, handle, service)
 }
 
 fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
@@ -221,6 +228,83 @@ fn scalable_init_with_several_roots() {
     }
 }
 
+/// Checks every rank in with its root(s) the way `Bootstrap::init` does, with made-up listener
+/// addresses (nobody connects to them), and returns what each rank learns: its root's READY and,
+/// for the first rank of a block with several roots, the previous root's answer to its announcement.
+fn neighbours_from_the_roots(
+    ids: &[UniqueId],
+    n: usize,
+    listen: impl Fn(usize) -> SocketAddr + Sync,
+) -> Vec<(root::Ready, Option<SocketAddr>)> {
+    let (_, tag) = comm_identity(ids);
+    let nroots = ids.len();
+    let listen = &listen;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn(move || {
+                    let never = std::sync::atomic::AtomicBool::new(false);
+                    let started = Instant::now();
+                    let w = Waiter::new(Some(started + Duration::from_secs(20)), &never);
+                    let k = root::root_of(r, n, nroots);
+                    let me = CheckIn {
+                        rank: r as u32,
+                        nranks: n as u32,
+                        nroots: nroots as u32,
+                        root_index: k as u32,
+                        tag,
+                        listen: listen(r),
+                    };
+                    let own = RootSession::open(&ids[k], root::CHECK_IN, &me, w).unwrap();
+                    let announce = (nroots > 1 && r == root::first_of(k, n, nroots)).then(|| {
+                        let prev_root = root::root_of((r + n - 1) % n, n, nroots);
+                        let a = CheckIn {
+                            root_index: prev_root as u32,
+                            ..me
+                        };
+                        RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
+                    });
+                    let ready = root::Ready::decode(&own.wait_ready(w, started).unwrap()).unwrap();
+                    let announced = announce
+                        .map(|a| root::announced_prev(&a.wait_ready(w, started).unwrap()).unwrap());
+                    (ready, announced)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ready_names_the_successor_and_the_predecessor() {
+    let _w = watchdog(
+        "ready_names_the_successor_and_the_predecessor",
+        Duration::from_secs(60),
+    );
+    let fake = |r: usize| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 40000 + r as u16);
+    for (n, nroots) in [(1usize, 1usize), (2, 1), (5, 1), (7, 3), (5, 2), (4, 4)] {
+        let ids: Vec<UniqueId> = (0..nroots).map(|_| new_unique_id().unwrap()).collect();
+        let got = neighbours_from_the_roots(&ids, n, fake);
+        for (r, (ready, announced)) in got.into_iter().enumerate() {
+            let case = format!("rank {r} of {n} with {nroots} roots");
+            assert_eq!(ready.next, fake((r + 1) % n), "{case}: next");
+            let first_of_block = r == root::first_of(root::root_of(r, n, nroots), n, nroots);
+            if nroots > 1 && first_of_block {
+                // Only the previous root knows it, and says so in its answer to the announcement.
+                assert_eq!(ready.prev, None, "{case}: own root's prev");
+                assert_eq!(
+                    announced,
+                    Some(fake((r + n - 1) % n)),
+                    "{case}: announced prev"
+                );
+            } else {
+                assert_eq!(ready.prev, Some(fake((r + n - 1) % n)), "{case}: prev");
+                assert_eq!(announced, None, "{case}: no announcement");
+            }
+        }
+    }
+}
+
 #[test]
 fn comm_id_mode_rank0_starts_the_root_and_the_port_can_be_reused() {
     let _w = watchdog(
@@ -372,7 +456,7 @@ fn root_reports_its_own_deadline_to_everyone() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_millis(500)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, service) = loopback_root(cfg);
     let t0 = Instant::now();
     let results = std::thread::scope(|s| {
         let hs: Vec<_> = [0usize, 2]
@@ -396,7 +480,9 @@ fn root_reports_its_own_deadline_to_everyone() {
             e.msg
         );
     }
-    handle.thread.join().unwrap();
+    // The session is gone with its deadline.
+    wait_until("the session has ended", || handle.ended());
+    assert_eq!(service.live_sessions(), 0);
 }
 
 fn rogue_check_in(id: &UniqueId, c: CheckIn) -> crate::error::Error {
@@ -418,7 +504,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_secs(20)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, service) = loopback_root(cfg);
     let (_, tag) = comm_identity(std::slice::from_ref(&id));
     let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
 
@@ -432,7 +518,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
     wrong
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let e = auth::client(&mut wrong, &[7u8; 32], &root::root_context(id.root)).unwrap_err();
+    let e = auth::client(&mut wrong, &[7u8; 32], &root::root_context(&id)).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
 
     let t0 = Instant::now();
@@ -502,8 +588,10 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
         "took {:?}",
         t0.elapsed()
     );
-    handle.thread.join().unwrap();
-    // The root is gone and took the bad connections with it.
+    wait_until("the session has ended", || handle.ended());
+    assert_eq!(service.live_sessions(), 0);
+    // Stopping the service takes the bad connections with it.
+    drop(service);
     for s in [&mut silent, &mut garbage] {
         s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut b = [0u8; 16];
@@ -531,7 +619,7 @@ fn silent_clients_are_dropped_after_the_handshake_timeout() {
         handshake_timeout: Some(Duration::from_millis(200)),
         init_timeout: Some(Duration::from_secs(10)),
     };
-    let (id, _handle) = loopback_root(cfg);
+    let (id, _handle, _service) = loopback_root(cfg);
     let mut silent = TcpStream::connect(id.root).unwrap();
     let mut partial = TcpStream::connect(id.root).unwrap();
     partial.write_all(b"COMMAUTH").unwrap();
@@ -561,7 +649,7 @@ fn duplicate_rank_is_refused_and_the_rendezvous_goes_on() {
         handshake_timeout: Some(Duration::from_secs(5)),
         init_timeout: Some(Duration::from_secs(20)),
     };
-    let (id, handle) = loopback_root(cfg);
+    let (id, handle, _service) = loopback_root(cfg);
     let (_, tag) = comm_identity(std::slice::from_ref(&id));
     std::thread::scope(|s| {
         let first = s.spawn(|| Bootstrap::init(std::slice::from_ref(&id), 0, 2, T));
@@ -948,4 +1036,181 @@ fn rank_listeners_refuse_strangers() {
     let subs = on_all(&boots, |b| b.sub(&[2, 0, 1], 3, T).map(|c| c.rank()));
     let ranks: Vec<usize> = subs.into_iter().map(|r| r.unwrap()).collect();
     assert_eq!(ranks, vec![1, 2, 0]);
+}
+
+/// This process's threads and open descriptors.
+fn threads_and_fds() -> (usize, usize) {
+    let count = |dir: &str| std::fs::read_dir(dir).unwrap().count();
+    (count("/proc/self/task"), count("/proc/self/fd"))
+}
+
+const CHILD_ENV: &str = "COMM_BOOTSTRAP_TEST_CHILD";
+
+#[test]
+fn unused_ids_cost_no_thread_or_descriptor_each() {
+    const NAME: &str = "bootstrap::tests::unused_ids_cost_no_thread_or_descriptor_each";
+    const IDS: usize = 100;
+    if std::env::var(CHILD_ENV).as_deref() == Ok("unused-ids") {
+        // The child: alone in its process, so the counts are exact.
+        let before = threads_and_fds();
+        let ids: Vec<UniqueId> = (0..IDS).map(|_| new_unique_id().unwrap()).collect();
+        let after = threads_and_fds();
+        let ports: std::collections::BTreeSet<SocketAddr> = ids.iter().map(|i| i.root).collect();
+        println!(
+            "COUNTS threads {} -> {}, fds {} -> {}, {} distinct root addresses",
+            before.0,
+            after.0,
+            before.1,
+            after.1,
+            ports.len()
+        );
+        return;
+    }
+    let _w = watchdog(NAME, Duration::from_secs(60));
+    // Other tests of this process start and stop threads and sockets all the time: measure in a
+    // process of its own.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "unused-ids")
+        .env_remove("COMM_ID")
+        .env_remove("NCCL_COMM_ID")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("COUNTS ").map(|(_, c)| c))
+        .unwrap_or_else(|| panic!("no counts in the child's output: {stdout}"));
+    eprintln!("{IDS} unused ids: {line}");
+    let n: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let (threads, fds, addrs) = (n[1] - n[0], n[3] - n[2], n[4]);
+    // One service thread, its listener and its wake-up pair, however many ids.
+    assert!(threads <= 2, "{IDS} ids added {threads} threads: {line}");
+    assert!(fds <= 4, "{IDS} ids added {fds} descriptors: {line}");
+    assert_eq!(addrs, 1, "ids of one process share the root's port: {line}");
+}
+
+#[test]
+fn an_unused_id_is_dropped_after_the_init_timeout() {
+    let _w = watchdog(
+        "an_unused_id_is_dropped_after_the_init_timeout",
+        Duration::from_secs(60),
+    );
+    let cfg = RootConfig {
+        handshake_timeout: Some(Duration::from_secs(5)),
+        init_timeout: Some(Duration::from_secs(1)),
+    };
+    let t0 = Instant::now();
+    let (id, handle, service) = loopback_root(cfg);
+    // A second id that is used in time is not disturbed by the first one's expiry.
+    let (used, _) = service
+        .new_id(id.root.ip(), Some(Duration::from_secs(20)))
+        .unwrap();
+    assert_eq!(service.live_sessions(), 2);
+    wait_until("the unused id has expired", || handle.ended());
+    let expired_after = t0.elapsed();
+    assert!(
+        expired_after >= Duration::from_millis(900) && expired_after < Duration::from_secs(3),
+        "the unused id expired after {expired_after:?}, its timeout is 1 s"
+    );
+    assert_eq!(service.live_sessions(), 1);
+    // A late rank is told, at once, that nobody serves this id any more.
+    let t1 = Instant::now();
+    let e = Bootstrap::init(std::slice::from_ref(&id), 0, 2, T)
+        .err()
+        .expect("a late check-in must fail");
+    assert!(
+        t1.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t1.elapsed()
+    );
+    assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+    assert!(e.msg.contains("does not serve this unique id"), "{}", e.msg);
+    let boots = init_all(std::slice::from_ref(&used), 2);
+    for r in on_all(&boots, |b| b.barrier()) {
+        r.unwrap();
+    }
+    assert_eq!(service.live_sessions(), 0);
+}
+
+#[test]
+fn two_ids_rendezvous_at_once_on_one_service() {
+    let _w = watchdog(
+        "two_ids_rendezvous_at_once_on_one_service",
+        Duration::from_secs(60),
+    );
+    let service = RootService::start(Some(Duration::from_secs(5))).unwrap();
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let (a, ha) = service.new_id(lo, Some(Duration::from_secs(20))).unwrap();
+    let (b, hb) = service.new_id(lo, Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(a.root, b.root, "ids of one service share its listener");
+    assert_ne!(a.secret, b.secret);
+    let (_, tag_b) = comm_identity(std::slice::from_ref(&b));
+    let results = std::thread::scope(|s| {
+        let run = |id: &UniqueId, r: usize, n: usize| {
+            let id = id.clone();
+            s.spawn(move || {
+                let boot = Bootstrap::init(std::slice::from_ref(&id), r, n, T)?;
+                boot.allgather(&[r as u8, n as u8])
+            })
+        };
+        // Interleaved: A0, B1, A2, then the intruders, then B0 and A1.
+        let mut hs = vec![run(&a, 0, 3)];
+        wait_until("A0 is in", || ha.admitted.load(Ordering::Acquire) >= 1);
+        hs.push(run(&b, 1, 2));
+        wait_until("B1 is in", || hb.admitted.load(Ordering::Acquire) >= 1);
+        hs.push(run(&a, 2, 3));
+        wait_until("A2 is in", || ha.admitted.load(Ordering::Acquire) >= 2);
+
+        // A's secret with B's context: the service answers with B's secret, which A's holder
+        // cannot match.
+        let mut forged = TcpStream::connect(b.root).unwrap();
+        forged
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let e = auth::client(&mut forged, &a.secret, &root::root_context(&b)).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        // A's secret with a context naming A but a check-in meant for B's communicator: it lands
+        // in A's session, which refuses it as another communicator's.
+        let e = rogue_check_in(
+            &a,
+            CheckIn {
+                rank: 0,
+                nranks: 2,
+                nroots: 1,
+                root_index: 0,
+                tag: tag_b,
+                listen: "127.0.0.1:9".parse().unwrap(),
+            },
+        );
+        assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
+        assert_eq!(
+            hb.admitted.load(Ordering::Acquire),
+            1,
+            "B took in an intruder"
+        );
+
+        hs.push(run(&b, 0, 2));
+        hs.push(run(&a, 1, 3));
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let want_a = vec![vec![0, 3], vec![1, 3], vec![2, 3]];
+    let want_b = vec![vec![0, 2], vec![1, 2]];
+    let wants = [&want_a, &want_b, &want_a, &want_b, &want_a];
+    for (r, want) in results.into_iter().zip(wants) {
+        assert_eq!(&r.unwrap(), want);
+    }
+    wait_until("both sessions have ended", || ha.ended() && hb.ended());
+    assert_eq!(service.live_sessions(), 0);
 }
