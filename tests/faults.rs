@@ -175,6 +175,10 @@ fn kill_in_bootstrap(w: &Worker) -> Result<(), String> {
     let (point, file) = (f[0], f[1]);
     let lost = victim(w);
     if w.rank == lost {
+        if point == "init:checked-in" {
+            // Last to arrive, so that the others wait at the root when it dies there.
+            std::thread::sleep(Duration::from_millis(500));
+        }
         note_fault(file);
         std::env::set_var("COMM_FAULT_INJECT", point);
     }

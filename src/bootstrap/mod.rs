@@ -209,7 +209,7 @@ impl Bootstrap {
         }
         let next_addr = ready.next;
         // Used to probe the predecessor's liveness while waiting for its connection.
-        let Some(_prev_addr) = ready.prev else {
+        let Some(prev_addr) = ready.prev else {
             return crate::internal_err!(
                 "the bootstrap root did not say which rank precedes rank {rank}"
             );
@@ -227,9 +227,14 @@ impl Bootstrap {
                 to: to as u32,
             };
             let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
-            // The root does not tell us where the predecessor listens, so a predecessor that
-            // dies before connecting is only noticed when the wait ends.
-            let prev_watch = None;
+            let prev_watch = Some(Watch {
+                addr: prev_addr,
+                secret,
+                ctx: PeerCtx {
+                    purpose: Purpose::Probe,
+                    ..ctx(rank, prev)
+                },
+            });
             form_ring(
                 &listener,
                 &secret,
@@ -493,13 +498,27 @@ fn form_ring(
     let (next_rank, next_addr, next_ctx) = next;
     let (prev_rank, prev_ctx, prev_watch) = prev;
     let who = format!("rank {next_rank} ({next_addr})");
-    let to_next = net::connect(next_addr, w, false, &who)?;
-    let mut wire = auth::TcpWire {
-        stream: &to_next,
-        waiter: w,
-        peer: &who,
+    let to_next = net::connect(next_addr, w, false, &who).and_then(|s| {
+        let mut wire = auth::TcpWire {
+            stream: &s,
+            waiter: w,
+            peer: &who,
+        };
+        auth::client_on(&mut wire, secret, &next_ctx.encode()).map(|_| s)
+    });
+    let to_next = match to_next {
+        Ok(s) => s,
+        Err(e) => {
+            // The predecessor connects to us and would wait on that connection: give it a
+            // moment to arrive and tell it why nothing will come.
+            let brief = Waiter::new(Some(Instant::now() + Duration::from_secs(1)), w.abort);
+            let no_probe = || Ok(());
+            if let Ok(s) = listener.take(&prev_ctx.encode(), brief, &String::new, &no_probe) {
+                return Err(Ring::new(rank, nranks, None, Some(s)).fail(e));
+            }
+            return Err(e);
+        }
     };
-    auth::client_on(&mut wire, secret, &next_ctx.encode())?;
     let alive = || match &prev_watch {
         Some(watch) => watch.alive(prev_rank, w.abort),
         None => Ok(()),

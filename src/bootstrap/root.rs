@@ -848,12 +848,16 @@ impl Session {
             self.fail_all(ErrorKind::Timeout, &msg);
             return true;
         }
-        if !self.departed.is_empty() && self.members.is_empty() && self.announcer.is_none() {
-            crate::warn!(
-                "{}: every rank that checked in has left ({}); the rendezvous is over",
-                self.label,
-                self.missing_text()
+        if !self.departed.is_empty() {
+            // A rank that checked in and hung up died or gave up: the rendezvous cannot
+            // complete, and the ranks still waiting learn it now rather than at their timeout.
+            let msg = format!(
+                "{} checked in at the bootstrap root {} and left before the rendezvous completed (the process exited, was killed or gave up)",
+                describe_ranks(&self.departed.iter().copied().collect::<Vec<_>>()),
+                self.addr
             );
+            crate::warn!("{}: giving up: {msg}", self.label);
+            self.fail_all(ErrorKind::Remote, &msg);
             return true;
         }
         false
