@@ -159,7 +159,7 @@ fn shrink_none(c: ncclComm_t) -> (ncclResult_t, ncclComm_t) {
             0,
             &mut child,
             std::ptr::null_mut(),
-            NCCL_SHRINK_DEFAULT as i32,
+            NCCL_SHRINK_DEFAULT,
         )
     };
     (r, child)
