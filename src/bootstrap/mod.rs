@@ -1,10 +1,13 @@
 //! Bootstrap: the unique id, an authenticated TCP rendezvous, and out-of-band collectives
 //! (allgather, barrier, broadcast) between the ranks of a communicator.
 //!
-//! `new_unique_id` (ncclGetUniqueId) picks a local address, makes a random secret and starts a root
-//! thread listening there; the id carries both. Each rank starts a listener of its own, checks in
-//! with the root, learns its successor's listener address, and the ranks close a ring over which
-//! they exchange everything else (first of all every rank's listener address). Every connection,
+//! `new_unique_id` (ncclGetUniqueId) makes a random secret and registers a session with the
+//! process's one root service (started with the first id, listening on a local address); the id
+//! carries the address and the secret. Each rank starts a listener of its own, checks in with the
+//! root, learns its successor's and predecessor's listener addresses, and the ranks close a ring
+//! over which they exchange everything else (first of all every rank's listener address). While a
+//! rank waits for its predecessor to connect it probes the predecessor's listener, so a dead
+//! predecessor ends the wait at once. Every connection,
 //! to the root or between ranks, opens with the HMAC challenge/response of [`auth`], bound to what
 //! the connection is for; anything that fails it is logged and dropped without disturbing the
 //! rendezvous.
