@@ -510,7 +510,11 @@ fn scenario(w: &Worker) -> Result<(), String> {
             if r == OK {
                 return Err("init succeeded with a rank missing".into());
             }
-            if !msg.contains('3') || t.elapsed() > Duration::from_secs(20) {
+            if r != ncclResult_t::ncclTimeout
+                || !msg.contains("rank 3")
+                || !msg.contains("never arrived")
+                || t.elapsed() > Duration::from_secs(20)
+            {
                 return Err(format!(
                     "init with rank 3 missing: {r:?} after {:?}: {msg}",
                     t.elapsed()
