@@ -17,7 +17,7 @@ use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
 
-use super::net::{self, pollfd, FrameReader, FrameWriter, Header, Waiter};
+use super::net::{self, kind_from_code, pollfd, FrameReader, FrameWriter, Header, Waiter};
 use crate::error::{Error, ErrorKind, Result};
 
 pub(crate) const ALLGATHER: u8 = 16;
@@ -29,6 +29,10 @@ const ABORT: u8 = 19;
 pub(crate) const MAX_FRAME: u64 = 1 << 30;
 /// Sanity limit of a failure notice.
 const NOTICE_LIMIT: u64 = 64 << 10;
+/// After its own deadline, how long a rank still listens for its predecessor's failure
+/// notice: the ranks of a ring time out at about the same moment, and the one nearest the
+/// cause (the rank that never came) has the message worth reporting.
+const NOTICE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn op_name(kind: u8) -> &'static str {
     match kind {
@@ -195,6 +199,7 @@ impl Ring {
         let mut writer = send.map(|(h, body)| FrameWriter::new(h, body));
         let mut reader = expect.as_ref().map(|_| FrameReader::new(MAX_FRAME));
         let mut got = None;
+        let mut grace: Option<std::time::Instant> = None;
         loop {
             if let Some(wr) = writer.as_mut() {
                 let res = wr.progress(next, &next_who).map_err(|e| gone(e, next_rank));
@@ -221,11 +226,22 @@ impl Ring {
             if writer.is_none() && reader.is_none() {
                 return Ok(got);
             }
-            w.check(|| match (&writer, &reader) {
+            let waited = w.check(|| match (&writer, &reader) {
                 (Some(_), Some(_)) => format!("{next_who} and {prev_who} in a bootstrap exchange"),
                 (Some(_), None) => format!("{next_who} to take bootstrap data"),
                 _ => format!("bootstrap data from {prev_who}"),
-            })?;
+            });
+            match waited {
+                Ok(()) => {}
+                Err(e) if e.kind == ErrorKind::Timeout && reader.is_some() => {
+                    let until =
+                        *grace.get_or_insert_with(|| std::time::Instant::now() + NOTICE_GRACE);
+                    if std::time::Instant::now() >= until {
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
             let out = if writer.is_some() { libc::POLLOUT } else { 0 };
             let inp = if reader.is_some() { libc::POLLIN } else { 0 };
             // A hung-up socket reports POLLHUP whatever it is asked for; leave it out unless we
@@ -237,7 +253,11 @@ impl Ring {
             };
             let back = if self.next_gone { 0 } else { libc::POLLIN };
             let mut fds = [pollfd(prev.as_raw_fd(), inp), pollfd(next_fd, back | out)];
-            net::poll(&mut fds, Some(w.slice()))?;
+            let slice = match grace {
+                Some(_) => std::time::Duration::from_millis(20),
+                None => w.slice(),
+            };
+            net::poll(&mut fds, Some(slice))?;
             let hangup = libc::POLLIN | libc::POLLHUP | libc::POLLERR;
             if !self.next_gone && fds[1].revents & hangup != 0 {
                 match probe(&mut self.back, next, next_rank) {
@@ -260,7 +280,8 @@ impl Ring {
             .relayed
             .take()
             .unwrap_or_else(|| format!("rank {}: {}", self.rank, e.msg));
-        let mut notice = Header::new(ABORT, self.rank as u32, 0, cause.len())
+        // The notice's sequence field carries the error kind, so a relayed timeout stays one.
+        let mut notice = Header::new(ABORT, self.rank as u32, e.kind.code() as u64, cause.len())
             .encode()
             .to_vec();
         notice.extend_from_slice(cause.as_bytes());
@@ -289,7 +310,7 @@ fn probe(back: &mut FrameReader, next: &TcpStream, next_rank: usize) -> FrameChe
         Ok(true) => {
             let (h, body) = std::mem::replace(back, FrameReader::new(NOTICE_LIMIT)).into_frame();
             if h.kind == ABORT {
-                return Err(relayed(&body, next_rank));
+                return Err(relayed(&h, &body, next_rank));
             }
             let err = Error::new(
                 ErrorKind::Internal,
@@ -316,10 +337,15 @@ fn gone(e: Error, rank: usize) -> Error {
     )
 }
 
-fn relayed(body: &[u8], from: usize) -> (Error, Option<String>) {
+fn relayed(h: &Header, body: &[u8], from: usize) -> (Error, Option<String>) {
     let cause = String::from_utf8_lossy(body).into_owned();
+    // A timeout somewhere on the ring is a timeout here too; anything else is a peer failure.
+    let kind = match kind_from_code(h.seq as u8) {
+        ErrorKind::Timeout => ErrorKind::Timeout,
+        _ => ErrorKind::Remote,
+    };
     let err = Error::new(
-        ErrorKind::Remote,
+        kind,
         format!("bootstrap peer failure: {cause} (relayed by rank {from})"),
     );
     (err, Some(cause))
@@ -336,7 +362,7 @@ fn check_frame(
     me: usize,
 ) -> FrameCheck<Vec<u8>> {
     if h.kind == ABORT {
-        return Err(relayed(&body, prev));
+        return Err(relayed(&h, &body, prev));
     }
     if h.kind != e.kind || h.seq != e.seq {
         let err = Error::new(

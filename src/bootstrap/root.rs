@@ -785,6 +785,8 @@ struct Session {
     plan: Option<Plan>,
     /// Ranks that checked in and then hung up before the rendezvous completed.
     departed: BTreeSet<usize>,
+    /// Ranks that asked who is missing: their own init timeout expired.
+    timed_out: BTreeSet<usize>,
     /// Until the first check-in, when the unused id expires; after it, when the rendezvous times out.
     deadline: Option<Instant>,
     created: Instant,
@@ -815,6 +817,7 @@ impl Session {
             announcer: None,
             plan: None,
             departed: BTreeSet::new(),
+            timed_out: BTreeSet::new(),
             deadline: init_timeout.map(|t| created + t),
             created,
             init_timeout,
@@ -843,6 +846,18 @@ impl Session {
                 "{} (the root waited {:.1} s; see COMM_INIT_TIMEOUT)",
                 self.missing_text(),
                 self.init_timeout.unwrap_or_default().as_secs_f64()
+            );
+            crate::warn!("{}: giving up: {msg}", self.label);
+            self.fail_all(ErrorKind::Timeout, &msg);
+            return true;
+        }
+        if !self.departed.is_empty() && self.departed.is_subset(&self.timed_out) {
+            // Ranks that left after their own timeout: the others time out too, told who never
+            // came.
+            let msg = format!(
+                "bootstrap init timed out: {} (the root waited {:.1} s)",
+                self.missing_text(),
+                now.duration_since(self.created).as_secs_f64()
             );
             crate::warn!("{}: giving up: {msg}", self.label);
             self.fail_all(ErrorKind::Timeout, &msg);
@@ -993,6 +1008,7 @@ impl Session {
                 let reader = std::mem::replace(&mut m.reader, FrameReader::new(ROOT_FRAME_LIMIT));
                 let (h, _) = reader.into_frame();
                 if h.kind == QUERY {
+                    self.timed_out.insert(rank);
                     let text = self.missing_text();
                     let m = match who {
                         Who::Rank(r) => self.members.get(r),

@@ -837,9 +837,27 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         }
         if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
             last_check = Some(now);
-            for e in execs.iter() {
+            let lost = execs.iter().find_map(|e| {
                 e.check_peers()
-                    .map_err(|err| err.context(format!("rank {}", e.wiring.rank)))?;
+                    .err()
+                    .map(|err| err.context(format!("rank {}", e.wiring.rank)))
+            });
+            if let Some(err) = lost {
+                // A peer that finished and left published everything it was going to send
+                // before it marked its end closed, so the departure being visible now means
+                // its last bytes are visible too. Only a pass that still finds nothing after
+                // seeing the departure proves we lack data that will never come.
+                match pass_all(execs)? {
+                    (_, true) => return Ok(()),
+                    (true, false) => {
+                        idle_since = None;
+                        spins = 0;
+                        continue;
+                    }
+                    (false, false) => return Err(err),
+                }
+            }
+            for e in execs.iter() {
                 let (_, what) = e.blocked_on();
                 if !warned && idle >= e.wiring.warn_after {
                     crate::warn!(
