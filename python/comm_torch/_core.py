@@ -131,6 +131,7 @@ class CommWork(_WorkBase):
         # raises what ``_expire()`` returns (Engine.barrier).
         self._deadline = None
         self._expire = None
+        self._source = None  # for a receive from any source: a ctypes int the call fills in
 
     # -- completion (executor side)
     def _complete(self, error=None):
@@ -183,7 +184,13 @@ class CommWork(_WorkBase):
         return self._result
 
     def source_rank(self):
-        raise RuntimeError("comm: source_rank is only defined for recv from any source, which comm does not support")
+        """The rank a receive from any source took its message from (after wait())."""
+        if self._source is None:
+            raise RuntimeError("comm: source_rank is only defined for a receive from any source")
+        self.wait()
+        return self._source.value
+
+    _source_rank = source_rank
 
     def synchronize(self):
         self.wait()
@@ -1178,6 +1185,32 @@ class Engine:
 
         finish = self._copy_back(staged, tensor, buf)
         return self._submit([tensor], stream, issue, finish, None, result, async_op, keep=(buf,), p2p=True)
+
+    def recv_any_source(self, tensor, async_op=False, result=None):
+        """commRecvAny: the next point-to-point message of this size from any rank; the work's
+        source_rank() tells which. It runs on its own, after the deferred sends and receives
+        before it (it cannot join their group: its source is chosen when it runs)."""
+        if self._coalescing is not None:
+            raise RuntimeError("comm: a receive from any source cannot be coalesced: its source is chosen when it runs")
+        buf, staged = self._dense(tensor)
+        code, count = self._movable(buf)
+        ptr = buf.data_ptr()
+        lib, handle = self.lib, self.handle
+        source = ctypes.c_int(-1)
+        stream = [None]
+
+        def issue():
+            r = lib.commRecvAny(ptr, count, code, _byref(source), handle, stream[0])
+            if r:
+                lib.check(r, "commRecvAny", handle)
+
+        self.flush_p2p()
+        finish = self._copy_back(staged, tensor, buf)
+        work = self._submit([tensor], stream, issue, finish, None, result, True, keep=(buf, source))
+        work._source = source
+        if not async_op:
+            work.wait()
+        return work
 
     def barrier(self, async_op=False, timeout=None):
         """A one-element all-reduce on host memory, so a dead peer fails it like any collective.

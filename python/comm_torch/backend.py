@@ -191,7 +191,8 @@ class _Ops:
         return self.engine.recv(tensor, src, True, result=tensors)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("comm: recv from any source is not supported (as with NCCL); name the source rank")
+        (tensor,) = tensors
+        return self.engine.recv_any_source(tensor, True, result=tensors)
 
     def barrier(self, opts=None):
         # The call's own timeout, else the group's (as gloo does); 0 means none.
