@@ -275,6 +275,15 @@ ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatyp
 
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream);
 
+/*
+ Receive from any source (an extension of comm; MPI_ANY_SOURCE, torch's `recv` without a
+ source): receives the next point-to-point message of `count` elements that any rank sends
+ to this one with `ncclSend`, and stores that rank in `*source`. Messages from one sender
+ arrive in the order it sent them; among senders the library decides. Host memory only, and
+ never inside a group, since the peer is chosen when the call runs; complete on return.
+ */
+ncclResult_t commRecvAny(void *recvbuff, size_t count, ncclDataType_t datatype, int *source, ncclComm_t comm, cudaStream_t stream);
+
 ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype, ncclScalarResidence_t residence, ncclComm_t comm);
 
 ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);

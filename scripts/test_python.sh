@@ -20,9 +20,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
 fi
 PY=$VENV/bin/python
-if ! "$PY" -c 'import torch.distributed, pytest, pytest_timeout' 2>/dev/null; then
+# expecttest and numpy: torch's own test utilities import them (tests/test_torch_suite.py runs
+# part of torch's distributed suite; scripts/torch_suite.sh runs all of it).
+if ! "$PY" -c 'import torch.distributed, pytest, pytest_timeout, expecttest, numpy' 2>/dev/null; then
   echo "installing ${COMM_TORCH_SPEC:-torch} and pytest into $VENV (the first time takes a while)" >&2
-  "$VENV/bin/pip" install -q "${COMM_TORCH_SPEC:-torch}" pytest pytest-timeout "setuptools>=64" wheel
+  "$VENV/bin/pip" install -q "${COMM_TORCH_SPEC:-torch}" pytest pytest-timeout expecttest numpy "setuptools>=64" wheel
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -182,12 +182,87 @@ fn nested_groups(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> 
     Ok(())
 }
 
+/// Every rank but 0 sends rank 0 `MSGS` messages at once, small ones (eager, through the
+/// FIFO) then large ones (offered for the receiver to pull); rank 0 takes them all with
+/// commRecvAny. Each message names its sender and its number, so rank 0 checks that the source
+/// reported is the sender, that each sender's messages come in order, and that none is lost.
+fn any_source(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    const MSGS: usize = 6;
+    for count in [4usize, 1 << 20] {
+        let stamp = |src: usize, k: usize| (src * 1000 + k) as i32;
+        if rank == 0 {
+            // Refusals first: a NULL source, and a call inside a group.
+            let mut buf = vec![0i32; count];
+            let mut source: i32 = -1;
+            let p = buf.as_mut_ptr() as *mut c_void;
+            let r = unsafe { commRecvAny(p, count, INT32, std::ptr::null_mut(), comm, S) };
+            if r != ncclResult_t::ncclInvalidArgument || !last_error().contains("source is NULL") {
+                return Err(format!("NULL source: {r:?} {}", last_error()));
+            }
+            nccl!(ncclGroupStart());
+            let r = unsafe { commRecvAny(p, count, INT32, &mut source, comm, S) };
+            let in_group = last_error();
+            let _ = ncclGroupEnd();
+            if r != ncclResult_t::ncclInvalidUsage
+                || !in_group.contains("cannot be part of a group")
+            {
+                return Err(format!("inside a group: {r:?} {in_group}"));
+            }
+            let mut next = vec![0usize; n];
+            for _ in 0..(n - 1) * MSGS {
+                buf.fill(-1);
+                nccl!(commRecvAny(p, count, INT32, &mut source, comm, S));
+                let src = usize::try_from(source).map_err(|_| format!("source {source}"))?;
+                if src == 0 || src >= n {
+                    return Err(format!("source {src} is not a sender"));
+                }
+                let want = stamp(src, next[src]);
+                if buf[0] != want || buf[count - 1] != want {
+                    return Err(format!(
+                        "{count} elements from rank {src}: got {} .. {}, expected message {} ({want})",
+                        buf[0],
+                        buf[count - 1],
+                        next[src]
+                    ));
+                }
+                next[src] += 1;
+            }
+            if next[1..].iter().any(|&k| k != MSGS) {
+                return Err(format!(
+                    "messages per sender {next:?}, expected {MSGS} each"
+                ));
+            }
+        } else {
+            for k in 0..MSGS {
+                let buf = vec![stamp(rank, k); count];
+                nccl!(ncclSend(
+                    buf.as_ptr() as *const c_void,
+                    count,
+                    INT32,
+                    0,
+                    comm,
+                    S
+                ));
+            }
+        }
+    }
+    // The communicator is still in step: a collective after the receives.
+    let mut x = [rank as i32 + 1];
+    let p = x.as_mut_ptr() as *mut c_void;
+    nccl!(ncclAllReduce(p, p, 1, INT32, 0, comm, S));
+    if x[0] != (n * (n + 1) / 2) as i32 {
+        return Err(format!("all-reduce after the receives gave {}", x[0]));
+    }
+    Ok(())
+}
+
 fn scenario(w: &Worker) -> Result<(), String> {
     let c = init_rank(w)?;
     match w.scenario.as_str() {
         "alltoallv" => alltoallv(c, w.rank, w.nranks)?,
         "bitwise" => bitwise(c, w.rank, w.nranks)?,
         "nested" => nested_groups(c, w.rank, w.nranks)?,
+        "anysource" => any_source(c, w.rank, w.nranks)?,
         "log" => {
             // Provoke a warning: it must reach the log with host, pid and rank.
             let r =
@@ -230,6 +305,21 @@ fn bitwise_ops_processes() {
         &launch("worker", "bitwise", 3, "", &[], Duration::from_secs(60)),
         "bitwise",
     );
+}
+
+#[test]
+fn recv_from_any_source_processes() {
+    for n in [2, 3] {
+        assert_all_ok(
+            &launch("worker", "anysource", n, "", &[], Duration::from_secs(90)),
+            "anysource",
+        );
+    }
+}
+
+#[test]
+fn recv_from_any_source_threads() {
+    with_threads(3, Duration::from_secs(90), any_source);
 }
 
 #[test]

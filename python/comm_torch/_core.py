@@ -19,6 +19,7 @@ import ctypes
 import datetime
 import queue
 import threading
+import time
 
 import torch
 
@@ -126,6 +127,11 @@ class CommWork(_WorkBase):
         self._end_event = None  # CUDA event recorded after a device operation
         self._device = None
         self._flush = None  # for deferred point-to-point work: starts it (Engine.flush_p2p)
+        # An operation with a deadline (a barrier under the group's timeout): past it, wait()
+        # raises what ``_expire()`` returns (Engine.barrier).
+        self._deadline = None
+        self._expire = None
+        self._source = None  # for a receive from any source: a ctypes int the call fills in
 
     # -- completion (executor side)
     def _complete(self, error=None):
@@ -144,7 +150,13 @@ class CommWork(_WorkBase):
         if self._flush is not None:
             self._flush()
         if not self._done:
-            if not self._event.wait(_seconds(timeout)):
+            limit = _seconds(timeout)
+            if self._deadline is not None:
+                left = max(0.0, self._deadline - time.monotonic())
+                limit = left if limit is None else min(limit, left)
+            if not self._event.wait(limit):
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    raise self._expire()
                 raise CommError(f"comm: operation did not complete within {timeout}", call="wait")
         if self._error is not None:
             raise self._error
@@ -172,7 +184,13 @@ class CommWork(_WorkBase):
         return self._result
 
     def source_rank(self):
-        raise RuntimeError("comm: source_rank is only defined for recv from any source, which comm does not support")
+        """The rank a receive from any source took its message from (after wait())."""
+        if self._source is None:
+            raise RuntimeError("comm: source_rank is only defined for a receive from any source")
+        self.wait()
+        return self._source.value
+
+    _source_rank = source_rank
 
     def synchronize(self):
         self.wait()
@@ -734,6 +752,44 @@ class Engine:
             [tensor], stream, issue, self._copy_back(staged, tensor, buf), cleanup, result, async_op, keep=(buf, view)
         )
 
+    def sparse_all_reduce(self, tensor, op=SUM, async_op=False, result=None):
+        """All-reduce of a sparse COO tensor, the way gloo does it: every rank's indices and
+        values are gathered, then coalescing sums the entries that share an index. Only SUM
+        is defined on sparse tensors (gloo refuses the others too). The result replaces the
+        tensor's contents. It runs before returning, so the work is already complete."""
+        if tensor.layout != torch.sparse_coo:
+            raise RuntimeError(f"comm: sparse all_reduce takes sparse COO tensors, got layout {tensor.layout}")
+        if op.kind != "sum":
+            raise RuntimeError(f"comm: sparse all_reduce supports ReduceOp.SUM only, got {op.kind}")
+        self.flush_p2p()
+        local = tensor.coalesce()
+        # (nnz, sparse_dim) and (nnz, *dense dims): the entries are rows, gathered by rows.
+        indices = local.indices().t().contiguous()
+        values = local.values().contiguous()
+        counts = torch.empty(self.size, dtype=torch.int64)
+        self.all_gather_single(counts, torch.tensor([indices.shape[0]], dtype=torch.int64)).wait()
+        counts = counts.tolist()
+        most = max(counts)
+
+        def gather_rows(rows):
+            # Every rank contributes ``most`` rows (padding after its own), so one all-gather does.
+            padded = rows.new_zeros((most,) + tuple(rows.shape[1:]))
+            padded[: rows.shape[0]] = rows
+            out = rows.new_empty((self.size * most,) + tuple(rows.shape[1:]))
+            self.all_gather_single(out, padded).wait()
+            return torch.cat([out[r * most : r * most + counts[r]] for r in range(self.size)])
+
+        if most:
+            summed = torch.sparse_coo_tensor(
+                gather_rows(indices).t(), gather_rows(values), tensor.shape, dtype=tensor.dtype
+            ).coalesce()
+        else:
+            summed = torch.sparse_coo_tensor(
+                indices.t(), values, tensor.shape, dtype=tensor.dtype
+            ).coalesce()
+        tensor.copy_(summed)
+        return completed_work([tensor] if result is None else result)
+
     def all_reduce_coalesced(self, tensors, op=SUM, async_op=False, result=None):
         def build():
             for t in tensors:
@@ -1130,6 +1186,57 @@ class Engine:
         finish = self._copy_back(staged, tensor, buf)
         return self._submit([tensor], stream, issue, finish, None, result, async_op, keep=(buf,), p2p=True)
 
-    def barrier(self, async_op=False):
-        """A one-element all-reduce on host memory, so a dead peer fails it like any collective."""
-        return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)
+    def recv_any_source(self, tensor, async_op=False, result=None):
+        """commRecvAny: the next point-to-point message of this size from any rank; the work's
+        source_rank() tells which. It runs on its own, after the deferred sends and receives
+        before it (it cannot join their group: its source is chosen when it runs)."""
+        if self._coalescing is not None:
+            raise RuntimeError("comm: a receive from any source cannot be coalesced: its source is chosen when it runs")
+        buf, staged = self._dense(tensor)
+        code, count = self._movable(buf)
+        ptr = buf.data_ptr()
+        lib, handle = self.lib, self.handle
+        source = ctypes.c_int(-1)
+        stream = [None]
+
+        def issue():
+            r = lib.commRecvAny(ptr, count, code, _byref(source), handle, stream[0])
+            if r:
+                lib.check(r, "commRecvAny", handle)
+
+        self.flush_p2p()
+        finish = self._copy_back(staged, tensor, buf)
+        work = self._submit([tensor], stream, issue, finish, None, result, True, keep=(buf, source))
+        work._source = source
+        if not async_op:
+            work.wait()
+        return work
+
+    def barrier(self, async_op=False, timeout=None):
+        """A one-element all-reduce on host memory, so a dead peer fails it like any collective.
+
+        With ``timeout`` (seconds), a barrier still incomplete that long after it was issued
+        fails: a peer that never arrives leaves this rank's library call blocked, so the
+        communicator is aborted (which unblocks it, as NCCL's watchdog does on a timeout) and
+        wait() raises an error that says the barrier timed out. Later operations on the
+        communicator fail."""
+        if timeout is None:
+            return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)
+        work = self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op=True)
+        ms = int(round(timeout * 1000))
+
+        def expire():
+            self.abort()
+            return CommError(
+                f"comm: rank {self.rank} of {self.name}: barrier exceeded its timeout of {ms} ms (Timed out "
+                f"waiting for the other ranks to arrive); the communicator was aborted, so its later "
+                f"operations fail",
+                call="barrier",
+            )
+
+        if work is not DONE:
+            work._deadline = time.monotonic() + timeout
+            work._expire = expire
+        if not async_op:
+            work.wait()
+        return work

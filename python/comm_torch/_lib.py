@@ -163,6 +163,7 @@ _PROTOTYPES = {
     "ncclScatter": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
     "ncclSend": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
     "ncclRecv": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
+    "commRecvAny": (c_int, [c_void_p, c_size_t, c_int, ctypes.POINTER(c_int), c_void_p, c_void_p]),
     "ncclRedOpCreatePreMulSum": (c_int, [ctypes.POINTER(c_int), c_void_p, c_int, c_int, c_void_p]),
     "ncclRedOpDestroy": (c_int, [c_int, c_void_p]),
 }

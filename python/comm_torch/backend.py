@@ -33,6 +33,7 @@ import torch.distributed as dist
 from . import _lib
 from ._core import SUM, Engine, Reduction
 from ._lib import CommError
+from ._monitored import monitored_barrier as _monitored_barrier
 
 BACKEND_NAME = "comm"
 DEVICES = ["cpu", "cuda"]
@@ -43,6 +44,14 @@ except ImportError:  # pragma: no cover - very old torch
     _C10dBackend = None
 
 _REDUCTIONS = {}
+
+# Every backend object until its group is shut down. torch's C++ side holds a backend through
+# an intrusive pointer, which does not keep the Python object alive; when nothing in Python
+# refers to it either, the object is collected and every call from C++ falls through to the
+# base class ("getBackendName is not implemented"). That is what happens under
+# TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in a ProcessGroupWrapper and
+# keeps only the wrapper.
+_LIVE = set()
 
 
 def reduction(op):
@@ -62,6 +71,15 @@ def reduction(op):
         raise ValueError(f"comm: unsupported reduce op {op}")
     made = _REDUCTIONS[kind_obj] = Reduction(kind)
     return made
+
+
+def _timeout_seconds(value):
+    """Seconds of a torch timeout (timedelta or number); None when unset (torch's unset timeout
+    is -1 ms, kUnsetTimeout)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    return None if seconds < 0 else seconds
 
 
 def _async(opts):
@@ -84,6 +102,8 @@ class _Ops:
     def allreduce(self, tensors, opts=None):
         op = reduction(opts.reduceOp) if opts is not None else SUM
         async_op = _async(opts) if opts is not None else True
+        if len(tensors) == 1 and tensors[0].is_sparse:
+            return self.engine.sparse_all_reduce(tensors[0], op, async_op, result=tensors)
         if len(tensors) == 1:
             return self.engine.all_reduce(tensors[0], op, async_op, result=tensors)
         return self.engine.all_reduce_coalesced(tensors, op, async_op, result=tensors)
@@ -93,7 +113,9 @@ class _Ops:
         return self.engine.all_reduce_coalesced(tensors, op, _async(opts), result=tensors)
 
     def allreduce_sparse(self, tensors, opts=None):
-        raise RuntimeError("comm: sparse all_reduce is not supported; densify the tensor first")
+        op = reduction(opts.reduceOp) if opts is not None else SUM
+        (tensor,) = tensors
+        return self.engine.sparse_all_reduce(tensor, op, _async(opts) if opts is not None else True, result=tensors)
 
     def broadcast(self, tensors, opts):
         (tensor,) = tensors
@@ -169,13 +191,36 @@ class _Ops:
         return self.engine.recv(tensor, src, True, result=tensors)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("comm: recv from any source is not supported (as with NCCL); name the source rank")
+        (tensor,) = tensors
+        return self.engine.recv_any_source(tensor, True, result=tensors)
 
     def barrier(self, opts=None):
-        return self.engine.barrier(_async(opts) if opts is not None else True)
+        # The call's own timeout, else the group's (as gloo does); 0 means none.
+        timeout = _timeout_seconds(getattr(opts, "timeout", None))
+        if timeout is None:
+            timeout = _timeout_seconds(self._timeout)
+        return self.engine.barrier(_async(opts) if opts is not None else True, timeout or None)
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
-        self.engine.barrier(False).wait()
+        """Over the group's store; see _monitored.py."""
+        timeout = _timeout_seconds(getattr(opts, "timeout", None))
+        group_timeout = _timeout_seconds(self._timeout) or 1800.0
+        if timeout is None:
+            timeout = group_timeout
+        if self._store is None:
+            raise CommError("comm: monitored_barrier needs the group's store, which this group was created without")
+        self._monitored_seq += 1
+        # The other ranks wait for rank 0's verdict at least as long as rank 0 may take to reach one.
+        rank_zero_may_take = timeout * (self.engine.size - 1 if wait_all_ranks else 1)
+        _monitored_barrier(
+            self._store,
+            self.engine.rank,
+            self.engine.size,
+            self._monitored_seq,
+            timeout,
+            wait_all_ranks,
+            max(group_timeout, rank_zero_may_take + 5.0),
+        )
 
     # -- coalescing (batch_isend_irecv and _coalescing_manager)
     @property
@@ -193,9 +238,11 @@ class _Ops:
         pass  # the communicator is created with the backend
 
     def shutdown(self):
+        _LIVE.discard(self)
         self.engine.destroy()
 
     def abort(self):
+        _LIVE.discard(self)
         self.engine.abort()
 
     def _set_sequence_number_for_group(self):
@@ -210,10 +257,13 @@ if _C10dBackend is not None:
     class CommBackend(_Ops, _C10dBackend):
         """torch.distributed backend over one libcomm communicator."""
 
-        def __init__(self, engine, timeout=None, group_name="", global_ranks=None):
+        def __init__(self, engine, timeout=None, group_name="", global_ranks=None, store=None):
             _C10dBackend.__init__(self, engine.rank, engine.size)
             self.engine = engine
             self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+            self._store = store
+            self._monitored_seq = 0
+            _LIVE.add(self)
             self._group_name = group_name
             self._global_ranks = list(global_ranks or [])
             self._options = None
@@ -252,7 +302,11 @@ if _C10dBackend is not None:
             child = self.engine.split(min(ranks), ranks.index(me), name)
             timeout = getattr(opts, "_timeout", None) or self._timeout
             return CommBackend(
-                child, timeout, name, [self._global_ranks[r] for r in ranks] if self._global_ranks else ranks
+                child,
+                timeout,
+                name,
+                [self._global_ranks[r] for r in ranks] if self._global_ranks else ranks,
+                store,
             )
 
         def perform_nocolor_split(self, device=None):
@@ -323,9 +377,12 @@ class CommProcessGroup(_Ops, dist.ProcessGroup):
     """The same backend as a ProcessGroup subclass, for torch without the PyBackend
     trampoline. torch uses it as the group itself; sub-groups are created fresh."""
 
-    def __init__(self, engine, timeout=None, group_name="", global_ranks=None):
+    def __init__(self, engine, timeout=None, group_name="", global_ranks=None, store=None):
         dist.ProcessGroup.__init__(self, engine.rank, engine.size)
         self.engine = engine
+        self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+        self._store = store
+        self._monitored_seq = 0
 
     def getRank(self):
         return self.engine.rank
@@ -389,8 +446,8 @@ def create_backend(*args, **kwargs):
         engine = Engine.from_store(store, rank, size, name or "world", key=_group_key(name))
 
     if backend_trampoline_available():
-        return CommBackend(engine, timeout, name, global_ranks or list(range(size)))
-    return CommProcessGroup(engine, timeout, name, global_ranks)
+        return CommBackend(engine, timeout, name, global_ranks or list(range(size)), store)
+    return CommProcessGroup(engine, timeout, name, global_ranks, store)
 
 
 _registered = False

@@ -168,6 +168,8 @@ class CommTorchCommsBackend(TorchCommBackend):
         return self._done(self._check().broadcast(tensor, root, async_op), async_op)
 
     def all_reduce(self, tensor, op, async_op):
+        if tensor.is_sparse:
+            return self._done(self._check().sparse_all_reduce(tensor, reduction(op), async_op), async_op)
         return self._done(self._check().all_reduce(tensor, reduction(op), async_op), async_op)
 
     def reduce(self, tensor, root, op, async_op):
@@ -222,7 +224,12 @@ class CommTorchCommsBackend(TorchCommBackend):
         )
 
     def barrier(self, async_op):
-        return self._done(self._check().barrier(async_op), async_op)
+        # torchcomms options carry the communicator's timeout; a barrier honours it.
+        timeout = getattr(self._options, "timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+        return self._done(self._check().barrier(async_op, timeout), async_op)
 
     def scatter(self, output_tensor, input_tensor_list, root, async_op):
         return self._done(self._check().scatter(output_tensor, list(input_tensor_list), root, async_op), async_op)

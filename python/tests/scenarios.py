@@ -1044,3 +1044,42 @@ def cuda_ops(ctx):
 
     ctx.check("async", async_on_stream)
     dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------
+# Receives from any source (commRecvAny), through the backend object: torch's own wrapper of
+# the work (PyWorkHolder) hides source_rank(), so dist.recv(src=None) cannot report it.
+
+
+def any_source(ctx):
+    init_comm(ctx)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    per_sender = 4
+
+    def receives_name_their_sender():
+        if ctx.rank == 0:
+            seen = {r: 0 for r in range(1, ctx.world)}
+            for _ in range((ctx.world - 1) * per_sender):
+                t = torch.full((1000,), -1, dtype=torch.int64)
+                work = backend.recv_anysource([t], 0)
+                work.wait()
+                src = work.source_rank()
+                assert src in seen, f"source {src}"
+                # Each sender's messages arrive in its order, each stamped with its rank.
+                assert torch.equal(t, torch.full((1000,), 100 * src + seen[src])), (src, t[:3])
+                seen[src] += 1
+            assert all(n == per_sender for n in seen.values()), seen
+        else:
+            # All senders at once, synchronous and asynchronous.
+            works = [dist.isend(torch.full((1000,), 100 * ctx.rank + k, dtype=torch.int64), 0) for k in range(2)]
+            for w in works:
+                w.wait()
+            for k in range(2, per_sender):
+                dist.send(torch.full((1000,), 100 * ctx.rank + k, dtype=torch.int64), 0)
+        # A collective afterwards: the communicator is still in step.
+        x = torch.ones(3)
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((3,), float(ctx.world)))
+
+    ctx.check("receives_name_their_sender", receives_name_their_sender)
+    dist.destroy_process_group()

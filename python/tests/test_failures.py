@@ -23,3 +23,10 @@ def test_single_rank_semantics():
         failures = launcher.failed_checks(results, name)
         assert not failures, "\n".join(failures)
     assert len(results[0]["checks"]) >= 4
+
+
+def test_recv_from_any_source_three_ranks():
+    # Two senders at once; rank 0 must get every message, each attributed to its sender.
+    results = launcher.run("any_source", 3, timeout=90)
+    failures = launcher.failed_checks(results, "receives_name_their_sender")
+    assert not failures, "\n".join(failures)

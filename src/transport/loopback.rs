@@ -100,6 +100,10 @@ impl Transport for Loopback {
         Ok(())
     }
 
+    fn peek(&self) -> Result<Option<(usize, u64)>> {
+        Ok(self.state.lock().0.front().map(|m| (m.0.len, m.0.tag)))
+    }
+
     fn describe(&self) -> String {
         "loopback".into()
     }

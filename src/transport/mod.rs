@@ -92,6 +92,16 @@ pub trait Transport: Send + Sync {
     ) -> Result<Progress<bool>>;
     /// Err when the peer can no longer take part: it exited, aborted or destroyed its end.
     fn check_peer(&self) -> Result<()>;
+    /// The length and tag of the next message on the channel once it has begun to arrive,
+    /// without taking anything off the channel; None while nothing has. Called only between
+    /// messages (no receive on the channel in progress). A receive from any source uses it to
+    /// find a peer whose message is waiting.
+    fn peek(&self) -> Result<Option<(usize, u64)>> {
+        crate::invalid_usage!(
+            "the {} transport cannot tell whether a message is waiting, so it does not support receives from any source",
+            self.describe()
+        )
+    }
     /// A short description for logs ("shm/cma", "shm/direct", ...).
     fn describe(&self) -> String;
     /// Whether large buffers should be backed by huge pages for this peer (its copies are

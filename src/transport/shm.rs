@@ -643,6 +643,20 @@ impl Transport for ShmPeer {
         }
     }
 
+    fn peek(&self) -> Result<Option<(usize, u64)>> {
+        let tail = self.local.tail(self.peer).load(Ordering::Relaxed);
+        let published = self
+            .local
+            .slot_number(self.peer, tail)
+            .load(Ordering::Acquire);
+        if published != tail + 1 {
+            return Ok(None);
+        }
+        // The first slot of a message: eager data from offset 0, or a pull descriptor.
+        let h = self.read_header(tail);
+        Ok((h.offset == 0).then_some((h.msg_len as usize, h.tag)))
+    }
+
     fn prefers_huge_pages(&self) -> bool {
         matches!(self.access, Access::Cma(_))
             && self.remote.pull_ok(self.me).load(Ordering::Relaxed) != 0
