@@ -126,6 +126,24 @@ pub const KNOBS: &[Knob] = &[
         doc: "default of ncclConfig_t.blocking",
     },
     Knob {
+        name: "SHM_DISABLE",
+        nccl: true,
+        default: "0",
+        doc: "1: ranks of one host talk over the network transport instead of shared memory",
+    },
+    Knob {
+        name: "NET",
+        nccl: true,
+        default: "socket",
+        doc: "network transport between hosts (socket)",
+    },
+    Knob {
+        name: "HOSTID",
+        nccl: true,
+        default: "",
+        doc: "host identity (default: boot id, hostname and network namespace)",
+    },
+    Knob {
         name: "LOCAL_REGISTER",
         nccl: true,
         default: "1",

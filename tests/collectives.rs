@@ -77,15 +77,42 @@ fn worker() {
 }
 
 fn processes(n: usize, scenario_name: &str, level: &str, minutes: u64) {
+    processes_with(n, scenario_name, level, minutes, &[]);
+}
+
+fn processes_with(n: usize, scenario_name: &str, level: &str, minutes: u64, env: &[(&str, &str)]) {
     let r = launch(
         "worker",
         scenario_name,
         n,
         level,
-        &[],
+        env,
         Duration::from_secs(60 * minutes),
     );
-    assert_all_ok(&r, &format!("{scenario_name} with {n} processes"));
+    assert_all_ok(&r, &format!("{scenario_name} with {n} processes {env:?}"));
+}
+
+/// The transport axis: the same cases with every rank on the TCP transport.
+const SOCKET: &[(&str, &str)] = &[("COMM_SHM_DISABLE", "1")];
+
+#[test]
+fn matrix_2_processes_socket() {
+    processes_with(2, "matrix", "full", 10, SOCKET);
+}
+
+#[test]
+fn matrix_3_processes_socket() {
+    processes_with(3, "matrix", "full", 10, SOCKET);
+}
+
+#[test]
+fn matrix_4_processes_socket() {
+    processes_with(4, "matrix", "small", 10, SOCKET);
+}
+
+#[test]
+fn large_float_3_processes_socket() {
+    processes_with(3, "large", "", 10, SOCKET);
 }
 
 fn threads(n: usize, scenario_name: &'static str, level: &'static str, minutes: u64) {

@@ -40,6 +40,7 @@ use parking_lot::Mutex;
 
 pub use id::{new_unique_id, UniqueId};
 pub use iface::local_ip;
+pub(crate) use net::{decode_addr, encode_addr};
 
 use crate::error::{ErrorKind, Result};
 use listener::{Identity, Listener, PeerCtx, Purpose};
@@ -406,6 +407,11 @@ impl Bootstrap {
 
     pub fn nranks(&self) -> usize {
         self.nranks
+    }
+
+    /// The address this rank's bootstrap listens on: the interface the transports use too.
+    pub fn listen_ip(&self) -> IpAddr {
+        self.listener.addr().ip()
     }
 
     /// The transports reuse it to authenticate their own connections.

@@ -10,8 +10,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::host::Wiring;
 use crate::topo::{self, Path, Placement};
-use crate::transport::loopback::Loopback;
-use crate::transport::{shm, Transport};
+use crate::transport::shm;
 use crate::wire::Reader;
 use config::Config;
 use ops::CustomOps;
@@ -46,6 +45,8 @@ pub struct Comm {
     pub placements: Vec<Placement>,
     pub paths: Vec<Path>,
     pub shm: Option<shm::ShmWorld>,
+    /// The network links' progress thread (None without peers on other hosts).
+    pub net: Option<crate::transport::net::NetWorld>,
     /// Device memory shared with the peers, when every rank has a usable GPU.
     pub device: Option<crate::transport::p2p::DeviceWorld>,
     /// Registered device buffers published to the peers and mapped from them, for in-place
@@ -142,21 +143,12 @@ impl Comm {
             .enumerate()
             .map(|(r, p)| me.path_to(p, r == rank))
             .collect();
-        let remote: Vec<usize> = (0..nranks).filter(|&r| paths[r] == Path::Network).collect();
-        if !remote.is_empty() {
-            return crate::invalid_usage!(
-                "ranks {remote:?} run on other hosts than rank {rank} ({}), and this build has no network transport yet: all ranks must share one host",
-                me.hostname
-            );
-        }
-        let shm_world = if paths
-            .iter()
-            .any(|p| matches!(p, Path::SameHost | Path::SameProcess))
-        {
-            Some(shm::connect(&boot, &paths, &placements, tag, deadline)?)
-        } else {
-            None
-        };
+        let crate::transport::Links {
+            links,
+            doorbell,
+            shm: shm_world,
+            net: net_world,
+        } = crate::transport::establish(&boot, &placements, tag, deadline)?;
         let device_world = crate::transport::p2p::DeviceWorld::connect(
             &boot,
             (device >= 0 && crate::cuda::device_count() > 0).then_some(device),
@@ -167,17 +159,6 @@ impl Comm {
             && device_world.is_some()
             && crate::env::flag("LOCAL_REGISTER") != Some(false))
         .then(|| crate::transport::reg::Registry::new(rank, nranks));
-        let mut links: Vec<Arc<dyn Transport>> = Vec::with_capacity(nranks);
-        for (r, path) in paths.iter().enumerate() {
-            let link: Arc<dyn Transport> = match path {
-                Path::SelfRank => Arc::new(Loopback::default()),
-                _ => match shm_world.as_ref().and_then(|w| w.peers[r].clone()) {
-                    Some(p) => p,
-                    None => return crate::internal_err!("no transport reaches rank {r}"),
-                },
-            };
-            links.push(link);
-        }
         let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
         // With more ranks than cores, spinning steals the core from the rank we wait for:
         // yield it instead, then sleep.
@@ -194,7 +175,7 @@ impl Comm {
         };
         let wiring = Wiring {
             rank,
-            doorbell: shm_world.as_ref().map(|w| w.local.clone()),
+            doorbell,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: op_timeout(),
             warn_after: crate::env::seconds("WARN_AFTER")
@@ -226,6 +207,7 @@ impl Comm {
             placements,
             paths,
             shm: shm_world,
+            net: net_world,
             device: device_world,
             registry,
             device_order: Mutex::new(None),
@@ -307,11 +289,8 @@ impl Comm {
     /// Local teardown: peers still waiting on this rank get an error instead of hanging.
     pub fn destroy(&self) {
         crate::fault::point("destroy");
-        if let Some(w) = &self.shm {
-            w.local.mark_closed(false);
-            for p in w.peers.iter().flatten() {
-                p.ring_peer();
-            }
+        for l in &self.wiring.links {
+            l.close(false);
         }
     }
 
@@ -320,22 +299,17 @@ impl Comm {
         self.set_life(Life::Aborted);
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.boot.abort_handle().store(true, Ordering::SeqCst);
-        if let Some(w) = &self.shm {
-            w.local.mark_closed(true);
-            w.local.ring();
-            for p in w.peers.iter().flatten() {
-                p.ring_peer();
-            }
+        for l in &self.wiring.links {
+            l.close(true);
         }
+        self.wiring.doorbell.ring();
     }
 
     /// ncclCommRevoke: in-flight operations stop; only destroy, split and shrink remain.
     pub fn revoke(&self) {
         self.set_life(Life::Revoked);
         self.wiring.abort.store(true, Ordering::SeqCst);
-        if let Some(w) = &self.shm {
-            w.local.ring();
-        }
+        self.wiring.doorbell.ring();
     }
 
     fn child_tag(&self, what: &str, extra: i64) -> u64 {

@@ -91,22 +91,18 @@ pub fn wait_any_source(wiring: &Wiring, tag: u64, first: usize) -> Result<usize>
                 ));
             }
         }
-        match &wiring.doorbell {
-            Some(d) => {
-                // Announce the sleep, then look once more: a sender that published before it
-                // saw the announcement is found by this look, one that published after rings.
-                let seen = d.prepare_sleep();
-                match find(wiring, tag, first, start) {
-                    Ok(None) => d.sleep(seen, Duration::from_millis(20)),
-                    other => {
-                        d.cancel_sleep();
-                        if let Some(peer) = other? {
-                            return Ok(peer);
-                        }
-                    }
+        // Announce the sleep, then look once more: a sender that published before it saw the
+        // announcement is found by this look, one that published after rings.
+        let d = &wiring.doorbell;
+        let seen = d.prepare_sleep();
+        match find(wiring, tag, first, start) {
+            Ok(None) => d.sleep(seen, Duration::from_millis(20)),
+            other => {
+                d.cancel_sleep();
+                if let Some(peer) = other? {
+                    return Ok(peer);
                 }
             }
-            None => std::thread::yield_now(),
         }
     }
 }

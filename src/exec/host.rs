@@ -10,9 +10,8 @@
 use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
-use crate::transport::shm::Segment;
 use crate::transport::{
-    describe_tag, InExpect, OutMsg, RecvCursor, SendCursor, SendState, Sink, Transport,
+    describe_tag, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -46,9 +45,9 @@ pub struct HostOp {
 pub struct Wiring {
     pub rank: usize,
     /// One transport per peer, this rank's own loopback included.
-    pub links: Vec<Arc<dyn Transport>>,
-    /// The doorbell peers ring when they give this rank something to do.
-    pub doorbell: Option<Arc<Segment>>,
+    pub links: Vec<Arc<dyn Link>>,
+    /// The doorbell links ring when they give this rank something to do.
+    pub doorbell: Arc<dyn Doorbell>,
     pub abort: Arc<AtomicBool>,
     /// Give up (ncclTimeout) after this long without progress.
     pub timeout: Option<Duration>,
@@ -793,7 +792,7 @@ pub fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
 /// Progresses every communicator's steps until all are done or one fails.
 fn drive(execs: &mut [Exec]) -> Result<()> {
     let single_doorbell = match &*execs {
-        [only] => only.wiring.doorbell.clone(),
+        [only] => Some(only.wiring.doorbell.clone()),
         _ => None,
     };
     let mut started: Option<Instant> = None;
@@ -925,7 +924,7 @@ mod tests {
         attempts_after_check: AtomicUsize,
     }
 
-    impl Transport for DepartedAfterSending {
+    impl Link for DepartedAfterSending {
         fn send(&self, _: &OutMsg, _: &mut SendCursor) -> Result<Progress<SendState>> {
             crate::internal_err!("this peer only sends")
         }
@@ -969,7 +968,7 @@ mod tests {
         Wiring {
             rank: 0,
             links: vec![Arc::new(Loopback::default()), peer],
-            doorbell: None,
+            doorbell: Arc::new(crate::transport::LocalDoorbell::default()),
             abort: Arc::new(AtomicBool::new(false)),
             timeout: Some(Duration::from_secs(20)),
             warn_after: Duration::from_secs(60),

@@ -36,9 +36,11 @@ fn identify() -> Placement {
         .map(|p| p.to_string_lossy().into_owned())
         .unwrap_or_default();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (hostname.as_str(), boot_id.trim(), netns.as_str()).hash(&mut h);
-    if let Some(extra) = crate::env::var("HOSTID") {
-        extra.hash(&mut h);
+    // COMM_HOSTID / NCCL_HOSTID replaces the host's identity: processes that give the same one
+    // share memory, processes that give different ones talk over the network.
+    match crate::env::var("HOSTID") {
+        Some(id) => ("hostid", id).hash(&mut h),
+        None => (hostname.as_str(), boot_id.trim(), netns.as_str()).hash(&mut h),
     }
     let mut token = [0u8; 8];
     getrandom::getrandom(&mut token).expect("the OS random source is unavailable");

@@ -1,7 +1,7 @@
 //! A rank's channel to itself (a send to one's own rank inside a group): the receive copies
 //! straight from the send buffer.
 
-use super::{InExpect, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink, Transport};
+use super::{InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink};
 use crate::error::Result;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -19,7 +19,7 @@ struct OutMsgSend(OutMsg);
 // on the thread that runs that rank's operations.
 unsafe impl Send for OutMsgSend {}
 
-impl Transport for Loopback {
+impl Link for Loopback {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
         let mut st = self.state.lock();
         if let Some(seq) = cur.await_release {

@@ -8,13 +8,104 @@
 //! thread can progress many channels (and many communicators) at once without deadlock.
 
 pub mod loopback;
+pub mod net;
 pub mod os;
 pub mod p2p;
 pub mod reg;
 pub mod shm;
 
+use crate::bootstrap::Bootstrap;
 use crate::error::Result;
 use crate::reduce::Scale;
+use crate::topo::{Path, Placement};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Every link of one communicator, made by the transports that reach its peers, and the
+/// doorbell its executor sleeps on.
+pub struct Links {
+    /// One per rank, this rank's own loopback included.
+    pub links: Vec<Arc<dyn Link>>,
+    pub doorbell: Arc<dyn Doorbell>,
+    /// The shared-memory world, which device-buffer registration builds on.
+    pub shm: Option<shm::ShmWorld>,
+    /// Keeps the network links' progress thread alive.
+    pub net: Option<net::NetWorld>,
+}
+
+/// Connects this rank to every peer with the first transport of [loopback, shm, net] that
+/// reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE), the network for the rest.
+/// Collective: every rank derives the same plan from the placements, so each transport's setup
+/// runs on all ranks or on none.
+pub fn establish(
+    boot: &Bootstrap,
+    placements: &[Placement],
+    comm_tag: u64,
+    deadline: Option<Instant>,
+) -> Result<Links> {
+    let me = boot.rank();
+    let n = placements.len();
+    let shm_on = crate::env::flag("SHM_DISABLE") != Some(true);
+    let local = |p: Path| matches!(p, Path::SameHost | Path::SameProcess);
+    let path = |a: usize, b: usize| placements[a].path_to(&placements[b], a == b);
+    let by_shm = |p: Path| shm_on && local(p);
+    let by_net = |p: Path| p == Path::Network || (local(p) && !shm_on);
+    let pairs = || (0..n).flat_map(move |a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)));
+    let any_shm = pairs().any(|(a, b)| by_shm(path(a, b)));
+    let any_net = pairs().any(|(a, b)| by_net(path(a, b)));
+    let paths: Vec<Path> = (0..n).map(|r| path(me, r)).collect();
+
+    let shm_paths: Vec<Path> = paths
+        .iter()
+        .map(|&p| {
+            if local(p) && !shm_on {
+                Path::Network
+            } else {
+                p
+            }
+        })
+        .collect();
+    let shm_world = if any_shm {
+        Some(shm::connect(
+            boot, &shm_paths, placements, comm_tag, deadline,
+        )?)
+    } else {
+        None
+    };
+    let doorbell: Arc<dyn Doorbell> = match &shm_world {
+        Some(w) => w.local.clone(),
+        None => Arc::new(LocalDoorbell::default()),
+    };
+    let net_peers: Vec<usize> = (0..n).filter(|&r| by_net(paths[r])).collect();
+    let net_world = if any_net {
+        net::connect(boot, &net_peers, doorbell.clone(), comm_tag, deadline)?
+    } else {
+        None
+    };
+    let mut links: Vec<Arc<dyn Link>> = Vec::with_capacity(n);
+    for (r, &p) in paths.iter().enumerate() {
+        let link: Option<Arc<dyn Link>> = if p == Path::SelfRank {
+            Some(Arc::new(loopback::Loopback::default()))
+        } else if by_shm(p) {
+            shm_world
+                .as_ref()
+                .and_then(|w| w.peers[r].clone())
+                .map(|l| l as Arc<dyn Link>)
+        } else {
+            net_world.as_ref().and_then(|w| w.links[r].clone())
+        };
+        match link {
+            Some(l) => links.push(l),
+            None => return crate::internal_err!("no transport reaches rank {r}"),
+        }
+    }
+    Ok(Links {
+        links,
+        doorbell,
+        shm: shm_world,
+        net: net_world,
+    })
+}
 
 /// An outgoing message. `src` stays valid and unmodified until the send reports `Complete`.
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +172,9 @@ pub struct Progress<T> {
     pub moved: bool,
 }
 
-pub trait Transport: Send + Sync {
+/// One peer's channel pair (this rank -> peer and back), made by a transport. A link keeps
+/// its own in-flight state; the cursors only say which message and how far it got.
+pub trait Link: Send + Sync {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>>;
     /// Returns `state == true` once the whole message has been delivered to the sink.
     fn recv(
@@ -108,6 +201,55 @@ pub trait Transport: Send + Sync {
     /// made by the kernel, which pins every page it touches).
     fn prefers_huge_pages(&self) -> bool {
         false
+    }
+    /// This end is going away (destroy, or abort when `aborted`): the peer must stop waiting
+    /// for it and fail instead.
+    fn close(&self, _aborted: bool) {}
+}
+
+/// What a waiting executor sleeps on. Links ring it when they give the rank something to do:
+/// shm peers through the futex word in this rank's segment, network links from their
+/// progress thread. The protocol: `prepare_sleep`, one more look for work, then `sleep` or
+/// `cancel_sleep`; a `ring` after `prepare_sleep` always wakes the sleeper.
+pub trait Doorbell: Send + Sync {
+    fn ring(&self);
+    fn prepare_sleep(&self) -> u32;
+    fn cancel_sleep(&self);
+    fn sleep(&self, seen: u32, timeout: std::time::Duration);
+}
+
+/// A doorbell in this process's memory, for ranks without a shared-memory segment.
+#[derive(Default)]
+pub struct LocalDoorbell {
+    word: std::sync::atomic::AtomicU32,
+    sleepers: std::sync::atomic::AtomicU32,
+}
+
+impl Doorbell for LocalDoorbell {
+    fn ring(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        std::sync::atomic::fence(SeqCst);
+        if self.sleepers.load(SeqCst) > 0 {
+            self.word.fetch_add(1, SeqCst);
+            os::futex_wake_all(&self.word);
+        }
+    }
+
+    fn prepare_sleep(&self) -> u32 {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.sleepers.fetch_add(1, SeqCst);
+        std::sync::atomic::fence(SeqCst);
+        self.word.load(SeqCst)
+    }
+
+    fn cancel_sleep(&self) {
+        self.sleepers
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn sleep(&self, seen: u32, timeout: std::time::Duration) {
+        os::futex_wait(&self.word, seen, timeout);
+        self.cancel_sleep();
     }
 }
 

@@ -13,7 +13,7 @@
 //! eager path cleanly.
 
 use super::os::{self, Mapping, ProcessWatch};
-use super::{InExpect, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink, Transport};
+use super::{Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink};
 use crate::bootstrap::{auth, Bootstrap};
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
@@ -234,38 +234,6 @@ impl Segment {
         unsafe { self.map.ptr().add(off) }
     }
 
-    /// Wakes the owner if it sleeps on its doorbell. Callers publish their change first; the
-    /// fence orders it before the look at `sleepers`, so either the owner's last look for work
-    /// (see `prepare_sleep`) sees the change or this sees the owner asleep. The doorbell line
-    /// is only written when someone sleeps, so busy ranks do not bounce it between cores.
-    pub fn ring(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleepers().load(Ordering::SeqCst) > 0 {
-            self.doorbell().fetch_add(1, Ordering::SeqCst);
-            os::futex_wake_all(self.doorbell());
-        }
-    }
-
-    /// Announces that the owner is about to sleep and returns the doorbell value to sleep on.
-    /// The owner must look for work once more afterwards, then call `sleep` or `cancel_sleep`.
-    pub fn prepare_sleep(&self) -> u32 {
-        self.sleepers().fetch_add(1, Ordering::SeqCst);
-        // Pairs with the fence in ring(): the owner's next look for work cannot move before the
-        // announcement (on x86 the locked add already is a full barrier).
-        std::sync::atomic::fence(Ordering::SeqCst);
-        self.doorbell().load(Ordering::SeqCst)
-    }
-
-    pub fn cancel_sleep(&self) {
-        self.sleepers().fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// Sleeps until someone rings after `prepare_sleep` returned `seen`, or `timeout` passes.
-    pub fn sleep(&self, seen: u32, timeout: Duration) {
-        os::futex_wait(self.doorbell(), seen, timeout);
-        self.sleepers().fetch_sub(1, Ordering::SeqCst);
-    }
-
     /// Tells peers this end is gone; they fail instead of waiting for it.
     pub fn mark_closed(&self, aborted: bool) {
         let v = if aborted {
@@ -279,6 +247,40 @@ impl Segment {
 
     fn base_addr(&self) -> usize {
         self.map.ptr() as usize
+    }
+}
+
+impl Doorbell for Segment {
+    /// Wakes the owner if it sleeps on its doorbell. Callers publish their change first; the
+    /// fence orders it before the look at `sleepers`, so either the owner's last look for work
+    /// (see `prepare_sleep`) sees the change or this sees the owner asleep. The doorbell line
+    /// is only written when someone sleeps, so busy ranks do not bounce it between cores.
+    fn ring(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleepers().load(Ordering::SeqCst) > 0 {
+            self.doorbell().fetch_add(1, Ordering::SeqCst);
+            os::futex_wake_all(self.doorbell());
+        }
+    }
+
+    /// Announces that the owner is about to sleep and returns the doorbell value to sleep on.
+    /// The owner must look for work once more afterwards, then call `sleep` or `cancel_sleep`.
+    fn prepare_sleep(&self) -> u32 {
+        self.sleepers().fetch_add(1, Ordering::SeqCst);
+        // Pairs with the fence in ring(): the owner's next look for work cannot move before the
+        // announcement (on x86 the locked add already is a full barrier).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.doorbell().load(Ordering::SeqCst)
+    }
+
+    fn cancel_sleep(&self) {
+        self.sleepers().fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Sleeps until someone rings after `prepare_sleep` returned `seen`, or `timeout` passes.
+    fn sleep(&self, seen: u32, timeout: Duration) {
+        os::futex_wait(self.doorbell(), seen, timeout);
+        self.sleepers().fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -425,7 +427,7 @@ impl ShmPeer {
     }
 }
 
-impl Transport for ShmPeer {
+impl Link for ShmPeer {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
         let head_ref = self.remote.head(self.me);
         let tail_ref = self.remote.tail(self.me);
@@ -655,6 +657,11 @@ impl Transport for ShmPeer {
         // The first slot of a message: eager data from offset 0, or a pull descriptor.
         let h = self.read_header(tail);
         Ok((h.offset == 0).then_some((h.msg_len as usize, h.tag)))
+    }
+
+    fn close(&self, aborted: bool) {
+        self.local.mark_closed(aborted);
+        self.remote.ring();
     }
 
     fn prefers_huge_pages(&self) -> bool {
