@@ -8,7 +8,9 @@ export COMM_DEPS=${COMM_DEPS:-$COMM_ROOT/.deps}
 mkdir -p "$COMM_DEPS"
 
 apt_missing=()
-for tool in cmake:cmake gcc:gcc g++:g++ nm:binutils pkg-config:pkg-config mpirun:openmpi-bin; do
+# ip, tc, nsenter, unshare and pgrep run the multi-host tests (network namespaces).
+for tool in cmake:cmake gcc:gcc g++:g++ nm:binutils pkg-config:pkg-config mpirun:openmpi-bin \
+  ip:iproute2 tc:iproute2 nsenter:util-linux unshare:util-linux pgrep:procps; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || apt_missing+=("${tool##*:}")
 done
 # MPI's headers and libraries, for the benchmarks' _mpi variants and mpi_perf.

@@ -41,6 +41,9 @@ impl ErrorKind {
 pub struct Error {
     pub kind: ErrorKind,
     pub msg: String,
+    /// The rank whose loss caused this error, when a peer was lost (the first one known: a
+    /// peer that failed because it lost another names that other).
+    pub lost: Option<usize>,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -50,6 +53,16 @@ impl Error {
         Error {
             kind,
             msg: msg.into(),
+            lost: None,
+        }
+    }
+
+    /// ncclRemoteError: rank `lost` is gone (exited, aborted, unreachable).
+    pub fn lost_peer(lost: usize, msg: impl Into<String>) -> Error {
+        Error {
+            kind: ErrorKind::Remote,
+            msg: msg.into(),
+            lost: Some(lost),
         }
     }
 
@@ -58,6 +71,7 @@ impl Error {
         Error {
             kind: self.kind,
             msg: format!("{context}: {}", self.msg),
+            lost: self.lost,
         }
     }
 

@@ -10,7 +10,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::host::Wiring;
 use crate::topo::{self, Path, Placement};
-use crate::transport::shm;
+use crate::transport::{shm, Closing};
 use crate::wire::Reader;
 use config::Config;
 use ops::CustomOps;
@@ -272,6 +272,12 @@ impl Comm {
             *slot = Some(e.clone());
         }
         self.set_life(Life::Failed);
+        drop(slot);
+        // A failed communicator can only be destroyed: tell the peers now, and which rank
+        // was lost, so that ranks waiting on this one fail at once and name the cause.
+        for l in &self.wiring.links {
+            l.close(Closing::Failed, e.lost);
+        }
     }
 
     pub fn finalize(&self) -> Result<()> {
@@ -290,7 +296,7 @@ impl Comm {
     pub fn destroy(&self) {
         crate::fault::point("destroy");
         for l in &self.wiring.links {
-            l.close(false);
+            l.close(Closing::Destroyed, None);
         }
     }
 
@@ -300,7 +306,7 @@ impl Comm {
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.boot.abort_handle().store(true, Ordering::SeqCst);
         for l in &self.wiring.links {
-            l.close(true);
+            l.close(Closing::Aborted, None);
         }
         self.wiring.doorbell.ring();
     }

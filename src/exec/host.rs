@@ -625,7 +625,9 @@ impl<'a> Exec<'a> {
         if others.is_empty() {
             e
         } else {
-            Error::new(e.kind, format!("{}; also {}", e.msg, others.join("; ")))
+            let mut out = Error::new(e.kind, format!("{}; also {}", e.msg, others.join("; ")));
+            out.lost = e.lost;
+            out
         }
     }
 }

@@ -7,7 +7,7 @@ use std::hash::{Hash, Hasher};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
     /// Equal for processes that can share memory: same kernel boot, same hostname, same network
-    /// namespace (abstract unix sockets are per network namespace).
+    /// and PID namespaces (or the same COMM_HOSTID).
     pub host_hash: u64,
     /// Random per process, so ranks that are threads of one process recognise each other even
     /// across pid namespaces.
@@ -32,9 +32,14 @@ pub enum Path {
 fn identify() -> Placement {
     let hostname = crate::log::hostname();
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    // Processes in different network or PID namespaces are different hosts: abstract unix
+    // sockets are per network namespace, and pids (process_vm_readv, liveness) per PID one.
+    let ns = |kind: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{kind}"))
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    let netns = format!("{} {}", ns("net"), ns("pid"));
     let mut h = std::collections::hash_map::DefaultHasher::new();
     // COMM_HOSTID / NCCL_HOSTID replaces the host's identity: processes that give the same one
     // share memory, processes that give different ones talk over the network.

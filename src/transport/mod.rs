@@ -202,9 +202,43 @@ pub trait Link: Send + Sync {
     fn prefers_huge_pages(&self) -> bool {
         false
     }
-    /// This end is going away (destroy, or abort when `aborted`): the peer must stop waiting
-    /// for it and fail instead.
-    fn close(&self, _aborted: bool) {}
+    /// This end is going away: the peer must stop waiting for it and fail instead, told how
+    /// and, when this rank failed because it lost a rank, which one.
+    fn close(&self, _how: Closing, _lost: Option<usize>) {}
+}
+
+/// How a rank's end of its links went away, as its peers will report it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Closing {
+    Destroyed = 1,
+    Aborted = 2,
+    /// The communicator failed (a lost peer, a timeout): it can only be destroyed now.
+    Failed = 3,
+}
+
+impl Closing {
+    pub fn from_code(c: u32) -> Option<Closing> {
+        match c {
+            1 => Some(Closing::Destroyed),
+            2 => Some(Closing::Aborted),
+            3 => Some(Closing::Failed),
+            _ => None,
+        }
+    }
+
+    /// "rank 4 aborted its communicator after it lost rank 3 while this rank still needs it".
+    pub fn describe(self, rank: usize, lost: Option<usize>) -> String {
+        let after = lost
+            .map(|l| format!(" after it lost rank {l}"))
+            .unwrap_or_default();
+        match self {
+            Closing::Destroyed => format!(
+                "rank {rank} destroyed its communicator{after} while this rank still needs it"
+            ),
+            Closing::Aborted => format!("rank {rank} aborted its communicator{after}"),
+            Closing::Failed => format!("rank {rank} failed{after}"),
+        }
+    }
 }
 
 /// What a waiting executor sleeps on. Links ring it when they give the rank something to do:

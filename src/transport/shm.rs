@@ -13,7 +13,9 @@
 //! eager path cleanly.
 
 use super::os::{self, Mapping, ProcessWatch};
-use super::{Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink};
+use super::{
+    Closing, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+};
 use crate::bootstrap::{auth, Bootstrap};
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
@@ -40,9 +42,6 @@ const SLOT_FIELDS: usize = 8;
 const KIND_EAGER: u32 = 1;
 const KIND_PULL: u32 = 2;
 const FLAG_SCALE: u32 = 1;
-
-const CLOSED_DESTROYED: u32 = 1;
-const CLOSED_ABORTED: u32 = 2;
 
 /// Bytes pulled per call, so one large message cannot starve the other channels of its thread.
 const PULL_BUDGET: usize = 4 << 20;
@@ -234,15 +233,23 @@ impl Segment {
         unsafe { self.map.ptr().add(off) }
     }
 
-    /// Tells peers this end is gone; they fail instead of waiting for it.
-    pub fn mark_closed(&self, aborted: bool) {
-        let v = if aborted {
-            CLOSED_ABORTED
-        } else {
-            CLOSED_DESTROYED
-        };
-        // An abort stays an abort when the communicator is dropped afterwards.
-        self.closed().fetch_max(v, Ordering::SeqCst);
+    /// Tells peers this end is gone, and why; they fail instead of waiting for it.
+    fn mark_closed(&self, how: Closing, lost: Option<usize>) {
+        if let Some(l) = lost {
+            self.note_lost(l);
+        }
+        // A failure or an abort stays one when the communicator is destroyed afterwards.
+        self.closed().fetch_max(how as u32, Ordering::SeqCst);
+    }
+
+    /// The first rank this rank lost, for peers that later see it close.
+    fn note_lost(&self, rank: usize) {
+        let _ = self.first_lost().compare_exchange(
+            0,
+            rank as u32 + 1,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 
     fn base_addr(&self) -> usize {
@@ -387,15 +394,11 @@ impl ShmPeer {
         Ok(())
     }
 
-    /// This rank lost its peer: noted in our segment for the other peers, and the error.
-    fn lost(&self, msg: String) -> Error {
-        let _ = self.local.first_lost().compare_exchange(
-            0,
-            self.peer as u32 + 1,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
-        Error::new(crate::error::ErrorKind::Remote, msg)
+    /// This rank lost `rank` (its peer, or the rank the peer lost first): noted in our segment
+    /// for the other peers, and the error.
+    fn lost(&self, rank: usize, msg: String) -> Error {
+        self.local.note_lost(rank);
+        Error::lost_peer(rank, msg)
     }
 
     fn cma_error(&self, e: std::io::Error) -> Error {
@@ -404,7 +407,10 @@ impl ShmPeer {
         }
         // The process is being torn down: its memory is gone before it counts as exited.
         if e.raw_os_error() == Some(libc::ESRCH) {
-            return self.lost(format!("rank {} exited (its process is gone)", self.peer));
+            return self.lost(
+                self.peer,
+                format!("rank {} exited (its process is gone)", self.peer),
+            );
         }
         Error::from_io(
             format!("reading rank {}'s buffer with process_vm_readv", self.peer),
@@ -619,30 +625,20 @@ impl Link for ShmPeer {
     }
 
     fn check_peer(&self) -> Result<()> {
-        let cause = || match self.remote.first_lost().load(Ordering::SeqCst) {
-            0 => String::new(),
-            r => format!(" after it lost rank {}", r - 1),
+        let first = match self.remote.first_lost().load(Ordering::SeqCst) {
+            0 => None,
+            r => Some(r as usize - 1),
         };
-        let gone = match self.remote.closed().load(Ordering::SeqCst) {
-            CLOSED_ABORTED => Some(format!(
-                "rank {} aborted its communicator{}",
-                self.peer,
-                cause()
-            )),
-            CLOSED_DESTROYED => Some(format!(
-                "rank {} destroyed its communicator{} while this rank still needs it",
-                self.peer,
-                cause()
-            )),
-            _ if self.watch.as_ref().is_some_and(|w| !w.alive()) => {
-                Some(format!("rank {} exited (its process is gone)", self.peer))
-            }
-            _ => None,
-        };
-        match gone {
-            Some(msg) => Err(self.lost(msg)),
-            None => Ok(()),
+        let closed = Closing::from_code(self.remote.closed().load(Ordering::SeqCst));
+        if let Some(how) = closed {
+            let msg = how.describe(self.peer, first);
+            return Err(self.lost(first.unwrap_or(self.peer), msg));
         }
+        if self.watch.as_ref().is_some_and(|w| !w.alive()) {
+            let msg = format!("rank {} exited (its process is gone)", self.peer);
+            return Err(self.lost(first.unwrap_or(self.peer), msg));
+        }
+        Ok(())
     }
 
     fn peek(&self) -> Result<Option<(usize, u64)>> {
@@ -659,8 +655,8 @@ impl Link for ShmPeer {
         Ok((h.offset == 0).then_some((h.msg_len as usize, h.tag)))
     }
 
-    fn close(&self, aborted: bool) {
-        self.local.mark_closed(aborted);
+    fn close(&self, how: Closing, lost: Option<usize>) {
+        self.local.mark_closed(how, lost);
         self.remote.ring();
     }
 

@@ -13,26 +13,26 @@
 use super::Waker;
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::Scale;
-use crate::transport::{InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink};
+use crate::transport::{
+    Closing, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+};
 use parking_lot::Mutex;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 pub(super) const HEADER: usize = 32;
 const MAGIC_MSG: u32 = 0x636d_4d31; // "cmM1"
 const MAGIC_CLOSE: u32 = 0x636d_4331; // "cmC1"
 const FLAG_SCALE: u32 = 1;
-const FLAG_ABORTED: u32 = 2;
 /// Bytes one receive call takes before it lets the executor turn to other channels.
 const RECV_BUDGET: usize = 4 << 20;
 const STAGING: usize = 256 << 10;
 
-const OPEN: u8 = 0;
-const PEER_DESTROYED: u8 = 1;
-const PEER_ABORTED: u8 = 2;
-const PEER_GONE: u8 = 3;
+/// `state`: the peer may still send; otherwise a `Closing` code it sent, or this.
+const OPEN: u32 = 0;
+const PEER_GONE: u32 = 9;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -96,7 +96,9 @@ pub(crate) struct SocketLink {
     /// Part of a message is on the wire: a close header now would be read as its rest.
     mid_message: AtomicBool,
     /// Why the peer will send nothing more (OPEN while it may).
-    state: AtomicU8,
+    state: AtomicU32,
+    /// The rank the peer said it lost before closing, plus one (0: none).
+    peer_lost: AtomicU32,
     closed: AtomicBool,
 }
 
@@ -115,7 +117,8 @@ impl SocketLink {
             waker,
             arriving: Mutex::new(Arriving::default()),
             mid_message: AtomicBool::new(false),
-            state: AtomicU8::new(OPEN),
+            state: AtomicU32::new(OPEN),
+            peer_lost: AtomicU32::new(0),
             closed: AtomicBool::new(false),
         }
     }
@@ -180,8 +183,8 @@ impl SocketLink {
         self.state
             .compare_exchange(OPEN, PEER_GONE, Ordering::SeqCst, Ordering::SeqCst)
             .ok();
-        Error::new(
-            ErrorKind::Remote,
+        Error::lost_peer(
+            self.first_lost(),
             format!(
                 "{what} rank {} over TCP failed: {e} (its process exited, or its host or the link failed)",
                 self.peer
@@ -195,23 +198,31 @@ impl SocketLink {
             .compare_exchange(OPEN, PEER_GONE, Ordering::SeqCst, Ordering::SeqCst)
             .ok();
         self.gone_error()
-            .unwrap_or_else(|| Error::new(ErrorKind::Remote, "connection ended"))
+            .unwrap_or_else(|| Error::lost_peer(self.peer, "connection ended"))
+    }
+
+    /// The rank this link's failure is due to: the one the peer said it lost, or the peer.
+    fn first_lost(&self) -> usize {
+        match self.peer_lost.load(Ordering::SeqCst) {
+            0 => self.peer,
+            r => r as usize - 1,
+        }
     }
 
     fn gone_error(&self) -> Option<Error> {
-        let msg = match self.state.load(Ordering::SeqCst) {
-            PEER_DESTROYED => format!(
-                "rank {} destroyed its communicator while this rank still needs it",
-                self.peer
-            ),
-            PEER_ABORTED => format!("rank {} aborted its communicator", self.peer),
-            PEER_GONE => format!(
+        let state = self.state.load(Ordering::SeqCst);
+        let msg = match Closing::from_code(state) {
+            Some(how) => {
+                let lost = (self.first_lost() != self.peer).then(|| self.first_lost());
+                how.describe(self.peer, lost)
+            }
+            None if state == PEER_GONE => format!(
                 "rank {} closed its TCP connection (its process exited, or its host or the link failed)",
                 self.peer
             ),
-            _ => return None,
+            None => return None,
         };
-        Some(Error::new(ErrorKind::Remote, msg))
+        Some(Error::lost_peer(self.first_lost(), msg))
     }
 
     /// Reads the rest of the next header. Ok(None) while it is incomplete.
@@ -232,12 +243,9 @@ impl SocketLink {
         match h.magic {
             MAGIC_MSG => Ok(Some(h)),
             MAGIC_CLOSE => {
-                let why = if h.flags & FLAG_ABORTED != 0 {
-                    PEER_ABORTED
-                } else {
-                    PEER_DESTROYED
-                };
-                self.state.store(why, Ordering::SeqCst);
+                let how = Closing::from_code(h.flags).unwrap_or(Closing::Destroyed);
+                self.peer_lost.store(h.tag as u32, Ordering::SeqCst);
+                self.state.store(how as u32, Ordering::SeqCst);
                 Err(self.gone_error().expect("state set above"))
             }
             other => crate::internal_err!(
@@ -383,15 +391,15 @@ impl Link for SocketLink {
         }
     }
 
-    fn close(&self, aborted: bool) {
+    fn close(&self, how: Closing, lost: Option<usize>) {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
         if !self.mid_message.load(Ordering::Relaxed) {
             let h = Header {
                 magic: MAGIC_CLOSE,
-                flags: if aborted { FLAG_ABORTED } else { 0 },
-                tag: 0,
+                flags: how as u32,
+                tag: lost.map_or(0, |l| l as u64 + 1),
                 len: 0,
                 scale: [0; 8],
             };

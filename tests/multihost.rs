@@ -1,0 +1,494 @@
+//! Ranks on several hosts, simulated with network namespaces (`scripts/netns.sh`): each host a
+//! namespace with its own address, PID, IPC and mount namespaces, joined to the others only
+//! through veth pairs and a bridge. Every test creates its own hosts and removes them when it
+//! ends, passed or failed, and every launch has a timeout.
+//!
+//! Needs root and iproute2 (CI has both). Without them each test says so and passes only when
+//! not in CI; in CI (CI=true) a missing prerequisite fails the test.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::cases::*;
+use common::run::*;
+use common::values::*;
+use common::*;
+use std::os::raw::c_void;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+const S: cudaStream_t = std::ptr::null_mut();
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/netns.sh")
+}
+
+/// What every rank of one launch runs.
+struct Job<'a> {
+    nranks: usize,
+    scenario: &'a str,
+    arg: &'a str,
+    env: &'a [(&'a str, &'a str)],
+    /// The bootstrap root's port on host 0 (NCCL_COMM_ID).
+    port: u16,
+}
+
+/// Simulated hosts; removed on drop.
+struct Hosts {
+    prefix: String,
+    n: usize,
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+impl Hosts {
+    /// `n` hosts, or None (with the reason printed) where namespaces cannot be made here.
+    fn up(n: usize) -> Option<Hosts> {
+        let root = unsafe { libc::geteuid() } == 0;
+        let ip = Command::new("ip").arg("-V").output().is_ok();
+        if !root || !ip {
+            let why = format!("multi-host tests need root and iproute2 (root: {root}, ip: {ip})");
+            assert!(std::env::var("CI").is_err(), "{why}");
+            eprintln!("skipped: {why}");
+            return None;
+        }
+        let prefix = format!(
+            "cmh{}x{}",
+            std::process::id() % 100_000,
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        let hosts = Hosts { prefix, n };
+        let st = Command::new(script())
+            .args(["up", &hosts.prefix, &n.to_string()])
+            .status()
+            .expect("run netns.sh");
+        assert!(st.success(), "netns.sh up failed");
+        Some(hosts)
+    }
+
+    fn addr(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    fn run(&self, args: &[&str]) {
+        let st = Command::new(script())
+            .arg(args[0])
+            .arg(&self.prefix)
+            .args(&args[1..])
+            .status()
+            .expect("run netns.sh");
+        assert!(st.success(), "netns.sh {args:?} failed");
+    }
+
+    /// Starts rank `rank` of `job` on host `host`.
+    fn spawn(&self, host: usize, rank: usize, job: &Job) -> Child {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = Command::new(script());
+        cmd.args(["exec", &self.prefix, &host.to_string()])
+            .arg(exe)
+            .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+            .env("COMM_TEST_SCENARIO", job.scenario)
+            .env("COMM_TEST_RANK", rank.to_string())
+            .env("COMM_TEST_NRANKS", job.nranks.to_string())
+            .env("COMM_TEST_ID", "00".repeat(NCCL_UNIQUE_ID_BYTES))
+            .env("COMM_TEST_ARG", job.arg)
+            .env("COMM_TEST_HOST", host.to_string())
+            .env("NCCL_COMM_ID", format!("{}:{}", self.addr(0), job.port))
+            .env("COMM_SECRET", format!("{}-{}", self.prefix, job.port))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in job.env {
+            cmd.env(k, v);
+        }
+        cmd.spawn().expect("spawn a rank in a namespace")
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = Command::new(script()).args(["down", &self.prefix]).status();
+        let _ = self.n;
+    }
+}
+
+/// Runs `per_host[h]` ranks on each host h (ranks numbered host by host) and waits for all,
+/// killing everything after `timeout`. `during` runs once the ranks are started.
+fn launch_on(
+    hosts: &Hosts,
+    per_host: &[usize],
+    scenario: &str,
+    arg: &str,
+    env: &[(&str, &str)],
+    timeout: Duration,
+    during: impl FnOnce(),
+) -> Vec<RankResult> {
+    let nranks: usize = per_host.iter().sum();
+    let port =
+        20000 + (std::process::id() % 20000) as u16 + NEXT.fetch_add(1, Ordering::SeqCst) as u16;
+    let job = Job {
+        nranks,
+        scenario,
+        arg,
+        env,
+        port,
+    };
+    let mut children = Vec::new();
+    let mut rank = 0;
+    for (h, &k) in per_host.iter().enumerate() {
+        for _ in 0..k {
+            children.push((rank, hosts.spawn(h, rank, &job)));
+            rank += 1;
+        }
+    }
+    during();
+    let deadline = Instant::now() + timeout;
+    let mut status: Vec<Option<i32>> = vec![None; children.len()];
+    while status.iter().any(|s| s.is_none()) && Instant::now() < deadline {
+        for (i, (_, c)) in children.iter_mut().enumerate() {
+            if status[i].is_none() {
+                if let Some(s) = c.try_wait().unwrap() {
+                    status[i] = Some(s.code().unwrap_or(-1));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let timed_out = status.iter().any(|s| s.is_none());
+    for (_, c) in children.iter_mut() {
+        let _ = c.kill();
+    }
+    let results: Vec<RankResult> = children
+        .into_iter()
+        .zip(status)
+        .map(|((rank, c), status)| {
+            let out = c.wait_with_output().unwrap();
+            RankResult {
+                rank,
+                status,
+                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            }
+        })
+        .collect();
+    if timed_out {
+        for r in &results {
+            eprintln!(
+                "--- rank {} ({:?}):\n{}\n{}",
+                r.rank, r.status, r.stdout, r.stderr
+            );
+        }
+        panic!("{scenario} on {per_host:?} did not finish within {timeout:?}");
+    }
+    results
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rank side
+
+#[test]
+fn worker() {
+    let Some(w) = worker_env() else { return };
+    let run: fn(&Worker) -> Result<(), String> = match w.scenario.as_str() {
+        "matrix" => matrix,
+        "split" => split_by_host,
+        "host_dies" => host_dies,
+        "link_cut" => link_cut,
+        other => finish(Err(format!("unknown scenario {other}"))),
+    };
+    finish(run(&w));
+}
+
+/// The id every rank derives from NCCL_COMM_ID and COMM_SECRET.
+fn init(w: &Worker) -> Result<ncclComm_t, String> {
+    let id = unique_id();
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRank(&mut c, w.nranks as i32, id, w.rank as i32));
+    Ok(c)
+}
+
+fn host_of() -> usize {
+    std::env::var("COMM_TEST_HOST").unwrap().parse().unwrap()
+}
+
+/// Every collective, datatype and op at a few sizes, in and out of place.
+fn cases(ctx: &Ctx) -> Result<(), String> {
+    let n = ctx.n;
+    for coll in COLLS {
+        for &(dt, _, _) in DTYPES.iter() {
+            let ops: Vec<i32> = if reduces(coll) {
+                OPS.iter().map(|o| o.0).collect()
+            } else {
+                vec![SUM]
+            };
+            for &op in &ops {
+                for count in [0usize, 1, 7, 5 * n + 1] {
+                    for in_place in [false, true] {
+                        if coll == Coll::SendRecv && in_place {
+                            continue;
+                        }
+                        run_case(ctx, coll, dt, op, count, in_place)?;
+                    }
+                }
+            }
+        }
+    }
+    // One large case per collective, float sum.
+    for coll in COLLS {
+        run_case(ctx, coll, FLOAT, SUM, (1 << 20) + 3, false)?;
+    }
+    Ok(())
+}
+
+fn matrix(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let t = Instant::now();
+    cases(&Ctx {
+        comm: c,
+        rank: w.rank,
+        n: w.nranks,
+    })?;
+    println!(
+        "rank {} on host {}: every case passed in {:.1} s",
+        w.rank,
+        host_of(),
+        t.elapsed().as_secs_f64()
+    );
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+/// Communicators inside one host (color = host) and across hosts (color = index on the host).
+fn split_by_host(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let per_host: usize = w.arg.parse().unwrap();
+    let host = host_of();
+    for color in [host, w.rank % per_host] {
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        nccl!(ncclCommSplit(
+            c,
+            color as i32,
+            w.rank as i32,
+            &mut child,
+            std::ptr::null_mut()
+        ));
+        let (mut n, mut r) = (0, 0);
+        nccl!(ncclCommCount(child, &mut n));
+        nccl!(ncclCommUserRank(child, &mut r));
+        let ctx = Ctx {
+            comm: child,
+            rank: r as usize,
+            n: n as usize,
+        };
+        for coll in COLLS {
+            run_case(&ctx, coll, FLOAT, SUM, 1001, false)?;
+            run_case(
+                &ctx,
+                coll,
+                2, /* int32 */
+                2, /* max */
+                77,
+                coll != Coll::SendRecv,
+            )?;
+        }
+        nccl!(ncclCommDestroy(child));
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn all_reduce_loop(c: ncclComm_t, buf: &mut [f32], limit: Duration) -> (ncclResult_t, String) {
+    let started = Instant::now();
+    loop {
+        let p = buf.as_mut_ptr() as *mut c_void;
+        let r = unsafe { ncclAllReduce(p, p, buf.len(), FLOAT, SUM, c, S) };
+        if r != OK {
+            return (r, last_error());
+        }
+        if started.elapsed() > limit {
+            return (OK, String::new());
+        }
+    }
+}
+
+/// arg: `file|lost host`. Every rank all-reduces 16 MiB in a loop; the ranks of the lost host
+/// kill themselves 200 ms in. Survivors must fail with ncclRemoteError naming a lost rank.
+fn host_dies(w: &Worker) -> Result<(), String> {
+    let f: Vec<&str> = w.arg.split('|').collect();
+    let (file, lost_host): (&str, usize) = (f[0], f[1].parse().unwrap());
+    let lost_ranks: Vec<usize> = f[2].split(',').map(|r| r.parse().unwrap()).collect();
+    let c = init(w)?;
+    let mut buf = vec![1f32; 4 << 20];
+    if host_of() == lost_host {
+        let file = file.to_string();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            let _ = std::fs::write(&file, now_ns().to_string());
+            unsafe { libc::raise(libc::SIGKILL) };
+        });
+        all_reduce_loop(c, &mut buf, Duration::from_secs(60));
+        return Err("the victim outlived its own kill".into());
+    }
+    let (r, msg) = all_reduce_loop(c, &mut buf, Duration::from_secs(30));
+    let since = std::fs::read_to_string(file)
+        .ok()
+        .and_then(|t| t.trim().parse::<u128>().ok())
+        .map(|t| Duration::from_nanos(now_ns().saturating_sub(t) as u64));
+    println!(
+        "rank {}: {r:?} {since:?} after the host died: {msg}",
+        w.rank
+    );
+    if r != ncclResult_t::ncclRemoteError {
+        return Err(format!("returned {r:?}: {msg}"));
+    }
+    if !lost_ranks
+        .iter()
+        .any(|l| msg.contains(&format!("rank {l}")))
+    {
+        return Err(format!(
+            "the error names none of the lost ranks {lost_ranks:?}: {msg}"
+        ));
+    }
+    match since {
+        Some(t) if t < Duration::from_secs(5) => Ok(()),
+        other => Err(format!("returned {other:?} after the host died")),
+    }
+}
+
+/// arg: `file`. All-reduces in a loop while the test cuts host 1's link (it writes `file`
+/// when it does). With COMM_TIMEOUT=2, every rank must fail within a bound, never hang.
+fn link_cut(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let mut buf = vec![1f32; 1 << 18];
+    let (r, msg) = all_reduce_loop(c, &mut buf, Duration::from_secs(40));
+    let since = std::fs::metadata(&w.arg)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok());
+    println!("rank {}: {r:?} {since:?} after the cut: {msg}", w.rank);
+    if r == OK {
+        return Err("still succeeding 40 s after the link was cut".into());
+    }
+    if !matches!(r, ncclResult_t::ncclTimeout | ncclResult_t::ncclRemoteError) {
+        return Err(format!("returned {r:?}: {msg}"));
+    }
+    match since {
+        Some(t) if t < Duration::from_secs(8) => Ok(()),
+        other => Err(format!("returned {other:?} after the cut: {msg}")),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+fn matrix_on(per_host: &[usize]) {
+    let Some(hosts) = Hosts::up(per_host.len()) else {
+        return;
+    };
+    let r = launch_on(
+        &hosts,
+        per_host,
+        "matrix",
+        "",
+        &[],
+        Duration::from_secs(600),
+        || {},
+    );
+    assert_all_ok(&r, &format!("matrix on hosts {per_host:?}"));
+}
+
+#[test]
+fn matrix_2_hosts_1_rank_each() {
+    matrix_on(&[1, 1]);
+}
+
+#[test]
+fn matrix_2_hosts_2_ranks_each() {
+    matrix_on(&[2, 2]);
+}
+
+#[test]
+fn matrix_3_hosts_1_rank_each() {
+    matrix_on(&[1, 1, 1]);
+}
+
+#[test]
+fn matrix_2_hosts_3_ranks_each() {
+    matrix_on(&[3, 3]);
+}
+
+#[test]
+fn split_inside_and_across_hosts() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let r = launch_on(
+        &hosts,
+        &[2, 2],
+        "split",
+        "2",
+        &[],
+        Duration::from_secs(300),
+        || {},
+    );
+    assert_all_ok(&r, "split by host");
+}
+
+#[test]
+fn a_dead_host_fails_the_survivors() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    let file = std::env::temp_dir().join(format!("comm-host-dies-{}", hosts.prefix));
+    let arg = format!("{}|1|2,3", file.display());
+    let r = launch_on(
+        &hosts,
+        &[2, 2, 2],
+        "host_dies",
+        &arg,
+        &[],
+        Duration::from_secs(120),
+        || {},
+    );
+    let _ = std::fs::remove_file(&file);
+    let survivors: Vec<RankResult> = r
+        .into_iter()
+        .filter(|r| r.rank != 2 && r.rank != 3)
+        .collect();
+    for s in &survivors {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(&survivors, "survivors of a dead host");
+}
+
+#[test]
+fn a_cut_link_gives_an_error_not_a_hang() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let file = std::env::temp_dir().join(format!("comm-link-cut-{}", hosts.prefix));
+    let arg = file.display().to_string();
+    let r = launch_on(
+        &hosts,
+        &[1, 1],
+        "link_cut",
+        &arg,
+        &[("COMM_TIMEOUT", "2")],
+        Duration::from_secs(120),
+        || {
+            std::thread::sleep(Duration::from_secs(3));
+            hosts.run(&["link", "1", "down"]);
+            std::fs::write(&file, b"cut").unwrap();
+        },
+    );
+    let _ = std::fs::remove_file(&file);
+    for s in &r {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(&r, "cut link");
+}
