@@ -7,6 +7,8 @@
 //! All calls are non-blocking: they move as much as they can and report how far they got, so one
 //! thread can progress many channels (and many communicators) at once without deadlock.
 
+#[cfg(test)]
+mod conformance;
 pub mod loopback;
 pub mod net;
 pub mod os;
@@ -43,9 +45,20 @@ pub fn establish(
     comm_tag: u64,
     deadline: Option<Instant>,
 ) -> Result<Links> {
+    let shm_on = crate::env::flag("SHM_DISABLE") != Some(true);
+    establish_with(boot, placements, comm_tag, deadline, shm_on)
+}
+
+/// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says.
+pub(crate) fn establish_with(
+    boot: &Bootstrap,
+    placements: &[Placement],
+    comm_tag: u64,
+    deadline: Option<Instant>,
+    shm_on: bool,
+) -> Result<Links> {
     let me = boot.rank();
     let n = placements.len();
-    let shm_on = crate::env::flag("SHM_DISABLE") != Some(true);
     let local = |p: Path| matches!(p, Path::SameHost | Path::SameProcess);
     let path = |a: usize, b: usize| placements[a].path_to(&placements[b], a == b);
     let by_shm = |p: Path| shm_on && local(p);

@@ -1,0 +1,276 @@
+//! The conformance suite every `Link` passes: message order and lengths, tags, both kinds of
+//! sink, zero-byte messages, a peer that closes (destroyed, aborted with a lost rank). It runs
+//! against the shm and socket transports between two ranks that are threads of this process,
+//! and the parts that apply to a rank's channel to itself against loopback.
+
+use super::{establish_with, Closing, InExpect, Link, Links, OutMsg, RecvCursor, SendCursor};
+use super::{SendState, Sink};
+use crate::bootstrap::{new_unique_id, Bootstrap};
+use crate::error::{ErrorKind, Result};
+use crate::reduce::Scale;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Shm,
+    Socket,
+}
+
+/// Two ranks' links to each other (and their bootstraps, kept alive with them).
+struct Pair {
+    _boots: Vec<Bootstrap>,
+    links: Vec<Links>,
+}
+
+impl Pair {
+    fn new(kind: Kind) -> Pair {
+        let id = new_unique_id().expect("unique id");
+        let t = Some(Duration::from_secs(30));
+        let made: Vec<(Bootstrap, Links)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let id = id.clone();
+                    s.spawn(move || {
+                        let boot = Bootstrap::init(&[id], r, 2, t).expect("bootstrap");
+                        let me = crate::topo::this_process();
+                        let placements = vec![me.clone(), me];
+                        let deadline = Some(Instant::now() + Duration::from_secs(30));
+                        let links = establish_with(
+                            &boot,
+                            &placements,
+                            0xc0ffee,
+                            deadline,
+                            kind == Kind::Shm,
+                        )
+                        .expect("links");
+                        (boot, links)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let (boots, links) = made.into_iter().unzip();
+        Pair {
+            _boots: boots,
+            links,
+        }
+    }
+
+    /// Rank `from`'s link to the other rank.
+    fn link(&self, from: usize) -> Arc<dyn Link> {
+        self.links[from].links[1 - from].clone()
+    }
+}
+
+/// A receive buffer; `direct` lets the link write into it, otherwise bytes come through `put`.
+struct TestSink {
+    buf: Vec<u8>,
+    direct: bool,
+    /// Every piece delivered: (offset, length).
+    pieces: Vec<(usize, usize)>,
+    scale: Option<Scale>,
+}
+
+impl TestSink {
+    fn new(len: usize, direct: bool) -> TestSink {
+        TestSink {
+            buf: vec![0; len],
+            direct,
+            pieces: Vec::new(),
+            scale: None,
+        }
+    }
+}
+
+impl Sink for TestSink {
+    fn direct(&mut self) -> Option<*mut u8> {
+        self.direct.then_some(self.buf.as_mut_ptr())
+    }
+
+    fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()> {
+        self.buf[offset..offset + data.len()].copy_from_slice(data);
+        self.pieces.push((offset, data.len()));
+        self.scale = scale;
+        Ok(())
+    }
+
+    fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {
+        self.pieces.push((offset, len));
+        self.scale = scale;
+        Ok(())
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Sends `msgs` (payload, tag) on `tx` while `rx` receives them expecting `expect`, both driven
+/// from this thread as the executor would. Returns each received message's sink.
+fn transfer(
+    tx: &dyn Link,
+    rx: &dyn Link,
+    msgs: &[(Vec<u8>, u64)],
+    expect: &[(usize, u64)],
+    direct: bool,
+) -> Result<Vec<TestSink>> {
+    let mut sends: Vec<SendCursor> = vec![SendCursor::default(); msgs.len()];
+    let mut done_send = vec![false; msgs.len()];
+    let mut next_send = 0;
+    let mut got: Vec<TestSink> = Vec::new();
+    let mut cur = RecvCursor::default();
+    let mut sink = expect.first().map(|e| TestSink::new(e.0, direct));
+    let started = Instant::now();
+    while got.len() < expect.len() || done_send.iter().any(|d| !d) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "transfer stalled: {} of {} received, sends done {:?}, expecting {:?}",
+            got.len(),
+            expect.len(),
+            done_send,
+            expect
+        );
+        // Sends start in order; a posted one is polled until its buffer is free.
+        for i in 0..msgs.len() {
+            if done_send[i] || i > next_send {
+                continue;
+            }
+            let (data, tag) = &msgs[i];
+            let m = OutMsg {
+                src: data.as_ptr(),
+                len: data.len(),
+                scale: None,
+                tag: *tag,
+            };
+            match tx.send(&m, &mut sends[i])?.state {
+                SendState::Pending => break,
+                SendState::Posted => next_send = next_send.max(i + 1),
+                SendState::Complete => {
+                    done_send[i] = true;
+                    next_send = next_send.max(i + 1);
+                }
+            }
+        }
+        if let Some(s) = sink.as_mut() {
+            let (len, tag) = expect[got.len()];
+            let p = rx.recv(&InExpect { len, tag }, &mut cur, s)?;
+            if p.state {
+                got.push(sink.take().unwrap());
+                cur = RecvCursor::default();
+                sink = expect.get(got.len()).map(|e| TestSink::new(e.0, direct));
+            } else if !p.moved {
+                // As the executor does when a channel is idle: is the peer still there?
+                rx.check_peer()?;
+            }
+        }
+    }
+    Ok(got)
+}
+
+const LENGTHS: [usize; 7] = [0, 1, 7, 4096, 0, 300_001, (1 << 20) + 12];
+
+fn messages(seed: u8) -> Vec<(Vec<u8>, u64)> {
+    LENGTHS
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (pattern(l, seed + i as u8), 0x0200_0000_0000_0100 + i as u64))
+        .collect()
+}
+
+fn order_and_lengths(tx: &dyn Link, rx: &dyn Link, direct: bool) {
+    let msgs = messages(if direct { 3 } else { 5 });
+    let expect: Vec<(usize, u64)> = msgs.iter().map(|(d, t)| (d.len(), *t)).collect();
+    let got = transfer(tx, rx, &msgs, &expect, direct).expect("transfer");
+    for (i, (sink, (data, _))) in got.iter().zip(&msgs).enumerate() {
+        assert_eq!(&sink.buf, data, "message {i} of {} bytes", data.len());
+        let covered: usize = sink.pieces.iter().map(|p| p.1).sum();
+        assert_eq!(covered, data.len(), "message {i}: pieces {:?}", sink.pieces);
+        // Pieces are whole chunks: every piece but the last a multiple of 8 bytes.
+        for &(off, len) in &sink.pieces {
+            assert_eq!(off % 8, 0, "message {i}: piece at {off}");
+            assert!(
+                len % 8 == 0 || off + len == data.len(),
+                "message {i}: piece {len}"
+            );
+        }
+    }
+}
+
+fn suite(kind: Kind) {
+    let pair = Pair::new(kind);
+    let (a, b) = (pair.link(0), pair.link(1));
+    // Both directions, both kinds of sink.
+    order_and_lengths(&*a, &*b, true);
+    order_and_lengths(&*b, &*a, false);
+    order_and_lengths(&*a, &*b, false);
+
+    // A receive that expects another tag or length is refused, naming both.
+    let msgs = vec![(pattern(64, 1), 0x0200_0000_0000_0042)];
+    let e = transfer(&*a, &*b, &msgs, &[(64, 0x0300_0000_0000_0042)], true)
+        .err()
+        .expect("a tag mismatch is an error");
+    assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
+    assert!(
+        e.msg.contains("AllReduce") && e.msg.contains("Broadcast"),
+        "{}",
+        e.msg
+    );
+}
+
+fn closing(kind: Kind) {
+    let pair = Pair::new(kind);
+    let (a, b) = (pair.link(0), pair.link(1));
+    // What was sent before the close still arrives; then the close is an error naming it.
+    let msgs = vec![(pattern(1000, 9), 0x0200_0000_0000_0007)];
+    let got = transfer(&*a, &*b, &msgs, &[(1000, 0x0200_0000_0000_0007)], true).unwrap();
+    assert_eq!(got[0].buf, msgs[0].0);
+    a.close(Closing::Destroyed, None);
+    let e = transfer(&*a, &*b, &[], &[(8, 0x0200_0000_0000_0008)], true)
+        .err()
+        .expect("a receive after the peer destroyed its end fails");
+    assert_eq!(e.kind, ErrorKind::Remote);
+    assert!(e.msg.contains("rank 0 destroyed"), "{}", e.msg);
+    assert_eq!(e.lost, Some(0));
+    assert!(b.check_peer().is_err());
+
+    let pair = Pair::new(kind);
+    let (a, b) = (pair.link(0), pair.link(1));
+    a.close(Closing::Aborted, Some(7));
+    let e = transfer(&*a, &*b, &[], &[(8, 0x0200_0000_0000_0008)], false)
+        .err()
+        .expect("a receive after the peer aborted fails");
+    assert!(
+        e.msg.contains("rank 0 aborted") && e.msg.contains("after it lost rank 7"),
+        "{}",
+        e.msg
+    );
+    assert_eq!(e.lost, Some(7));
+}
+
+#[test]
+fn shm_links_conform() {
+    suite(Kind::Shm);
+    closing(Kind::Shm);
+}
+
+#[test]
+fn socket_links_conform() {
+    suite(Kind::Socket);
+    closing(Kind::Socket);
+}
+
+#[test]
+fn loopback_links_conform() {
+    let l = super::loopback::Loopback::default();
+    for direct in [true, false] {
+        let msgs = messages(11);
+        let expect: Vec<(usize, u64)> = msgs.iter().map(|(d, t)| (d.len(), *t)).collect();
+        let got = transfer(&l, &l, &msgs, &expect, direct).expect("transfer");
+        for (sink, (data, _)) in got.iter().zip(&msgs) {
+            assert_eq!(&sink.buf, data);
+        }
+    }
+}
