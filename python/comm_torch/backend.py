@@ -17,7 +17,10 @@ How a pure-Python backend plugs into torch (read from torch's sources, not guess
   never called, so the creator returns a ``torch.distributed.ProcessGroup`` subclass instead,
   which torch uses as the process group itself (PyProcessGroup trampoline,
   torch/csrc/distributed/c10d/PyProcessGroup.hpp).
-* Each collective returns a ``torch.distributed.Work``; see ``_core.CommWork``.
+* Each collective returns a ``torch.distributed.Work``; see ``_core.CommWork``. torch wraps
+  what a Backend returns in a holder that hides most of it, so for a group that is comm on
+  every device the creator returns a ProcessGroup of its own, ``CommGroup``, with the backend
+  registered on it; torch then uses that as the group (see CommGroup).
 * torch 2.15 and later find a backend by name through the entry-point group
   ``torch.distributed.backends`` (``Backend._ensure_backend_registered``): the entry point
   must load a callable that takes no arguments and registers the backend. Ours is
