@@ -30,6 +30,7 @@ How a pure-Python backend plugs into torch (read from torch's sources, not guess
 import datetime
 import os
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -389,7 +390,9 @@ if _C10dBackend is not None:
     def _leaves_work(op):
         def issue(self, *args, **kwargs):
             work = op(self, *args, **kwargs)
-            _issued.work = (self, work)
+            # Weak: the holder keeps the work alive while the group call is on its way back,
+            # and nothing here should keep an operation's tensors alive after it.
+            _issued.work = (weakref.ref(self), weakref.ref(work)) if work is not None else None
             return work
 
         issue.__name__ = op.__name__
@@ -441,7 +444,11 @@ if _C10dBackend is not None:
         override and runs it, and the override's call to the base method comes back to
         PyProcessGroup, which pybind11's get_override answers with "no override" only because
         the Python frame calling it is a function of the same name whose first argument is this
-        group (pybind11/pybind11.h, get_type_override)."""
+        group (pybind11/pybind11.h, get_type_override). For three operations PyProcessGroup
+        also looks for an override under a deprecated name when the current one has none
+        (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced, alltoall_base);
+        overriding those as well would send the two overrides into each other, so they are
+        left to torch (whose own Python code calls the current names)."""
 
         def __init__(self, backend, registered, store, bound_device_id=None):
             _PG.__init__(self, store, backend.engine.rank, backend.engine.size)
@@ -460,10 +467,14 @@ if _C10dBackend is not None:
             return BACKEND_NAME
 
         def _own(self, made):
+            # Not cleared here: a call under another name (_allgather_base) reaches the backend
+            # through the override of the current name (all_gather_single), and both return
+            # the same work.
             issued = getattr(_issued, "work", None)
-            _issued.work = None
-            if issued is not None and issued[0] is self._comm_backend and issued[1] is not None:
-                return issued[1]
+            if issued is not None and issued[0]() is self._comm_backend:
+                work = issued[1]()
+                if work is not None:
+                    return work
             return made
 
         @staticmethod
@@ -506,10 +517,6 @@ if _C10dBackend is not None:
             self._clear()
             return self._own(_PG.all_gather_single_coalesced(self, *args, **kwargs))
 
-        def allgather_into_tensor_coalesced(self, *args, **kwargs):
-            self._clear()
-            return self._own(_PG.allgather_into_tensor_coalesced(self, *args, **kwargs))
-
         def gather(self, *args, **kwargs):
             self._clear()
             return self._own(_PG.gather(self, *args, **kwargs))
@@ -534,10 +541,6 @@ if _C10dBackend is not None:
             self._clear()
             return self._own(_PG.reduce_scatter_single_coalesced(self, *args, **kwargs))
 
-        def reduce_scatter_tensor_coalesced(self, *args, **kwargs):
-            self._clear()
-            return self._own(_PG.reduce_scatter_tensor_coalesced(self, *args, **kwargs))
-
         def alltoall(self, *args, **kwargs):
             self._clear()
             return self._own(_PG.alltoall(self, *args, **kwargs))
@@ -545,10 +548,6 @@ if _C10dBackend is not None:
         def all_to_all_single(self, *args, **kwargs):
             self._clear()
             return self._own(_PG.all_to_all_single(self, *args, **kwargs))
-
-        def alltoall_base(self, *args, **kwargs):
-            self._clear()
-            return self._own(_PG.alltoall_base(self, *args, **kwargs))
 
         def barrier(self, *args, **kwargs):
             self._clear()

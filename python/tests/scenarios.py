@@ -812,6 +812,15 @@ def work_handles(ctx):
             w.wait()
             assert w.is_completed()
         assert torch.equal(ops[1].tensor, torch.full((2,), float((me - 1) % n)))
+        # Under the old name, torch's ProcessGroup reaches the backend through the new one.
+        out = torch.zeros(2 * n)
+        w = comm._allgather_base(out, torch.full((2,), float(me)))
+        w.wait()
+        assert w.is_completed() and torch.equal(out, torch.arange(n).float().repeat_interleave(2))
+        with dist._coalescing_manager(group=comm, async_ops=True) as cm:
+            dist.all_reduce(torch.ones(2))
+            dist.all_reduce(torch.ones(3))
+        cm.wait()
 
     ctx.check("completion_after_wait", completion_after_wait)
 
