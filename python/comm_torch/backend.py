@@ -17,7 +17,10 @@ How a pure-Python backend plugs into torch (read from torch's sources, not guess
   never called, so the creator returns a ``torch.distributed.ProcessGroup`` subclass instead,
   which torch uses as the process group itself (PyProcessGroup trampoline,
   torch/csrc/distributed/c10d/PyProcessGroup.hpp).
-* Each collective returns a ``torch.distributed.Work``; see ``_core.CommWork``.
+* Each collective returns a ``torch.distributed.Work``; see ``_core.CommWork``. torch wraps
+  what a Backend returns in a holder that hides most of it, so for a group that is comm on
+  every device the creator returns a ProcessGroup of its own, ``CommGroup``, with the backend
+  registered on it; torch then uses that as the group (see CommGroup).
 * torch 2.15 and later find a backend by name through the entry-point group
   ``torch.distributed.backends`` (``Backend._ensure_backend_registered``): the entry point
   must load a callable that takes no arguments and registers the backend. Ours is
@@ -27,7 +30,9 @@ How a pure-Python backend plugs into torch (read from torch's sources, not guess
 import datetime
 import os
 import threading
+import weakref
 
+import torch
 import torch.distributed as dist
 
 from . import _lib
@@ -369,8 +374,250 @@ if _C10dBackend is not None:
     ):
         setattr(_NotAMember, _name, _NotAMember._refuse)
 
+    # -- the group torch hands to callers
+    #
+    # torch wraps every Work that a Python backend returns in PyProcessGroup::PyWorkHolder
+    # (WORK_OVERRIDE in torch/csrc/distributed/c10d/py/PyProcessGroup.hpp, used by PyBackend
+    # for each operation), and the holder forwards only wait() and get_future(): is_completed()
+    # stays false after wait() (it reads the holder's own flag) and _source_rank() throws. So
+    # the creator hands torch a ProcessGroup of its own, CommGroup below, which torch then uses
+    # as the group itself. Its operations run torch's ProcessGroup code as before (hooks, flight
+    # recorder, dispatcher, this backend) and then give the Python caller the CommWork that the
+    # backend made instead of the holder. A backend operation leaves its work here, for the
+    # group call on the same thread that is waiting for it.
+    _issued = threading.local()
+
+    def _leaves_work(op):
+        def issue(self, *args, **kwargs):
+            work = op(self, *args, **kwargs)
+            # Weak: the holder keeps the work alive while the group call is on its way back,
+            # and nothing here should keep an operation's tensors alive after it.
+            _issued.work = (weakref.ref(self), weakref.ref(work)) if work is not None else None
+            return work
+
+        issue.__name__ = op.__name__
+        issue.__doc__ = op.__doc__
+        return issue
+
+    _WORK_OPS = (
+        "allreduce",
+        "allreduce_coalesced",
+        "allreduce_sparse",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "all_gather_single",
+        "_allgather_base",
+        "allgather_coalesced",
+        "all_gather_single_coalesced",
+        "allgather_into_tensor_coalesced",
+        "gather",
+        "gather_single",
+        "scatter",
+        "reduce_scatter",
+        "reduce_scatter_single",
+        "_reduce_scatter_base",
+        "reduce_scatter_single_coalesced",
+        "reduce_scatter_tensor_coalesced",
+        "alltoall",
+        "all_to_all_single",
+        "alltoall_base",
+        "send",
+        "recv",
+        "recv_anysource",
+        "barrier",
+        "end_coalescing",
+    )
+    for _name in _WORK_OPS:
+        setattr(CommBackend, _name, _leaves_work(getattr(_Ops, _name)))
+
+    _PG = dist.ProcessGroup
+    _CUSTOM = _PG.BackendType.CUSTOM
+
+    class CommGroup(_PG):
+        """The process group of backend comm (see above for why torch gets one of ours).
+
+        Each operation below calls torch's own ProcessGroup method and returns the backend's
+        CommWork in place of the holder torch made around it. Every method is written out under
+        the name it overrides, because that is what keeps a C++ caller from looping: when C++
+        code (DDP's reducer, say) calls such an operation, PyProcessGroup finds the Python
+        override and runs it, and the override's call to the base method comes back to
+        PyProcessGroup, which pybind11's get_override answers with "no override" only because
+        the Python frame calling it is a function of the same name whose first argument is this
+        group (pybind11/pybind11.h, get_type_override). For three operations PyProcessGroup
+        also looks for an override under a deprecated name when the current one has none
+        (allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced, alltoall_base);
+        overriding those as well would send the two overrides into each other, so they are
+        left to torch (whose own Python code calls the current names)."""
+
+        def __init__(self, backend, registered, store, bound_device_id=None):
+            _PG.__init__(self, store, backend.engine.rank, backend.engine.size)
+            self._comm_backend = backend
+            self._set_default_backend(_CUSTOM)
+            for device in DEVICES:
+                self._register_backend(torch.device(device), _CUSTOM, registered)
+            if bound_device_id is not None:
+                self.bound_device_id = bound_device_id
+            # The backend lives until shutdown (_LIVE) and keeps its group alive that long: C++
+            # holds the group through a pointer that does not keep this Python object alive,
+            # and without it the overrides would vanish from under C++ callers.
+            backend._group = self
+
+        def getBackendName(self):
+            return BACKEND_NAME
+
+        def _own(self, made):
+            # Not cleared here: a call under another name (_allgather_base) reaches the backend
+            # through the override of the current name (all_gather_single), and both return
+            # the same work.
+            issued = getattr(_issued, "work", None)
+            if issued is not None and issued[0]() is self._comm_backend:
+                work = issued[1]()
+                if work is not None:
+                    return work
+            return made
+
+        @staticmethod
+        def _clear():
+            _issued.work = None
+
+        def allreduce(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.allreduce(self, *args, **kwargs))
+
+        def allreduce_coalesced(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.allreduce_coalesced(self, *args, **kwargs))
+
+        def broadcast(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.broadcast(self, *args, **kwargs))
+
+        def reduce(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.reduce(self, *args, **kwargs))
+
+        def allgather(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.allgather(self, *args, **kwargs))
+
+        def all_gather_single(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.all_gather_single(self, *args, **kwargs))
+
+        def _allgather_base(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG._allgather_base(self, *args, **kwargs))
+
+        def allgather_coalesced(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.allgather_coalesced(self, *args, **kwargs))
+
+        def all_gather_single_coalesced(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.all_gather_single_coalesced(self, *args, **kwargs))
+
+        def gather(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.gather(self, *args, **kwargs))
+
+        def scatter(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.scatter(self, *args, **kwargs))
+
+        def reduce_scatter(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.reduce_scatter(self, *args, **kwargs))
+
+        def reduce_scatter_single(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.reduce_scatter_single(self, *args, **kwargs))
+
+        def _reduce_scatter_base(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG._reduce_scatter_base(self, *args, **kwargs))
+
+        def reduce_scatter_single_coalesced(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.reduce_scatter_single_coalesced(self, *args, **kwargs))
+
+        def alltoall(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.alltoall(self, *args, **kwargs))
+
+        def all_to_all_single(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.all_to_all_single(self, *args, **kwargs))
+
+        def barrier(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.barrier(self, *args, **kwargs))
+
+        def send(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.send(self, *args, **kwargs))
+
+        def recv(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.recv(self, *args, **kwargs))
+
+        def recv_anysource(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG.recv_anysource(self, *args, **kwargs))
+
+        def _end_coalescing(self, *args, **kwargs):
+            self._clear()
+            return self._own(_PG._end_coalescing(self, *args, **kwargs))
+
+    # An operation this torch's ProcessGroup lacks is not overridden either.
+    for _name in list(vars(CommGroup)):
+        if not _name.startswith("__") and _name not in ("getBackendName", "_own", "_clear") and not hasattr(_PG, _name):
+            delattr(CommGroup, _name)
+
+    def _serves_whole_group(torch_group):
+        """Whether the group torch is building (the ProcessGroup it passes the creator) is on
+        backend comm for every device, so that a CommGroup may take its place. Not when comm
+        serves one device of a mixed group ("cpu:comm,cuda:nccl"): torch builds the others'
+        backends only for a group of its own."""
+        if torch_group is None:
+            return False
+        try:
+            # Backends are registered after the creator returns, one device at a time, and
+            # torch gives the group the default backend type of the device it prefers: CUSTOM
+            # (comm's) only when that device's backend is a plugin.
+            return not torch_group._device_types and torch_group._get_backend_name() == "custom"
+        except (AttributeError, RuntimeError):
+            return False
+
+    def _as_group(backend, opts, timeout):
+        """CommGroup around ``backend`` for the group ``opts`` describes, with what torch would
+        have done to the backend (ProcessGroupWrapper under TORCH_DISTRIBUTED_DEBUG=DETAIL)
+        and to its own group (the bound device) when given the backend itself."""
+        torch_group = opts.process_group
+        registered = backend
+        if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
+            from torch.distributed import distributed_c10d as c10d
+
+            wrap = getattr(c10d, "_create_process_group_wrapper", None)
+            if wrap is not None:
+                registered = wrap(
+                    wrapped_pg=backend,
+                    store_prefix=str(getattr(opts, "group_id", "") or ""),
+                    store=opts.store,
+                    rank=opts.group_rank,
+                    world_size=opts.group_size,
+                    timeout=timeout,
+                )
+        try:
+            store = torch_group.get_group_store()
+        except (AttributeError, RuntimeError):
+            store = opts.store
+        return CommGroup(backend, registered, store, getattr(torch_group, "bound_device_id", None))
+
+
 else:  # pragma: no cover
     CommBackend = None
+    CommGroup = None
 
 
 class CommProcessGroup(_Ops, dist.ProcessGroup):
@@ -424,6 +671,7 @@ def create_backend(*args, **kwargs):
     """The creator torch calls for each process group on backend "comm"."""
     split_from = None
     global_ranks = []
+    opts = None
     if len(args) == 2 or (len(args) == 1 and "backend_options" in kwargs):
         opts = args[0]
         store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
@@ -446,7 +694,10 @@ def create_backend(*args, **kwargs):
         engine = Engine.from_store(store, rank, size, name or "world", key=_group_key(name))
 
     if backend_trampoline_available():
-        return CommBackend(engine, timeout, name, global_ranks or list(range(size)), store)
+        backend = CommBackend(engine, timeout, name, global_ranks or list(range(size)), store)
+        if opts is not None and _serves_whole_group(getattr(opts, "process_group", None)):
+            return _as_group(backend, opts, timeout)
+        return backend
     return CommProcessGroup(engine, timeout, name, global_ranks, store)
 
 

@@ -773,6 +773,94 @@ def process_group_fallback(ctx):
     dist.destroy_process_group()
 
 
+def work_handles(ctx):
+    """What a caller of torch.distributed gets back: on a group that is comm on every device,
+    the backend's own work (is_completed() after wait(), the sender of a receive from any
+    source) and the name "comm"; on a mixed group, torch's own group, still working."""
+    import comm_torch.backend as cb
+
+    comm, _ = init_comm(ctx)
+    n, me = ctx.world, ctx.rank
+
+    def group_is_comms():
+        assert isinstance(comm, cb.CommGroup), type(comm)
+        assert comm.name() == "comm" and comm._get_backend_name() == "comm"
+        assert isinstance(comm._get_backend(torch.device("cpu")), cb.CommBackend)
+
+    ctx.check("group_is_comms", group_is_comms)
+
+    def completion_after_wait():
+        if me == 0:
+            works = [dist.isend(torch.full((5,), float(peer)), peer) for peer in range(1, n)]
+        else:
+            got = torch.zeros(5)
+            works = [dist.irecv(got, 0)]
+        for w in works:
+            w.wait()
+            assert w.is_completed() and w.is_success(), "wait() returned but the work is not completed"
+        if me != 0:
+            assert torch.equal(got, torch.full((5,), float(me)))
+        x = torch.ones(4)
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()
+        assert w.is_completed() and torch.equal(x, torch.full((4,), float(n)))
+        ops = [
+            dist.P2POp(dist.isend, torch.full((2,), float(me)), (me + 1) % n),
+            dist.P2POp(dist.irecv, torch.zeros(2), (me - 1) % n),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+            assert w.is_completed()
+        assert torch.equal(ops[1].tensor, torch.full((2,), float((me - 1) % n)))
+        # Under the old name, torch's ProcessGroup reaches the backend through the new one.
+        out = torch.zeros(2 * n)
+        w = comm._allgather_base(out, torch.full((2,), float(me)))
+        w.wait()
+        assert w.is_completed() and torch.equal(out, torch.arange(n).float().repeat_interleave(2))
+        with dist._coalescing_manager(group=comm, async_ops=True) as cm:
+            dist.all_reduce(torch.ones(2))
+            dist.all_reduce(torch.ones(3))
+        cm.wait()
+
+    ctx.check("completion_after_wait", completion_after_wait)
+
+    def any_source_names_sender():
+        if me == 0:
+            senders = set()
+            for _ in range(1, n):
+                t = torch.full((3,), -1.0)
+                src = dist.recv(t)  # from any source: torch asks the work for _source_rank()
+                assert torch.equal(t, torch.full((3,), float(src))), (src, t)
+                senders.add(src)
+            assert senders == set(range(1, n)), senders
+        else:
+            dist.send(torch.full((3,), float(me)), 0)
+        dist.barrier()
+
+    ctx.check("any_source_names_sender", any_source_names_sender)
+
+    def ddp_logs_comm():
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(torch.nn.Linear(4, 2))
+        model(torch.randn(3, 4)).sum().backward()
+        assert model._get_ddp_logging_data().get("backend_name") == "comm"
+
+    ctx.check("ddp_logs_comm", ddp_logs_comm)
+
+    def mixed_group_is_torchs():
+        # comm for cpu only: torch must build the other device's backend on its own group.
+        mixed = dist.new_group(backend="cpu:comm,cuda:gloo")
+        assert not isinstance(mixed, cb.CommGroup), type(mixed)
+        assert isinstance(mixed._get_backend(torch.device("cpu")), cb.CommBackend)
+        x = torch.ones(2)
+        dist.all_reduce(x, group=mixed)
+        assert torch.equal(x, torch.full((2,), float(n)))
+
+    ctx.check("mixed_group_is_torchs", mixed_group_is_torchs)
+    dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------
 # torchcomms, through a fake of its registration and factory (tests/fake_torchcomms).
 

@@ -63,3 +63,25 @@ def test_process_group_fallback():
     results = launcher.run("process_group_fallback", 2, timeout=120, env={"COMM_TORCH_PROCESS_GROUP": "1"})
     for name in ("is_fallback", "collectives", "ddp"):
         assert not launcher.failed_checks(results, name), "\n".join(launcher.failed_checks(results, name))
+
+
+def test_work_handles_and_group_name():
+    # torch's trampoline turns every Work a Python backend returns into a holder that loses
+    # is_completed() and _source_rank(); CommGroup gives callers the backend's own work.
+    if not _trampoline():
+        pytest.skip("this torch has no PyBackend trampoline: the group is CommProcessGroup already")
+    results = launcher.run("work_handles", 3, timeout=120)
+    for check in (
+        "group_is_comms",
+        "completion_after_wait",
+        "any_source_names_sender",
+        "ddp_logs_comm",
+        "mixed_group_is_torchs",
+    ):
+        assert not launcher.failed_checks(results, check), "\n".join(launcher.failed_checks(results, check))
+
+
+def _trampoline():
+    import comm_torch.backend
+
+    return comm_torch.backend.backend_trampoline_available()

@@ -8,33 +8,16 @@ known limits below (each with the torch source that keeps it from passing).
 import json
 import sys
 
-_HOLDER = (
-    "torch/csrc/distributed/c10d/py/PyProcessGroup.hpp (torch 2.15): WORK_OVERRIDE, which "
-    "PyBackend uses for every operation a Python backend implements, wraps the Work that Python "
-    "returns in PyProcessGroup::PyWorkHolder, and PyWorkHolder forwards only wait() and "
-    "getFuture(). "
-)
-KNOWN_LIMITS = {
-    # isend/irecv: the tests assert work.is_completed() after wait().
-    "test_isend": _HOLDER
-    + "is_completed() on it is Work::isCompleted() (Work.hpp), which reads the holder's own "
-    "completed_, set only by the protected Work::finish() that nothing calls for a holder.",
-    "test_isend_autograd_profiler": "as test_isend",
-    "test_isend_torch_profiler": "as test_isend",
-    "test_irecv": "as test_isend",
-    # recv from any source: the tests call work._source_rank() (dist.recv does too).
-    "test_send_recv_any_source": _HOLDER
-    + "PyBackend::recvAnysource wraps the same way, and _source_rank() on the holder is "
-    "Work::sourceRank(), which throws ('sourceRank() may only be called on work objects that "
-    "correspond to a recv or recv-from-any call').",
-    "test_send_recv_any_source_autograd_profiler": "as test_send_recv_any_source",
-    "test_send_recv_any_source_torch_profiler": "as test_send_recv_any_source",
-    # DDP logging: backend_name comes from the C++ ProcessGroup.
-    "test_ddp_logging_data_cpu": "DDP's logger reads reducer_->process_group_->getBackendName(); "
-    "for the ProcessGroup torch builds around a registered backend that is "
-    "ProcessGroup::getBackendName() (ProcessGroup.hpp), backendTypeToString(backendType_), and "
-    "distributed_c10d.py gives every plugin BackendType.CUSTOM, whose string is 'custom'.",
-}
+# Each entry: a test that passes on gloo but cannot pass on comm, with the torch source that
+# keeps it from passing. None at present. Three causes were listed here before and are fixed
+# in comm_torch (backend.CommGroup): is_completed() after wait() (test_isend, test_irecv and the
+# profiler variants), work._source_rank() of a receive from any source
+# (test_send_recv_any_source*), and the backend name in DDP's logging data
+# (test_ddp_logging_data_cpu). torch wrapped every Work a Python backend returned in
+# PyProcessGroup::PyWorkHolder (torch/csrc/distributed/c10d/py/PyProcessGroup.hpp), which
+# forwards only wait() and getFuture(), and named every plugin backend's group "custom"
+# (ProcessGroup::getBackendName, ProcessGroup.hpp); a group of comm's own avoids both.
+KNOWN_LIMITS = {}
 
 
 def load(path):
