@@ -12,39 +12,6 @@ use common::values::*;
 use common::*;
 use std::time::Duration;
 
-/// The whole matrix on one communicator. `level` "full" adds 1 MiB + 3 elements (sum and the
-/// non-reducing collectives, every datatype).
-fn matrix(ctx: &Ctx, level: &str) -> Result<(), String> {
-    let n = ctx.n;
-    let mut sizes = vec![0usize, 1, 7, 5 * n + 1];
-    if level == "full" {
-        sizes.push((1 << 20) + 3);
-    }
-    for coll in COLLS {
-        for &(dt, _, _) in DTYPES.iter() {
-            let ops: Vec<i32> = if reduces(coll) {
-                OPS.iter().map(|o| o.0).collect()
-            } else {
-                vec![SUM]
-            };
-            for &op in &ops {
-                for &count in &sizes {
-                    if count > 1000 && op != SUM {
-                        continue;
-                    }
-                    for in_place in [false, true] {
-                        if coll == Coll::SendRecv && in_place {
-                            continue;
-                        }
-                        run_case(ctx, coll, dt, op, count, in_place)?;
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Large float sums: 64 MiB all-reduce / reduce-scatter / all-gather / broadcast.
 fn large(ctx: &Ctx) -> Result<(), String> {
     let count = (64 << 20) / 4;
@@ -58,7 +25,7 @@ fn large(ctx: &Ctx) -> Result<(), String> {
 fn scenario(comm: ncclComm_t, rank: usize, n: usize, name: &str, arg: &str) -> Result<(), String> {
     let ctx = Ctx { comm, rank, n };
     match name {
-        "matrix" => matrix(&ctx, arg),
+        "matrix" => matrix(&ctx, arg == "full"),
         "large" => large(&ctx),
         other => Err(format!("unknown scenario {other}")),
     }

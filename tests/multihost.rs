@@ -12,7 +12,6 @@ use comm::ffi::types::*;
 use comm::ffi::*;
 use common::cases::*;
 use common::run::*;
-use common::values::*;
 use common::*;
 use std::os::raw::c_void;
 use std::path::PathBuf;
@@ -146,45 +145,11 @@ fn launch_on(
         }
     }
     during();
-    let deadline = Instant::now() + timeout;
-    let mut status: Vec<Option<i32>> = vec![None; children.len()];
-    while status.iter().any(|s| s.is_none()) && Instant::now() < deadline {
-        for (i, (_, c)) in children.iter_mut().enumerate() {
-            if status[i].is_none() {
-                if let Some(s) = c.try_wait().unwrap() {
-                    status[i] = Some(s.code().unwrap_or(-1));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let timed_out = status.iter().any(|s| s.is_none());
-    for (_, c) in children.iter_mut() {
-        let _ = c.kill();
-    }
-    let results: Vec<RankResult> = children
-        .into_iter()
-        .zip(status)
-        .map(|((rank, c), status)| {
-            let out = c.wait_with_output().unwrap();
-            RankResult {
-                rank,
-                status,
-                stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-            }
-        })
-        .collect();
-    if timed_out {
-        for r in &results {
-            eprintln!(
-                "--- rank {} ({:?}):\n{}\n{}",
-                r.rank, r.status, r.stdout, r.stderr
-            );
-        }
-        panic!("{scenario} on {per_host:?} did not finish within {timeout:?}");
-    }
-    results
+    collect(
+        children,
+        timeout,
+        &format!("{scenario} on hosts {per_host:?}"),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -215,43 +180,22 @@ fn host_of() -> usize {
     std::env::var("COMM_TEST_HOST").unwrap().parse().unwrap()
 }
 
-/// Every collective, datatype and op at a few sizes, in and out of place.
-fn cases(ctx: &Ctx) -> Result<(), String> {
-    let n = ctx.n;
-    for coll in COLLS {
-        for &(dt, _, _) in DTYPES.iter() {
-            let ops: Vec<i32> = if reduces(coll) {
-                OPS.iter().map(|o| o.0).collect()
-            } else {
-                vec![SUM]
-            };
-            for &op in &ops {
-                for count in [0usize, 1, 7, 5 * n + 1] {
-                    for in_place in [false, true] {
-                        if coll == Coll::SendRecv && in_place {
-                            continue;
-                        }
-                        run_case(ctx, coll, dt, op, count, in_place)?;
-                    }
-                }
-            }
-        }
-    }
-    // One large case per collective, float sum.
-    for coll in COLLS {
-        run_case(ctx, coll, FLOAT, SUM, (1 << 20) + 3, false)?;
-    }
-    Ok(())
-}
-
 fn matrix(w: &Worker) -> Result<(), String> {
     let c = init(w)?;
     let t = Instant::now();
-    cases(&Ctx {
+    let ctx = Ctx {
         comm: c,
         rank: w.rank,
         n: w.nranks,
-    })?;
+    };
+    common::run::matrix(&ctx, false)?;
+    // One large case per collective, float sum, in and out of place.
+    for coll in COLLS {
+        run_case(&ctx, coll, FLOAT, SUM, (1 << 20) + 3, false)?;
+        if coll != Coll::SendRecv {
+            run_case(&ctx, coll, FLOAT, SUM, (1 << 20) + 3, true)?;
+        }
+    }
     println!(
         "rank {} on host {}: every case passed in {:.1} s",
         w.rank,

@@ -144,7 +144,7 @@ pub fn launch_ranks(
 ) -> Vec<RankResult> {
     let id = unique_id();
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<(usize, Child)> = ranks
+    let children: Vec<(usize, Child)> = ranks
         .iter()
         .map(|&rank| {
             let mut cmd = Command::new(&exe);
@@ -162,6 +162,20 @@ pub fn launch_ranks(
             (rank, cmd.spawn().expect("spawn rank process"))
         })
         .collect();
+    collect(
+        children,
+        timeout,
+        &format!("{scenario} with {nranks} ranks"),
+    )
+}
+
+/// Waits for rank processes (rank, child), killing them all after `timeout`; panics with
+/// every rank's output when they did not finish in time.
+pub fn collect(
+    mut children: Vec<(usize, Child)>,
+    timeout: Duration,
+    what: &str,
+) -> Vec<RankResult> {
     let deadline = Instant::now() + timeout;
     let mut statuses: Vec<Option<i32>> = vec![None; children.len()];
     let mut timed_out = false;
@@ -211,7 +225,7 @@ pub fn launch_ranks(
                 r.rank, r.status, r.stdout, r.stderr
             );
         }
-        panic!("{scenario} with {nranks} ranks did not finish within {timeout:?}");
+        panic!("{what} did not finish within {timeout:?}");
     }
     results
 }

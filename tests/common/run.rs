@@ -173,3 +173,37 @@ pub fn run_case(
     };
     verify(coll, dt, op, rank, n, count, &what, out)
 }
+
+/// Every collective x datatype x op, in place and out of place, at sizes 0, 1, 7 and one not
+/// divisible by the rank count; with `large`, also 1 MiB + 3 elements (sums, and every
+/// datatype of the collectives that do not reduce).
+pub fn matrix(ctx: &Ctx, large: bool) -> Result<(), String> {
+    let n = ctx.n;
+    let mut sizes = vec![0usize, 1, 7, 5 * n + 1];
+    if large {
+        sizes.push((1 << 20) + 3);
+    }
+    for coll in COLLS {
+        for &(dt, _, _) in DTYPES.iter() {
+            let ops: Vec<i32> = if reduces(coll) {
+                OPS.iter().map(|o| o.0).collect()
+            } else {
+                vec![0]
+            };
+            for &op in &ops {
+                for &count in &sizes {
+                    if count > 1000 && op != 0 {
+                        continue;
+                    }
+                    for in_place in [false, true] {
+                        if coll == Coll::SendRecv && in_place {
+                            continue;
+                        }
+                        run_case(ctx, coll, dt, op, count, in_place)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
