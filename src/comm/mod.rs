@@ -275,8 +275,13 @@ impl Comm {
         drop(slot);
         // A failed communicator can only be destroyed: tell the peers now, and which rank
         // was lost, so that ranks waiting on this one fail at once and name the cause.
+        let how = if e.kind == ErrorKind::Timeout {
+            Closing::TimedOut
+        } else {
+            Closing::Failed
+        };
         for l in &self.wiring.links {
-            l.close(Closing::Failed, e.lost);
+            l.close(how, e.lost);
         }
     }
 

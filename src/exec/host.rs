@@ -859,7 +859,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                 }
             }
             for e in execs.iter() {
-                let (_, what) = e.blocked_on();
+                let (waited_for, what) = e.blocked_on();
                 if !warned && idle >= e.wiring.warn_after {
                     crate::warn!(
                         "rank {} has made no progress for {:.0} s, waiting for {what}",
@@ -870,7 +870,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                 }
                 if let Some(t) = e.wiring.timeout {
                     if idle >= t {
-                        return Err(Error::new(
+                        let mut err = Error::new(
                             ErrorKind::Timeout,
                             format!(
                                 "rank {} timed out after {:.1} s without progress ({:.1} s into the operation), waiting for {what}",
@@ -878,7 +878,10 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                                 idle.as_secs_f64(),
                                 (now - started).as_secs_f64()
                             ),
-                        ));
+                        );
+                        // The rank waited for is the suspect its peers will be told about.
+                        err.lost = waited_for.first().copied();
+                        return Err(err);
                     }
                 }
             }

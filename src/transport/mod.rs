@@ -225,8 +225,10 @@ pub trait Link: Send + Sync {
 pub enum Closing {
     Destroyed = 1,
     Aborted = 2,
-    /// The communicator failed (a lost peer, a timeout): it can only be destroyed now.
+    /// The communicator failed (a lost peer, ranks that disagree): it can only be destroyed.
     Failed = 3,
+    /// The communicator timed out waiting (for the rank given as lost): it failed too.
+    TimedOut = 4,
 }
 
 impl Closing {
@@ -235,6 +237,7 @@ impl Closing {
             1 => Some(Closing::Destroyed),
             2 => Some(Closing::Aborted),
             3 => Some(Closing::Failed),
+            4 => Some(Closing::TimedOut),
             _ => None,
         }
     }
@@ -250,6 +253,18 @@ impl Closing {
             ),
             Closing::Aborted => format!("rank {rank} aborted its communicator{after}"),
             Closing::Failed => format!("rank {rank} failed{after}"),
+            Closing::TimedOut => match lost {
+                Some(l) => format!("rank {rank} timed out waiting for rank {l}"),
+                None => format!("rank {rank} timed out"),
+            },
+        }
+    }
+
+    /// The kind of error a peer reports when this end closed this way.
+    pub fn kind(self) -> crate::error::ErrorKind {
+        match self {
+            Closing::TimedOut => crate::error::ErrorKind::Timeout,
+            _ => crate::error::ErrorKind::Remote,
         }
     }
 }

@@ -632,7 +632,9 @@ impl Link for ShmPeer {
         let closed = Closing::from_code(self.remote.closed().load(Ordering::SeqCst));
         if let Some(how) = closed {
             let msg = how.describe(self.peer, first);
-            return Err(self.lost(first.unwrap_or(self.peer), msg));
+            let mut e = self.lost(first.unwrap_or(self.peer), msg);
+            e.kind = how.kind();
+            return Err(e);
         }
         if self.watch.as_ref().is_some_and(|w| !w.alive()) {
             let msg = format!("rank {} exited (its process is gone)", self.peer);

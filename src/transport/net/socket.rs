@@ -211,7 +211,8 @@ impl SocketLink {
 
     fn gone_error(&self) -> Option<Error> {
         let state = self.state.load(Ordering::SeqCst);
-        let msg = match Closing::from_code(state) {
+        let how = Closing::from_code(state);
+        let msg = match how {
             Some(how) => {
                 let lost = (self.first_lost() != self.peer).then(|| self.first_lost());
                 how.describe(self.peer, lost)
@@ -222,7 +223,11 @@ impl SocketLink {
             ),
             None => return None,
         };
-        Some(Error::lost_peer(self.first_lost(), msg))
+        let mut e = Error::lost_peer(self.first_lost(), msg);
+        if let Some(how) = how {
+            e.kind = how.kind();
+        }
+        Some(e)
     }
 
     /// Reads the rest of the next header. Ok(None) while it is incomplete.
