@@ -1,5 +1,8 @@
-//! Transports move messages between two ranks. One trait, several implementations: `shm` for
-//! ranks on one host (processes or threads), later `p2p` for device memory and `net` between hosts.
+//! Transports move messages between two ranks. Each peer is reached through one `Link`, made by
+//! the first transport that reaches it (`establish`): `loopback` for a rank's channel to itself,
+//! `shm` for ranks on one host (processes or threads), `net` (TCP) between hosts. Device buffers
+//! travel as stream programs over `p2p`'s CUDA IPC mappings instead. The executor sleeps on a
+//! `Doorbell` that links ring.
 //!
 //! A message is an ordered byte string on a directed channel (this rank -> peer). The k-th message
 //! sent on a channel is the k-th message received on it; both sides know its length in advance,
