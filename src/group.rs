@@ -16,6 +16,13 @@ pub struct InitJob {
     pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
+impl InitJob {
+    /// Runs the initialisation where ncclCommAbort on its handle can stop it.
+    pub fn execute(self) -> Result<Comm> {
+        crate::bootstrap::abortable(&self.entry.abort, self.run)
+    }
+}
+
 #[derive(Default)]
 struct Group {
     depth: u32,
@@ -167,16 +174,16 @@ pub fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     let mut handles = Vec::new();
     for job in inits {
         let entry = job.entry.clone();
-        let run = job.run;
+        let done = job.entry.clone();
         let h = std::thread::Builder::new()
             .name("comm-init".into())
             .spawn(move || {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.execute()))
                     .unwrap_or_else(|_| crate::internal_err!("communicator init panicked"));
                 entry.settle(r);
             })
             .map_err(|e| Error::from_io("spawn init thread", e))?;
-        handles.push((job.entry, h));
+        handles.push((done, h));
     }
     if !all_blocking {
         return Err(Error::new(

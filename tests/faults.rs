@@ -38,7 +38,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("kill_in_bootstrap", kill_in_bootstrap),
     ("kill_in_collective", kill_in_collective),
     ("stop_in_collective", stop_in_collective),
-    ("stop_in_split", stop_in_split),
+    ("stop_in_bootstrap", stop_in_bootstrap),
     ("abort_while_blocked", abort_while_blocked),
     ("stale_errors", stale_errors),
     ("teardown_cycles", teardown_cycles),
@@ -218,14 +218,13 @@ fn kill_in_bootstrap(w: &Worker) -> Result<(), String> {
 }
 
 /// One `coll` of 4 MiB per rank, float sum, out of place (the result is not the point here).
-fn run_coll(c: ncclComm_t, coll: Coll, n: usize, big: &mut Buf) -> ncclResult_t {
+fn run_coll(c: ncclComm_t, coll: Coll, n: usize, root: i32, big: &mut Buf) -> ncclResult_t {
     let count = (4 << 20) / 4;
     let (send_elems, recv_elems) = elems(coll, count, n);
     let bytes = send_elems.max(recv_elems) * 4;
     let base = big.ptr() as *mut u8;
     // Out of place: send from the first half, receive into the second.
     let (sp, rp) = unsafe { (base as *const c_void, base.add(bytes) as *mut c_void) };
-    let root = 0i32;
     unsafe {
         match coll {
             Coll::AllReduce => ncclAllReduce(sp, rp, count, FLOAT, SUM, c, S),
@@ -286,7 +285,7 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
     let (send_elems, recv_elems) = elems(coll, (4 << 20) / 4, w.nranks);
     let mut big = Buf::new(2 * send_elems.max(recv_elems) * 4);
     // Every rank completes one round before the fault, so the fault lands in a later one.
-    nccl!(run_coll(c, coll, w.nranks, &mut big));
+    nccl!(run_coll(c, coll, w.nranks, 0, &mut big));
     if w.rank == lost {
         let file = file.clone();
         std::thread::spawn(move || {
@@ -295,7 +294,7 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
             unsafe { libc::raise(signal) };
         });
         loop {
-            run_coll(c, coll, w.nranks, &mut big);
+            run_coll(c, coll, w.nranks, 0, &mut big);
         }
     }
     let what = format!(
@@ -309,7 +308,7 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
         DETECT_BOUND
     };
     let result = loop {
-        let r = run_coll(c, coll, w.nranks, &mut big);
+        let r = run_coll(c, coll, w.nranks, 0, &mut big);
         if r != OK {
             break expect_fault(&what, r, code, lost, &file, bound);
         }
@@ -331,32 +330,60 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
     result
 }
 
-/// arg: `point|file`; run with COMM_INIT_TIMEOUT=2. The victim freezes inside split or shrink
-/// (its sockets stay open, so nothing looks closed): the survivors must time out, not hang.
-fn stop_in_split(w: &Worker) -> Result<(), String> {
+/// arg: `point|file`; run with COMM_INIT_TIMEOUT=2. The victim freezes inside init, split,
+/// shrink or destroy (its sockets stay open, so nothing looks closed): the survivors must time
+/// out naming it, not hang (destroy, which is local, must simply finish). Rank 0 then kills it.
+fn stop_in_bootstrap(w: &Worker) -> Result<(), String> {
     let f = fields(w);
     let (point, file) = (f[0], f[1]);
     let lost = victim(w);
     if w.rank == lost {
         // Before the first library call: the library reads it once.
         std::env::set_var("COMM_FAULT_INJECT", format!("{point}:stop"));
-    }
-    let c = init_rank(w)?;
-    if w.rank == lost {
         note_fault(file);
     }
     let what = format!("rank {} with rank {lost} stopped at {point}", w.rank);
-    let (r, _) = match point {
-        "split:colors" => split(c, 0, w.rank as i32),
-        _ => shrink_none(c),
+    let bound = Duration::from_secs(8);
+    let (r, c) = init(w);
+    let result = if point.starts_with("init:") || point == "shm:announced" {
+        expect_fault(&what, r, TIMEOUT, lost, file, bound)
+    } else if r != OK {
+        Err(format!("{what}: init failed: {}", last_error()))
+    } else {
+        if w.rank == lost {
+            note_fault(file);
+        }
+        match point {
+            "split:colors" => expect_fault(
+                &what,
+                split(c, 0, w.rank as i32).0,
+                TIMEOUT,
+                lost,
+                file,
+                bound,
+            ),
+            "sub:start" => expect_fault(&what, shrink_none(c).0, TIMEOUT, lost, file, bound),
+            "destroy" => {
+                let t = Instant::now();
+                let r = unsafe { ncclCommDestroy(c) };
+                match (r, t.elapsed()) {
+                    (OK, took) if took <= DETECT_BOUND => Ok(()),
+                    (r, took) => Err(format!("{what}: destroy returned {r:?} after {took:?}")),
+                }
+            }
+            other => Err(format!("unknown fault point {other}")),
+        }
     };
-    let result = expect_fault(&what, r, TIMEOUT, lost, file, Duration::from_secs(8));
     if w.rank == 0 {
+        // The other survivors time out about when this one did: let them, then end the victim.
+        std::thread::sleep(Duration::from_secs(1));
         if let Some(pid) = victim_pid(file) {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
-    unsafe { ncclCommAbort(c) };
+    if r == OK && point != "destroy" {
+        unsafe { ncclCommAbort(c) };
+    }
     result
 }
 
@@ -364,6 +391,9 @@ fn stop_in_split(w: &Worker) -> Result<(), String> {
 /// thread aborts the communicator 300 ms into the call, which must then return at once.
 fn abort_while_blocked(w: &Worker) -> Result<(), String> {
     let op = w.arg.as_str();
+    if op == "init" {
+        return abort_during_init(w);
+    }
     let c = init_rank(w)?;
     if w.rank == victim(w) {
         std::thread::sleep(Duration::from_secs(4));
@@ -377,37 +407,32 @@ fn abort_while_blocked(w: &Worker) -> Result<(), String> {
         *stamp.lock().unwrap() = Some(Instant::now());
         unsafe { ncclCommAbort(handle as ncclComm_t) };
     });
-    let send = vec![1f32; 1 << 16];
-    let mut recv = vec![0f32; 1 << 16];
+    // A rank that needs nothing from the victim may finish before the abort.
+    let mut may_finish = false;
     let r = match op {
-        "allreduce" => all_reduce(c, &send, &mut recv),
         "split" => split(c, 0, 0).0,
         "shrink" => shrink_none(c).0,
-        "sendrecv" => unsafe {
-            let peer = victim(w) as i32;
-            ncclGroupStart();
-            ncclSend(
-                send.as_ptr() as *const c_void,
-                send.len(),
-                FLOAT,
-                peer,
-                c,
-                S,
-            );
-            ncclRecv(
-                recv.as_mut_ptr() as *mut c_void,
-                recv.len(),
-                FLOAT,
-                peer,
-                c,
-                S,
-            );
-            ncclGroupEnd()
-        },
-        other => return Err(format!("unknown operation {other}")),
+        coll => {
+            let coll = coll_named(coll)?;
+            let (send_elems, recv_elems) = elems(coll, (4 << 20) / 4, w.nranks);
+            let mut big = Buf::new(2 * send_elems.max(recv_elems) * 4);
+            // Data flows from the root in a broadcast or scatter: rooted at the victim, every
+            // survivor needs it. Into the root in a reduce or gather: only rank 0 does.
+            let root = match coll {
+                Coll::Reduce | Coll::Gather => {
+                    may_finish = w.rank != 0;
+                    0
+                }
+                _ => victim(w) as i32,
+            };
+            run_coll(c, coll, w.nranks, root, &mut big)
+        }
     };
     let late = aborted_at.lock().unwrap().map(|t| t.elapsed());
     println!("{op}: {r:?} {late:?} after the abort: {}", last_error());
+    if r == OK && may_finish {
+        return Ok(());
+    }
     if r == OK {
         return Err(format!(
             "{op}: succeeded although rank {} never came",
@@ -417,11 +442,65 @@ fn abort_while_blocked(w: &Worker) -> Result<(), String> {
     match late {
         Some(t) if t < Duration::from_secs(1) => Ok(()),
         Some(t) => Err(format!("{op}: returned {t:?} after the abort")),
+        // The other survivor's abort reached this rank before its own.
+        None if last_error().contains("aborted (ncclCommAbort)")
+            || last_error().contains("rank 0 aborted") =>
+        {
+            Ok(())
+        }
         None => Err(format!(
             "{op}: returned {r:?} before the abort: {}",
             last_error()
         )),
     }
+}
+
+/// A non-blocking init that the victim never joins is aborted 300 ms in: ncclCommAbort must
+/// stop it at once rather than wait for COMM_INIT_TIMEOUT, and the handle is gone afterwards.
+fn abort_during_init(w: &Worker) -> Result<(), String> {
+    if w.rank == victim(w) {
+        return Ok(());
+    }
+    let mut cfg = config(0, c"abort-during-init");
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let r =
+        unsafe { ncclCommInitRankConfig(&mut c, w.nranks as i32, w.id, w.rank as i32, &mut cfg) };
+    if r != ncclResult_t::ncclInProgress {
+        return Err(format!(
+            "non-blocking init returned {r:?}: {}",
+            last_error()
+        ));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut state = OK;
+    nccl!(ncclCommGetAsyncError(c, &mut state));
+    // RemoteError when the other survivor aborted first (the root tells everyone).
+    if state != ncclResult_t::ncclInProgress && state != REMOTE {
+        return Err(format!(
+            "init is {state:?} although rank {} never came",
+            victim(w)
+        ));
+    }
+    // From another thread, as a watchdog would.
+    let handle = c as usize;
+    let (r, took) = std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = unsafe { ncclCommAbort(handle as ncclComm_t) };
+        (r, t.elapsed())
+    })
+    .join()
+    .unwrap();
+    println!("init: abort returned {r:?} after {took:?}");
+    if r != OK || took > Duration::from_secs(1) {
+        return Err(format!(
+            "abort of a running init returned {r:?} after {took:?}"
+        ));
+    }
+    let r = unsafe { ncclCommGetAsyncError(c, &mut state) };
+    if r != ncclResult_t::ncclInvalidArgument {
+        return Err(format!("the aborted handle still answers: {r:?}"));
+    }
+    Ok(())
 }
 
 /// ncclGetLastError(comm) describes the last failure of that communicator, whichever entry
@@ -869,8 +948,8 @@ fn kill_during_each_collective() {
 }
 
 #[test]
-fn stop_during_collectives_times_out() {
-    for coll in [Coll::AllReduce, Coll::SendRecv] {
+fn stop_during_each_collective_times_out() {
+    for coll in COLLS {
         let file = fault_file(&format!("stop-{coll:?}"));
         let arg = format!("{coll:?}|{}", file.display());
         run_with_victim("stop_in_collective", 3, &arg, &[("COMM_TIMEOUT", "1")], 60);
@@ -878,20 +957,40 @@ fn stop_during_collectives_times_out() {
     }
 }
 
-#[test]
-fn stop_during_split_and_shrink_times_out() {
-    for point in ["split:colors", "sub:start"] {
+fn stop_in_bootstrap_at(points: &[&str]) {
+    for point in points {
         let file = fault_file(&format!("stop-{}", point.replace(':', "-")));
         let arg = format!("{point}|{}", file.display());
-        run_with_victim("stop_in_split", 3, &arg, &[("COMM_INIT_TIMEOUT", "2")], 60);
+        run_with_victim(
+            "stop_in_bootstrap",
+            3,
+            &arg,
+            &[("COMM_INIT_TIMEOUT", "2")],
+            60,
+        );
         let _ = std::fs::remove_file(file);
     }
 }
 
 #[test]
+fn stop_during_init_times_out() {
+    stop_in_bootstrap_at(&["init:checked-in", "init:ring", "shm:announced"]);
+}
+
+#[test]
+fn stop_during_split_shrink_and_destroy() {
+    stop_in_bootstrap_at(&["split:colors", "sub:start", "destroy"]);
+}
+
+#[test]
 fn abort_from_another_thread_unblocks_each_operation() {
-    for op in ["allreduce", "sendrecv", "split", "shrink"] {
-        run_with_victim("abort_while_blocked", 3, op, &[], 60);
+    let colls = COLLS.iter().map(|c| format!("{c:?}"));
+    for op in ["init", "split", "shrink"]
+        .map(String::from)
+        .into_iter()
+        .chain(colls)
+    {
+        run_with_victim("abort_while_blocked", 3, &op, &[], 60);
     }
 }
 

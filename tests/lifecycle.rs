@@ -416,29 +416,7 @@ fn scenario(w: &Worker) -> Result<(), String> {
             Ok(())
         }
         "nonblocking" => {
-            let mut cfg = ncclConfig_t {
-                size: std::mem::size_of::<ncclConfig_t>(),
-                magic: 0xcafebeef,
-                version: NCCL_VERSION_CODE as u32,
-                blocking: 0,
-                cgaClusterSize: i32::MIN,
-                minCTAs: i32::MIN,
-                maxCTAs: i32::MIN,
-                netName: std::ptr::null(),
-                splitShare: i32::MIN,
-                trafficClass: i32::MIN,
-                commName: c"nonblocking-test".as_ptr(),
-                collnetEnable: i32::MIN,
-                CTAPolicy: i32::MIN,
-                shrinkShare: i32::MIN,
-                nvlsCTAs: i32::MIN,
-                nChannelsPerNetPeer: i32::MIN,
-                nvlinkCentricSched: i32::MIN,
-                graphUsageMode: i32::MIN,
-                numRmaCtx: i32::MIN,
-                maxP2pPeers: i32::MIN,
-                graphStreamOrdering: i32::MIN,
-            };
+            let mut cfg = config(0, c"nonblocking-test");
             let mut c: ncclComm_t = std::ptr::null_mut();
             let r = unsafe {
                 ncclCommInitRankConfig(&mut c, w.nranks as i32, w.id, w.rank as i32, &mut cfg)

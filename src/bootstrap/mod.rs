@@ -53,6 +53,41 @@ pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
 const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+thread_local! {
+    /// The abort flag of the communicator whose initialisation runs on this thread.
+    static INIT_ABORT: std::cell::RefCell<Option<Arc<AtomicBool>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, a communicator's initialisation, so that every bootstrap and transport-setup wait
+/// inside it gives up soon after `abort` is set: ncclCommAbort on a handle whose non-blocking
+/// init is still running sets it, and must not wait for COMM_INIT_TIMEOUT.
+pub fn abortable<R>(abort: &Arc<AtomicBool>, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Arc<AtomicBool>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            INIT_ABORT.with(|a| *a.borrow_mut() = prev);
+        }
+    }
+    let _restore = Restore(INIT_ABORT.with(|a| a.replace(Some(abort.clone()))));
+    f()
+}
+
+/// The abort flag of the initialisation running on this thread, if any.
+pub(crate) fn init_abort_flag() -> Option<Arc<AtomicBool>> {
+    INIT_ABORT.with(|a| a.borrow().clone())
+}
+
+/// Whether the initialisation running on this thread was aborted.
+pub(crate) fn init_aborted() -> bool {
+    INIT_ABORT.with(|a| {
+        a.borrow()
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
+    })
+}
+
 /// COMM_INIT_TIMEOUT in seconds (0 or negative: wait forever; default 600 s).
 pub fn init_timeout() -> Option<Duration> {
     crate::env::seconds("INIT_TIMEOUT").unwrap_or(Some(DEFAULT_INIT_TIMEOUT))
@@ -150,7 +185,8 @@ impl Bootstrap {
             );
         }
         let started = Instant::now();
-        let abort = Arc::new(AtomicBool::new(false));
+        // The communicator's abort flag from its first wait on: ncclCommAbort reaches it.
+        let abort = init_abort_flag().unwrap_or_default();
         let w = Waiter::new(timeout.map(|t| started + t), &abort);
         let (secret, tag) = comm_identity(ids);
         let nroots = ids.len();

@@ -76,7 +76,7 @@ impl<'a> Waiter<'a> {
 
     /// Err once aborted or past the deadline; `what` completes "waiting for ...".
     pub fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
-        if self.abort.load(Ordering::Acquire) {
+        if self.abort.load(Ordering::Acquire) || super::init_aborted() {
             return Err(aborted(&what()));
         }
         if self.deadline.is_some_and(|d| Instant::now() >= d) {

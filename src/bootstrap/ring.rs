@@ -226,10 +226,17 @@ impl Ring {
             if writer.is_none() && reader.is_none() {
                 return Ok(got);
             }
-            let waited = w.check(|| match (&writer, &reader) {
-                (Some(_), Some(_)) => format!("{next_who} and {prev_who} in a bootstrap exchange"),
-                (Some(_), None) => format!("{next_who} to take bootstrap data"),
+            // The rank whose contribution is late, which is not the predecessor relaying it.
+            let awaited = || match expect.as_ref().map(|e| e.arg as usize) {
+                Some(origin) if origin != prev_rank => {
+                    format!("rank {origin}'s bootstrap data (relayed by {prev_who})")
+                }
                 _ => format!("bootstrap data from {prev_who}"),
+            };
+            let waited = w.check(|| match (&writer, &reader) {
+                (Some(_), Some(_)) => format!("{next_who} and {}", awaited()),
+                (Some(_), None) => format!("{next_who} to take bootstrap data"),
+                _ => awaited(),
             });
             match waited {
                 Ok(()) => {}

@@ -5,7 +5,7 @@
 use super::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const BASE: usize = 0x6c00_0000_0000;
@@ -21,6 +21,8 @@ pub struct Entry {
     state: Mutex<State>,
     settled: Condvar,
     pub blocking: bool,
+    /// Set by ncclCommAbort: stops an initialisation that is still running.
+    pub abort: Arc<AtomicBool>,
     /// The communicator's last error message (the communicator shares it once it exists).
     pub last_error: super::LastError,
 }
@@ -31,6 +33,7 @@ impl Entry {
             state: Mutex::new(State::Initializing),
             settled: Condvar::new(),
             blocking,
+            abort: Default::default(),
             last_error: Default::default(),
         })
     }
@@ -42,6 +45,7 @@ impl Entry {
             state: Mutex::new(State::Ready(Arc::new(comm))),
             settled: Condvar::new(),
             blocking,
+            abort: Default::default(),
         })
     }
 

@@ -597,7 +597,15 @@ impl<'a> Exec<'a> {
         }
         ranks.sort_unstable();
         ranks.dedup();
-        (ranks, parts.join(", "))
+        (ranks, count_repeats(parts))
+    }
+
+    /// This rank gives up: the peers hear at once that it timed out and whom it suspects, so
+    /// that a peer waiting on it can tell its own story instead of blaming it.
+    fn give_up(&self, err: &Error) {
+        for l in &self.wiring.links {
+            l.close(crate::transport::Closing::TimedOut, err.lost);
+        }
     }
 
     fn check_peers(&self) -> Result<()> {
@@ -791,6 +799,33 @@ pub fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
     result
 }
 
+/// "a, b (x3), c" from "a, b, b, b, c": a pipeline waits on many messages of one peer.
+fn count_repeats(parts: Vec<String>) -> String {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for p in parts {
+        match out.iter_mut().find(|(q, _)| *q == p) {
+            Some((_, n)) => *n += 1,
+            None => out.push((p, 1)),
+        }
+    }
+    out.iter()
+        .map(|(p, n)| {
+            if *n > 1 {
+                format!("{p} (x{n})")
+            } else {
+                p.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// After giving up, how long a rank listens for the rank it suspects: when that rank timed out
+/// too, waiting for a third, the third is the cause, and the error names it.
+fn grace(timeout: Duration) -> Duration {
+    (timeout / 2).min(Duration::from_secs(1))
+}
+
 /// Progresses every communicator's steps until all are done or one fails.
 fn drive(execs: &mut [Exec]) -> Result<()> {
     let single_doorbell = match &*execs {
@@ -802,6 +837,9 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
     let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
     let mut warned = false;
+    // Once this rank has given up: until when it listens, its own error, and which
+    // communicator gave up.
+    let mut gave_up: Option<(Instant, Error, usize)> = None;
     let pass_all = |execs: &mut [Exec]| -> Result<(bool, bool)> {
         let mut moved = false;
         for e in execs.iter_mut() {
@@ -812,7 +850,8 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
     loop {
         let (moved, done) = pass_all(execs)?;
         if done {
-            return Ok(());
+            // Too late once the peers were told this rank gave up.
+            return gave_up.map_or(Ok(()), |(_, own, _)| Err(own));
         }
         if moved {
             idle_since = None;
@@ -836,13 +875,55 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
             spins = spins.wrapping_add(63);
             continue;
         }
-        if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
+        if let Some((until, own, i)) = &gave_up {
+            let e = &execs[*i];
+            let me = e.wiring.rank;
+            let told = own.lost.map(|s| (s, e.wiring.links[s].check_peer()));
+            match told {
+                Some((suspect, Err(theirs))) if theirs.lost.is_some_and(|l| l != me) => {
+                    crate::info!("rank {me}: rank {suspect} gave up too: {}", theirs.msg);
+                    let mut err = Error::new(theirs.kind, format!("{}; {}", own.msg, theirs.msg));
+                    err.lost = theirs.lost;
+                    return Err(err);
+                }
+                _ if now >= *until => return Err(own.clone()),
+                _ => {}
+            }
+        } else if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
             last_check = Some(now);
             let lost = execs.iter().find_map(|e| {
                 e.check_peers()
                     .err()
                     .map(|err| err.context(format!("rank {}", e.wiring.rank)))
             });
+            // A peer that gave up waiting for this rank: this rank's own wait is the story.
+            let blamed = execs.iter().enumerate().find_map(|(i, e)| {
+                let me = e.wiring.rank;
+                let (waited_for, what) = e.blocked_on();
+                let p = *waited_for.iter().find(|&&p| {
+                    e.wiring.links[p]
+                        .check_peer()
+                        .is_err_and(|pe| pe.kind == ErrorKind::Timeout && pe.lost == Some(me))
+                })?;
+                let suspect = waited_for.iter().copied().find(|&s| s != p);
+                let mut err = Error::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "rank {p} timed out waiting for rank {me}, which is waiting for {what}"
+                    ),
+                );
+                err.lost = suspect.or(Some(p));
+                Some((i, err))
+            });
+            if let Some((i, err)) = blamed {
+                execs[i].give_up(&err);
+                gave_up = Some((
+                    now + grace(execs[i].wiring.timeout.unwrap_or_default()),
+                    err,
+                    i,
+                ));
+                continue;
+            }
             if let Some(err) = lost {
                 // A peer that finished and left published everything it was going to send
                 // before it marked its end closed, so the departure being visible now means
@@ -858,7 +939,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                     (false, false) => return Err(err),
                 }
             }
-            for e in execs.iter() {
+            for (i, e) in execs.iter().enumerate() {
                 let (waited_for, what) = e.blocked_on();
                 if !warned && idle >= e.wiring.warn_after {
                     crate::warn!(
@@ -881,7 +962,9 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                         );
                         // The rank waited for is the suspect its peers will be told about.
                         err.lost = waited_for.first().copied();
-                        return Err(err);
+                        e.give_up(&err);
+                        gave_up = Some((now + grace(t), err, i));
+                        break;
                     }
                 }
             }
@@ -896,7 +979,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                     Ok((_, done)) => {
                         d.cancel_sleep();
                         if done {
-                            return Ok(());
+                            return gave_up.map_or(Ok(()), |(_, own, _)| Err(own));
                         }
                         idle_since = None;
                     }

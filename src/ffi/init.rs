@@ -56,7 +56,7 @@ unsafe fn start_init(
         return Ok(());
     };
     if blocking {
-        entry.settle((job.run)());
+        entry.settle(job.execute());
         if let Err(e) = entry.init_outcome() {
             let _ = registry::remove(h);
             *out_comm = std::ptr::null_mut();
@@ -245,9 +245,9 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
             return Ok(());
         }
         let entry = registry::remove(comm as usize)?;
-        if let Some(c) = entry.peek() {
-            c.abort();
-        } else if let Ok(c) = entry.wait() {
+        // An initialisation still running gives up at its next wait (within 100 ms).
+        entry.abort.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Ok(c) = entry.wait() {
             c.abort();
         }
         Ok(())

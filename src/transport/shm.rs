@@ -782,9 +782,25 @@ pub fn connect(
         let secret = *boot.secret();
         let fd = mine.fd;
         let stop = stop.clone();
+        let aborted = crate::bootstrap::init_abort_flag();
         std::thread::Builder::new()
             .name("comm-shm-setup".into())
-            .spawn(move || serve_segment(l, fd, &expected, &secret, comm_tag, me, deadline, &stop))
+            .spawn(move || {
+                let stop_or_abort = || {
+                    stop.load(Ordering::SeqCst)
+                        || aborted.as_ref().is_some_and(|a| a.load(Ordering::SeqCst))
+                };
+                serve_segment(
+                    l,
+                    fd,
+                    &expected,
+                    &secret,
+                    comm_tag,
+                    me,
+                    deadline,
+                    stop_or_abort,
+                )
+            })
             .map_err(|e| Error::from_io("spawn shm setup thread", e))
     });
     let server = server.transpose()?;
@@ -894,7 +910,7 @@ fn serve_segment(
     comm_tag: u64,
     me: usize,
     deadline: Option<Instant>,
-    stop: &AtomicBool,
+    stop: impl Fn() -> bool,
 ) -> Result<()> {
     listener
         .set_nonblocking(true)
@@ -903,7 +919,7 @@ fn serve_segment(
     // Peers that died before fetching: the living are still served, then this is the error.
     let mut lost: Option<Error> = None;
     while !pending.is_empty() {
-        if stop.load(Ordering::SeqCst) {
+        if stop() {
             return Ok(());
         }
         for (r, w) in expected {
@@ -981,6 +997,12 @@ fn fetch_segment(
                     "rank {peer} exited before it served its shared memory segment"
                 )
             }
+            Err(_) if crate::bootstrap::init_aborted() => {
+                return Err(Error::new(
+                    crate::error::ErrorKind::Internal,
+                    format!("aborted (ncclCommAbort) while fetching rank {peer}'s shared memory"),
+                ))
+            }
             Err(e) if deadline.is_none_or(|d| Instant::now() < d) => {
                 crate::trace!("connect to rank {peer}'s shm socket: {e}; retrying");
                 std::thread::sleep(Duration::from_millis(5));
@@ -993,7 +1015,12 @@ fn fetch_segment(
             }
         }
     };
-    let t = Some(Duration::from_secs(30));
+    // A peer that stops answering must not hold this rank past its deadline.
+    let left = deadline.map_or(Duration::from_secs(30), |d| {
+        d.saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(100), Duration::from_secs(30))
+    });
+    let t = Some(left);
     s.set_read_timeout(t)
         .map_err(|e| Error::from_io("unix socket", e))?;
     s.set_write_timeout(t)

@@ -65,6 +65,34 @@ pub fn id_from_hex(s: &str) -> ncclUniqueId {
     id
 }
 
+/// An ncclConfig_t as NCCL_CONFIG_INITIALIZER makes it, with `blocking` and a name set.
+pub fn config(blocking: i32, name: &'static CStr) -> ncclConfig_t {
+    let undef = i32::MIN;
+    ncclConfig_t {
+        size: std::mem::size_of::<ncclConfig_t>(),
+        magic: 0xcafebeef,
+        version: NCCL_VERSION_CODE as u32,
+        blocking,
+        cgaClusterSize: undef,
+        minCTAs: undef,
+        maxCTAs: undef,
+        netName: std::ptr::null(),
+        splitShare: undef,
+        trafficClass: undef,
+        commName: name.as_ptr(),
+        collnetEnable: undef,
+        CTAPolicy: undef,
+        shrinkShare: undef,
+        nvlsCTAs: undef,
+        nChannelsPerNetPeer: undef,
+        nvlinkCentricSched: undef,
+        graphUsageMode: undef,
+        numRmaCtx: undef,
+        maxP2pPeers: undef,
+        graphStreamOrdering: undef,
+    }
+}
+
 /// The environment a worker process finds: which scenario, its rank, the rank count, the id.
 pub struct Worker {
     pub scenario: String,

@@ -322,6 +322,15 @@ fn accept_all(
             .copied()
             .filter(|p| got.iter().all(|g| g.0 != *p))
             .collect();
+        if crate::bootstrap::init_aborted() {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "aborted (ncclCommAbort) while waiting for {} to connect over TCP",
+                    crate::bootstrap::describe_ranks(&missing)
+                ),
+            ));
+        }
         if remaining(deadline).is_err() {
             return crate::timeout_err!(
                 "timed out waiting for {} to connect over TCP",
