@@ -14,6 +14,7 @@ mod common;
 use comm::ffi::types::*;
 use comm::ffi::*;
 use common::cases::*;
+use common::hosts::{launch_on, Hosts};
 use common::run::*;
 use common::*;
 use std::os::raw::c_void;
@@ -74,9 +75,9 @@ fn now_ns() -> u128 {
         .as_nanos()
 }
 
-/// The victim's last words: when it signalled itself, and its pid (for a stopped victim).
+/// The victim's last words: when it signalled itself.
 fn note_fault(file: &str) {
-    let _ = std::fs::write(file, format!("{} {}", now_ns(), std::process::id()));
+    let _ = std::fs::write(file, now_ns().to_string());
 }
 
 /// How long ago the victim noted its fault (None when it did not note one yet).
@@ -86,13 +87,24 @@ fn since_fault(file: &str) -> Option<Duration> {
     Some(Duration::from_nanos(now_ns().saturating_sub(ns) as u64))
 }
 
-fn victim_pid(file: &str) -> Option<i32> {
-    std::fs::read_to_string(file)
-        .ok()?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+/// A victim about to freeze leaves a watchdog behind, in its own PID namespace (the ranks may
+/// be on simulated hosts, where the others cannot name its pid): it kills the victim once a
+/// survivor releases it (`release_victim`), or after 20 s.
+fn stop_watchdog(file: &str) {
+    let script = r#"i=0; while [ ! -e "$1.release" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; kill -KILL "$2""#;
+    std::process::Command::new("sh")
+        .args(["-c", script, "sh", file, &std::process::id().to_string()])
+        .spawn()
+        .expect("spawn the victim's watchdog");
+}
+
+fn release_victim(file: &str) {
+    let _ = std::fs::write(format!("{file}.release"), "");
+}
+
+fn remove_fault_files(file: &std::path::Path) {
+    let _ = std::fs::remove_file(file);
+    let _ = std::fs::remove_file(format!("{}.release", file.display()));
 }
 
 /// Checks a survivor's failure: the code, the lost rank named, and the time since the fault.
@@ -288,6 +300,9 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
     nccl!(run_coll(c, coll, w.nranks, 0, &mut big));
     if w.rank == lost {
         let file = file.clone();
+        if signal == libc::SIGSTOP {
+            stop_watchdog(&file);
+        }
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
             note_fault(&file);
@@ -319,12 +334,7 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
     if signal == libc::SIGSTOP && w.rank == 0 {
         // The other survivors time out about when this one did: let them, then end the victim.
         std::thread::sleep(Duration::from_secs(2));
-        match victim_pid(&file) {
-            Some(pid) => unsafe {
-                libc::kill(pid, libc::SIGKILL);
-            },
-            None => return Err(format!("{what}: the victim noted no pid")),
-        }
+        release_victim(&file);
     }
     unsafe { ncclCommAbort(c) };
     result
@@ -340,6 +350,7 @@ fn stop_in_bootstrap(w: &Worker) -> Result<(), String> {
     if w.rank == lost {
         // Before the first library call: the library reads it once.
         std::env::set_var("COMM_FAULT_INJECT", format!("{point}:stop"));
+        stop_watchdog(file);
         note_fault(file);
     }
     let what = format!("rank {} with rank {lost} stopped at {point}", w.rank);
@@ -377,9 +388,7 @@ fn stop_in_bootstrap(w: &Worker) -> Result<(), String> {
     if w.rank == 0 {
         // The other survivors time out about when this one did: let them, then end the victim.
         std::thread::sleep(Duration::from_secs(1));
-        if let Some(pid) = victim_pid(file) {
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
+        release_victim(file);
     }
     if r == OK && point != "destroy" {
         unsafe { ncclCommAbort(c) };
@@ -904,7 +913,7 @@ fn bootstrap_fault(point: &str, n: usize) {
         &[("COMM_INIT_TIMEOUT", "60")],
         60,
     );
-    let _ = std::fs::remove_file(file);
+    remove_fault_files(&file);
 }
 
 #[test]
@@ -943,7 +952,7 @@ fn kill_during_each_collective() {
         let file = fault_file(&format!("{coll:?}"));
         let arg = format!("{coll:?}|{}", file.display());
         run_with_victim("kill_in_collective", 3, &arg, &[], 60);
-        let _ = std::fs::remove_file(file);
+        remove_fault_files(&file);
     }
 }
 
@@ -953,7 +962,7 @@ fn stop_during_each_collective_times_out() {
         let file = fault_file(&format!("stop-{coll:?}"));
         let arg = format!("{coll:?}|{}", file.display());
         run_with_victim("stop_in_collective", 3, &arg, &[("COMM_TIMEOUT", "1")], 60);
-        let _ = std::fs::remove_file(file);
+        remove_fault_files(&file);
     }
 }
 
@@ -968,7 +977,7 @@ fn stop_in_bootstrap_at(points: &[&str]) {
             &[("COMM_INIT_TIMEOUT", "2")],
             60,
         );
-        let _ = std::fs::remove_file(file);
+        remove_fault_files(&file);
     }
 }
 
@@ -1064,4 +1073,101 @@ fn soak_3_processes() {
 #[test]
 fn soak_4_processes() {
     soak_for(4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same faults with every rank on a host of its own (network namespaces, TCP between them)
+
+/// Runs `scenario` with one rank on each of `hosts`; the last rank is the victim.
+fn across_hosts(hosts: &Hosts, scenario: &str, arg: &str, env: &[(&str, &str)]) {
+    let n = hosts.count();
+    let r = launch_on(
+        hosts,
+        &vec![1; n],
+        scenario,
+        arg,
+        env,
+        Duration::from_secs(90),
+        || {},
+    );
+    let survivors: Vec<RankResult> = r.into_iter().filter(|r| r.rank != n - 1).collect();
+    for s in &survivors {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(&survivors, &format!("{scenario} ({arg}) across {n} hosts"));
+}
+
+fn with_fault_file(tag: &str, run: impl FnOnce(&str)) {
+    let file = fault_file(tag);
+    run(&file.display().to_string());
+    remove_fault_files(&file);
+}
+
+#[test]
+fn kills_across_hosts() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    for point in [
+        "init:checked-in",
+        "init:ring",
+        "split:colors",
+        "sub:start",
+        "destroy",
+    ] {
+        with_fault_file(&format!("hosts-{}", point.replace(':', "-")), |f| {
+            let arg = format!("{point}|{f}");
+            across_hosts(
+                &hosts,
+                "kill_in_bootstrap",
+                &arg,
+                &[("COMM_INIT_TIMEOUT", "60")],
+            );
+        });
+    }
+    for coll in COLLS {
+        with_fault_file(&format!("hosts-{coll:?}"), |f| {
+            across_hosts(&hosts, "kill_in_collective", &format!("{coll:?}|{f}"), &[]);
+        });
+    }
+}
+
+#[test]
+fn stops_across_hosts() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    for point in ["init:ring", "split:colors", "sub:start"] {
+        with_fault_file(&format!("hosts-stop-{}", point.replace(':', "-")), |f| {
+            let arg = format!("{point}|{f}");
+            across_hosts(
+                &hosts,
+                "stop_in_bootstrap",
+                &arg,
+                &[("COMM_INIT_TIMEOUT", "2")],
+            );
+        });
+    }
+    for coll in [
+        Coll::AllReduce,
+        Coll::Broadcast,
+        Coll::AlltoAll,
+        Coll::SendRecv,
+    ] {
+        with_fault_file(&format!("hosts-stop-{coll:?}"), |f| {
+            let arg = format!("{coll:?}|{f}");
+            across_hosts(&hosts, "stop_in_collective", &arg, &[("COMM_TIMEOUT", "1")]);
+        });
+    }
+}
+
+#[test]
+fn aborts_across_hosts() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    for op in [
+        "init",
+        "split",
+        "shrink",
+        "AllReduce",
+        "Broadcast",
+        "SendRecv",
+    ] {
+        across_hosts(&hosts, "abort_while_blocked", op, &[]);
+    }
 }

@@ -11,146 +11,15 @@ mod common;
 use comm::ffi::types::*;
 use comm::ffi::*;
 use common::cases::*;
+use common::hosts::*;
 use common::run::*;
 use common::*;
 use std::os::raw::c_void;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const FLOAT: i32 = 7;
 const SUM: i32 = 0;
 const S: cudaStream_t = std::ptr::null_mut();
-
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/netns.sh")
-}
-
-/// What every rank of one launch runs.
-struct Job<'a> {
-    nranks: usize,
-    scenario: &'a str,
-    arg: &'a str,
-    env: &'a [(&'a str, &'a str)],
-    /// The bootstrap root's port on host 0 (NCCL_COMM_ID).
-    port: u16,
-}
-
-/// Simulated hosts; removed on drop.
-struct Hosts {
-    prefix: String,
-    n: usize,
-}
-
-static NEXT: AtomicUsize = AtomicUsize::new(0);
-
-impl Hosts {
-    /// `n` hosts, or None (with the reason printed) where namespaces cannot be made here.
-    fn up(n: usize) -> Option<Hosts> {
-        let root = unsafe { libc::geteuid() } == 0;
-        let ip = Command::new("ip").arg("-V").output().is_ok();
-        if !root || !ip {
-            let why = format!("multi-host tests need root and iproute2 (root: {root}, ip: {ip})");
-            assert!(std::env::var("CI").is_err(), "{why}");
-            eprintln!("skipped: {why}");
-            return None;
-        }
-        let prefix = format!(
-            "cmh{}x{}",
-            std::process::id() % 100_000,
-            NEXT.fetch_add(1, Ordering::SeqCst)
-        );
-        let hosts = Hosts { prefix, n };
-        let st = Command::new(script())
-            .args(["up", &hosts.prefix, &n.to_string()])
-            .status()
-            .expect("run netns.sh");
-        assert!(st.success(), "netns.sh up failed");
-        Some(hosts)
-    }
-
-    fn addr(&self, i: usize) -> String {
-        format!("10.77.0.{}", i + 1)
-    }
-
-    fn run(&self, args: &[&str]) {
-        let st = Command::new(script())
-            .arg(args[0])
-            .arg(&self.prefix)
-            .args(&args[1..])
-            .status()
-            .expect("run netns.sh");
-        assert!(st.success(), "netns.sh {args:?} failed");
-    }
-
-    /// Starts rank `rank` of `job` on host `host`.
-    fn spawn(&self, host: usize, rank: usize, job: &Job) -> Child {
-        let exe = std::env::current_exe().unwrap();
-        let mut cmd = Command::new(script());
-        cmd.args(["exec", &self.prefix, &host.to_string()])
-            .arg(exe)
-            .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
-            .env("COMM_TEST_SCENARIO", job.scenario)
-            .env("COMM_TEST_RANK", rank.to_string())
-            .env("COMM_TEST_NRANKS", job.nranks.to_string())
-            .env("COMM_TEST_ID", "00".repeat(NCCL_UNIQUE_ID_BYTES))
-            .env("COMM_TEST_ARG", job.arg)
-            .env("COMM_TEST_HOST", host.to_string())
-            .env("NCCL_COMM_ID", format!("{}:{}", self.addr(0), job.port))
-            .env("COMM_SECRET", format!("{}-{}", self.prefix, job.port))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        for (k, v) in job.env {
-            cmd.env(k, v);
-        }
-        cmd.spawn().expect("spawn a rank in a namespace")
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        let _ = Command::new(script()).args(["down", &self.prefix]).status();
-        let _ = self.n;
-    }
-}
-
-/// Runs `per_host[h]` ranks on each host h (ranks numbered host by host) and waits for all,
-/// killing everything after `timeout`. `during` runs once the ranks are started.
-fn launch_on(
-    hosts: &Hosts,
-    per_host: &[usize],
-    scenario: &str,
-    arg: &str,
-    env: &[(&str, &str)],
-    timeout: Duration,
-    during: impl FnOnce(),
-) -> Vec<RankResult> {
-    let nranks: usize = per_host.iter().sum();
-    let port =
-        20000 + (std::process::id() % 20000) as u16 + NEXT.fetch_add(1, Ordering::SeqCst) as u16;
-    let job = Job {
-        nranks,
-        scenario,
-        arg,
-        env,
-        port,
-    };
-    let mut children = Vec::new();
-    let mut rank = 0;
-    for (h, &k) in per_host.iter().enumerate() {
-        for _ in 0..k {
-            children.push((rank, hosts.spawn(h, rank, &job)));
-            rank += 1;
-        }
-    }
-    during();
-    collect(
-        children,
-        timeout,
-        &format!("{scenario} on hosts {per_host:?}"),
-    )
-}
 
 // ---------------------------------------------------------------------------------------------
 // Rank side
@@ -170,10 +39,7 @@ fn worker() {
 
 /// The id every rank derives from NCCL_COMM_ID and COMM_SECRET.
 fn init(w: &Worker) -> Result<ncclComm_t, String> {
-    let id = unique_id();
-    let mut c: ncclComm_t = std::ptr::null_mut();
-    nccl!(ncclCommInitRank(&mut c, w.nranks as i32, id, w.rank as i32));
-    Ok(c)
+    init_rank(w)
 }
 
 fn host_of() -> usize {

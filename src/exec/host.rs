@@ -848,10 +848,32 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         Ok((moved, execs.iter().all(|e| e.remaining == 0)))
     };
     loop {
+        if let Some((until, own, i)) = &gave_up {
+            let e = &execs[*i];
+            let me = e.wiring.rank;
+            // A network link learns of a close by reading it: look at the next header too.
+            let told = own.lost.map(|s| {
+                let link = &e.wiring.links[s];
+                (s, link.check_peer().and_then(|_| link.peek().map(|_| ())))
+            });
+            match told {
+                Some((suspect, Err(theirs))) if theirs.lost.is_some_and(|l| l != me) => {
+                    crate::info!("rank {me}: rank {suspect} gave up too: {}", theirs.msg);
+                    let mut err = Error::new(theirs.kind, format!("{}; {}", own.msg, theirs.msg));
+                    err.lost = theirs.lost;
+                    return Err(err);
+                }
+                _ if Instant::now() >= *until => return Err(own.clone()),
+                _ => {}
+            }
+            // No more progress: the peers were told this rank gave up, and its links are
+            // closed for sending.
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
         let (moved, done) = pass_all(execs)?;
         if done {
-            // Too late once the peers were told this rank gave up.
-            return gave_up.map_or(Ok(()), |(_, own, _)| Err(own));
+            return Ok(());
         }
         if moved {
             idle_since = None;
@@ -875,21 +897,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
             spins = spins.wrapping_add(63);
             continue;
         }
-        if let Some((until, own, i)) = &gave_up {
-            let e = &execs[*i];
-            let me = e.wiring.rank;
-            let told = own.lost.map(|s| (s, e.wiring.links[s].check_peer()));
-            match told {
-                Some((suspect, Err(theirs))) if theirs.lost.is_some_and(|l| l != me) => {
-                    crate::info!("rank {me}: rank {suspect} gave up too: {}", theirs.msg);
-                    let mut err = Error::new(theirs.kind, format!("{}; {}", own.msg, theirs.msg));
-                    err.lost = theirs.lost;
-                    return Err(err);
-                }
-                _ if now >= *until => return Err(own.clone()),
-                _ => {}
-            }
-        } else if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
+        if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
             last_check = Some(now);
             let lost = execs.iter().find_map(|e| {
                 e.check_peers()
@@ -968,6 +976,9 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                     }
                 }
             }
+            if gave_up.is_some() {
+                continue;
+            }
         }
         match &single_doorbell {
             Some(d) => {
@@ -979,7 +990,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
                     Ok((_, done)) => {
                         d.cancel_sleep();
                         if done {
-                            return gave_up.map_or(Ok(()), |(_, own, _)| Err(own));
+                            return Ok(());
                         }
                         idle_since = None;
                     }

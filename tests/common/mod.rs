@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod hosts;
 pub mod run;
 pub mod values;
 
@@ -102,6 +103,17 @@ pub struct Worker {
     pub arg: String,
 }
 
+/// The id a launcher passed, or, where it passed none (all zeros: ranks on simulated hosts,
+/// which cannot share one made here), the id every rank derives from NCCL_COMM_ID and
+/// COMM_SECRET.
+fn launched_id(hex: &str) -> ncclUniqueId {
+    if hex.bytes().all(|b| b == b'0') && std::env::var("NCCL_COMM_ID").is_ok() {
+        unique_id()
+    } else {
+        id_from_hex(hex)
+    }
+}
+
 /// When this process was launched as a rank, describes it.
 pub fn worker_env() -> Option<Worker> {
     let scenario = std::env::var("COMM_TEST_SCENARIO").ok()?;
@@ -109,7 +121,7 @@ pub fn worker_env() -> Option<Worker> {
         scenario,
         rank: std::env::var("COMM_TEST_RANK").ok()?.parse().ok()?,
         nranks: std::env::var("COMM_TEST_NRANKS").ok()?.parse().ok()?,
-        id: id_from_hex(&std::env::var("COMM_TEST_ID").ok()?),
+        id: launched_id(&std::env::var("COMM_TEST_ID").ok()?),
         arg: std::env::var("COMM_TEST_ARG").unwrap_or_default(),
     })
 }

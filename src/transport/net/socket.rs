@@ -154,7 +154,10 @@ impl SocketLink {
             match e.kind() {
                 std::io::ErrorKind::Interrupted => continue,
                 std::io::ErrorKind::WouldBlock => return Ok(Io::Blocked),
-                _ => return Err(self.broken("sending to", e)),
+                _ => {
+                    let why = self.reason_behind();
+                    return Err(why.unwrap_or_else(|| self.broken("sending to", e)));
+                }
             }
         }
     }
@@ -190,6 +193,42 @@ impl SocketLink {
                 self.peer
             ),
         )
+    }
+
+    /// A send failed: the peer may have said why it went, in a close header that waits behind
+    /// messages nobody will read now (a broadcast root never reads from its successor). Look
+    /// for it, so the error names the cause rather than a broken pipe. Not while a message is
+    /// being received: its reader will come to the header itself.
+    fn reason_behind(&self) -> Option<Error> {
+        let mut a = self.arriving.try_lock()?;
+        if a.got >= HEADER {
+            return None;
+        }
+        let mut skip = 0usize;
+        let mut scratch = vec![0u8; 64 << 10];
+        // Bounded: what is in the socket buffer, a few MiB at most.
+        for _ in 0..1024 {
+            if skip > 0 {
+                let n = skip.min(scratch.len());
+                match self.read(scratch.as_mut_ptr(), n) {
+                    Ok(Io::Moved(k)) => skip -= k,
+                    _ => return None,
+                }
+                continue;
+            }
+            match self.header(&mut a) {
+                Ok(Some(h)) => {
+                    skip = h.len as usize;
+                    a.got = 0;
+                }
+                Ok(None) => return None,
+                Err(e) => {
+                    let told = Closing::from_code(self.state.load(Ordering::SeqCst)).is_some();
+                    return told.then_some(e);
+                }
+            }
+        }
+        None
     }
 
     /// The peer closed its side: what it told us, or a plain end of stream.
@@ -378,10 +417,18 @@ impl Link for SocketLink {
     }
 
     fn check_peer(&self) -> Result<()> {
-        match self.gone_error() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        if let Some(e) = self.gone_error() {
+            return Err(e);
         }
+        // A peer that closed is known only once its close header or end of stream is read.
+        // Between messages, read the next header now (recv and peek find it afterwards); in
+        // the middle of one, its receiver reads on and finds out.
+        if let Some(mut a) = self.arriving.try_lock() {
+            if a.got < HEADER {
+                self.header(&mut a)?;
+            }
+        }
+        Ok(())
     }
 
     fn peek(&self) -> Result<Option<(usize, u64)>> {
