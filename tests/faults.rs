@@ -92,7 +92,9 @@ fn since_fault(file: &str) -> Option<Duration> {
 /// survivor releases it (`release_victim`), or after 20 s.
 fn stop_watchdog(file: &str) {
     let script = r#"i=0; while [ ! -e "$1.release" ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; kill -KILL "$2""#;
-    std::process::Command::new("sh")
+    // Never waited for: it outlives the victim that spawned it (its kill is the point).
+    #[allow(clippy::zombie_processes)]
+    let _watchdog = std::process::Command::new("sh")
         .args(["-c", script, "sh", file, &std::process::id().to_string()])
         .spawn()
         .expect("spawn the victim's watchdog");
