@@ -723,6 +723,9 @@ fn teardown_cycles(w: &Worker) -> Result<(), String> {
             ));
         }
         c = next;
+        if w.rank == 0 && (cycle + 1) % 10_000 == 0 {
+            println!("{} cycles done", cycle + 1);
+        }
     }
     nccl!(ncclCommDestroy(c));
     println!("rank {}: {cycles} cycles, no error", w.rank);
@@ -1042,7 +1045,9 @@ fn teardown_cycles_under_contention(n: usize) {
     let cycles = std::env::var("COMM_TEST_TEARDOWN_CYCLES").unwrap_or_else(|_| "300".into());
     let _busy = Contention::start();
     let t = Instant::now();
-    run("teardown_cycles", n, &cycles, &[], 900);
+    // About 10 ms a cycle under contention; generous, so that only a hang hits the limit.
+    let limit = 900 + cycles.parse::<u64>().unwrap_or(300) / 20;
+    run("teardown_cycles", n, &cycles, &[], limit);
     println!(
         "{cycles} init + all-reduce + destroy cycles on {n} processes in {:.1} s",
         t.elapsed().as_secs_f64()
