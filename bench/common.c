@@ -1202,7 +1202,8 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
   memset(&me, 0, sizeof me);
   me.host_hash = host_hash(bench_w.hostname);
   me.pid = (int32_t)getpid();
-  me.env_local_rank = getenv("LOCAL_RANK") && bench_w.launcher == LAUNCH_ENV ? atoi(getenv("LOCAL_RANK")) : -1;
+  const char* local_rank = bench_w.launcher == LAUNCH_ENV && bench_w.local_rank_var ? getenv(bench_w.local_rank_var) : NULL;
+  me.env_local_rank = local_rank && *local_rank ? atoi(local_rank) : -1;
   int local_ranks = o->nthreads * o->ngpus;
   proc_info* all = calloc((size_t)bench_w.nprocs, sizeof(proc_info));
   int procs_on_host = 0;

@@ -157,6 +157,9 @@ enum { LAUNCH_SINGLE, LAUNCH_ENV, LAUNCH_MPI };
 
 typedef struct bench_world {
   int launcher;
+  /* Launcher ENV: which launcher's variables named this process, its job's identity (picks a
+   * rendezvous port when MASTER_PORT is not set; NULL: none) and its local rank variable. */
+  const char *launcher_name, *job_key, *local_rank_var;
   int proc, nprocs;
   int local_rank;
   int nthreads, ngpus, nranks;

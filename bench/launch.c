@@ -1,10 +1,13 @@
 /* Processes and the synchronisation between ranks.
  *
  * Three ways to run: one process (ranks are its threads, -t x -g), processes started by MPI
- * (the _mpi binaries and mpi_perf), and processes started by a torchrun/Slurm-style launcher
- * that sets RANK and WORLD_SIZE. In the last case process 0 serves a small TCP rendezvous on
+ * (the _mpi binaries and mpi_perf), and processes started by any launcher that says which
+ * process each is: torchrun-style RANK and WORLD_SIZE, Open MPI's mpirun, an MPICH-style PMI
+ * launcher, or Slurm's srun (so `mpirun -np 2 all_reduce_perf` is one job of two processes, as
+ * with nccl-tests built with MPI). In the last case process 0 serves a small TCP rendezvous on
  * MASTER_ADDR:MASTER_PORT through which the processes exchange start-up information (host,
- * devices, the unique id) before the communicators exist.
+ * devices, the unique id) before the communicators exist. Without MASTER_PORT, the port is
+ * derived from the launcher's job id, so that two jobs on one node do not meet.
  *
  * During the run, barriers and the combination of times and error counts go through threads'
  * shared memory inside a process, then MPI between processes when MPI started them; without
@@ -43,6 +46,26 @@ static __attribute__((unused)) int env_int(const char* name, int dflt) {
   return v && *v ? atoi(v) : dflt;
 }
 
+#ifndef BENCH_WITH_MPI
+/* The launchers whose variables name the process, in the order they are believed. */
+static const struct {
+  const char *name, *rank, *size, *local_rank, *job;
+} launchers[] = {
+    {"RANK and WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", NULL},
+    {"Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_NAMESPACE"},
+    {"a PMI launcher (MPICH's mpiexec)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "PMI_KVSNAME"},
+    {"Slurm's srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_JOB_ID"},
+};
+
+static int parse_nonneg(const char* s, int* out) {
+  char* end;
+  long v = strtol(s, &end, 10);
+  if (!*s || *end || v < 0 || v > 1 << 30) return -1;
+  *out = (int)v;
+  return 0;
+}
+#endif
+
 int bench_launch_start(int* argc, char*** argv) {
   hostname_short(bench_w.hostname, sizeof bench_w.hostname);
   bench_w.proc = 0;
@@ -61,20 +84,21 @@ int bench_launch_start(int* argc, char*** argv) {
 #else
   (void)argc;
   (void)argv;
-  const char* rank = getenv("RANK");
-  const char* size = getenv("WORLD_SIZE");
-  if (rank && size && *rank && *size) {
-    bench_w.proc = atoi(rank);
-    bench_w.nprocs = atoi(size);
-    if (bench_w.nprocs < 1 || bench_w.proc < 0 || bench_w.proc >= bench_w.nprocs) {
-      fprintf(stderr, "RANK=%s and WORLD_SIZE=%s do not describe a process of the job\n", rank, size);
+  for (size_t i = 0; i < sizeof launchers / sizeof launchers[0]; i++) {
+    const char* rank = getenv(launchers[i].rank);
+    const char* size = getenv(launchers[i].size);
+    if (!rank || !size || !*rank || !*size) continue;
+    if (parse_nonneg(rank, &bench_w.proc) != 0 || parse_nonneg(size, &bench_w.nprocs) != 0 || bench_w.nprocs < 1 ||
+        bench_w.proc >= bench_w.nprocs) {
+      fprintf(stderr, "%s=%s and %s=%s (from %s) do not describe a process of the job\n", launchers[i].rank, rank,
+              launchers[i].size, size, launchers[i].name);
       return BENCH_ERR_INTERNAL;
     }
     bench_w.launcher = LAUNCH_ENV;
-  } else if (env_int("OMPI_COMM_WORLD_SIZE", 1) > 1 || env_int("PMI_SIZE", 1) > 1) {
-    fprintf(stderr,
-            "warning: started by an MPI launcher, but this binary is built without MPI: every "
-            "process runs a job of its own (use the _mpi binaries)\n");
+    bench_w.launcher_name = launchers[i].name;
+    bench_w.local_rank_var = launchers[i].local_rank;
+    bench_w.job_key = launchers[i].job ? getenv(launchers[i].job) : NULL;
+    break;
   }
 #endif
   return BENCH_OK;
@@ -118,7 +142,15 @@ struct oob_hello {
 static void oob_endpoint(const char** host, char* port, size_t len) {
   *host = getenv("MASTER_ADDR");
   if (!*host || !**host) *host = "127.0.0.1";
-  int p = env_int("MASTER_PORT", 29500);
+  /* Without MASTER_PORT, a port in 20000-29999 from the launcher's job id: two jobs started
+   * at once on one node by mpirun or srun get different ports. */
+  int p = 29500;
+  if (bench_w.job_key && *bench_w.job_key) {
+    uint32_t h = 2166136261u;
+    for (const char* c = bench_w.job_key; *c; c++) h = (h ^ (uint8_t)*c) * 16777619u;
+    p = 20000 + (int)(h % 10000);
+  }
+  p = env_int("MASTER_PORT", p);
   /* Under torchrun the agent's own store listens on MASTER_PORT; take the next one. */
   const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
   if (agent && strcmp(agent, "True") == 0) p += 1;
@@ -133,25 +165,35 @@ static int oob_serve(double deadline) {
   struct addrinfo hints = {0}, *res = NULL;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
-  int lfd = -1;
-  /* Listen on MASTER_ADDR's own address; when it is not one of ours, on every address. */
-  for (int attempt = 0; attempt < 2 && lfd < 0; attempt++) {
-    if (getaddrinfo(attempt == 0 ? host : NULL, port, &hints, &res) != 0) continue;
-    for (struct addrinfo* a = res; a && lfd < 0; a = a->ai_next) {
-      int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
-      if (fd < 0) continue;
-      int one = 1;
-      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-      if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 128) == 0)
-        lfd = fd;
-      else
-        close(fd);
+  int lfd = -1, err = 0;
+  /* The port may be held for a moment by a process of this job whose early connect() met
+   * itself (see oob_join), which lets go at once, or by a job that is ending: retry a while. */
+  double bind_until = bench_now() + 10;
+  do {
+    /* Listen on MASTER_ADDR's own address; when it is not one of ours, on every address. */
+    for (int attempt = 0; attempt < 2 && lfd < 0; attempt++) {
+      if (getaddrinfo(attempt == 0 ? host : NULL, port, &hints, &res) != 0) continue;
+      for (struct addrinfo* a = res; a && lfd < 0; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 128) == 0) {
+          lfd = fd;
+        } else {
+          err = errno;
+          close(fd);
+        }
+      }
+      freeaddrinfo(res);
     }
-    freeaddrinfo(res);
-  }
+    if (lfd < 0 && err == EADDRINUSE) usleep(50 * 1000);
+  } while (lfd < 0 && err == EADDRINUSE && bench_now() < bind_until);
   if (lfd < 0) {
-    fprintf(stderr, "%s: cannot listen on %s:%s for the other processes: %s\n", bench_w.hostname,
-            host, port, strerror(errno));
+    fprintf(stderr, "%s: cannot listen on %s:%s for the other processes: %s%s\n", bench_w.hostname,
+            host, port, strerror(err),
+            err == EADDRINUSE ? " (another program holds the port: choose a free one with MASTER_PORT or COMM_BENCH_PORT)"
+                              : "");
     return -1;
   }
   int joined = 1;
@@ -185,6 +227,17 @@ static int oob_serve(double deadline) {
   return 0;
 }
 
+/* Before process 0 listens, a connect() to a port in the ephemeral range can be given that
+ * same port as its source and meet itself (TCP simultaneous open): it then "succeeds", talks
+ * to itself, and keeps process 0 from binding the port ("Address already in use"). */
+static int connected_to_itself(int fd) {
+  struct sockaddr_storage me, peer;
+  socklen_t ml = sizeof me, pl = sizeof peer;
+  if (getsockname(fd, (struct sockaddr*)&me, &ml) != 0 || getpeername(fd, (struct sockaddr*)&peer, &pl) != 0)
+    return 0;
+  return ml == pl && memcmp(&me, &peer, ml) == 0;
+}
+
 static int oob_join(double deadline) {
   const char* host;
   char port[16];
@@ -198,10 +251,15 @@ static int oob_join(double deadline) {
       for (struct addrinfo* a = res; a && fd < 0; a = a->ai_next) {
         int s = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
         if (s < 0) continue;
-        if (connect(s, a->ai_addr, a->ai_addrlen) == 0)
+        if (connect(s, a->ai_addr, a->ai_addrlen) == 0 && !connected_to_itself(s)) {
           fd = s;
-        else
+        } else {
+          /* A self-connected socket holds the port process 0 must bind: let go at once (a
+           * reset, not a close that would leave it in TIME_WAIT for a minute). */
+          struct linger now = {1, 0};
+          setsockopt(s, SOL_SOCKET, SO_LINGER, &now, sizeof now);
           close(s);
+        }
       }
       freeaddrinfo(res);
     }

@@ -135,6 +135,59 @@ if ! timeout "$limit" "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.
   fail "plot.py" "$work/plot.log"
 fi
 
+echo "launchers"
+# The plain binaries join one job under mpirun, as nccl-tests built with MPI do: one table
+# with three ranks, not three one-rank tables.
+log=$work/log.$runs
+runs=$((runs + 1))
+if ! timeout "$limit" "${MPIRUN[@]}" -np 3 "$bin/all_reduce_perf" "${SWEEP[@]}" >"$log" 2>&1 || ! table_ok "$log" ||
+  [ "$(grep -c '^#  Rank  0 ' "$log")" != 1 ] || ! grep -q '^#  Rank  2 ' "$log"; then
+  fail "all_reduce_perf under mpirun -np 3 (one job of 3 ranks)" "$log"
+fi
+# srun and MPICH's mpiexec are not installed here: their variables, set as they set them, make
+# one job too (the port comes from the job id when MASTER_PORT is not set).
+for vars in "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_JOB_ID" "PMI_RANK PMI_SIZE PMI_KVSNAME"; do
+  read -r rank_var size_var job_var <<<"$vars"
+  job=$RANDOM$RANDOM
+  logs=()
+  pids=()
+  for r in 0 1 2; do
+    logs+=("$work/log.$runs.$r")
+    env "$rank_var=$r" "$size_var=3" "$job_var=$job" timeout "$limit" "$bin/all_reduce_perf" "${SWEEP[@]}" \
+      >"${logs[r]}" 2>&1 &
+    pids+=($!)
+  done
+  runs=$((runs + 1))
+  rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  if [ "$rc" != 0 ] || ! table_ok "${logs[0]}" || ! grep -q '^#  Rank  2 ' "${logs[0]}"; then
+    fail "all_reduce_perf with $rank_var and $size_var (exit $rc)" "${logs[@]}"
+  fi
+done
+# A process that tries to reach process 0 before it listens can have its connect() meet itself
+# when the port is in the ephemeral range, and then held the port process 0 must bind ("Address
+# already in use"). In a network namespace of its own, the ephemeral range is narrowed to the
+# rendezvous port and one more while process 1 tries alone, then widened for the job.
+if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null; then
+  log=$work/log.$runs
+  runs=$((runs + 1))
+  if ! timeout "$limit" unshare --net bash -c '
+      set -e
+      ip link set lo up
+      echo "40000 40001" >/proc/sys/net/ipv4/ip_local_port_range
+      RANK=1 WORLD_SIZE=2 MASTER_PORT=40000 "$1" -b 8 -e 1K -f 4 -n 2 -w 1 -c 1 >/dev/null 2>&1 &
+      sleep 2
+      echo "40002 45000" >/proc/sys/net/ipv4/ip_local_port_range
+      rc=0
+      RANK=0 WORLD_SIZE=2 MASTER_PORT=40000 "$1" -b 8 -e 1K -f 4 -n 2 -w 1 -c 1 || rc=$?
+      wait $! || rc=$?
+      exit $rc' sh "$bin/all_reduce_perf" >"$log" 2>&1 || ! table_ok "$log"; then
+    fail "rendezvous after a self-connected early connect()" "$log"
+  fi
+else
+  echo "skipped the self-connect rendezvous test: needs root and unshare"
+fi
+
 echo "failure paths"
 if [ ! -e /dev/nvidia0 ]; then
   expect_fail "--memory device without a GPU" 5 "not supported: --memory device" "$bin/all_reduce_perf" --memory device
