@@ -820,6 +820,9 @@ fn count_repeats(parts: Vec<String>) -> String {
         .join(", ")
 }
 
+/// How long a wait spins before it starts offering its core to others while it goes on spinning.
+const SPIN_YIELD_AFTER: Duration = Duration::from_micros(2);
+
 /// After giving up, how long a rank listens for the rank it suspects: when that rank timed out
 /// too, waiting for a third, the third is the cause, and the error names it.
 fn grace(timeout: Duration) -> Duration {
@@ -890,6 +893,12 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
         if idle < execs[0].wiring.spin {
+            // The rank waited for may share this core (unpinned ranks often do after a
+            // wake-up): then it cannot run while this one spins. Offer the core every few
+            // microseconds; with the core to itself the call returns at once.
+            if idle >= SPIN_YIELD_AFTER {
+                std::thread::yield_now();
+            }
             continue;
         }
         if idle < execs[0].wiring.spin + execs[0].wiring.yield_for {
