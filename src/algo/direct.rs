@@ -7,21 +7,38 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 /// itself. Contributions are combined in rank order on every rank, so all ranks get the same
 /// bits even for floating point. The running sum lives in scratch, so the caller's input stays
 /// intact until the last step, whether or not the buffers overlap.
+///
+/// In place, the last step overwrites the input the peers may still be reading (a large
+/// message is read by the peer straight from the sender's buffer): that step would wait for
+/// every peer's read, a round trip per slice. A copy of the input in scratch is sent instead.
 pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
         return Schedule::local_copy(bytes);
     }
-    s.scratch = bytes;
+    s.scratch = if shape.in_place { 2 * bytes } else { bytes };
     for input in shape.slices(Buf::Send, 0, bytes) {
         let input = Operand::input(input);
-        let out = Region::new(Buf::Recv, input.region.offset, input.region.len);
-        let acc = Region::new(Buf::Scratch, input.region.offset, input.region.len);
+        let (off, len) = (input.region.offset, input.region.len);
+        let out = Region::new(Buf::Recv, off, len);
+        let acc = Region::new(Buf::Scratch, off, len);
+        let sent = if shape.in_place {
+            let copy = Region::new(Buf::Scratch, bytes + off, len);
+            s.push(Step::Local {
+                dst: copy,
+                a: input,
+                b: None,
+                last: false,
+            });
+            Operand::partial(copy)
+        } else {
+            input
+        };
         for k in 1..n {
             s.push(Step::Send {
                 peer: shape.rel(k as isize),
-                src: input,
+                src: sent,
             });
         }
         fold_in_rank_order(&mut s, shape.rank, n, input, acc, out);
