@@ -69,7 +69,7 @@ _OPS = {
 class Reduction:
     """A reduction as the engine sees it: ``kind`` is one of the _OPS names or "premul_sum"."""
 
-    __slots__ = ("kind", "factor")
+    __slots__ = ("factor", "kind")
 
     def __init__(self, kind, factor=None):
         self.kind = kind
@@ -97,7 +97,7 @@ def _seconds(timeout):
 
 try:
     from torch.distributed import Work as _WorkBase
-except Exception:  # pragma: no cover - torch without distributed
+except Exception:  # noqa: BLE001  # pragma: no cover - torch without distributed
     _WorkBase = object
 
 
@@ -228,7 +228,7 @@ class Task:
     enclosing group); ``finish`` runs after the group ended successfully (copy-outs);
     ``cleanup`` runs after the group in any case (reduction ops to destroy)."""
 
-    __slots__ = ("issue", "finish", "cleanup", "result", "cuda", "work", "keep", "children")
+    __slots__ = ("children", "cleanup", "cuda", "finish", "issue", "keep", "result", "work")
 
     def __init__(self, issue, finish=None, cleanup=None, result=None, cuda=None, keep=None):
         self.issue = issue
@@ -251,7 +251,7 @@ class Task:
                 if self.finish is not None:
                     self.finish()
                 return None
-            device, stream, start = self.cuda
+            _device, stream, start = self.cuda
             stream.wait_event(start)
             with torch.cuda.stream(stream):
                 self.issue()
@@ -272,7 +272,7 @@ class Task:
             if end is not None:
                 self.work._end_event = end
                 self.work._device = self.cuda[0]
-        except BaseException as err:  # surfaced through wait(), never lost in the worker
+        except BaseException as err:  # noqa: BLE001  surfaced through wait(), never lost in the worker
             error = err if isinstance(err, Exception) else CommError(f"comm: {err!r}")
         self.work._complete(error)
         for child in self.children:
@@ -421,7 +421,7 @@ class Engine:
             # find it.
             try:
                 store.delete_key(key)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110  not every store can delete; a stale id is harmless
                 pass
         return cls(lib, handle.value, rank, size, name)
 
@@ -784,9 +784,7 @@ class Engine:
                 gather_rows(indices).t(), gather_rows(values), tensor.shape, dtype=tensor.dtype
             ).coalesce()
         else:
-            summed = torch.sparse_coo_tensor(
-                indices.t(), values, tensor.shape, dtype=tensor.dtype
-            ).coalesce()
+            summed = torch.sparse_coo_tensor(indices.t(), values, tensor.shape, dtype=tensor.dtype).coalesce()
         tensor.copy_(summed)
         return completed_work([tensor] if result is None else result)
 
@@ -1060,7 +1058,7 @@ class Engine:
                 o.copy_(recv[off : off + o.numel()].view(o.shape))
                 off += o.numel()
 
-        make = lambda: self.all_to_all_single(  # noqa: E731
+        make = lambda: self.all_to_all_single(
             recv, send, None if uniform else out_splits, None if uniform else in_splits
         )
         return self._wrapped(make, pack, unpack, outputs if result is None else result, async_op)
@@ -1223,7 +1221,7 @@ class Engine:
         if timeout is None:
             return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)
         work = self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op=True)
-        ms = int(round(timeout * 1000))
+        ms = round(timeout * 1000)
 
         def expire():
             self.abort()

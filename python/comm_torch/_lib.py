@@ -99,7 +99,7 @@ class Config(ctypes.Structure):
 
 try:  # torch.distributed's own error type, when this torch has one.
     from torch.distributed import DistBackendError as _ErrorBase
-except Exception:  # pragma: no cover - older torch, or torch without distributed
+except Exception:  # noqa: BLE001  # pragma: no cover - older torch, or torch without distributed
     _ErrorBase = RuntimeError
 
 

@@ -283,7 +283,7 @@ if _C10dBackend is not None:
                 for attr, value in (("group_name", self._group_name), ("global_ranks_in_group", self._global_ranks)):
                     try:
                         setattr(opts, attr, value)
-                    except Exception:
+                    except Exception:  # noqa: BLE001, S110  read-only or missing on some torch releases
                         pass
                 self._options = opts
             return self._options
@@ -658,7 +658,7 @@ def backend_trampoline_available():
 
             try:
                 _probe_result = _Probe(0, 1).name() == "comm-probe"
-            except Exception:
+            except Exception:  # noqa: BLE001  any failure means the trampoline cannot be used
                 _probe_result = False
     return _probe_result
 
