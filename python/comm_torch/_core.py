@@ -10,9 +10,9 @@ Python thread keeps going.
 
 On host memory a libcomm call is complete when it returns. Device (CUDA) tensors follow
 NCCL's stream semantics: the call is enqueued on a communication stream that first waits for
-the caller's current stream, and ``wait()`` makes the caller's stream wait for it. libcomm has
-no device path yet, so CUDA tensors are refused until ``commGetFeatures`` reports
-COMM_FEATURE_DEVICE_MEMORY.
+the caller's current stream, and ``wait()`` makes the caller's stream wait for it. libcomm
+reports its device path through ``commGetFeatures`` (COMM_FEATURE_DEVICE_MEMORY: a CUDA driver
+and a GPU were found); where it does not, CUDA tensors are refused with an error that says so.
 """
 
 import ctypes
