@@ -29,5 +29,5 @@ if _HAVE_DIST:
     register()
 else:  # pragma: no cover
 
-    def register():
+    def register() -> None:
         raise RuntimeError("comm_torch: this torch build has no torch.distributed")

@@ -15,11 +15,14 @@ reports its device path through ``commGetFeatures`` (COMM_FEATURE_DEVICE_MEMORY:
 and a GPU were found); where it does not, CUDA tensors are refused with an error that says so.
 """
 
+from __future__ import annotations
+
 import ctypes
 import datetime
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -71,7 +74,7 @@ class Reduction:
 
     __slots__ = ("factor", "kind")
 
-    def __init__(self, kind, factor=None):
+    def __init__(self, kind: str, factor: float | torch.Tensor | None = None) -> None:
         self.kind = kind
         self.factor = factor
 
@@ -114,7 +117,7 @@ class CommWork(_WorkBase):
     value; an exception raised inside a ``then`` callback fails the C++ future itself.
     """
 
-    def __init__(self, result=None, done=False, error=None):
+    def __init__(self, result: Any = None, done: bool = False, error: BaseException | None = None) -> None:
         if _WorkBase is not object:
             super().__init__()
         self._result = result
@@ -146,7 +149,7 @@ class CommWork(_WorkBase):
             base.set_result(None)
 
     # -- torch.distributed.Work interface
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         if self._flush is not None:
             self._flush()
         if not self._done:
@@ -165,7 +168,7 @@ class CommWork(_WorkBase):
             torch.cuda.current_stream(self._device).wait_event(self._end_event)
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         if self._flush is not None:
             self._flush()
         if not self._done:
@@ -174,16 +177,16 @@ class CommWork(_WorkBase):
             return self._end_event.query()
         return True
 
-    def is_success(self):
+    def is_success(self) -> bool:
         return self._done and self._error is None
 
-    def exception(self):
+    def exception(self) -> BaseException | None:
         return self._error
 
-    def result(self):
+    def result(self) -> Any:
         return self._result
 
-    def source_rank(self):
+    def source_rank(self) -> int:
         """The rank a receive from any source took its message from (after wait())."""
         if self._source is None:
             raise RuntimeError("comm: source_rank is only defined for a receive from any source")
@@ -192,7 +195,7 @@ class CommWork(_WorkBase):
 
     _source_rank = source_rank
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         self.wait()
 
     def _unwrap(self, _fut):
@@ -200,7 +203,7 @@ class CommWork(_WorkBase):
             raise self._error
         return self._result
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future:
         if self._flush is not None:
             self._flush()
         with self._lock:
