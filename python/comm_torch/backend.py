@@ -67,7 +67,7 @@ try:
 except ImportError:  # pragma: no cover - very old torch
     _C10dBackend = None
 
-_REDUCTIONS = {}
+_REDUCTIONS: dict[Any, Reduction] = {}
 
 # Every backend object until its group is shut down. torch's C++ side holds a backend through
 # an intrusive pointer, which does not keep the Python object alive; when nothing in Python
@@ -75,7 +75,7 @@ _REDUCTIONS = {}
 # base class ("getBackendName is not implemented"). That is what happens under
 # TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in a ProcessGroupWrapper and
 # keeps only the wrapper.
-_LIVE = set()
+_LIVE: set[Any] = set()
 
 
 def reduction(op: Any) -> Reduction:
@@ -114,6 +114,12 @@ def _async(opts: Any) -> bool:
 
 class _Ops:
     """torch.distributed's backend interface, shared by both plumbing classes below."""
+
+    # Set by each subclass's __init__.
+    engine: Engine
+    _timeout: datetime.timedelta
+    _store: dist.Store | None
+    _monitored_seq: int
 
     # -- identity
     def getBackendName(self) -> str:
