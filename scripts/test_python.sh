@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Python side: builds libcomm.so, makes sure a virtual environment with torch (from
 # PyPI, reused between runs: the default Linux wheel and its CUDA libraries take about 5 GB),
-# pytest and the comm-torch package exists, then runs python/tests. Every multi-process test
-# has its own timeout (tests/launcher.py) and pytest-timeout bounds each test as well.
+# pytest, ruff and the comm-torch package exists, lints python/ with ruff, then runs
+# python/tests. Every multi-process test has its own timeout (tests/launcher.py) and
+# pytest-timeout bounds each test as well.
 #
 #   scripts/test_python.sh [pytest arguments]
 #
@@ -26,6 +27,15 @@ if ! "$PY" -c 'import torch.distributed, pytest, pytest_timeout, expecttest, num
   echo "installing ${COMM_TORCH_SPEC:-torch} and pytest into $VENV (the first time takes a while)" >&2
   "$VENV/bin/pip" install -q "${COMM_TORCH_SPEC:-torch}" pytest pytest-timeout expecttest numpy "setuptools>=64" wheel
 fi
+# ruff at the version python/pyproject.toml pins (its test extra): each release adds rules.
+RUFF_SPEC=$(grep -o '"ruff==[^"]*"' python/pyproject.toml | tr -d '"')
+if [ "$("$PY" -m ruff --version 2>/dev/null)" != "ruff ${RUFF_SPEC#ruff==}" ]; then
+  "$VENV/bin/pip" install -q "$RUFF_SPEC"
+fi
+# Before the build: a lint failure is reported in seconds.
+"$PY" -m ruff check python
+"$PY" -m ruff format --check python
+
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Editable, so the tests run the checkout's code; this also installs the entry points.

@@ -6,9 +6,14 @@ torchcomms backend "comm" is in ``comm_torch.torchcomms_backend`` and is found t
 ``torchcomms.backends`` entry point.
 """
 
+from importlib import metadata as _metadata
+
 from ._lib import CommError, features, library_path, load_library, version
 
-__version__ = "0.1.0"
+try:  # pyproject.toml holds the one copy of the version; installing records it here.
+    __version__ = _metadata.version("comm-torch")
+except _metadata.PackageNotFoundError:  # pragma: no cover - imported from a checkout, not installed
+    __version__ = "0+unknown"
 __all__ = ["CommError", "features", "library_path", "load_library", "register", "version"]
 
 try:
@@ -24,5 +29,5 @@ if _HAVE_DIST:
     register()
 else:  # pragma: no cover
 
-    def register():
+    def register() -> None:
         raise RuntimeError("comm_torch: this torch build has no torch.distributed")

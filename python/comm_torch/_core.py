@@ -10,16 +10,19 @@ Python thread keeps going.
 
 On host memory a libcomm call is complete when it returns. Device (CUDA) tensors follow
 NCCL's stream semantics: the call is enqueued on a communication stream that first waits for
-the caller's current stream, and ``wait()`` makes the caller's stream wait for it. libcomm has
-no device path yet, so CUDA tensors are refused until ``commGetFeatures`` reports
-COMM_FEATURE_DEVICE_MEMORY.
+the caller's current stream, and ``wait()`` makes the caller's stream wait for it. libcomm
+reports its device path through ``commGetFeatures`` (COMM_FEATURE_DEVICE_MEMORY: a CUDA driver
+and a GPU were found); where it does not, CUDA tensors are refused with an error that says so.
 """
+
+from __future__ import annotations
 
 import ctypes
 import datetime
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -69,9 +72,9 @@ _OPS = {
 class Reduction:
     """A reduction as the engine sees it: ``kind`` is one of the _OPS names or "premul_sum"."""
 
-    __slots__ = ("kind", "factor")
+    __slots__ = ("factor", "kind")
 
-    def __init__(self, kind, factor=None):
+    def __init__(self, kind: str, factor: float | torch.Tensor | None = None) -> None:
         self.kind = kind
         self.factor = factor
 
@@ -97,7 +100,7 @@ def _seconds(timeout):
 
 try:
     from torch.distributed import Work as _WorkBase
-except Exception:  # pragma: no cover - torch without distributed
+except Exception:  # noqa: BLE001  # pragma: no cover - torch without distributed
     _WorkBase = object
 
 
@@ -114,7 +117,7 @@ class CommWork(_WorkBase):
     value; an exception raised inside a ``then`` callback fails the C++ future itself.
     """
 
-    def __init__(self, result=None, done=False, error=None):
+    def __init__(self, result: Any = None, done: bool = False, error: BaseException | None = None) -> None:
         if _WorkBase is not object:
             super().__init__()
         self._result = result
@@ -146,7 +149,7 @@ class CommWork(_WorkBase):
             base.set_result(None)
 
     # -- torch.distributed.Work interface
-    def wait(self, timeout=None):
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         if self._flush is not None:
             self._flush()
         if not self._done:
@@ -165,7 +168,7 @@ class CommWork(_WorkBase):
             torch.cuda.current_stream(self._device).wait_event(self._end_event)
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         if self._flush is not None:
             self._flush()
         if not self._done:
@@ -174,16 +177,16 @@ class CommWork(_WorkBase):
             return self._end_event.query()
         return True
 
-    def is_success(self):
+    def is_success(self) -> bool:
         return self._done and self._error is None
 
-    def exception(self):
+    def exception(self) -> BaseException | None:
         return self._error
 
-    def result(self):
+    def result(self) -> Any:
         return self._result
 
-    def source_rank(self):
+    def source_rank(self) -> int:
         """The rank a receive from any source took its message from (after wait())."""
         if self._source is None:
             raise RuntimeError("comm: source_rank is only defined for a receive from any source")
@@ -192,7 +195,7 @@ class CommWork(_WorkBase):
 
     _source_rank = source_rank
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         self.wait()
 
     def _unwrap(self, _fut):
@@ -200,7 +203,7 @@ class CommWork(_WorkBase):
             raise self._error
         return self._result
 
-    def get_future(self):
+    def get_future(self) -> torch.futures.Future:
         if self._flush is not None:
             self._flush()
         with self._lock:
@@ -228,7 +231,7 @@ class Task:
     enclosing group); ``finish`` runs after the group ended successfully (copy-outs);
     ``cleanup`` runs after the group in any case (reduction ops to destroy)."""
 
-    __slots__ = ("issue", "finish", "cleanup", "result", "cuda", "work", "keep", "children")
+    __slots__ = ("children", "cleanup", "cuda", "finish", "issue", "keep", "result", "work")
 
     def __init__(self, issue, finish=None, cleanup=None, result=None, cuda=None, keep=None):
         self.issue = issue
@@ -251,7 +254,7 @@ class Task:
                 if self.finish is not None:
                     self.finish()
                 return None
-            device, stream, start = self.cuda
+            _device, stream, start = self.cuda
             stream.wait_event(start)
             with torch.cuda.stream(stream):
                 self.issue()
@@ -272,7 +275,7 @@ class Task:
             if end is not None:
                 self.work._end_event = end
                 self.work._device = self.cuda[0]
-        except BaseException as err:  # surfaced through wait(), never lost in the worker
+        except BaseException as err:  # noqa: BLE001  surfaced through wait(), never lost in the worker
             error = err if isinstance(err, Exception) else CommError(f"comm: {err!r}")
         self.work._complete(error)
         for child in self.children:
@@ -421,7 +424,7 @@ class Engine:
             # find it.
             try:
                 store.delete_key(key)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110  not every store can delete; a stale id is harmless
                 pass
         return cls(lib, handle.value, rank, size, name)
 
@@ -784,9 +787,7 @@ class Engine:
                 gather_rows(indices).t(), gather_rows(values), tensor.shape, dtype=tensor.dtype
             ).coalesce()
         else:
-            summed = torch.sparse_coo_tensor(
-                indices.t(), values, tensor.shape, dtype=tensor.dtype
-            ).coalesce()
+            summed = torch.sparse_coo_tensor(indices.t(), values, tensor.shape, dtype=tensor.dtype).coalesce()
         tensor.copy_(summed)
         return completed_work([tensor] if result is None else result)
 
@@ -1060,7 +1061,7 @@ class Engine:
                 o.copy_(recv[off : off + o.numel()].view(o.shape))
                 off += o.numel()
 
-        make = lambda: self.all_to_all_single(  # noqa: E731
+        make = lambda: self.all_to_all_single(
             recv, send, None if uniform else out_splits, None if uniform else in_splits
         )
         return self._wrapped(make, pack, unpack, outputs if result is None else result, async_op)
@@ -1223,7 +1224,7 @@ class Engine:
         if timeout is None:
             return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)
         work = self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op=True)
-        ms = int(round(timeout * 1000))
+        ms = round(timeout * 1000)
 
         def expire():
             self.abort()

@@ -5,10 +5,13 @@ global namespace, and libcomm exports the same ``nccl*`` names. Keeping libcomm 
 neither library's symbols can capture the other's calls (see DESIGN.md, "Symbols").
 """
 
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import os
 import threading
+from collections.abc import Iterator
 
 c_int = ctypes.c_int
 c_size_t = ctypes.c_size_t
@@ -83,7 +86,7 @@ class Config(ctypes.Structure):
     ]
 
     @classmethod
-    def new(cls, comm_name=None):
+    def new(cls, comm_name: str | None = None) -> Config:
         # The equivalent of NCCL_CONFIG_INITIALIZER: every field undefined but the header.
         cfg = cls()
         for name, ctype in cls._fields_:
@@ -99,7 +102,7 @@ class Config(ctypes.Structure):
 
 try:  # torch.distributed's own error type, when this torch has one.
     from torch.distributed import DistBackendError as _ErrorBase
-except Exception:  # pragma: no cover - older torch, or torch without distributed
+except Exception:  # noqa: BLE001  # pragma: no cover - older torch, or torch without distributed
     _ErrorBase = RuntimeError
 
 
@@ -109,13 +112,13 @@ class CommError(_ErrorBase):
     A subclass of RuntimeError, and of torch.distributed.DistBackendError where torch has it.
     """
 
-    def __init__(self, message, result=None, call=None):
+    def __init__(self, message: str, result: int | None = None, call: str | None = None) -> None:
         super().__init__(message)
         self.result = result
         self.call = call
 
     @property
-    def result_name(self):
+    def result_name(self) -> str:
         return RESULT_NAMES.get(self.result, str(self.result))
 
 
@@ -172,7 +175,7 @@ _PROTOTYPES = {
 class Library:
     """The opened libcomm.so with typed entry points as attributes (``lib.ncclAllReduce``)."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
         self._dll = ctypes.CDLL(path, mode=os.RTLD_LOCAL)
         for name, (restype, argtypes) in _PROTOTYPES.items():
@@ -181,12 +184,12 @@ class Library:
             fn.argtypes = argtypes
             setattr(self, name, fn)
 
-    def last_error(self, comm=None):
+    def last_error(self, comm: ctypes.c_void_p | int | None = None) -> str:
         """The library's message for the last failed call on this thread (and communicator)."""
         msg = self.ncclGetLastError(comm)
         return msg.decode(errors="replace") if msg else ""
 
-    def check(self, result, call, comm=None):
+    def check(self, result: int, call: str, comm: ctypes.c_void_p | int | None = None) -> None:
         """Raises CommError for a non-success result, with ncclGetLastError's text."""
         if result == SUCCESS:
             return
@@ -199,18 +202,18 @@ class Library:
             detail = raw.decode(errors="replace") if raw else "no message"
         raise CommError(f"comm: {call} failed ({name}): {detail}", result=result, call=call)
 
-    def version(self):
+    def version(self) -> int:
         v = c_int()
         self.check(self.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
         return v.value
 
-    def features(self):
+    def features(self) -> int:
         f = c_int()
         self.check(self.commGetFeatures(ctypes.byref(f)), "commGetFeatures")
         return f.value
 
 
-def _candidates():
+def _candidates() -> Iterator[tuple[str, str]]:
     """Where libcomm.so is looked for, in order: COMM_LIBRARY, next to this package, the
     dynamic loader's search path (LD_LIBRARY_PATH, ld.so.cache, system directories)."""
     env = os.environ.get("COMM_LIBRARY")
@@ -229,10 +232,10 @@ def _candidates():
 
 
 _lock = threading.Lock()
-_library = None
+_library: Library | None = None
 
 
-def load_library():
+def load_library() -> Library:
     """Opens libcomm.so once per process and returns the Library."""
     global _library
     with _lock:
@@ -253,13 +256,13 @@ def load_library():
         )
 
 
-def library_path():
+def library_path() -> str:
     return load_library().path
 
 
-def features():
+def features() -> int:
     return load_library().features()
 
 
-def version():
+def version() -> int:
     return load_library().version()

@@ -27,10 +27,13 @@ How a pure-Python backend plugs into torch (read from torch's sources, not guess
   ``comm_torch.backend:register``. Older torch needs ``import comm_torch``.
 """
 
+from __future__ import annotations
+
 import datetime
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,22 @@ from ._core import SUM, Engine, Reduction
 from ._lib import CommError
 from ._monitored import monitored_barrier as _monitored_barrier
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        AllreduceCoalescedOptions,
+        AllreduceOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        GatherOptions,
+        ReduceOptions,
+        ReduceScatterOptions,
+        ScatterOptions,
+    )
+
+    Tensors = list[torch.Tensor]
+
 BACKEND_NAME = "comm"
 DEVICES = ["cpu", "cuda"]
 
@@ -48,7 +67,7 @@ try:
 except ImportError:  # pragma: no cover - very old torch
     _C10dBackend = None
 
-_REDUCTIONS = {}
+_REDUCTIONS: dict[Any, Reduction] = {}
 
 # Every backend object until its group is shut down. torch's C++ side holds a backend through
 # an intrusive pointer, which does not keep the Python object alive; when nothing in Python
@@ -56,10 +75,10 @@ _REDUCTIONS = {}
 # base class ("getBackendName is not implemented"). That is what happens under
 # TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch wraps the backend in a ProcessGroupWrapper and
 # keeps only the wrapper.
-_LIVE = set()
+_LIVE: set[Any] = set()
 
 
-def reduction(op):
+def reduction(op: Any) -> Reduction:
     """The engine's Reduction for a torch.distributed ReduceOp (or ReduceOp.RedOpType)."""
     kind_obj = getattr(op, "op", op)
     cached = _REDUCTIONS.get(kind_obj)
@@ -78,7 +97,7 @@ def reduction(op):
     return made
 
 
-def _timeout_seconds(value):
+def _timeout_seconds(value: datetime.timedelta | float | None) -> float | None:
     """Seconds of a torch timeout (timedelta or number); None when unset (torch's unset timeout
     is -1 ms, kUnsetTimeout)."""
     if value is None:
@@ -87,7 +106,7 @@ def _timeout_seconds(value):
     return None if seconds < 0 else seconds
 
 
-def _async(opts):
+def _async(opts: Any) -> bool:
     # AllreduceOptions and friends carry asyncOp on recent torch (dist.* sets it from
     # async_op); without it, treat the call as asynchronous, which is always correct.
     return getattr(opts, "asyncOp", True)
@@ -96,15 +115,21 @@ def _async(opts):
 class _Ops:
     """torch.distributed's backend interface, shared by both plumbing classes below."""
 
+    # Set by each subclass's __init__.
+    engine: Engine
+    _timeout: datetime.timedelta
+    _store: dist.Store | None
+    _monitored_seq: int
+
     # -- identity
-    def getBackendName(self):
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<comm backend {self.engine.name!r} rank {self.engine.rank}/{self.engine.size}>"
 
     # -- collectives
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors: Tensors, opts: AllreduceOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
         async_op = _async(opts) if opts is not None else True
         if len(tensors) == 1 and tensors[0].is_sparse:
@@ -113,100 +138,121 @@ class _Ops:
             return self.engine.all_reduce(tensors[0], op, async_op, result=tensors)
         return self.engine.all_reduce_coalesced(tensors, op, async_op, result=tensors)
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors: Tensors, opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
         return self.engine.all_reduce_coalesced(tensors, op, _async(opts), result=tensors)
 
-    def allreduce_sparse(self, tensors, opts=None):
+    def allreduce_sparse(self, tensors: Tensors, opts: AllreduceOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
         (tensor,) = tensors
         return self.engine.sparse_all_reduce(tensor, op, _async(opts) if opts is not None else True, result=tensors)
 
-    def broadcast(self, tensors, opts):
+    def broadcast(self, tensors: Tensors, opts: BroadcastOptions) -> dist.Work:
         (tensor,) = tensors
         return self.engine.broadcast(tensor, opts.rootRank, _async(opts), result=tensors)
 
-    def reduce(self, tensors, opts):
+    def reduce(self, tensors: Tensors, opts: ReduceOptions) -> dist.Work:
         (tensor,) = tensors
         return self.engine.reduce(tensor, opts.rootRank, reduction(opts.reduceOp), _async(opts), result=tensors)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
+    def allgather(
+        self, output_tensors: list[Tensors], input_tensors: Tensors, opts: AllgatherOptions | None = None
+    ) -> dist.Work:
         (outputs,), (inp,) = output_tensors, input_tensors
         return self.engine.all_gather(outputs, inp, _async(opts), result=output_tensors)
 
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> dist.Work:
         return self.engine.all_gather_single(output, input, _async(opts), result=[output])
 
     _allgather_base = all_gather_single  # the name before torch 2.12
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
+    def allgather_coalesced(
+        self, output_lists: list[Tensors], inputs: Tensors, opts: AllgatherOptions | None = None
+    ) -> dist.Work:
         return self.engine.all_gather_coalesced(output_lists, inputs, _async(opts), result=output_lists)
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(
+        self, outputs: Tensors, inputs: Tensors, opts: AllgatherOptions | None = None
+    ) -> dist.Work:
         return self.engine.all_gather_single_coalesced(outputs, inputs, _async(opts), result=outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def gather(self, output_tensors, input_tensors, opts):
+    def gather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: GatherOptions) -> dist.Work:
         (inp,) = input_tensors
         outputs = output_tensors[0] if output_tensors else []
         return self.engine.gather(outputs, inp, opts.rootRank, _async(opts), result=output_tensors)
 
-    def gather_single(self, output, input, opts):
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: GatherOptions) -> dist.Work:
         out = output if self.engine.rank == opts.rootRank else None
         return self.engine.gather_single(out, input, opts.rootRank, _async(opts), result=[output])
 
-    def scatter(self, output_tensors, input_tensors, opts):
+    def scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: ScatterOptions) -> dist.Work:
         (out,) = output_tensors
         inputs = input_tensors[0] if input_tensors else []
         return self.engine.scatter(out, inputs, opts.rootRank, _async(opts), result=output_tensors)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts):
+    def reduce_scatter(
+        self, output_tensors: Tensors, input_tensors: list[Tensors], opts: ReduceScatterOptions
+    ) -> dist.Work:
         (out,), (inputs,) = output_tensors, input_tensors
         return self.engine.reduce_scatter(out, inputs, reduction(opts.reduceOp), _async(opts), result=output_tensors)
 
-    def reduce_scatter_single(self, output, input, opts):
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions) -> dist.Work:
         return self.engine.reduce_scatter_single(output, input, reduction(opts.reduceOp), _async(opts), result=[output])
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+    def reduce_scatter_single_coalesced(
+        self, outputs: Tensors, inputs: Tensors, opts: ReduceScatterOptions
+    ) -> dist.Work:
         return self.engine.reduce_scatter_single_coalesced(
             outputs, inputs, reduction(opts.reduceOp), _async(opts), result=outputs
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):
+    def alltoall(
+        self, output_tensors: Tensors, input_tensors: Tensors, opts: AllToAllOptions | None = None
+    ) -> dist.Work:
         return self.engine.all_to_all(output_tensors, input_tensors, _async(opts), result=output_tensors)
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions | None = None,
+    ) -> dist.Work:
         return self.engine.all_to_all_single(
             output, input, output_split_sizes, input_split_sizes, _async(opts), result=[output]
         )
 
     alltoall_base = all_to_all_single
 
-    def send(self, tensors, dst, tag=0):
+    def send(self, tensors: Tensors, dst: int, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
         return self.engine.send(tensor, dst, True, result=tensors)
 
-    def recv(self, tensors, src, tag=0):
+    def recv(self, tensors: Tensors, src: int, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
         return self.engine.recv(tensor, src, True, result=tensors)
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors: Tensors, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
         return self.engine.recv_any_source(tensor, True, result=tensors)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
         # The call's own timeout, else the group's (as gloo does); 0 means none.
         timeout = _timeout_seconds(getattr(opts, "timeout", None))
         if timeout is None:
             timeout = _timeout_seconds(self._timeout)
         return self.engine.barrier(_async(opts) if opts is not None else True, timeout or None)
 
-    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+    def monitored_barrier(self, opts: BarrierOptions | None = None, wait_all_ranks: bool = False) -> None:
         """Over the group's store; see _monitored.py."""
         timeout = _timeout_seconds(getattr(opts, "timeout", None))
         group_timeout = _timeout_seconds(self._timeout) or 1800.0
@@ -229,24 +275,24 @@ class _Ops:
 
     # -- coalescing (batch_isend_irecv and _coalescing_manager)
     @property
-    def supports_coalescing(self):
+    def supports_coalescing(self) -> bool:
         return True
 
-    def start_coalescing(self, device=None):
+    def start_coalescing(self, device: torch.device | None = None) -> None:
         self.engine.start_coalescing()
 
-    def end_coalescing(self, device=None):
+    def end_coalescing(self, device: torch.device | None = None) -> dist.Work:
         return self.engine.end_coalescing(async_op=True)
 
     # -- lifecycle
-    def eager_connect_single_device(self, device=None):
+    def eager_connect_single_device(self, device: torch.device | None = None) -> None:
         pass  # the communicator is created with the backend
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         _LIVE.discard(self)
         self.engine.destroy()
 
-    def abort(self):
+    def abort(self) -> None:
         _LIVE.discard(self)
         self.engine.abort()
 
@@ -262,7 +308,14 @@ if _C10dBackend is not None:
     class CommBackend(_Ops, _C10dBackend):
         """torch.distributed backend over one libcomm communicator."""
 
-        def __init__(self, engine, timeout=None, group_name="", global_ranks=None, store=None):
+        def __init__(
+            self,
+            engine: Engine,
+            timeout: datetime.timedelta | None = None,
+            group_name: str = "",
+            global_ranks: list[int] | None = None,
+            store: dist.Store | None = None,
+        ) -> None:
             _C10dBackend.__init__(self, engine.rank, engine.size)
             self.engine = engine
             self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
@@ -277,22 +330,22 @@ if _C10dBackend is not None:
         # define it sends PyBackend's lookup back into itself (unbounded recursion in
         # split_group on torch 2.15), so it is defined here.
         @property
-        def options(self):
+        def options(self) -> Any:
             if self._options is None:
                 opts = _C10dBackend.Options(BACKEND_NAME, self._timeout)
                 for attr, value in (("group_name", self._group_name), ("global_ranks_in_group", self._global_ranks)):
                     try:
                         setattr(opts, attr, value)
-                    except Exception:
+                    except Exception:  # noqa: BLE001, S110  read-only or missing on some torch releases
                         pass
                 self._options = opts
             return self._options
 
         @property
-        def supports_splitting(self):
+        def supports_splitting(self) -> bool:
             return True
 
-        def split(self, store, ranks, opts=None):
+        def split(self, store: dist.Store, ranks: list[int], opts: Any = None) -> _C10dBackend:
             """ProcessGroup.split_group: ncclCommSplit over this communicator. ``ranks`` are
             ranks of this group; ranks outside it take part with NCCL_SPLIT_NOCOLOR."""
             ranks = [int(r) for r in ranks]
@@ -314,7 +367,7 @@ if _C10dBackend is not None:
                 store,
             )
 
-        def perform_nocolor_split(self, device=None):
+        def perform_nocolor_split(self, device: torch.device | None = None) -> None:
             """new_group on a rank outside the new group, when the world has a bound device:
             its side of the members' ncclCommSplit (see _new_process_group_helper)."""
             self.engine.split(_lib.SPLIT_NOCOLOR, 0, f"{self.engine.name}:nocolor")
@@ -450,7 +503,13 @@ if _C10dBackend is not None:
         overriding those as well would send the two overrides into each other, so they are
         left to torch (whose own Python code calls the current names)."""
 
-        def __init__(self, backend, registered, store, bound_device_id=None):
+        def __init__(
+            self,
+            backend: CommBackend,
+            registered: _C10dBackend,
+            store: dist.Store,
+            bound_device_id: torch.device | None = None,
+        ) -> None:
             _PG.__init__(self, store, backend.engine.rank, backend.engine.size)
             self._comm_backend = backend
             self._set_default_backend(_CUSTOM)
@@ -463,7 +522,7 @@ if _C10dBackend is not None:
             # and without it the overrides would vanish from under C++ callers.
             backend._group = self
 
-        def getBackendName(self):
+        def getBackendName(self) -> str:
             return BACKEND_NAME
 
         def _own(self, made):
@@ -481,91 +540,91 @@ if _C10dBackend is not None:
         def _clear():
             _issued.work = None
 
-        def allreduce(self, *args, **kwargs):
+        def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.allreduce(self, *args, **kwargs))
 
-        def allreduce_coalesced(self, *args, **kwargs):
+        def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.allreduce_coalesced(self, *args, **kwargs))
 
-        def broadcast(self, *args, **kwargs):
+        def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.broadcast(self, *args, **kwargs))
 
-        def reduce(self, *args, **kwargs):
+        def reduce(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.reduce(self, *args, **kwargs))
 
-        def allgather(self, *args, **kwargs):
+        def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.allgather(self, *args, **kwargs))
 
-        def all_gather_single(self, *args, **kwargs):
+        def all_gather_single(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.all_gather_single(self, *args, **kwargs))
 
-        def _allgather_base(self, *args, **kwargs):
+        def _allgather_base(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG._allgather_base(self, *args, **kwargs))
 
-        def allgather_coalesced(self, *args, **kwargs):
+        def allgather_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.allgather_coalesced(self, *args, **kwargs))
 
-        def all_gather_single_coalesced(self, *args, **kwargs):
+        def all_gather_single_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.all_gather_single_coalesced(self, *args, **kwargs))
 
-        def gather(self, *args, **kwargs):
+        def gather(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.gather(self, *args, **kwargs))
 
-        def scatter(self, *args, **kwargs):
+        def scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.scatter(self, *args, **kwargs))
 
-        def reduce_scatter(self, *args, **kwargs):
+        def reduce_scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.reduce_scatter(self, *args, **kwargs))
 
-        def reduce_scatter_single(self, *args, **kwargs):
+        def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.reduce_scatter_single(self, *args, **kwargs))
 
-        def _reduce_scatter_base(self, *args, **kwargs):
+        def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG._reduce_scatter_base(self, *args, **kwargs))
 
-        def reduce_scatter_single_coalesced(self, *args, **kwargs):
+        def reduce_scatter_single_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.reduce_scatter_single_coalesced(self, *args, **kwargs))
 
-        def alltoall(self, *args, **kwargs):
+        def alltoall(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.alltoall(self, *args, **kwargs))
 
-        def all_to_all_single(self, *args, **kwargs):
+        def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.all_to_all_single(self, *args, **kwargs))
 
-        def barrier(self, *args, **kwargs):
+        def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.barrier(self, *args, **kwargs))
 
-        def send(self, *args, **kwargs):
+        def send(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.send(self, *args, **kwargs))
 
-        def recv(self, *args, **kwargs):
+        def recv(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.recv(self, *args, **kwargs))
 
-        def recv_anysource(self, *args, **kwargs):
+        def recv_anysource(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG.recv_anysource(self, *args, **kwargs))
 
-        def _end_coalescing(self, *args, **kwargs):
+        def _end_coalescing(self, *args: Any, **kwargs: Any) -> dist.Work:
             self._clear()
             return self._own(_PG._end_coalescing(self, *args, **kwargs))
 
@@ -624,27 +683,34 @@ class CommProcessGroup(_Ops, dist.ProcessGroup):
     """The same backend as a ProcessGroup subclass, for torch without the PyBackend
     trampoline. torch uses it as the group itself; sub-groups are created fresh."""
 
-    def __init__(self, engine, timeout=None, group_name="", global_ranks=None, store=None):
+    def __init__(
+        self,
+        engine: Engine,
+        timeout: datetime.timedelta | None = None,
+        group_name: str = "",
+        global_ranks: list[int] | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
         dist.ProcessGroup.__init__(self, engine.rank, engine.size)
         self.engine = engine
         self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
         self._store = store
         self._monitored_seq = 0
 
-    def getRank(self):
+    def getRank(self) -> int:
         return self.engine.rank
 
-    def getSize(self):
+    def getSize(self) -> int:
         return self.engine.size
 
-    def name(self):
+    def name(self) -> str:
         return BACKEND_NAME
 
 
 _probe_result = None
 
 
-def backend_trampoline_available():
+def backend_trampoline_available() -> bool:
     """Whether Python overrides on torch._C._distributed_c10d.Backend reach C++ callers."""
     global _probe_result
     if _probe_result is None:
@@ -658,7 +724,7 @@ def backend_trampoline_available():
 
             try:
                 _probe_result = _Probe(0, 1).name() == "comm-probe"
-            except Exception:
+            except Exception:  # noqa: BLE001  any failure means the trampoline cannot be used
                 _probe_result = False
     return _probe_result
 
@@ -667,7 +733,7 @@ def _group_key(name):
     return f"comm_torch/unique_id/{name}" if name else "comm_torch/unique_id"
 
 
-def create_backend(*args, **kwargs):
+def create_backend(*args: Any, **kwargs: Any) -> dist.ProcessGroup | _C10dBackend:
     """The creator torch calls for each process group on backend "comm"."""
     split_from = None
     global_ranks = []
@@ -705,7 +771,7 @@ _registered = False
 _register_lock = threading.Lock()
 
 
-def register():
+def register() -> None:
     """Registers backend "comm" with torch.distributed (idempotent). This is the target of
     the ``torch.distributed.backends`` entry point, and ``import comm_torch`` calls it."""
     global _registered

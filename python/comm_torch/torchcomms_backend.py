@@ -20,12 +20,16 @@ Windows (``window_allocate``, and ``put``, ``signal``, ``wait_signal``, ``get_te
 window) raise NotImplementedError until libcomm's windows work lands.
 """
 
+from __future__ import annotations
+
 import datetime
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ._core import Engine, Reduction
+from ._core import CommWork, Engine, Reduction
 
 try:
     from torchcomms._comms import TorchCommBackend, _is_backend_registered, register_backend
@@ -42,7 +46,7 @@ _WINDOWS_MESSAGE = (
 _KINDS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")
 
 
-def reduction(op):
+def reduction(op: Any) -> Reduction:
     """The engine's Reduction for a torchcomms ReduceOp (``op.type`` is a RedOpType)."""
     kind_obj = getattr(op, "type", op)
     name = getattr(kind_obj, "name", None) or str(kind_obj).rsplit(".", 1)[-1]
@@ -90,26 +94,26 @@ def _store(options):
 class CommWindow:
     """Placeholder for a window of the torchcomms API; every method says it is missing."""
 
-    def get_size(self):
+    def get_size(self) -> int:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
-    def put(self, tensor, dst_rank, target_disp, async_op=False):
+    def put(self, tensor: torch.Tensor, dst_rank: int, target_disp: int, async_op: bool = False) -> Any:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
-    def signal(self, signal_disp, signal_val, dst_rank, async_op=False):
+    def signal(self, signal_disp: int, signal_val: int, dst_rank: int, async_op: bool = False) -> Any:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
-    def wait_signal(self, signal_disp, signal_val, cmp_op=None, async_op=False):
+    def wait_signal(self, signal_disp: int, signal_val: int, cmp_op: Any = None, async_op: bool = False) -> Any:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
-    def get_tensor(self, rank, sizes, dtype, offset=0):
+    def get_tensor(self, rank: int, sizes: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
 
 class CommTorchCommsBackend(TorchCommBackend):
     """torchcomms backend over one libcomm communicator."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._engine = None
         self._device = None
@@ -117,7 +121,7 @@ class CommTorchCommsBackend(TorchCommBackend):
         self._options = None
 
     # -- lifecycle
-    def init(self, device, name, options):
+    def init(self, device: torch.device | str, name: str, options: Any) -> None:
         if self._engine is not None:
             raise RuntimeError(f"comm: communicator {name} is already initialized")
         rank, size = _rank_and_size()
@@ -127,68 +131,74 @@ class CommTorchCommsBackend(TorchCommBackend):
         self._name = name
         self._options = options
 
-    def finalize(self):
+    def finalize(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.destroy()
 
-    def _check(self):
+    def _check(self) -> Engine:
         if self._engine is None:
             raise RuntimeError("comm: the communicator is not initialized, or was finalized")
         return self._engine
 
-    def get_rank(self):
+    def get_rank(self) -> int:
         return self._check().rank
 
-    def get_size(self):
+    def get_size(self) -> int:
         return self._check().size
 
-    def get_backend_name(self):
+    def get_backend_name(self) -> str:
         return BACKEND_NAME
 
-    def get_comm_name(self):
+    def get_comm_name(self) -> str:
         return self._name
 
     @staticmethod
-    def _done(work, async_op):
+    def _done(work: CommWork, async_op: bool) -> CommWork | None:
         if async_op:
             return work
         work.wait()
         return None
 
     # -- point to point
-    def send(self, tensor, dst, async_op):
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool) -> CommWork | None:
         return self._done(self._check().send(tensor, dst, async_op), async_op)
 
-    def recv(self, tensor, src, async_op):
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool) -> CommWork | None:
         return self._done(self._check().recv(tensor, src, async_op), async_op)
 
     # -- collectives
-    def broadcast(self, tensor, root, async_op):
+    def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool) -> CommWork | None:
         return self._done(self._check().broadcast(tensor, root, async_op), async_op)
 
-    def all_reduce(self, tensor, op, async_op):
+    def all_reduce(self, tensor: torch.Tensor, op: Any, async_op: bool) -> CommWork | None:
         if tensor.is_sparse:
             return self._done(self._check().sparse_all_reduce(tensor, reduction(op), async_op), async_op)
         return self._done(self._check().all_reduce(tensor, reduction(op), async_op), async_op)
 
-    def reduce(self, tensor, root, op, async_op):
+    def reduce(self, tensor: torch.Tensor, root: int, op: Any, async_op: bool) -> CommWork | None:
         return self._done(self._check().reduce(tensor, root, reduction(op), async_op), async_op)
 
-    def all_gather(self, tensor_list, tensor, async_op):
+    def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool) -> CommWork | None:
         return self._done(self._check().all_gather(list(tensor_list), tensor, async_op), async_op)
 
-    def all_gather_v(self, tensor_list, tensor, async_op):
+    def all_gather_v(
+        self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor, async_op: bool
+    ) -> CommWork | None:
         # all_gather takes a group of broadcasts when the sizes differ.
         return self._done(self._check().all_gather(list(tensor_list), tensor, async_op), async_op)
 
-    def all_gather_single(self, output, input, async_op):
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> CommWork | None:
         return self._done(self._check().all_gather_single(output, input, async_op), async_op)
 
-    def reduce_scatter(self, output, input_list, op, async_op):
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any, async_op: bool
+    ) -> CommWork | None:
         return self._done(self._check().reduce_scatter(output, list(input_list), reduction(op), async_op), async_op)
 
-    def reduce_scatter_v(self, output, input_list, op, async_op):
+    def reduce_scatter_v(
+        self, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any, async_op: bool
+    ) -> CommWork | None:
         engine = self._check()
         inputs = list(input_list)
         if all(t.numel() == output.numel() for t in inputs):
@@ -206,24 +216,35 @@ class CommTorchCommsBackend(TorchCommBackend):
 
         return self._done(engine.group(build, [output], async_op), async_op)
 
-    def reduce_scatter_single(self, output, input, op, async_op):
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, op: Any, async_op: bool
+    ) -> CommWork | None:
         return self._done(self._check().reduce_scatter_single(output, input, reduction(op), async_op), async_op)
 
-    def all_to_all_single(self, output, input, async_op):
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> CommWork | None:
         return self._done(self._check().all_to_all_single(output, input, None, None, async_op), async_op)
 
-    def all_to_all_v_single(self, output, input, output_split_sizes, input_split_sizes, async_op):
+    def all_to_all_v_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        async_op: bool,
+    ) -> CommWork | None:
         return self._done(
             self._check().all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), async_op),
             async_op,
         )
 
-    def all_to_all(self, output_tensor_list, input_tensor_list, async_op):
+    def all_to_all(
+        self, output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], async_op: bool
+    ) -> CommWork | None:
         return self._done(
             self._check().all_to_all(list(output_tensor_list), list(input_tensor_list), async_op), async_op
         )
 
-    def barrier(self, async_op):
+    def barrier(self, async_op: bool) -> CommWork | None:
         # torchcomms options carry the communicator's timeout; a barrier honours it.
         timeout = getattr(self._options, "timeout", None)
         if isinstance(timeout, datetime.timedelta):
@@ -231,14 +252,18 @@ class CommTorchCommsBackend(TorchCommBackend):
         timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
         return self._done(self._check().barrier(async_op, timeout), async_op)
 
-    def scatter(self, output_tensor, input_tensor_list, root, async_op):
+    def scatter(
+        self, output_tensor: torch.Tensor, input_tensor_list: Sequence[torch.Tensor], root: int, async_op: bool
+    ) -> CommWork | None:
         return self._done(self._check().scatter(output_tensor, list(input_tensor_list), root, async_op), async_op)
 
-    def gather(self, output_tensor_list, input_tensor, root, async_op):
+    def gather(
+        self, output_tensor_list: Sequence[torch.Tensor], input_tensor: torch.Tensor, root: int, async_op: bool
+    ) -> CommWork | None:
         return self._done(self._check().gather(list(output_tensor_list), input_tensor, root, async_op), async_op)
 
     # -- sub-communicators
-    def split(self, ranks, name, options):
+    def split(self, ranks: Sequence[int], name: str, options: Any) -> CommTorchCommsBackend | None:
         """ncclCommSplit: ``ranks`` are this rank's new group (every caller lists its own);
         an empty list takes part without joining any group and returns None."""
         engine = self._check()
@@ -262,10 +287,10 @@ class CommTorchCommsBackend(TorchCommBackend):
         return child
 
     # -- windows
-    def window_allocate(self, window_size, cpu_buf=False, signal_size=256):
+    def window_allocate(self, window_size: int, cpu_buf: bool = False, signal_size: int = 256) -> CommWindow:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
-    def new_window(self, *args, **kwargs):
+    def new_window(self, *args: Any, **kwargs: Any) -> CommWindow:
         raise NotImplementedError(_WINDOWS_MESSAGE)
 
 

@@ -48,7 +48,8 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
     procs, logs = [], []
     environment = rank_env(env)
     for rank in range(world):
-        log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+        # Open until the ranks are collected below (each rank writes to it, then it is read).
+        log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")  # noqa: SIM115
         cmd = [sys.executable, RANK_MAIN, scenario, str(rank), str(world), store, os.path.join(tmp, f"rank{rank}.json")]
         cmd += [str(a) for a in args]
         procs.append(

@@ -674,7 +674,7 @@ def ddp(ctx):
 def dead_rank(ctx):
     import comm_torch
 
-    comm, _ = init_comm(ctx)
+    _world, _gloo = init_comm(ctx)
     victim = ctx.world - 1
     dist.barrier()
     if ctx.rank == victim:

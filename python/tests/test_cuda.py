@@ -1,8 +1,8 @@
 """CUDA tensors on backend "comm". These need a GPU; on a machine without one they skip.
 
-libcomm has no device path yet: while commGetFeatures lacks COMM_FEATURE_DEVICE_MEMORY the
-backend refuses CUDA tensors with a RuntimeError that says so; once it reports the feature,
-the same scenario checks results against gloo."""
+Where commGetFeatures reports COMM_FEATURE_DEVICE_MEMORY (libcomm found a CUDA driver and a
+GPU), the scenario checks the results against gloo's; where it does not, the backend must
+refuse CUDA tensors with a RuntimeError that says so."""
 
 import pytest
 import torch

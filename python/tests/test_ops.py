@@ -56,7 +56,7 @@ def ops_run(request):
 
 @pytest.mark.parametrize("pattern", GROUPS, ids=lambda p: p.strip("^$/").replace("/", "-"))
 def test_matches_gloo(ops_run, pattern):
-    world, results = ops_run
+    _, results = ops_run
     names = sorted({name for r in results for name in r["checks"] if re.search(pattern, name)})
     assert names, f"no check matching {pattern} ran"
     failures = []

@@ -1,6 +1,8 @@
 """In-process checks of the pieces that need no communicator."""
 
 import ctypes
+import os
+import re
 
 import pytest
 import torch
@@ -22,6 +24,13 @@ def test_struct_layouts():
 def test_library(libcomm_path):
     assert comm_torch.version() == 23007
     assert isinstance(comm_torch.features(), int)
+
+
+def test_version_is_the_projects():
+    # pyproject.toml is the one place the version is written; the package reads its metadata.
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        declared = re.search(r'^version = "([^"]+)"', f.read(), re.MULTILINE).group(1)
+    assert comm_torch.__version__ == declared
 
 
 def test_error_type():

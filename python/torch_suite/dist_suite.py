@@ -40,16 +40,17 @@ os.environ["BACKEND"] = "gloo"  # the test selection: see the module docstring
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.testing._internal import common_distributed  # noqa: E402
+# Imported only now: torch's test modules read the environment above when they are imported.
+import torch
+import torch.distributed as dist
+from torch.testing._internal import common_distributed
 
 CPU_FEATURES_OF_GLOO = ("ddp", "subgroup")
 for _feature in CPU_FEATURES_OF_GLOO:
     common_distributed.DistTestCases.backend_feature[_feature].add("comm")
 
-from torch.testing._internal.distributed import distributed_test  # noqa: E402
-
+# After comm joined the feature sets: distributed_test's decorators read them at import.
+from torch.testing._internal.distributed import distributed_test
 
 
 class _ClaimsGloo(str):
@@ -66,7 +67,7 @@ class _ClaimsGloo(str):
 
 distributed_test.BACKEND = _ClaimsGloo(SUITE_BACKEND) if SUITE_BACKEND == "comm" else SUITE_BACKEND
 if SUITE_BACKEND == "comm":
-    import comm_torch  # noqa: E402,F401  registers backend "comm" (also done by the entry point)
+    import comm_torch  # noqa: F401  registers backend "comm" (also done by the entry point)
 
 if not dist.is_available():  # pragma: no cover
     sys.exit("torch.distributed is not available in this torch build")
@@ -117,5 +118,3 @@ class TestDistBackendWithSpawn(distributed_test.TestDistBackend, distributed_tes
             os.remove(self.file_name + ".env")
         except (FileNotFoundError, AttributeError):
             pass
-
-

@@ -19,10 +19,12 @@ sys.path.insert(0, HERE)
 # does not pass sys.path on to the server: the environment must carry this directory.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 
-import dist_suite  # noqa: E402  (configures torch's test module before anything else)
-from dist_suite import SUITE_BACKEND, TestDistBackendWithSpawn  # noqa: E402
+# Imported late, and dist_suite before torch: it configures torch's test module first.
+import dist_suite
+from dist_suite import SUITE_BACKEND, TestDistBackendWithSpawn
 
-import torch  # noqa: E402
+# isort: split
+import torch
 
 
 class _Recorder(unittest.TextTestResult):

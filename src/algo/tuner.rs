@@ -1,5 +1,6 @@
-//! Picks the algorithm for a collective from its size, the rank count and the transports, unless
-//! `COMM_ALGO` / `NCCL_ALGO` overrides it.
+//! Picks the algorithm for a collective from its kind, its size, the rank count and whether its
+//! buffers are in device memory (it is not told the transports), unless `COMM_ALGO` /
+//! `NCCL_ALGO` overrides it.
 
 use super::Collective;
 
