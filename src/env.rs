@@ -144,6 +144,12 @@ pub const KNOBS: &[Knob] = &[
         doc: "host identity (default: boot id, hostname and network namespace)",
     },
     Knob {
+        name: "RING_BY_HOST",
+        nccl: false,
+        default: "1",
+        doc: "rings visit each host's ranks together, crossing each host boundary once (0: rank order)",
+    },
+    Knob {
         name: "LOCAL_REGISTER",
         nccl: true,
         default: "1",

@@ -32,6 +32,7 @@ fn worker() {
         "split" => split_by_host,
         "host_dies" => host_dies,
         "link_cut" => link_cut,
+        "ring_traffic" => ring_traffic,
         other => finish(Err(format!("unknown scenario {other}"))),
     };
     finish(run(&w));
@@ -199,6 +200,48 @@ fn link_cut(w: &Worker) -> Result<(), String> {
     }
 }
 
+/// This host's bytes sent on its link, from its namespace's counters.
+fn tx_bytes() -> u64 {
+    std::fs::read_to_string("/sys/class/net/eth0/statistics/tx_bytes")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// arg: repetitions. Every rank all-reduces 4 MiB (run with COMM_ALGO=ring); rank 0 reports
+/// how many bytes its host sent meanwhile, and everyone checks the result.
+fn ring_traffic(w: &Worker) -> Result<(), String> {
+    let reps: usize = w.arg.parse().unwrap_or(4);
+    let c = init(w)?;
+    let mut buf = vec![0f32; 1 << 20];
+    let mut one = [0f32; 1];
+    let (r, msg) = all_reduce_loop(c, &mut one, Duration::ZERO);
+    if r != OK {
+        return Err(msg);
+    }
+    let before = tx_bytes();
+    for rep in 0..reps {
+        buf.fill((w.rank + rep) as f32);
+        let p = buf.as_mut_ptr() as *mut c_void;
+        nccl!(ncclAllReduce(p, p, buf.len(), FLOAT, SUM, c, S));
+        let n = w.nranks;
+        let want = (n * (n - 1) / 2 + n * rep) as f32;
+        if let Some(i) = buf.iter().position(|&v| v != want) {
+            return Err(format!("rep {rep}: element {i} is {}, not {want}", buf[i]));
+        }
+    }
+    // Everyone's last bytes are out once everyone is past this.
+    let (r, msg) = all_reduce_loop(c, &mut one, Duration::ZERO);
+    if r != OK {
+        return Err(msg);
+    }
+    if w.rank == 0 {
+        println!("host tx bytes: {}", tx_bytes() - before);
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests
 
@@ -301,4 +344,45 @@ fn a_cut_link_gives_an_error_not_a_hang() {
         print!("{}", s.stdout);
     }
     assert_all_ok(&r, "cut link");
+}
+
+/// Ranks numbered round-robin over two hosts (0 and 2 on host 0, 1 and 3 on host 1). A ring in
+/// rank order crosses between the hosts at every hop; one that visits each host's ranks
+/// together crosses twice, so host 0 sends half the bytes. Measured on the namespace's link
+/// counters, ring order against host order in the same test.
+#[test]
+fn rings_cross_each_host_boundary_once() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let sent = |by_host: &str| -> u64 {
+        let env = [("COMM_ALGO", "ring"), ("COMM_RING_BY_HOST", by_host)];
+        let r = launch_at(
+            &hosts,
+            &[0, 1, 0, 1],
+            "ring_traffic",
+            "4",
+            &env,
+            Duration::from_secs(300),
+            || {},
+        );
+        assert_all_ok(&r, &format!("ring traffic (COMM_RING_BY_HOST={by_host})"));
+        r[0].stdout
+            .lines()
+            .find_map(|l| l.split("host tx bytes: ").nth(1))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("rank 0 reports its host's bytes")
+    };
+    let rank_order = sent("0");
+    let host_order = sent("1");
+    let ratio = host_order as f64 / rank_order as f64;
+    println!("host 0 sent {rank_order} bytes with rings in rank order, {host_order} in host order ({ratio:.2})");
+    // 4 all-reduces of 4 MiB, each rank sending 1.5 times the buffer per all-reduce: 48 MiB
+    // leave host 0 in rank order, 24 MiB in host order.
+    assert!(
+        rank_order > 40 << 20,
+        "rank order sent only {rank_order} bytes"
+    );
+    assert!(
+        ratio < 0.6,
+        "host order sent {ratio:.2} of rank order's bytes"
+    );
 }

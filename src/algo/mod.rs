@@ -228,7 +228,7 @@ impl Collective {
 
 /// Who runs the schedule: its rank, the rank count, the element size, and whether the caller's
 /// send and receive buffers overlap (some schedules then keep a copy of the input in scratch).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shape {
     pub rank: usize,
     pub nranks: usize,
@@ -236,20 +236,80 @@ pub struct Shape {
     pub in_place: bool,
     /// Upper bound of one pipelined message, in bytes.
     pub slice_bytes: usize,
+    /// The order in which rings visit the ranks (`None`: rank order).
+    pub ring: Option<RingOrder>,
+}
+
+/// A ring that visits the ranks in another order than their numbers: each host's ranks one
+/// after another, so that a ring crosses each host boundary once (see `RingOrder::by_host`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingOrder {
+    /// The rank at each position.
+    at: std::sync::Arc<[usize]>,
+    /// The position of each rank.
+    pos: std::sync::Arc<[usize]>,
+}
+
+impl RingOrder {
+    /// Ranks grouped by host (hosts in the order of their first rank, ranks in rank order inside
+    /// one), or `None` when that is rank order already.
+    pub fn by_host<H: PartialEq>(host_of: &[H]) -> Option<RingOrder> {
+        let mut at: Vec<usize> = (0..host_of.len()).collect();
+        let first = |h: &H| host_of.iter().position(|x| x == h).unwrap_or(0);
+        at.sort_by_key(|&r| (first(&host_of[r]), r));
+        RingOrder::new(at)
+    }
+
+    /// The ranks in ring order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.at
+    }
+
+    /// The ring that visits `at[0], at[1], ...`; `None` for rank order.
+    pub fn new(at: Vec<usize>) -> Option<RingOrder> {
+        if at.iter().enumerate().all(|(i, &r)| i == r) {
+            return None;
+        }
+        let mut pos = vec![0; at.len()];
+        for (i, &r) in at.iter().enumerate() {
+            pos[r] = i;
+        }
+        Some(RingOrder {
+            at: at.into(),
+            pos: pos.into(),
+        })
+    }
 }
 
 impl Shape {
+    /// This rank's position on the ring.
+    fn position(&self) -> usize {
+        self.ring.as_ref().map_or(self.rank, |o| o.pos[self.rank])
+    }
+
+    fn rank_at(&self, pos: usize) -> usize {
+        self.ring.as_ref().map_or(pos, |o| o.at[pos])
+    }
+
     pub fn next(&self) -> usize {
-        (self.rank + 1) % self.nranks
+        self.rel(1)
     }
 
     pub fn prev(&self) -> usize {
-        (self.rank + self.nranks - 1) % self.nranks
+        self.rel(-1)
     }
 
-    /// `(rank + k) mod nranks` for any signed k.
+    /// The rank `k` places further along the ring, for any signed k (`(rank + k) mod nranks`
+    /// in rank order).
     pub fn rel(&self, k: isize) -> usize {
-        (self.rank as isize + k).rem_euclid(self.nranks as isize) as usize
+        let n = self.nranks as isize;
+        self.rank_at((self.position() as isize + k).rem_euclid(n) as usize)
+    }
+
+    /// How many places along the ring this rank comes after `from`.
+    pub fn ring_distance(&self, from: usize) -> usize {
+        let from = self.ring.as_ref().map_or(from, |o| o.pos[from]);
+        (self.position() + self.nranks - from) % self.nranks
     }
 
     /// Splits `[offset, offset + bytes)` into pipeline slices of whole elements.
@@ -413,6 +473,7 @@ mod tests {
             elem: 4,
             in_place: false,
             slice_bytes: 10,
+            ring: None,
         };
         let s = shape.slices(Buf::Recv, 100, 28);
         assert_eq!(

@@ -140,7 +140,7 @@ pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
 pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
-    let pos = (shape.rank + n - root) % n;
+    let pos = shape.ring_distance(root);
     if pos == 0 {
         s.push(Step::Local {
             dst: Region::new(Buf::Recv, 0, bytes),
@@ -183,7 +183,7 @@ pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
         return Schedule::local_copy(bytes);
     }
     // Position along the chain: root+1 is first, the root is last.
-    let pos = (shape.rank + n - root - 1) % n;
+    let pos = (shape.ring_distance(root) + n - 1) % n;
     if pos == 0 {
         for r in shape.slices(Buf::Send, 0, bytes) {
             s.push(Step::Send {
@@ -222,6 +222,47 @@ pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
 #[cfg(test)]
 mod tests {
     use super::super::sim;
+
+    #[test]
+    fn rings_in_host_order_compute_the_reference_result() {
+        // Ranks of two and three hosts numbered round-robin, as a launcher may number them,
+        // and a reversed ring.
+        let by_host =
+            |hosts: &[u32]| super::super::RingOrder::by_host(hosts).map(|o| o.ranks().to_vec());
+        assert_eq!(by_host(&[0, 1, 0, 1]), Some(vec![0, 2, 1, 3]));
+        assert_eq!(by_host(&[7, 3, 3, 7, 9, 3]), Some(vec![0, 3, 1, 2, 5, 4]));
+        assert_eq!(by_host(&[7, 7, 3, 3]), None, "hosts already contiguous");
+        let orders: Vec<Vec<usize>> = vec![
+            vec![0, 2, 1, 3],
+            vec![0, 3, 1, 4, 2, 5],
+            vec![4, 3, 2, 1, 0],
+            vec![2, 0, 1],
+        ];
+        for order in orders {
+            let n = order.len();
+            sim::with_ring(order, || {
+                for count in [0, 1, 5, 13, 64] {
+                    for slice_elems in [1, 3, 1000] {
+                        let ring = super::super::Algorithm::Ring;
+                        sim::check_all_reduce(n, count, slice_elems, ring);
+                        sim::check_all_reduce(
+                            n,
+                            count,
+                            slice_elems,
+                            super::super::Algorithm::Direct,
+                        );
+                        sim::check_all_gather(n, count, slice_elems);
+                        sim::check_reduce_scatter(n, count, slice_elems);
+                        sim::check_all_to_all(n, count, false, slice_elems);
+                        for root in 0..n {
+                            sim::check_broadcast(n, count, root, slice_elems, ring);
+                            sim::check_reduce(n, count, root, slice_elems, ring);
+                        }
+                    }
+                }
+            });
+        }
+    }
 
     #[test]
     fn ring_collectives_compute_the_reference_result() {

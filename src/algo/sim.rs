@@ -15,6 +15,15 @@ const SLOTS: usize = 2;
 
 thread_local! {
     static BOUNDED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// The ring order the checks run with (None: rank order); see `with_ring`.
+    static RING: std::cell::RefCell<Option<Vec<usize>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs the checks in `f` with rings that visit the ranks in `order`.
+pub fn with_ring(order: Vec<usize>, f: impl FnOnce()) {
+    RING.with(|r| *r.borrow_mut() = Some(order));
+    f();
+    RING.with(|r| *r.borrow_mut() = None);
 }
 
 struct Rank {
@@ -65,6 +74,7 @@ fn run_once(
             elem: E,
             in_place,
             slice_bytes: slice_elems * E,
+            ring: RING.with(|o| o.borrow().clone().and_then(super::RingOrder::new)),
         };
         let sched = schedule(&coll(r), &shape, algo);
         let (mut mem, send_base, recv_base) = init(r);

@@ -57,6 +57,8 @@ pub struct Comm {
     pub device_order: Mutex<Option<(crate::cuda::Stream, crate::cuda::Event)>>,
     pub wiring: Wiring,
     pub tuner: Tuner,
+    /// The order rings visit the ranks in: each host's ranks together (None: rank order).
+    pub ring: Option<crate::algo::RingOrder>,
     pub slice_bytes: usize,
     /// The CUDA device this rank was created on, or -1 on a host without one.
     pub cuda_device: i32,
@@ -201,6 +203,12 @@ impl Comm {
             nranks,
             tag,
             tuner: Tuner::from_env(nranks),
+            ring: (crate::env::flag("RING_BY_HOST") != Some(false))
+                .then(|| {
+                    let hosts: Vec<u64> = placements.iter().map(|p| p.host_hash).collect();
+                    crate::algo::RingOrder::by_host(&hosts)
+                })
+                .flatten(),
             slice_bytes: crate::env::size("SLICE_BYTES").unwrap_or(512 << 10).max(64),
             config,
             boot,

@@ -633,6 +633,7 @@ impl Comm {
             elem: call.dtype.size(),
             in_place: call.in_place,
             slice_bytes,
+            ring: self.ring.clone(),
         };
         let bytes = match &call.coll {
             Collective::AllReduce { count }

@@ -968,6 +968,7 @@ mod tests {
             elem: es,
             in_place,
             slice_bytes: slot_bytes,
+            ring: None,
         };
         let mut ops = Vec::new();
         let mut bufs = Vec::new();

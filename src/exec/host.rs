@@ -823,6 +823,15 @@ fn count_repeats(parts: Vec<String>) -> String {
 /// How long a wait spins before it starts offering its core to others while it goes on spinning.
 const SPIN_YIELD_AFTER: Duration = Duration::from_micros(2);
 
+/// A peer failed under a send or receive: name every other peer that is gone too, so that the
+/// error reaches the cause (a root that failed because another rank died).
+fn with_other_losses(execs: &[Exec], e: Error) -> Error {
+    match (e.kind, e.lost, execs) {
+        (ErrorKind::Remote, Some(p), [only]) => only.with_other_losses(e, p),
+        _ => e,
+    }
+}
+
 /// After giving up, how long a rank listens for the rank it suspects: when that rank timed out
 /// too, waiting for a third, the third is the cause, and the error names it.
 fn grace(timeout: Duration) -> Duration {
@@ -874,7 +883,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
             std::thread::sleep(Duration::from_millis(5));
             continue;
         }
-        let (moved, done) = pass_all(execs)?;
+        let (moved, done) = pass_all(execs).map_err(|e| with_other_losses(execs, e))?;
         if done {
             return Ok(());
         }

@@ -119,7 +119,27 @@ pub fn launch_on(
     timeout: Duration,
     during: impl FnOnce(),
 ) -> Vec<RankResult> {
-    let nranks: usize = per_host.iter().sum();
+    let host_of: Vec<usize> = per_host
+        .iter()
+        .enumerate()
+        .flat_map(|(h, &k)| std::iter::repeat_n(h, k))
+        .collect();
+    launch_at(hosts, &host_of, scenario, arg, env, timeout, during)
+}
+
+/// Like `launch_on`, with rank r on host `host_of[r]` (rank 0 must be on host 0, where the
+/// bootstrap root listens).
+pub fn launch_at(
+    hosts: &Hosts,
+    host_of: &[usize],
+    scenario: &str,
+    arg: &str,
+    env: &[(&str, &str)],
+    timeout: Duration,
+    during: impl FnOnce(),
+) -> Vec<RankResult> {
+    assert_eq!(host_of.first(), Some(&0), "rank 0 must be on host 0");
+    let nranks = host_of.len();
     let port =
         20000 + (std::process::id() % 20000) as u16 + NEXT.fetch_add(1, Ordering::SeqCst) as u16;
     let job = Job {
@@ -129,18 +149,15 @@ pub fn launch_on(
         env,
         port,
     };
-    let mut children = Vec::new();
-    let mut rank = 0;
-    for (h, &k) in per_host.iter().enumerate() {
-        for _ in 0..k {
-            children.push((rank, hosts.spawn(h, rank, &job)));
-            rank += 1;
-        }
-    }
+    let children = host_of
+        .iter()
+        .enumerate()
+        .map(|(rank, &h)| (rank, hosts.spawn(h, rank, &job)))
+        .collect();
     during();
     collect(
         children,
         timeout,
-        &format!("{scenario} on hosts {per_host:?}"),
+        &format!("{scenario} with ranks on hosts {host_of:?}"),
     )
 }

@@ -426,7 +426,27 @@ impl Link for SocketLink {
         if let Some(mut a) = self.arriving.try_lock() {
             if a.got < HEADER {
                 self.header(&mut a)?;
+                return Ok(());
             }
+        }
+        // In the middle of a message nothing may be consumed here, but the kernel knows
+        // whether the peer hung up. Its buffered bytes can still be read: the caller's next
+        // pass takes them, and it fails only if that pass finds nothing.
+        let mut p = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut p, 1, 0) };
+        if ready > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            return Err(Error::lost_peer(
+                self.first_lost(),
+                format!(
+                    "rank {} closed its TCP connection in the middle of a message (its process exited, or its host or the link failed)",
+                    self.peer
+                ),
+            ));
         }
         Ok(())
     }
