@@ -16,11 +16,20 @@ pub struct InitJob {
     pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
+/// A one-sided operation (window put, signal, wait) to run at the end of the group: issues
+/// (puts and signals) first, in order, then waits, so that no order of them inside a group
+/// can deadlock.
+pub struct OneSided {
+    pub wait: bool,
+    pub run: Box<dyn FnOnce() -> Result<()> + Send>,
+}
+
 #[derive(Default)]
 struct Group {
     depth: u32,
     calls: Vec<(Arc<Comm>, Call)>,
     inits: Vec<InitJob>,
+    one_sided: Vec<OneSided>,
     error: Option<Error>,
 }
 
@@ -49,7 +58,7 @@ pub fn record_error(e: &Error) {
 /// What the outermost group end found to do.
 enum Outcome {
     Nested,
-    Run(Vec<(Arc<Comm>, Call)>, Vec<InitJob>),
+    Run(Vec<(Arc<Comm>, Call)>, Vec<InitJob>, Vec<OneSided>),
 }
 
 fn close() -> Result<Outcome> {
@@ -64,6 +73,7 @@ fn close() -> Result<Outcome> {
         }
         let calls = std::mem::take(&mut g.calls);
         let inits = std::mem::take(&mut g.inits);
+        let one_sided = std::mem::take(&mut g.one_sided);
         match g.error.take() {
             Some(e) => {
                 // Initialisations still have to settle their handles.
@@ -78,7 +88,7 @@ fn close() -> Result<Outcome> {
                     ),
                 ))
             }
-            None => Ok(Outcome::Run(calls, inits)),
+            None => Ok(Outcome::Run(calls, inits, one_sided)),
         }
     })
 }
@@ -87,9 +97,18 @@ fn close() -> Result<Outcome> {
 pub fn end() -> Result<()> {
     match close()? {
         Outcome::Nested => Ok(()),
-        Outcome::Run(calls, inits) => {
+        Outcome::Run(calls, inits, one_sided) => {
             run_inits(inits)?;
-            run_calls(calls)
+            let (waits, issues): (Vec<OneSided>, Vec<OneSided>) =
+                one_sided.into_iter().partition(|o| o.wait);
+            for o in issues {
+                (o.run)()?;
+            }
+            run_calls(calls)?;
+            for o in waits {
+                (o.run)()?;
+            }
+            Ok(())
         }
     }
 }
@@ -99,7 +118,7 @@ pub fn end() -> Result<()> {
 pub fn simulate_end() -> Result<f32> {
     match close()? {
         Outcome::Nested => Ok(0.0),
-        Outcome::Run(calls, inits) => {
+        Outcome::Run(calls, inits, _) => {
             for job in inits {
                 job.entry.settle(crate::invalid_usage!(
                     "the communicator's init was in a group ended by ncclGroupSimulateEnd, which runs nothing"
@@ -142,6 +161,19 @@ fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
         c.fail(e);
     }
     result
+}
+
+/// Queues a one-sided operation in the current group; gives it back when there is no group.
+pub fn defer_one_sided(op: OneSided) -> Option<OneSided> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 {
+            g.one_sided.push(op);
+            None
+        } else {
+            Some(op)
+        }
+    })
 }
 
 /// Queues an init in the current group; gives it back when there is no group.

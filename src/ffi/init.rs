@@ -83,7 +83,7 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
 pub unsafe extern "C" fn commGetFeatures(features: *mut c_int) -> ncclResult_t {
     guard("commGetFeatures", || {
         out(features, "features")?;
-        let mut f = 0;
+        let mut f = COMM_FEATURE_WINDOWS;
         if crate::cuda::device_count() > 0 {
             f |= COMM_FEATURE_DEVICE_MEMORY;
         }
