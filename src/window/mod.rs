@@ -763,15 +763,19 @@ fn wait_until(
                     format!("rank {peer} is gone while this rank waited for {}: {}", what(), e.msg),
                 ));
             }
-            if cw
-                .net
-                .as_ref()
-                .is_some_and(|n| n.lost[peer].load(Ordering::SeqCst))
+            let remote = c.paths[peer] == Path::Network;
+            if remote
+                && cw.net.as_ref().is_some_and(|n| {
+                    n.lost[peer].load(Ordering::SeqCst) || n.peer_gone(peer)
+                })
                 && !ready()
             {
                 return Err(Error::lost_peer(
                     peer,
-                    format!("rank {peer}'s connection closed while this rank waited for {}", what()),
+                    format!(
+                        "rank {peer} closed its connection (its process exited, or its host or the link failed) while this rank waited for {}",
+                        what()
+                    ),
                 ));
             }
         }

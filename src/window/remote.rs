@@ -308,12 +308,12 @@ impl NetSide {
         let Some(addr) = self.addrs[peer] else {
             return crate::internal_err!("rank {peer} published no window address");
         };
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
-            .map_err(|e| Error::from_io(format!("connect to rank {peer}'s windows at {addr}"), e))
-            .map_err(|mut e| {
-                e.kind = ErrorKind::Remote;
-                e
-            })?;
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10)).map_err(|e| {
+            Error::new(
+                ErrorKind::Remote,
+                format!("connect to rank {peer}'s windows at {addr}: {e}"),
+            )
+        })?;
         s.set_nodelay(true).map_err(io("window connection"))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .map_err(io("window connection"))?;
@@ -322,6 +322,34 @@ impl NetSide {
         auth::client(&mut s, &self.secret, &context(self.tag, self.rank, peer))?;
         s.set_read_timeout(self.timeout).map_err(io("window connection"))?;
         Ok(s)
+    }
+
+    /// Whether `peer`'s process is gone, judged by this rank's connection to its windows (one
+    /// is opened if needed): the target never speaks unasked, so a readable connection means
+    /// it closed. False while another thread uses the connection.
+    pub fn peer_gone(&self, peer: usize) -> bool {
+        let Some(mut slot) = self.conns[peer].try_lock() else {
+            return false;
+        };
+        if slot.is_none() {
+            match self.connect(peer) {
+                Ok(s) => *slot = Some(s),
+                Err(e) => return e.kind == ErrorKind::Remote,
+            }
+        }
+        let fd = slot.as_ref().map_or(-1, |s| std::os::fd::AsRawFd::as_raw_fd(s));
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        let gone = n > 0 && p.revents != 0;
+        if gone {
+            *slot = None;
+        }
+        gone
     }
 
     /// Sends `f` (and `payload`) to `peer`; with `answer`, reads the reply into `data` and
