@@ -16,11 +16,22 @@ pub struct InitJob {
     pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
-/// A one-sided operation (window put, signal, wait) to run at the end of the group: issues
-/// (puts and signals) first, in order, then waits, so that no order of them inside a group
-/// can deadlock.
+/// When a window operation queued in a group runs at its end.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Window registrations: collective, so those of the group run concurrently, first (one
+    /// thread may drive several communicators).
+    Collective,
+    /// Puts and signals, in order.
+    Issue,
+    /// Waits for signals, after every issue and every other call of the group, so that no
+    /// order of them inside a group can deadlock.
+    Wait,
+}
+
+/// A window operation to run at the end of the group.
 pub struct OneSided {
-    pub wait: bool,
+    pub phase: Phase,
     pub run: Box<dyn FnOnce() -> Result<()> + Send>,
 }
 
@@ -99,8 +110,12 @@ pub fn end() -> Result<()> {
         Outcome::Nested => Ok(()),
         Outcome::Run(calls, inits, one_sided) => {
             run_inits(inits)?;
+            let (collective, rest): (Vec<OneSided>, Vec<OneSided>) = one_sided
+                .into_iter()
+                .partition(|o| o.phase == Phase::Collective);
+            run_concurrently(collective)?;
             let (waits, issues): (Vec<OneSided>, Vec<OneSided>) =
-                one_sided.into_iter().partition(|o| o.wait);
+                rest.into_iter().partition(|o| o.phase == Phase::Wait);
             for o in issues {
                 (o.run)()?;
             }
@@ -161,6 +176,26 @@ fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
         c.fail(e);
     }
     result
+}
+
+/// Runs collective window operations of a group at the same time; the first error wins.
+fn run_concurrently(ops: Vec<OneSided>) -> Result<()> {
+    if ops.len() <= 1 {
+        return ops.into_iter().try_for_each(|o| (o.run)());
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ops.into_iter().map(|o| s.spawn(o.run)).collect();
+        let mut first = None;
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| crate::internal_err!("a window registration panicked"));
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    })
 }
 
 /// Queues a one-sided operation in the current group; gives it back when there is no group.

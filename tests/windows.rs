@@ -543,6 +543,42 @@ fn peer_dies(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
+/// Registrations of two communicators queued in one group by one thread: they run together at
+/// the group's end (one after the other would wait forever for the second), and the handles
+/// are set then.
+fn group_register(w: &Worker) -> Result<(), String> {
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let mut child: ncclComm_t = null_mut();
+    nccl!(ncclCommSplit(comm, 0, me as i32, &mut child, null_mut()));
+    let a: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let b: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let (mut wa, mut wb): (ncclWindow_t, ncclWindow_t) = (null_mut(), null_mut());
+    nccl!(ncclGroupStart());
+    nccl!(ncclCommWindowRegister(comm, a.as_mut_ptr() as *mut c_void, 512, &mut wa, SYM));
+    nccl!(ncclCommWindowRegister(child, b.as_mut_ptr() as *mut c_void, 512, &mut wb, SYM));
+    nccl!(ncclGroupEnd());
+    if wa.is_null() || wb.is_null() {
+        return Err("a window handle is NULL after ncclGroupEnd".into());
+    }
+    let next = ((me + 1) % n) as i32;
+    let v = [me as u64 + 5];
+    nccl!(ncclPutSignal(v.as_ptr() as *const c_void, 1, UINT64, next, wb, 8, 0, 0, 0, child, S));
+    let mut d = [desc((me + n - 1) % n, 1)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), child, S));
+    let want = ((me + n - 1) % n) as u64 + 5;
+    let got = unsafe { std::ptr::read_volatile(&b[1]) };
+    if got != want {
+        return Err(format!("put through the child's window left {got}, wanted {want}"));
+    }
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, wa));
+    nccl!(ncclCommWindowDeregister(child, wb));
+    nccl!(ncclCommDestroy(child));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
 fn scenario(w: &Worker) -> Result<(), String> {
     match w.scenario.as_str() {
         "sleeping" => busy_target(w, false),
@@ -552,6 +588,7 @@ fn scenario(w: &Worker) -> Result<(), String> {
         "channels" => channels(w),
         "bad" => bad_input(w),
         "dies" => peer_dies(w),
+        "group_register" => group_register(w),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -632,6 +669,12 @@ fn a_peer_that_dies_during_a_wait_is_a_remote_error() {
         let r = launch("worker", "dies", 2, arg, &[], Duration::from_secs(90));
         assert_all_ok(&r[1..], &format!("dies ({arg})"));
     }
+}
+
+#[test]
+fn registrations_of_two_communicators_in_one_group() {
+    run("group_register", 3, "user", &[], 120);
+    run("group_register", 2, "user,net", &[], 120);
 }
 
 #[test]

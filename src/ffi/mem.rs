@@ -162,12 +162,12 @@ fn window_args(buff: *mut c_void, size: usize, win_flags: c_int) -> Result<()> {
     Ok(())
 }
 
-/// Collective. Windows on host memory: memory from ncclMemAlloc (on a host without a GPU),
+/// Collective. Inside a group it runs at ncclGroupEnd, concurrently with the group's other
+/// registrations, and `*win` is set then. Windows on host memory: memory from ncclMemAlloc (on a host without a GPU),
 /// commMemAllocShared or commWindowAllocate is shared with the peers on this host, which then
 /// reach it with loads and stores; other memory is reached with process_vm_writev / readv, and
 /// registration fails, saying why, where the kernel forbids that. Ranks on other hosts reach
-/// it through a progress thread of the target. Sizes may differ between ranks. Inside a group
-/// the registration happens at once (it is collective on its own).
+/// it through a progress thread of the target. Sizes may differ between ranks.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommWindowRegister(
     comm: ncclComm_t,
@@ -177,12 +177,17 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
     winFlags: c_int,
 ) -> ncclResult_t {
     guard_comm("ncclCommWindowRegister", comm, |c| {
-        let pre = out(win, "win")
-            .and_then(|_| c.check_usable())
+        out(win, "win")?;
+        let pre = c
+            .check_usable()
             .and_then(|_| window_args(buff, size, winFlags));
-        let h = window::register(&c, buff as usize, size, winFlags, false, pre)?;
-        *win = h as ncclWindow_t;
-        Ok(())
+        let (b, w) = (buff as usize, win as usize);
+        one_sided(crate::group::Phase::Collective, move || {
+            let h = window::register(&c, b, size, winFlags, false, pre)?;
+            // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
+            unsafe { *(w as *mut ncclWindow_t) = h as ncclWindow_t };
+            Ok(())
+        })
     })
 }
 
@@ -281,9 +286,12 @@ fn host_bytes(buf: *const c_void, count: usize, datatype: RawDataType, name: &st
 }
 
 /// Runs a one-sided operation now, or at the end of the current group.
-fn one_sided(wait: bool, run: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
+fn one_sided(
+    phase: crate::group::Phase,
+    run: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<()> {
     let op = crate::group::OneSided {
-        wait,
+        phase,
         run: Box::new(run),
     };
     match crate::group::defer_one_sided(op) {
@@ -324,7 +332,7 @@ pub unsafe extern "C" fn ncclPutSignal(
             );
         }
         let src = localbuff as usize;
-        one_sided(false, move || {
+        one_sided(crate::group::Phase::Issue, move || {
             window::put(&c, h, peer, peerWinOffset, src as *const u8, bytes, true)
         })
     })
@@ -344,7 +352,7 @@ pub unsafe extern "C" fn ncclSignal(
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
         window::check_peer(&c, peer)?;
-        one_sided(false, move || window::signal(&c, peer))
+        one_sided(crate::group::Phase::Issue, move || window::signal(&c, peer))
     })
 }
 
@@ -378,7 +386,7 @@ pub unsafe extern "C" fn ncclWaitSignal(
                 .map_err(|e| e.context(format!("signalDescs[{i}]")))?;
             descs.push((window::check_peer(&c, d.peer)?, d.opCnt as u64));
         }
-        one_sided(true, move || window::wait_signals(&c, &descs))
+        one_sided(crate::group::Phase::Wait, move || window::wait_signals(&c, &descs))
     })
 }
 

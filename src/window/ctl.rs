@@ -125,15 +125,18 @@ impl Ctl {
         }
     }
 
-    /// Sleeps until `ready` holds, the bell rings, or `slice` passes. The protocol makes a
-    /// ring between the last look and the sleep wake the sleeper.
-    pub fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) {
+    /// Sleeps until the bell rings or `slice` passes, unless `ready` holds on a last look
+    /// (then returns true: `ready` may consume what it found). The protocol makes a ring
+    /// between the last look and the sleep wake the sleeper.
+    pub fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
         let sleepers = self.word32(SLEEPERS);
         sleepers.fetch_add(1, Ordering::SeqCst);
         let seen = self.word32(BELL).load(Ordering::SeqCst);
-        if !ready() {
+        let found = ready();
+        if !found {
             os::futex_wait(self.word32(BELL), seen, slice);
         }
         sleepers.fetch_sub(1, Ordering::SeqCst);
+        found
     }
 }

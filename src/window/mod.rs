@@ -729,7 +729,8 @@ pub fn signal_pads(c: &Comm, handle: usize, peer: i32) -> Result<(Option<usize>,
 }
 
 /// Waits until `ready`, failing when `peer` is lost, the communicator aborted, or `deadline`
-/// passed. Spins briefly, then sleeps on this rank's bell.
+/// passed. Spins briefly, then sleeps on this rank's bell. `ready` may consume what it finds
+/// (a signal-pad word), so the wait ends the first time it returns true.
 fn wait_until(
     c: &Comm,
     cw: &CommWindows,
@@ -749,33 +750,21 @@ fn wait_until(
         if ready() {
             return Ok(());
         }
-        cw.own().sleep_unless(Duration::from_millis(10), ready);
-        if ready() {
+        if cw.own().sleep_unless(Duration::from_millis(10), ready) || ready() {
             return Ok(());
         }
         if c.wiring.abort.load(Ordering::SeqCst) {
             return crate::invalid_usage!("the communicator was aborted while waiting for {}", what());
         }
         if peer != c.rank {
-            if let Err(e) = c.wiring.links[peer].check_peer() {
+            if let Some(gone) = peer_lost(c, cw, peer) {
+                // What it sent before it went still counts.
+                if ready() {
+                    return Ok(());
+                }
                 return Err(Error::lost_peer(
                     peer,
-                    format!("rank {peer} is gone while this rank waited for {}: {}", what(), e.msg),
-                ));
-            }
-            let remote = c.paths[peer] == Path::Network;
-            if remote
-                && cw.net.as_ref().is_some_and(|n| {
-                    n.lost[peer].load(Ordering::SeqCst) || n.peer_gone(peer)
-                })
-                && !ready()
-            {
-                return Err(Error::lost_peer(
-                    peer,
-                    format!(
-                        "rank {peer} closed its connection (its process exited, or its host or the link failed) while this rank waited for {}",
-                        what()
-                    ),
+                    format!("rank {peer} is gone while this rank waited for {}: {gone}", what()),
                 ));
             }
         }
@@ -783,6 +772,18 @@ fn wait_until(
             return crate::timeout_err!("timed out waiting for {}", what());
         }
     }
+}
+
+/// Why `peer` can no longer signal this rank, if it cannot: its link says it is gone, or (on
+/// another host) its window connection closed.
+fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
+    if let Err(e) = c.wiring.links[peer].check_peer() {
+        return Some(e.msg);
+    }
+    let net = cw.net.as_ref().filter(|_| c.paths[peer] == Path::Network)?;
+    (net.lost[peer].load(Ordering::SeqCst) || net.peer_gone(peer)).then(|| {
+        "its connection closed (its process exited, or its host or the link failed)".to_string()
+    })
 }
 
 /// ncclWaitSignal: for each (peer, opCnt), waits until `peer` has sent `opCnt` more signals
