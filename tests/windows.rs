@@ -61,7 +61,13 @@ fn window(comm: ncclComm_t, size: usize, m: &Mode) -> Result<(*mut u8, ncclWindo
         // 8-byte aligned for the atomics.
         let v: &'static mut [u64] = Vec::leak(vec![0u64; size.div_ceil(8)]);
         let p = v.as_mut_ptr() as *mut u8;
-        nccl!(ncclCommWindowRegister(comm, p as *mut c_void, size, &mut win, SYM));
+        nccl!(ncclCommWindowRegister(
+            comm,
+            p as *mut c_void,
+            size,
+            &mut win,
+            SYM
+        ));
         Ok((p, win))
     }
 }
@@ -144,7 +150,9 @@ fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
             let mut x = 1u64;
             while t.elapsed() < busy {
                 for _ in 0..10_000 {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                 }
                 std::hint::black_box(x);
             }
@@ -158,7 +166,10 @@ fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
             let last = SIZES[SIZES.len() - 1];
             for (i, &b) in s[..last].iter().enumerate() {
                 if b != pat(r, i) {
-                    return Err(format!("target: byte {i} of rank {r}'s block is {b}, wanted {}", pat(r, i)));
+                    return Err(format!(
+                        "target: byte {i} of rank {r}'s block is {b}, wanted {}",
+                        pat(r, i)
+                    ));
                 }
             }
             let swapped = unsafe { *(mem.add(8 * r) as *const u64) };
@@ -179,28 +190,59 @@ fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
         nccl!(commWinPeerPtr(comm, win, 0, &mut direct));
         let same_host = !m.net || me % 2 == 0;
         if (m.shared && same_host) != !direct.is_null() {
-            return Err(format!("peer pointer to rank 0 is {direct:?} (shared {}, same host {same_host})", m.shared));
+            return Err(format!(
+                "peer pointer to rank 0 is {direct:?} (shared {}, same host {same_host})",
+                m.shared
+            ));
         }
         if !direct.is_null() {
-            let s = unsafe { std::slice::from_raw_parts((direct as *const u8).add(readable), 4096) };
+            let s =
+                unsafe { std::slice::from_raw_parts((direct as *const u8).add(readable), 4096) };
             if let Some(i) = (0..4096).find(|&i| s[i] != pat(99, i)) {
-                return Err(format!("load through the peer pointer: byte {i} is {}", s[i]));
+                return Err(format!(
+                    "load through the peer pointer: byte {i} is {}",
+                    s[i]
+                ));
             }
         }
         let start = Instant::now();
         let off = 64 + BLOCK * me;
         for &len in &SIZES {
             let src: Vec<u8> = (0..len).map(|i| pat(me, i)).collect();
-            nccl!(commWinPut(src.as_ptr() as *const c_void, len, UINT8, 0, win, off, comm));
+            nccl!(commWinPut(
+                src.as_ptr() as *const c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                off,
+                comm
+            ));
             nccl!(commWinFlush(0, win, comm));
             let mut back = vec![0u8; len];
-            nccl!(commWinGet(back.as_mut_ptr() as *mut c_void, len, UINT8, 0, win, off, comm));
+            nccl!(commWinGet(
+                back.as_mut_ptr() as *mut c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                off,
+                comm
+            ));
             if back != src {
                 return Err(format!("get after put of {len} bytes differs"));
             }
             // An odd offset into what the target wrote.
             let mut got = vec![0u8; len];
-            nccl!(commWinGet(got.as_mut_ptr() as *mut c_void, len, UINT8, 0, win, readable + 3, comm));
+            nccl!(commWinGet(
+                got.as_mut_ptr() as *mut c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                readable + 3,
+                comm
+            ));
             if let Some(i) = (0..len).find(|&i| got[i] != pat(99, i + 3)) {
                 return Err(format!("get of {len} bytes: byte {i} is {}", got[i]));
             }
@@ -209,11 +251,29 @@ fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
             nccl!(commWinFetchAdd(k, null_mut(), UINT64, 0, win, 0, comm));
         }
         let mut old = 7u64;
-        nccl!(commWinCompareSwap(0, 1000 + me as u64, &mut old, UINT64, 0, win, 8 * me, comm));
+        nccl!(commWinCompareSwap(
+            0,
+            1000 + me as u64,
+            &mut old,
+            UINT64,
+            0,
+            win,
+            8 * me,
+            comm
+        ));
         if old != 0 {
             return Err(format!("first compare-and-swap found {old}, wanted 0"));
         }
-        nccl!(commWinCompareSwap(5, 77, &mut old, UINT64, 0, win, 8 * me, comm));
+        nccl!(commWinCompareSwap(
+            5,
+            77,
+            &mut old,
+            UINT64,
+            0,
+            win,
+            8 * me,
+            comm
+        ));
         if old != 1000 + me as u64 {
             return Err(format!("failed compare-and-swap found {old}"));
         }
@@ -256,7 +316,19 @@ fn signals(w: &Worker) -> Result<(), String> {
     let parts = [(0usize, 1usize), (8, 7), (64, 4000)];
     for &(off, len) in &parts {
         let src: Vec<u8> = (0..len).map(|i| pat(me, off + i)).collect();
-        nccl!(ncclPutSignal(src.as_ptr() as *const c_void, len, UINT8, next as i32, win, off, 0, 0, 0, comm, S));
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            len,
+            UINT8,
+            next as i32,
+            win,
+            off,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
     }
     nccl!(ncclSignal(next as i32, 0, 0, 0, comm, S));
     let mut d = [desc(prev, 4)];
@@ -264,7 +336,11 @@ fn signals(w: &Worker) -> Result<(), String> {
     for &(off, len) in &parts {
         let s = unsafe { std::slice::from_raw_parts(mem.add(off), len) };
         if let Some(i) = (0..len).find(|&i| s[i] != pat(prev, off + i)) {
-            return Err(format!("after the opCnt=4 wait, byte {} is {}", off + i, s[i]));
+            return Err(format!(
+                "after the opCnt=4 wait, byte {} is {}",
+                off + i,
+                s[i]
+            ));
         }
     }
     // Five signals, consumed by waits of 2 and 3.
@@ -277,7 +353,8 @@ fn signals(w: &Worker) -> Result<(), String> {
     nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
     // The barrier NCCL documents, with the wait queued before the signals.
     for _ in 0..3 {
-        let mut all: Vec<ncclWaitSignalDesc_t> = (0..n).filter(|&p| p != me).map(|p| desc(p, 1)).collect();
+        let mut all: Vec<ncclWaitSignalDesc_t> =
+            (0..n).filter(|&p| p != me).map(|p| desc(p, 1)).collect();
         nccl!(ncclGroupStart());
         nccl!(ncclWaitSignal(all.len() as i32, all.as_mut_ptr(), comm, S));
         for p in (0..n).filter(|&p| p != me) {
@@ -291,13 +368,28 @@ fn signals(w: &Worker) -> Result<(), String> {
     for k in 0..rounds {
         let src: Vec<u8> = (0..slot).map(|i| pat(me + k, i)).collect();
         nccl!(ncclGroupStart());
-        nccl!(ncclPutSignal(src.as_ptr() as *const c_void, slot, UINT8, next as i32, win, k * slot, 0, 0, 0, comm, S));
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            slot,
+            UINT8,
+            next as i32,
+            win,
+            k * slot,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
         nccl!(ncclGroupEnd());
         let mut d = [desc(prev, 1)];
         nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
         let s = unsafe { std::slice::from_raw_parts(mem.add(k * slot), slot) };
         if let Some(i) = (0..slot).find(|&i| s[i] != pat(prev + k, i)) {
-            return Err(format!("round {k}: signal seen but byte {i} of the data not there ({})", s[i]));
+            return Err(format!(
+                "round {k}: signal seen but byte {i} of the data not there ({})",
+                s[i]
+            ));
         }
     }
     barrier(comm)?;
@@ -312,7 +404,11 @@ fn contention(w: &Worker) -> Result<(), String> {
     let m = mode(w);
     let comm = init(w)?;
     let n = w.nranks;
-    let adds: u64 = w.arg.split(',').find_map(|a| a.parse().ok()).unwrap_or(100_000);
+    let adds: u64 = w
+        .arg
+        .split(',')
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(100_000);
     let (mem, win) = window(comm, 4096, &m)?;
     barrier(comm)?;
     for _ in 0..adds {
@@ -330,9 +426,25 @@ fn contention(w: &Worker) -> Result<(), String> {
             std::thread::yield_now();
         }
         let mut v = 0u64;
-        nccl!(commWinGet(&mut v as *mut u64 as *mut c_void, 8, UINT8, 0, win, 16, comm));
+        nccl!(commWinGet(
+            &mut v as *mut u64 as *mut c_void,
+            8,
+            UINT8,
+            0,
+            win,
+            16,
+            comm
+        ));
         v += 1;
-        nccl!(commWinPut(&v as *const u64 as *const c_void, 8, UINT8, 0, win, 16, comm));
+        nccl!(commWinPut(
+            &v as *const u64 as *const c_void,
+            8,
+            UINT8,
+            0,
+            win,
+            16,
+            comm
+        ));
         nccl!(commWinFlush(0, win, comm));
         nccl!(commWinCompareSwap(me, 0, &mut old, UINT64, 0, win, 8, comm));
         if old != me {
@@ -343,10 +455,16 @@ fn contention(w: &Worker) -> Result<(), String> {
     if w.rank == 0 {
         let words = unsafe { std::slice::from_raw_parts(mem as *const u64, 3) };
         if words[0] != n as u64 * adds {
-            return Err(format!("counter {} after {n} x {adds} fetch-adds", words[0]));
+            return Err(format!(
+                "counter {} after {n} x {adds} fetch-adds",
+                words[0]
+            ));
         }
         if words[2] != n as u64 * sections {
-            return Err(format!("locked counter {} after {n} x {sections} sections", words[2]));
+            return Err(format!(
+                "locked counter {} after {n} x {sections} sections",
+                words[2]
+            ));
         }
     }
     barrier(comm)?;
@@ -400,7 +518,10 @@ fn channels(w: &Worker) -> Result<(), String> {
     }
     let words = unsafe { std::slice::from_raw_parts(pads as *const u32, nch as usize * n) };
     if let Some(i) = words.iter().position(|&x| x != 0) {
-        return Err(format!("signal pad word {i} is {} after the synchronisations", words[i]));
+        return Err(format!(
+            "signal pad word {i} is {} after the synchronisations",
+            words[i]
+        ));
     }
     nccl!(ncclCommWindowDeregister(comm, win));
     nccl!(ncclCommDestroy(comm));
@@ -420,49 +541,105 @@ fn bad_input(w: &Worker) -> Result<(), String> {
     let mut old = 0u64;
     expect(
         unsafe { ncclPutSignal(src, 8, UINT8, next, win, 4093, 0, 0, 0, comm, S) },
-        ncclInvalidArgument, "past the end", "put past the end")?;
+        ncclInvalidArgument,
+        "past the end",
+        "put past the end",
+    )?;
     expect(
         unsafe { commWinGet(buf.as_ptr() as *mut c_void, 2, INT32, next, win, 4090, comm) },
-        ncclInvalidArgument, "past the end", "get past the end")?;
+        ncclInvalidArgument,
+        "past the end",
+        "get past the end",
+    )?;
     expect(
         unsafe { commWinPut(src, 1, UINT8, next, win, usize::MAX, comm) },
-        ncclInvalidArgument, "past the end", "offset that overflows")?;
+        ncclInvalidArgument,
+        "past the end",
+        "offset that overflows",
+    )?;
     for peer in [n as i32, -1] {
         expect(
             unsafe { ncclPutSignal(src, 1, UINT8, peer, win, 0, 0, 0, 0, comm, S) },
-            ncclInvalidArgument, "out of range", "peer out of range")?;
+            ncclInvalidArgument,
+            "out of range",
+            "peer out of range",
+        )?;
         expect(
             unsafe { commWinFetchAdd(1, &mut old, UINT64, peer, win, 0, comm) },
-            ncclInvalidArgument, "out of range", "atomic on a peer out of range")?;
+            ncclInvalidArgument,
+            "out of range",
+            "atomic on a peer out of range",
+        )?;
     }
     expect(
         unsafe { commWinFetchAdd(1, &mut old, UINT64, next, win, 4, comm) },
-        ncclInvalidArgument, "aligned", "unaligned atomic")?;
+        ncclInvalidArgument,
+        "aligned",
+        "unaligned atomic",
+    )?;
     expect(
         unsafe { commWinCompareSwap(0, 1, &mut old, INT32, next, win, 0, comm) },
-        ncclInvalidArgument, "8-byte integers", "4-byte atomic")?;
+        ncclInvalidArgument,
+        "8-byte integers",
+        "4-byte atomic",
+    )?;
     expect(
         unsafe { commWinFetchAdd(1, &mut old, FLOAT32 + 1, next, win, 0, comm) },
-        ncclInvalidArgument, "8-byte integers", "float64 atomic")?;
+        ncclInvalidArgument,
+        "8-byte integers",
+        "float64 atomic",
+    )?;
     expect(
         unsafe { commWinFetchAdd(1, &mut old, UINT64, next, win, 4092, comm) },
-        ncclInvalidArgument, "past the end", "atomic past the end")?;
+        ncclInvalidArgument,
+        "past the end",
+        "atomic past the end",
+    )?;
     for (sig, ctx, flags, what) in [(1, 0, 0, "sigIdx"), (0, 1, 0, "ctx"), (0, 0, 1, "flags")] {
         expect(
             unsafe { ncclPutSignal(src, 1, UINT8, next, win, 0, sig, ctx, flags, comm, S) },
-            ncclInvalidArgument, what, "reserved argument of ncclPutSignal")?;
+            ncclInvalidArgument,
+            what,
+            "reserved argument of ncclPutSignal",
+        )?;
         expect(
             unsafe { ncclSignal(next, sig, ctx, flags, comm, S) },
-            ncclInvalidArgument, what, "reserved argument of ncclSignal")?;
+            ncclInvalidArgument,
+            what,
+            "reserved argument of ncclSignal",
+        )?;
     }
     let mut d = [desc(next as usize, 0)];
-    expect(unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) }, ncclInvalidArgument, "opCnt", "opCnt 0")?;
-    expect(unsafe { ncclWaitSignal(0, d.as_mut_ptr(), comm, S) }, ncclInvalidArgument, "nDesc", "nDesc 0")?;
-    let mut d = [ncclWaitSignalDesc_t { opCnt: 1, peer: next, sigIdx: 2, ctx: 0 }];
-    expect(unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) }, ncclInvalidArgument, "sigIdx", "wait sigIdx")?;
+    expect(
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "opCnt",
+        "opCnt 0",
+    )?;
+    expect(
+        unsafe { ncclWaitSignal(0, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "nDesc",
+        "nDesc 0",
+    )?;
+    let mut d = [ncclWaitSignalDesc_t {
+        opCnt: 1,
+        peer: next,
+        sigIdx: 2,
+        ctx: 0,
+    }];
+    expect(
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "sigIdx",
+        "wait sigIdx",
+    )?;
     expect(
         unsafe { commWinChannelSignal(next, 1 << 20, 100, win, comm) },
-        ncclInvalidArgument, "channel", "channel out of range")?;
+        ncclInvalidArgument,
+        "channel",
+        "channel out of range",
+    )?;
     still_works(comm, n)?;
 
     // A window of another communicator.
@@ -471,23 +648,42 @@ fn bad_input(w: &Worker) -> Result<(), String> {
     let (_m2, win2) = window(other, 256, &m)?;
     expect(
         unsafe { commWinPut(src, 1, UINT8, next, win2, 0, comm) },
-        ncclInvalidArgument, "another communicator", "window of another communicator")?;
+        ncclInvalidArgument,
+        "another communicator",
+        "window of another communicator",
+    )?;
     // A deregistered one.
     nccl!(ncclCommWindowDeregister(other, win2));
     expect(
         unsafe { commWinGet(buf.as_ptr() as *mut c_void, 1, UINT8, next, win2, 0, other) },
-        ncclInvalidArgument, "not a live window", "deregistered window")?;
+        ncclInvalidArgument,
+        "not a live window",
+        "deregistered window",
+    )?;
     expect(
         unsafe { ncclCommWindowDeregister(other, win2) },
-        ncclInvalidArgument, "not a live window", "deregistered twice")?;
+        ncclInvalidArgument,
+        "not a live window",
+        "deregistered twice",
+    )?;
     nccl!(ncclCommDestroy(other));
     // Bad flags on rank 0 only: every rank fails, none hangs.
     let mut w3: ncclWindow_t = null_mut();
     let mut spare = vec![0u64; 16];
     let flags = if me == 0 { 0x10 } else { SYM };
-    let r = unsafe { ncclCommWindowRegister(comm, spare.as_mut_ptr() as *mut c_void, 128, &mut w3, flags) };
-    expect(r, if me == 0 { ncclInvalidArgument } else { ncclInvalidUsage },
-        if me == 0 { "winFlags" } else { "rank 0" }, "bad flags on one rank")?;
+    let r = unsafe {
+        ncclCommWindowRegister(comm, spare.as_mut_ptr() as *mut c_void, 128, &mut w3, flags)
+    };
+    expect(
+        r,
+        if me == 0 {
+            ncclInvalidArgument
+        } else {
+            ncclInvalidUsage
+        },
+        if me == 0 { "winFlags" } else { "rank 0" },
+        "bad flags on one rank",
+    )?;
     let r = unsafe { ncclCommWindowRegister(comm, null_mut(), 128, &mut w3, SYM) };
     expect(r, ncclInvalidArgument, "buff is NULL", "NULL buffer")?;
     still_works(comm, n)?;
@@ -496,19 +692,37 @@ fn bad_input(w: &Worker) -> Result<(), String> {
     let t = Instant::now();
     expect(
         unsafe { commWinChannelWait(next, 0, 300, win, comm) },
-        ncclTimeout, "timed out", "channel wait without a signal")?;
+        ncclTimeout,
+        "timed out",
+        "channel wait without a signal",
+    )?;
     if t.elapsed() > Duration::from_secs(5) {
         return Err(format!("the 300 ms channel wait took {:?}", t.elapsed()));
     }
     let mut d = [desc(next as usize, 1)];
     expect(
         unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
-        ncclTimeout, "timed out", "ncclWaitSignal without a signal (COMM_TIMEOUT)")?;
+        ncclTimeout,
+        "timed out",
+        "ncclWaitSignal without a signal (COMM_TIMEOUT)",
+    )?;
     still_works(comm, n)?;
     // Still usable for windows too.
     barrier(comm)?;
     let v = [me as u8 + 1];
-    nccl!(ncclPutSignal(v.as_ptr() as *const c_void, 1, UINT8, next, win, 0, 0, 0, 0, comm, S));
+    nccl!(ncclPutSignal(
+        v.as_ptr() as *const c_void,
+        1,
+        UINT8,
+        next,
+        win,
+        0,
+        0,
+        0,
+        0,
+        comm,
+        S
+    ));
     let prev = (me + n - 1) % n;
     let mut d = [desc(prev, 1)];
     nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
@@ -536,9 +750,17 @@ fn peer_dies(w: &Worker) -> Result<(), String> {
         let mut d = [desc(0, 1)];
         unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) }
     };
-    expect(r, ncclResult_t::ncclRemoteError, "rank 0", "wait on a dead peer")?;
+    expect(
+        r,
+        ncclResult_t::ncclRemoteError,
+        "rank 0",
+        "wait on a dead peer",
+    )?;
     if t.elapsed() > Duration::from_secs(20) {
-        return Err(format!("noticed the dead peer only after {:?}", t.elapsed()));
+        return Err(format!(
+            "noticed the dead peer only after {:?}",
+            t.elapsed()
+        ));
     }
     Ok(())
 }
@@ -555,21 +777,47 @@ fn group_register(w: &Worker) -> Result<(), String> {
     let b: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
     let (mut wa, mut wb): (ncclWindow_t, ncclWindow_t) = (null_mut(), null_mut());
     nccl!(ncclGroupStart());
-    nccl!(ncclCommWindowRegister(comm, a.as_mut_ptr() as *mut c_void, 512, &mut wa, SYM));
-    nccl!(ncclCommWindowRegister(child, b.as_mut_ptr() as *mut c_void, 512, &mut wb, SYM));
+    nccl!(ncclCommWindowRegister(
+        comm,
+        a.as_mut_ptr() as *mut c_void,
+        512,
+        &mut wa,
+        SYM
+    ));
+    nccl!(ncclCommWindowRegister(
+        child,
+        b.as_mut_ptr() as *mut c_void,
+        512,
+        &mut wb,
+        SYM
+    ));
     nccl!(ncclGroupEnd());
     if wa.is_null() || wb.is_null() {
         return Err("a window handle is NULL after ncclGroupEnd".into());
     }
     let next = ((me + 1) % n) as i32;
     let v = [me as u64 + 5];
-    nccl!(ncclPutSignal(v.as_ptr() as *const c_void, 1, UINT64, next, wb, 8, 0, 0, 0, child, S));
+    nccl!(ncclPutSignal(
+        v.as_ptr() as *const c_void,
+        1,
+        UINT64,
+        next,
+        wb,
+        8,
+        0,
+        0,
+        0,
+        child,
+        S
+    ));
     let mut d = [desc((me + n - 1) % n, 1)];
     nccl!(ncclWaitSignal(1, d.as_mut_ptr(), child, S));
     let want = ((me + n - 1) % n) as u64 + 5;
     let got = unsafe { std::ptr::read_volatile(&b[1]) };
     if got != want {
-        return Err(format!("put through the child's window left {got}, wanted {want}"));
+        return Err(format!(
+            "put through the child's window left {got}, wanted {want}"
+        ));
     }
     barrier(comm)?;
     nccl!(ncclCommWindowDeregister(comm, wa));

@@ -57,7 +57,9 @@ pub unsafe extern "C" fn commMemFreeShared(ptr: *mut c_void) -> ncclResult_t {
         if ptr.is_null() || window::shared::free(ptr as *mut u8) {
             Ok(())
         } else {
-            crate::invalid_arg!("ptr {ptr:p} was not allocated by commMemAllocShared (or was freed already)")
+            crate::invalid_arg!(
+                "ptr {ptr:p} was not allocated by commMemAllocShared (or was freed already)"
+            )
         }
     })
 }
@@ -269,7 +271,12 @@ fn reserved_zero(sig_idx: c_int, ctx: c_int, flags: c_uint) -> Result<()> {
 }
 
 /// Bytes of `count` elements of `datatype`, for a buffer that must be host memory.
-fn host_bytes(buf: *const c_void, count: usize, datatype: RawDataType, name: &str) -> Result<usize> {
+fn host_bytes(
+    buf: *const c_void,
+    count: usize,
+    datatype: RawDataType,
+    name: &str,
+) -> Result<usize> {
     let dt = crate::comm::ops::parse_dtype(datatype)?;
     let Some(bytes) = count.checked_mul(dt.size()) else {
         return crate::invalid_arg!("count {count} of {} overflows", dt.name());
@@ -290,6 +297,9 @@ fn one_sided(
     phase: crate::group::Phase,
     run: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Result<()> {
+    if crate::group::depth() == 0 {
+        return run();
+    }
     let op = crate::group::OneSided {
         phase,
         run: Box::new(run),
@@ -324,16 +334,15 @@ pub unsafe extern "C" fn ncclPutSignal(
             return crate::invalid_arg!("localbuff is NULL");
         }
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        let h = peerWin as usize;
-        window::check_access(&c, h, peer, peerWinOffset, bytes)?;
-        if window::flags(&c, h)? & NCCL_WIN_COLL_SYMMETRIC == 0 {
+        let (w, peer) = window::check_access(&c, peerWin as usize, peer, peerWinOffset, bytes)?;
+        if w.flags & NCCL_WIN_COLL_SYMMETRIC == 0 {
             return crate::invalid_arg!(
                 "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"
             );
         }
         let src = localbuff as usize;
         one_sided(crate::group::Phase::Issue, move || {
-            window::put(&c, h, peer, peerWinOffset, src as *const u8, bytes, true)
+            window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true)
         })
     })
 }
@@ -380,13 +389,18 @@ pub unsafe extern "C" fn ncclWaitSignal(
             .enumerate()
         {
             if d.opCnt <= 0 {
-                return crate::invalid_arg!("signalDescs[{i}].opCnt is {}; it must be positive", d.opCnt);
+                return crate::invalid_arg!(
+                    "signalDescs[{i}].opCnt is {}; it must be positive",
+                    d.opCnt
+                );
             }
             reserved_zero(d.sigIdx, d.ctx, 0)
                 .map_err(|e| e.context(format!("signalDescs[{i}]")))?;
             descs.push((window::check_peer(&c, d.peer)?, d.opCnt as u64));
         }
-        one_sided(crate::group::Phase::Wait, move || window::wait_signals(&c, &descs))
+        one_sided(crate::group::Phase::Wait, move || {
+            window::wait_signals(&c, &descs)
+        })
     })
 }
 
@@ -406,7 +420,15 @@ pub unsafe extern "C" fn commWinPut(
     guard_comm("commWinPut", comm, |c| {
         c.check_usable()?;
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        window::put(&c, peerWin as usize, peer, peerWinOffset, localbuff.cast(), bytes, false)
+        window::put(
+            &c,
+            peerWin as usize,
+            peer,
+            peerWinOffset,
+            localbuff.cast(),
+            bytes,
+            false,
+        )
     })
 }
 
@@ -425,7 +447,14 @@ pub unsafe extern "C" fn commWinGet(
     guard_comm("commWinGet", comm, |c| {
         c.check_usable()?;
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        window::get(&c, peerWin as usize, peer, peerWinOffset, localbuff.cast(), bytes)
+        window::get(
+            &c,
+            peerWin as usize,
+            peer,
+            peerWinOffset,
+            localbuff.cast(),
+            bytes,
+        )
     })
 }
 
@@ -482,7 +511,14 @@ pub unsafe extern "C" fn commWinCompareSwap(
     guard_comm("commWinCompareSwap", comm, |c| {
         c.check_usable()?;
         atomic_type(datatype)?;
-        let old = window::atomic(&c, peerWin as usize, peer, peerWinOffset, Some(compare), value)?;
+        let old = window::atomic(
+            &c,
+            peerWin as usize,
+            peer,
+            peerWinOffset,
+            Some(compare),
+            value,
+        )?;
         if !oldValue.is_null() {
             *oldValue = old;
         }
@@ -493,7 +529,11 @@ pub unsafe extern "C" fn commWinCompareSwap(
 /// comm extension: returns once every earlier put from this rank to `peer` through any
 /// window has landed in the peer's memory.
 #[no_mangle]
-pub unsafe extern "C" fn commWinFlush(peer: c_int, win: ncclWindow_t, comm: ncclComm_t) -> ncclResult_t {
+pub unsafe extern "C" fn commWinFlush(
+    peer: c_int,
+    win: ncclWindow_t,
+    comm: ncclComm_t,
+) -> ncclResult_t {
     guard_comm("commWinFlush", comm, |c| {
         c.check_usable()?;
         window::flush(&c, win as usize, Some(peer))

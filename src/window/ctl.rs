@@ -118,9 +118,11 @@ impl Ctl {
     }
 
     /// Wakes this rank's waiters after a signal or a pad changed.
+    /// Callers changed the word a waiter looks at (SeqCst) first: a waiter that registered
+    /// as a sleeper before that change is woken, one that registers after it sees the change.
     pub fn ring(&self) {
-        self.word32(BELL).fetch_add(1, Ordering::SeqCst);
         if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
+            self.word32(BELL).fetch_add(1, Ordering::SeqCst);
             os::futex_wake_all(self.word32(BELL));
         }
     }

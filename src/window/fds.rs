@@ -69,9 +69,7 @@ pub fn exchange(
                 .collect();
             let raw = fd.map_or(-1, |f| f.as_raw_fd());
             let stop = &stop;
-            s.spawn(move || {
-                serve_segment(l, raw, &expected, &secret, tag, me, deadline, stop)
-            })
+            s.spawn(move || serve_segment(l, raw, &expected, &secret, tag, me, deadline, stop))
         });
         let fetched = (|| -> Result<Vec<Option<OwnedFd>>> {
             let mut got: Vec<Option<OwnedFd>> = (0..paths.len()).map(|_| None).collect();

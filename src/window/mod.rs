@@ -26,10 +26,8 @@ use crate::topo::Path;
 use crate::transport::os::{self, Mapping};
 use crate::wire::{self, Reader};
 use ctl::Ctl;
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use remote::{Frame, NetSide};
-use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -71,6 +69,8 @@ pub struct Window {
     pub peers: Vec<PeerWin>,
     /// Memory allocated with the window (commWindowAllocate), freed with it.
     owned: Option<usize>,
+    /// The communicator's window state (kept here so operations need no second look-up).
+    cw: Arc<CommWindows>,
 }
 
 /// A communicator's state for windows, made at its first window registration.
@@ -80,16 +80,34 @@ pub struct CommWindows {
     /// Control segments: ours, and those of the peers on this host.
     ctls: Vec<Option<Arc<Ctl>>>,
     /// NCCL signals already consumed by waits, per sender.
-    waited: Mutex<Vec<u64>>,
+    waited: Vec<AtomicU64>,
     slots: Mutex<Vec<bool>>,
     net: Option<NetSide>,
 }
 
-static COMMS: Lazy<Mutex<HashMap<(u64, usize), Arc<CommWindows>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-pub(crate) static WINDOWS: Lazy<Mutex<HashMap<usize, Arc<Window>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+/// Window state by (communicator tag, rank); a few entries, so a list.
+static COMMS: Mutex<Vec<((u64, usize), Arc<CommWindows>)>> = Mutex::new(Vec::new());
+
+fn find_comm(c: &Comm) -> Option<Arc<CommWindows>> {
+    let k = key(c);
+    COMMS.lock().iter().find(|e| e.0 == k).map(|e| e.1.clone())
+}
+/// Live windows of this process, by handle number (handles are never reused).
+static WINDOWS: Mutex<Vec<Option<Arc<Window>>>> = Mutex::new(Vec::new());
 static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(1);
+const HANDLE_BASE: usize = 0x3a11_0000_0000;
+const HANDLE_STEP: usize = 0x40;
+
+fn handle_number(handle: usize) -> Option<usize> {
+    let n = handle.checked_sub(HANDLE_BASE)?;
+    (n % HANDLE_STEP == 0).then_some(n / HANDLE_STEP)
+}
+
+/// The live window with this handle, whatever its communicator.
+pub(crate) fn window_by_handle(handle: usize) -> Option<Arc<Window>> {
+    let n = handle_number(handle)?;
+    WINDOWS.lock().get(n).cloned().flatten()
+}
 
 fn key(c: &Comm) -> (u64, usize) {
     (c.tag, c.rank)
@@ -128,13 +146,13 @@ fn agree(c: &Comm, mine: Result<()>) -> Result<()> {
 
 /// The communicator's window state, made collectively the first time.
 fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
-    if let Some(cw) = COMMS.lock().get(&key(c)) {
-        return Ok(cw.clone());
+    if let Some(cw) = find_comm(c) {
+        return Ok(cw);
     }
     let (me, n) = (c.rank, c.nranks);
     let channels = {
-        let mine = (crate::env::int("WIN_CHANNELS").unwrap_or(32).clamp(1, 4096) as u32)
-            .to_le_bytes();
+        let mine =
+            (crate::env::int("WIN_CHANNELS").unwrap_or(32).clamp(1, 4096) as u32).to_le_bytes();
         let b = c.boot.broadcast(0, &mine)?;
         u32::from_le_bytes(b[..4].try_into().unwrap_or([0, 0, 0, 32])) as usize
     };
@@ -185,7 +203,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
         rank: me,
         channels,
         ctls,
-        waited: Mutex::new(vec![0; n]),
+        waited: (0..n).map(|_| AtomicU64::new(0)).collect(),
         slots: Mutex::new(vec![false; ctl::MAX_WINDOWS]),
         net,
     });
@@ -193,13 +211,13 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
         "windows ready: {channels} signal channels, {} peers reached over the network",
         c.paths.iter().filter(|p| **p == Path::Network).count()
     );
-    COMMS.lock().insert(key(c), cw.clone());
+    COMMS.lock().push((key(c), cw.clone()));
     Ok(cw)
 }
 
 fn existing(c: &Comm, what: &str) -> Result<Arc<CommWindows>> {
-    match COMMS.lock().get(&key(c)) {
-        Some(cw) => Ok(cw.clone()),
+    match find_comm(c) {
+        Some(cw) => Ok(cw),
         None => crate::invalid_usage!(
             "{what} needs a window: register one on this communicator first (ncclCommWindowRegister is collective)"
         ),
@@ -208,7 +226,9 @@ fn existing(c: &Comm, what: &str) -> Result<Arc<CommWindows>> {
 
 impl CommWindows {
     fn own(&self) -> &Ctl {
-        self.ctls[self.rank].as_deref().expect("own control segment")
+        self.ctls[self.rank]
+            .as_deref()
+            .expect("own control segment")
     }
 
     fn take_slot(&self) -> Result<usize> {
@@ -228,7 +248,11 @@ impl CommWindows {
 
     fn net(&self, peer: usize) -> Result<&NetSide> {
         self.net.as_ref().map_or_else(
-            || crate::internal_err!("rank {peer} is on another host but windows have no network side"),
+            || {
+                crate::internal_err!(
+                    "rank {peer} is on another host but windows have no network side"
+                )
+            },
             Ok,
         )
     }
@@ -250,7 +274,7 @@ pub fn register(
     let n = c.nranks;
     let slot = cw.take_slot();
     let shared = shared::find(buff, size);
-    let handle = 0x3a11_0000_0000 + 0x40 * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst);
+    let handle = HANDLE_BASE + HANDLE_STEP * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst);
     let mut mine = Vec::new();
     match &slot {
         Ok(s) => wire::put_u32(&mut mine, *s as u32),
@@ -345,7 +369,9 @@ pub fn register(
                         if i.len > 0 {
                             let mut probe = [0u8; 1];
                             // SAFETY: probe is one writable byte.
-                            if let Err(e) = unsafe { os::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) } {
+                            if let Err(e) =
+                                unsafe { os::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
+                            {
                                 return crate::invalid_usage!(
                                     "rank {r}'s window ({} bytes at {:#x}) is ordinary memory of another process (pid {pid}), and this rank may not reach it with process_vm_readv/writev: {e}. Allocate window memory with ncclMemAlloc or commMemAllocShared (shared memory every rank on the host maps), or allow the ranks to trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
                                     i.len, i.addr
@@ -381,6 +407,7 @@ pub fn register(
         slot,
         peers,
         owned: owned.then_some(buff),
+        cw: cw.clone(),
     });
     crate::info!(
         "window {handle:#x}: {size} bytes at {buff:#x}; peers reached {}",
@@ -398,14 +425,19 @@ pub fn register(
             .collect::<Vec<_>>()
             .join(" ")
     );
-    WINDOWS.lock().insert(handle, w);
+    let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
+    let mut all = WINDOWS.lock();
+    if all.len() <= at {
+        all.resize(at + 1, None);
+    }
+    all[at] = Some(w);
     Ok(handle)
 }
 
 /// The window behind `handle`, which must belong to communicator `c`.
 pub fn lookup(c: &Comm, handle: usize) -> Result<Arc<Window>> {
-    match WINDOWS.lock().get(&handle) {
-        Some(w) if w.comm == key(c) => Ok(w.clone()),
+    match window_by_handle(handle) {
+        Some(w) if w.comm == key(c) => Ok(w),
         Some(_) => crate::invalid_arg!(
             "window {handle:#x} was registered on another communicator; use a window of this one"
         ),
@@ -418,10 +450,10 @@ pub fn lookup(c: &Comm, handle: usize) -> Result<Arc<Window>> {
 /// ncclCommWindowDeregister: local. Memory allocated with the window is freed.
 pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
     let w = lookup(c, handle)?;
-    WINDOWS.lock().remove(&handle);
-    if let Some(cw) = COMMS.lock().get(&key(c)) {
-        cw.slots.lock()[w.slot] = false;
+    if let Some(n) = handle_number(handle) {
+        WINDOWS.lock()[n] = None;
     }
+    w.cw.slots.lock()[w.slot] = false;
     if let Some(p) = w.owned {
         shared::free(p as *mut u8);
     }
@@ -432,10 +464,6 @@ pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
 pub fn user_ptr(c: &Comm, handle: usize) -> Result<usize> {
     let w = lookup(c, handle)?;
     Ok(w.peers[c.rank].addr)
-}
-
-pub fn flags(c: &Comm, handle: usize) -> Result<i32> {
-    Ok(lookup(c, handle)?.flags)
 }
 
 fn peer_index(c: &Comm, peer: i32) -> Result<usize> {
@@ -454,10 +482,18 @@ pub fn check_peer(c: &Comm, peer: i32) -> Result<usize> {
 }
 
 /// Checks an access of `len` bytes at `off` of `peer`'s part of window `handle`.
-pub fn check_access(c: &Comm, handle: usize, peer: i32, off: usize, len: usize) -> Result<()> {
+/// Returns the window and the peer's rank.
+pub fn check_access(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    len: usize,
+) -> Result<(Arc<Window>, usize)> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
-    check_range(&w.peers[peer], off, len, peer)
+    check_range(&w.peers[peer], off, len, peer)?;
+    Ok((w, peer))
 }
 
 pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> Result<()> {
@@ -492,15 +528,27 @@ pub fn put(
 ) -> Result<()> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
+    check_range(&w.peers[peer], off, len, peer)?;
+    put_checked(&w, peer, off, src, len, signal)
+}
+
+/// [`put`] on a window already looked up, with `peer` and the range checked.
+pub fn put_checked(
+    w: &Window,
+    peer: usize,
+    off: usize,
+    src: *const u8,
+    len: usize,
+    signal: bool,
+) -> Result<()> {
     let p = &w.peers[peer];
-    check_range(p, off, len, peer)?;
-    let cw = existing(c, "a put")?;
+    let cw = &*w.cw;
     match p.data {
         Reach::Direct(base) => {
             if len > 0 {
                 // SAFETY: the destination lies inside the peer's registered window (checked
-                // above), mapped here; the caller guarantees src holds len bytes. They may
-                // overlap when a rank puts into its own window.
+                // by the caller), mapped here; the caller guarantees src holds len bytes. They
+                // may overlap when a rank puts into its own window.
                 unsafe { std::ptr::copy(src, (base + off) as *mut u8, len) };
             }
         }
@@ -527,7 +575,7 @@ pub fn put(
         }
     }
     if signal {
-        signal_to(&cw, peer)?;
+        signal_to(cw, peer)?;
     }
     Ok(())
 }
@@ -573,7 +621,7 @@ pub fn get(c: &Comm, handle: usize, peer: i32, off: usize, dst: *mut u8, len: us
         Reach::Cma { pid, addr } => unsafe { os::cma_read(pid, dst, addr + off, len) }
             .map_err(|e| cma_error(peer, "reading from", e))?,
         Reach::Net { id } => {
-            let cw = existing(c, "a get")?;
+            let cw = w.cw.clone();
             let f = Frame {
                 op: remote::OP_GET,
                 win: id,
@@ -619,9 +667,11 @@ pub(crate) fn atomic_at(
                 }))
             } else {
                 Ok(match cas {
-                    Some(cmp) => match a.compare_exchange(cmp, val, Ordering::SeqCst, Ordering::SeqCst) {
-                        Ok(v) | Err(v) => v,
-                    },
+                    Some(cmp) => {
+                        match a.compare_exchange(cmp, val, Ordering::SeqCst, Ordering::SeqCst) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    }
                     None => a.fetch_add(val, Ordering::SeqCst),
                 })
             }
@@ -645,7 +695,14 @@ pub(crate) fn atomic_at(
 }
 
 /// 8-byte fetch-add (`cas` None) or compare-and-swap on `peer`'s window at `off`; the old value.
-pub fn atomic(c: &Comm, handle: usize, peer: i32, off: usize, cas: Option<u64>, val: u64) -> Result<u64> {
+pub fn atomic(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    cas: Option<u64>,
+    val: u64,
+) -> Result<u64> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     let p = &w.peers[peer];
@@ -656,7 +713,7 @@ pub fn atomic(c: &Comm, handle: usize, peer: i32, off: usize, cas: Option<u64>, 
             p.addr + off
         );
     }
-    let cw = existing(c, "an atomic")?;
+    let cw = w.cw.clone();
     match p.data {
         Reach::Net { id } => {
             let f = Frame {
@@ -674,9 +731,9 @@ pub fn atomic(c: &Comm, handle: usize, peer: i32, off: usize, cas: Option<u64>, 
             cw.net(peer)?.call(peer, &f, &[], true, &mut [])
         }
         _ => {
-            let ctl = cw.ctls[peer]
-                .as_deref()
-                .ok_or_else(|| Error::new(ErrorKind::Internal, "no control segment for a local peer"))?;
+            let ctl = cw.ctls[peer].as_deref().ok_or_else(|| {
+                Error::new(ErrorKind::Internal, "no control segment for a local peer")
+            })?;
             atomic_at(&w, peer, off, cas, val, ctl)
         }
     }
@@ -690,7 +747,7 @@ pub fn flush(c: &Comm, handle: usize, peer: Option<i32>) -> Result<()> {
         None => (0..c.nranks).collect(),
     };
     std::sync::atomic::fence(Ordering::SeqCst);
-    let cw = existing(c, "a flush")?;
+    let cw = w.cw.clone();
     for p in peers {
         if let Reach::Net { id } = w.peers[p].data {
             let f = Frame {
@@ -719,7 +776,7 @@ pub fn peer_ptr(c: &Comm, handle: usize, peer: i32) -> Result<Option<usize>> {
 pub fn signal_pads(c: &Comm, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
-    let cw = existing(c, "signal pads")?;
+    let cw = w.cw.clone();
     Ok((
         cw.ctls[peer]
             .as_ref()
@@ -735,16 +792,25 @@ fn wait_until(
     c: &Comm,
     cw: &CommWindows,
     peer: usize,
-    deadline: Option<Instant>,
+    limit: Option<Duration>,
     what: &dyn Fn() -> String,
     ready: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
-    let spin_until = Instant::now() + c.wiring.spin.max(Duration::from_micros(20));
-    while Instant::now() < spin_until {
+    if ready() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    let spin_until = start + c.wiring.spin.max(Duration::from_micros(20));
+    let mut polls = 0u32;
+    loop {
         if ready() {
             return Ok(());
         }
         std::hint::spin_loop();
+        polls += 1;
+        if polls % 64 == 0 && Instant::now() >= spin_until {
+            break;
+        }
     }
     loop {
         if ready() {
@@ -754,7 +820,10 @@ fn wait_until(
             return Ok(());
         }
         if c.wiring.abort.load(Ordering::SeqCst) {
-            return crate::invalid_usage!("the communicator was aborted while waiting for {}", what());
+            return crate::invalid_usage!(
+                "the communicator was aborted while waiting for {}",
+                what()
+            );
         }
         if peer != c.rank {
             if let Some(gone) = peer_lost(c, cw, peer) {
@@ -764,11 +833,14 @@ fn wait_until(
                 }
                 return Err(Error::lost_peer(
                     peer,
-                    format!("rank {peer} is gone while this rank waited for {}: {gone}", what()),
+                    format!(
+                        "rank {peer} is gone while this rank waited for {}: {gone}",
+                        what()
+                    ),
                 ));
             }
         }
-        if deadline.is_some_and(|d| Instant::now() > d) {
+        if limit.is_some_and(|l| start.elapsed() > l) {
             return crate::timeout_err!("timed out waiting for {}", what());
         }
     }
@@ -790,15 +862,14 @@ fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
 /// than earlier waits consumed, and consumes them.
 pub fn wait_signals(c: &Comm, descs: &[(usize, u64)]) -> Result<()> {
     let cw = existing(c, "ncclWaitSignal")?;
-    let deadline = deadline_of(c.wiring.timeout);
     for &(peer, n) in descs {
-        let goal = cw.waited.lock()[peer] + n;
+        let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
         let counter = cw.own().counter(peer);
         wait_until(
             c,
             &cw,
             peer,
-            deadline,
+            c.wiring.timeout,
             &|| {
                 format!(
                     "signals from rank {peer} ({} of {goal} arrived)",
@@ -807,8 +878,7 @@ pub fn wait_signals(c: &Comm, descs: &[(usize, u64)]) -> Result<()> {
             },
             &mut || counter.load(Ordering::Acquire) >= goal,
         )?;
-        let mut waited = cw.waited.lock();
-        waited[peer] = waited[peer].max(goal);
+        cw.waited[peer].fetch_max(goal, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -833,10 +903,16 @@ fn pad_deadline(c: &Comm, timeout_ms: u64) -> Option<Instant> {
 
 /// PyTorch's put_signal: sets this rank's pad word for `channel` at `dst` from 0 to 1, waiting
 /// while it is still 1 from the previous signal.
-pub fn channel_signal(c: &Comm, handle: usize, dst: i32, channel: i32, timeout_ms: u64) -> Result<()> {
+pub fn channel_signal(
+    c: &Comm,
+    handle: usize,
+    dst: i32,
+    channel: i32,
+    timeout_ms: u64,
+) -> Result<()> {
     let w = lookup(c, handle)?;
     let dst = peer_index(c, dst)?;
-    let cw = existing(c, "a channel signal")?;
+    let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;
     channel_signal_to(c, &cw, &w, dst, ch, pad_deadline(c, timeout_ms))
 }
@@ -898,10 +974,16 @@ fn channel_signal_to(
 }
 
 /// PyTorch's wait_signal: waits until `src` has signalled this rank on `channel`, and clears it.
-pub fn channel_wait(c: &Comm, handle: usize, src: i32, channel: i32, timeout_ms: u64) -> Result<()> {
+pub fn channel_wait(
+    c: &Comm,
+    handle: usize,
+    src: i32,
+    channel: i32,
+    timeout_ms: u64,
+) -> Result<()> {
     let w = lookup(c, handle)?;
     let src = peer_index(c, src)?;
-    let cw = existing(c, "a channel wait")?;
+    let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;
     channel_wait_from(c, &cw, &w, src, ch, pad_deadline(c, timeout_ms))
 }
@@ -915,11 +997,12 @@ fn channel_wait_from(
     deadline: Option<Instant>,
 ) -> Result<()> {
     let pad = cw.own().pad(w.slot, ch, src);
+    let limit = deadline.map(|d| d.saturating_duration_since(Instant::now()));
     wait_until(
         c,
         cw,
         src,
-        deadline,
+        limit,
         &|| format!("a signal from rank {src} on channel {ch}"),
         &mut || {
             pad.compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
@@ -931,7 +1014,7 @@ fn channel_wait_from(
 /// PyTorch's barrier: signal every peer on `channel`, then wait for every peer's signal.
 pub fn channel_barrier(c: &Comm, handle: usize, channel: i32, timeout_ms: u64) -> Result<()> {
     let w = lookup(c, handle)?;
-    let cw = existing(c, "a channel barrier")?;
+    let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;
     let deadline = pad_deadline(c, timeout_ms);
     for p in (0..c.nranks).filter(|&p| p != c.rank) {

@@ -5,7 +5,7 @@
 //! Puts and signals are not answered; gets, atomics, pad updates and flushes are, and a flush
 //! is answered only after everything sent before it was applied.
 
-use super::{Reach, Window, WINDOWS};
+use super::{window_by_handle, Reach, Window};
 use crate::bootstrap::auth;
 use crate::error::{Error, ErrorKind, Result};
 use crate::window::ctl::Ctl;
@@ -100,7 +100,8 @@ pub fn listen(
     let addr = l
         .local_addr()
         .map_err(|e| Error::from_io("the window listener's address", e))?;
-    let lost: Arc<Vec<AtomicBool>> = Arc::new((0..nranks).map(|_| AtomicBool::new(false)).collect());
+    let lost: Arc<Vec<AtomicBool>> =
+        Arc::new((0..nranks).map(|_| AtomicBool::new(false)).collect());
     let lost2 = lost.clone();
     std::thread::Builder::new()
         .name(format!("comm-win-{rank}"))
@@ -167,8 +168,8 @@ fn serve(
 }
 
 fn target(win: u64, tag: u64, me: usize) -> Result<Arc<Window>> {
-    match WINDOWS.lock().get(&(win as usize)) {
-        Some(w) if w.comm == (tag, me) => Ok(w.clone()),
+    match window_by_handle(win as usize) {
+        Some(w) if w.comm == (tag, me) => Ok(w),
         _ => crate::invalid_usage!("window {win:#x} is no longer registered at rank {me}"),
     }
 }
@@ -219,7 +220,10 @@ fn apply(
                     // SAFETY: the range was checked against the registered window, which the
                     // registry keeps alive while we hold `w`.
                     let dst = unsafe {
-                        std::slice::from_raw_parts_mut((base + f.off as usize) as *mut u8, f.len as usize)
+                        std::slice::from_raw_parts_mut(
+                            (base + f.off as usize) as *mut u8,
+                            f.len as usize,
+                        )
                     };
                     s.read_exact(dst).map_err(io("read a window put"))?;
                 }
@@ -252,7 +256,10 @@ fn apply(
                     };
                     // SAFETY: as for puts.
                     let src = unsafe {
-                        std::slice::from_raw_parts((base + f.off as usize) as *const u8, f.len as usize)
+                        std::slice::from_raw_parts(
+                            (base + f.off as usize) as *const u8,
+                            f.len as usize,
+                        )
                     };
                     reply(s, Ok(0), Some(src))
                 }
@@ -270,7 +277,12 @@ fn apply(
         OP_PAD_CAS => {
             let r = target(f.win, tag, me).and_then(|w| {
                 let pad = ctl.pad(w.slot, f.off as usize, from);
-                let old = match pad.compare_exchange(f.a as u32, f.b as u32, Ordering::SeqCst, Ordering::SeqCst) {
+                let old = match pad.compare_exchange(
+                    f.a as u32,
+                    f.b as u32,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                ) {
                     Ok(v) | Err(v) => v,
                 };
                 ctl.ring();
@@ -320,7 +332,8 @@ impl NetSide {
         s.write_all(&(self.rank as u32).to_le_bytes())
             .map_err(io("window hello"))?;
         auth::client(&mut s, &self.secret, &context(self.tag, self.rank, peer))?;
-        s.set_read_timeout(self.timeout).map_err(io("window connection"))?;
+        s.set_read_timeout(self.timeout)
+            .map_err(io("window connection"))?;
         Ok(s)
     }
 
@@ -337,7 +350,9 @@ impl NetSide {
                 Err(e) => return e.kind == ErrorKind::Remote,
             }
         }
-        let fd = slot.as_ref().map_or(-1, |s| std::os::fd::AsRawFd::as_raw_fd(s));
+        let fd = slot
+            .as_ref()
+            .map_or(-1, |s| std::os::fd::AsRawFd::as_raw_fd(s));
         let mut p = libc::pollfd {
             fd,
             events: libc::POLLIN | libc::POLLRDHUP,
@@ -399,7 +414,10 @@ impl NetSide {
             Ok(v) => v,
             Err(e) => {
                 *slot = None;
-                let kind = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                let kind = if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) {
                     ErrorKind::Timeout
                 } else {
                     ErrorKind::Remote
