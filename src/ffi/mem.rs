@@ -383,11 +383,8 @@ pub unsafe extern "C" fn ncclWaitSignal(
         if nDesc <= 0 {
             return crate::invalid_arg!("nDesc is {nDesc}; it must be positive");
         }
-        let mut descs = Vec::with_capacity(nDesc as usize);
-        for (i, d) in std::slice::from_raw_parts(signalDescs, nDesc as usize)
-            .iter()
-            .enumerate()
-        {
+        let given = std::slice::from_raw_parts(signalDescs, nDesc as usize);
+        for (i, d) in given.iter().enumerate() {
             if d.opCnt <= 0 {
                 return crate::invalid_arg!(
                     "signalDescs[{i}].opCnt is {}; it must be positive",
@@ -396,10 +393,16 @@ pub unsafe extern "C" fn ncclWaitSignal(
             }
             reserved_zero(d.sigIdx, d.ctx, 0)
                 .map_err(|e| e.context(format!("signalDescs[{i}]")))?;
-            descs.push((window::check_peer(&c, d.peer)?, d.opCnt as u64));
+            window::check_peer(&c, d.peer)?;
         }
+        // Checked above: peers in range, counts positive.
+        let descs = given.iter().map(|d| (d.peer as usize, d.opCnt as u64));
+        if crate::group::depth() == 0 {
+            return window::wait_signals(&c, descs);
+        }
+        let descs: Vec<(usize, u64)> = descs.collect();
         one_sided(crate::group::Phase::Wait, move || {
-            window::wait_signals(&c, &descs)
+            window::wait_signals(&c, descs)
         })
     })
 }

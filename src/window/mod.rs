@@ -860,9 +860,9 @@ fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
 
 /// ncclWaitSignal: for each (peer, opCnt), waits until `peer` has sent `opCnt` more signals
 /// than earlier waits consumed, and consumes them.
-pub fn wait_signals(c: &Comm, descs: &[(usize, u64)]) -> Result<()> {
+pub fn wait_signals(c: &Comm, descs: impl IntoIterator<Item = (usize, u64)>) -> Result<()> {
     let cw = existing(c, "ncclWaitSignal")?;
-    for &(peer, n) in descs {
+    for (peer, n) in descs {
         let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
         let counter = cw.own().counter(peer);
         wait_until(
