@@ -198,30 +198,28 @@ fn run_concurrently(ops: Vec<OneSided>) -> Result<()> {
     })
 }
 
-/// Queues a one-sided operation in the current group; gives it back when there is no group.
-pub fn defer_one_sided(op: OneSided) -> Option<OneSided> {
+/// Queues `item` in the current group (in the list `list` picks); gives it back when there is
+/// no group.
+fn defer<T>(item: T, list: fn(&mut Group) -> &mut Vec<T>) -> Option<T> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
-            g.one_sided.push(op);
+            list(&mut g).push(item);
             None
         } else {
-            Some(op)
+            Some(item)
         }
     })
 }
 
+/// Queues a one-sided operation in the current group; gives it back when there is no group.
+pub fn defer_one_sided(op: OneSided) -> Option<OneSided> {
+    defer(op, |g| &mut g.one_sided)
+}
+
 /// Queues an init in the current group; gives it back when there is no group.
 pub fn defer_init(job: InitJob) -> Option<InitJob> {
-    GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.inits.push(job);
-            None
-        } else {
-            Some(job)
-        }
-    })
+    defer(job, |g| &mut g.inits)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;

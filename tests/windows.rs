@@ -189,7 +189,7 @@ fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
         let mut direct: *mut c_void = null_mut();
         nccl!(commWinPeerPtr(comm, win, 0, &mut direct));
         let same_host = !m.net || me % 2 == 0;
-        if (m.shared && same_host) != !direct.is_null() {
+        if (m.shared && same_host) == direct.is_null() {
             return Err(format!(
                 "peer pointer to rank 0 is {direct:?} (shared {}, same host {same_host})",
                 m.shared
@@ -536,8 +536,9 @@ fn bad_input(w: &Worker) -> Result<(), String> {
     let (n, me) = (w.nranks, w.rank);
     let (_mem, win) = window(comm, 4096, &m)?;
     let next = ((me + 1) % n) as i32;
-    let buf = vec![0u8; 64];
-    let src = buf.as_ptr() as *const c_void;
+    let mut buf = [0u8; 64];
+    let dst = buf.as_mut_ptr() as *mut c_void;
+    let src = dst as *const c_void;
     let mut old = 0u64;
     expect(
         unsafe { ncclPutSignal(src, 8, UINT8, next, win, 4093, 0, 0, 0, comm, S) },
@@ -546,7 +547,7 @@ fn bad_input(w: &Worker) -> Result<(), String> {
         "put past the end",
     )?;
     expect(
-        unsafe { commWinGet(buf.as_ptr() as *mut c_void, 2, INT32, next, win, 4090, comm) },
+        unsafe { commWinGet(dst, 2, INT32, next, win, 4090, comm) },
         ncclInvalidArgument,
         "past the end",
         "get past the end",
@@ -655,7 +656,7 @@ fn bad_input(w: &Worker) -> Result<(), String> {
     // A deregistered one.
     nccl!(ncclCommWindowDeregister(other, win2));
     expect(
-        unsafe { commWinGet(buf.as_ptr() as *mut c_void, 1, UINT8, next, win2, 0, other) },
+        unsafe { commWinGet(dst, 1, UINT8, next, win2, 0, other) },
         ncclInvalidArgument,
         "not a live window",
         "deregistered window",

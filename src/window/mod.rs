@@ -86,7 +86,8 @@ pub struct CommWindows {
 }
 
 /// Window state by (communicator tag, rank); a few entries, so a list.
-static COMMS: Mutex<Vec<((u64, usize), Arc<CommWindows>)>> = Mutex::new(Vec::new());
+type CommKey = (u64, usize);
+static COMMS: Mutex<Vec<(CommKey, Arc<CommWindows>)>> = Mutex::new(Vec::new());
 
 fn find_comm(c: &Comm) -> Option<Arc<CommWindows>> {
     let k = key(c);
@@ -170,7 +171,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
             None => None,
         });
     }
-    let remote_peers = c.paths.iter().any(|p| *p == Path::Network);
+    let remote_peers = c.paths.contains(&Path::Network);
     let mut mine = Vec::new();
     let mut lost = None;
     if remote_peers {
@@ -517,7 +518,10 @@ fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
 
 /// Puts `len` bytes from `src` at `off` of `peer`'s part of window `handle`, then (with
 /// `signal`) counts one NCCL signal at the peer, seen only after the data.
-pub fn put(
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads.
+pub unsafe fn put(
     c: &Comm,
     handle: usize,
     peer: i32,
@@ -533,7 +537,10 @@ pub fn put(
 }
 
 /// [`put`] on a window already looked up, with `peer` and the range checked.
-pub fn put_checked(
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads.
+pub unsafe fn put_checked(
     w: &Window,
     peer: usize,
     off: usize,
@@ -606,7 +613,17 @@ pub fn signal(c: &Comm, peer: i32) -> Result<()> {
 }
 
 /// Reads `len` bytes at `off` of `peer`'s part of window `handle` into `dst`.
-pub fn get(c: &Comm, handle: usize, peer: i32, off: usize, dst: *mut u8, len: usize) -> Result<()> {
+///
+/// # Safety
+/// `dst` must be valid for `len` bytes of writes.
+pub unsafe fn get(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    dst: *mut u8,
+    len: usize,
+) -> Result<()> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     let p = &w.peers[peer];
@@ -910,11 +927,21 @@ pub fn channel_signal(
     channel: i32,
     timeout_ms: u64,
 ) -> Result<()> {
+    let (w, dst, ch) = channel_args(c, handle, dst, channel)?;
+    channel_signal_to(c, &w.cw, &w, dst, ch, pad_deadline(c, timeout_ms))
+}
+
+/// The window, peer and channel of a channel operation, checked.
+fn channel_args(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    channel: i32,
+) -> Result<(Arc<Window>, usize, usize)> {
     let w = lookup(c, handle)?;
-    let dst = peer_index(c, dst)?;
-    let cw = w.cw.clone();
-    let ch = channel_of(&cw, channel)?;
-    channel_signal_to(c, &cw, &w, dst, ch, pad_deadline(c, timeout_ms))
+    let peer = peer_index(c, peer)?;
+    let ch = channel_of(&w.cw, channel)?;
+    Ok((w, peer, ch))
 }
 
 fn channel_signal_to(
@@ -981,11 +1008,8 @@ pub fn channel_wait(
     channel: i32,
     timeout_ms: u64,
 ) -> Result<()> {
-    let w = lookup(c, handle)?;
-    let src = peer_index(c, src)?;
-    let cw = w.cw.clone();
-    let ch = channel_of(&cw, channel)?;
-    channel_wait_from(c, &cw, &w, src, ch, pad_deadline(c, timeout_ms))
+    let (w, src, ch) = channel_args(c, handle, src, channel)?;
+    channel_wait_from(c, &w.cw, &w, src, ch, pad_deadline(c, timeout_ms))
 }
 
 fn channel_wait_from(

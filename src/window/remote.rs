@@ -174,6 +174,16 @@ fn target(win: u64, tag: u64, me: usize) -> Result<Arc<Window>> {
     }
 }
 
+/// The window a put or get names and the address of its range in this rank's part, checked.
+fn own_range(f: &Frame, tag: u64, me: usize) -> Result<(Arc<Window>, usize)> {
+    let w = target(f.win, tag, me)?;
+    super::check_range(&w.peers[me], f.off as usize, f.len as usize, me)?;
+    match w.peers[me].data {
+        Reach::Direct(base) => Ok((w.clone(), base + f.off as usize)),
+        _ => crate::internal_err!("this rank's own window is not directly addressable"),
+    }
+}
+
 fn reply(s: &mut TcpStream, r: Result<u64>, data: Option<&[u8]>) -> Result<()> {
     let mut out = Vec::with_capacity(16);
     match &r {
@@ -208,23 +218,12 @@ fn apply(
 ) -> Result<()> {
     match f.op {
         OP_PUT => {
-            let w = target(f.win, tag, me).and_then(|w| {
-                super::check_range(&w.peers[me], f.off as usize, f.len as usize, me)?;
-                Ok(w)
-            });
-            match w {
-                Ok(w) => {
-                    let Reach::Direct(base) = w.peers[me].data else {
-                        return crate::internal_err!("own window not direct");
-                    };
-                    // SAFETY: the range was checked against the registered window, which the
-                    // registry keeps alive while we hold `w`.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            (base + f.off as usize) as *mut u8,
-                            f.len as usize,
-                        )
-                    };
+            match own_range(f, tag, me) {
+                Ok((_w, at)) => {
+                    // SAFETY: the range lies inside this rank's registered window, kept alive
+                    // while we hold `_w`.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(at as *mut u8, f.len as usize) };
                     s.read_exact(dst).map_err(io("read a window put"))?;
                 }
                 Err(e) => {
@@ -244,28 +243,14 @@ fn apply(
             ctl.ring();
             Ok(())
         }
-        OP_GET => {
-            let r = target(f.win, tag, me).and_then(|w| {
-                super::check_range(&w.peers[me], f.off as usize, f.len as usize, me)?;
-                Ok(w)
-            });
-            match r {
-                Ok(w) => {
-                    let Reach::Direct(base) = w.peers[me].data else {
-                        return crate::internal_err!("own window not direct");
-                    };
-                    // SAFETY: as for puts.
-                    let src = unsafe {
-                        std::slice::from_raw_parts(
-                            (base + f.off as usize) as *const u8,
-                            f.len as usize,
-                        )
-                    };
-                    reply(s, Ok(0), Some(src))
-                }
-                Err(e) => reply(s, Err(e), None),
+        OP_GET => match own_range(f, tag, me) {
+            Ok((_w, at)) => {
+                // SAFETY: as for puts.
+                let src = unsafe { std::slice::from_raw_parts(at as *const u8, f.len as usize) };
+                reply(s, Ok(0), Some(src))
             }
-        }
+            Err(e) => reply(s, Err(e), None),
+        },
         OP_FETCH_ADD | OP_CAS => {
             let r = target(f.win, tag, me).and_then(|w| {
                 let cas = (f.op == OP_CAS).then_some(f.a);
@@ -275,7 +260,7 @@ fn apply(
             reply(s, r, None)
         }
         OP_PAD_CAS => {
-            let r = target(f.win, tag, me).and_then(|w| {
+            let r = target(f.win, tag, me).map(|w| {
                 let pad = ctl.pad(w.slot, f.off as usize, from);
                 let old = match pad.compare_exchange(
                     f.a as u32,
@@ -286,7 +271,7 @@ fn apply(
                     Ok(v) | Err(v) => v,
                 };
                 ctl.ring();
-                Ok(old as u64)
+                old as u64
             });
             reply(s, r, None)
         }
@@ -350,9 +335,7 @@ impl NetSide {
                 Err(e) => return e.kind == ErrorKind::Remote,
             }
         }
-        let fd = slot
-            .as_ref()
-            .map_or(-1, |s| std::os::fd::AsRawFd::as_raw_fd(s));
+        let fd = slot.as_ref().map_or(-1, std::os::fd::AsRawFd::as_raw_fd);
         let mut p = libc::pollfd {
             fd,
             events: libc::POLLIN | libc::POLLRDHUP,
