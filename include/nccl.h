@@ -410,12 +410,12 @@ ncclResult_t ncclCommRegister(ncclComm_t comm, void *buff, size_t size, void **h
 ncclResult_t ncclCommDeregister(ncclComm_t comm, void *handle);
 
 /*
- Collective. Windows on host memory: memory from ncclMemAlloc (on a host without a GPU),
+ Collective. Inside a group it runs at ncclGroupEnd, concurrently with the group's other
+ registrations, and `*win` is set then. Windows on host memory: memory from ncclMemAlloc (on a host without a GPU),
  commMemAllocShared or commWindowAllocate is shared with the peers on this host, which then
  reach it with loads and stores; other memory is reached with process_vm_writev / readv, and
  registration fails, saying why, where the kernel forbids that. Ranks on other hosts reach
- it through a progress thread of the target. Sizes may differ between ranks. Inside a group
- the registration happens at once (it is collective on its own).
+ it through a progress thread of the target. Sizes may differ between ranks.
  */
 ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win, int winFlags);
 

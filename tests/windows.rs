@@ -22,14 +22,17 @@ const UINT64: i32 = 5;
 const FLOAT32: i32 = 7;
 const SYM: i32 = NCCL_WIN_COLL_SYMMETRIC;
 
+use std::process::{Command, Stdio};
+
 /// The byte rank `r` writes at position `i` of its block.
 fn pat(r: usize, i: usize) -> u8 {
     (r * 131 + i * 7 + i / 251 + 1) as u8
 }
 
 /// How a scenario's windows are made and where the ranks are, from the launch argument:
-/// "shared" (commWindowAllocate) or "user" (ordinary heap memory), optionally ",net" (every
-/// rank a host of its own by parity, so neighbours talk over TCP).
+/// "shared" (commWindowAllocate) or "user" (ordinary heap memory), optionally ",net" (ranks
+/// on two hosts by parity, told apart by COMM_HOSTID, so neighbours talk over TCP) or
+/// ",netns" (the same hosts as network namespaces).
 struct Mode {
     shared: bool,
     net: bool,
@@ -43,6 +46,13 @@ fn mode(w: &Worker) -> Mode {
 }
 
 fn init(w: &Worker) -> Result<ncclComm_t, String> {
+    if w.arg.contains("netns") {
+        // A rank of a network namespace: the id comes from NCCL_COMM_ID and COMM_SECRET.
+        let id = unique_id();
+        let mut c: ncclComm_t = null_mut();
+        nccl!(ncclCommInitRank(&mut c, w.nranks as i32, id, w.rank as i32));
+        return Ok(c);
+    }
     if mode(w).net {
         std::env::set_var("COMM_HOSTID", format!("win-host-{}", w.rank % 2));
     }
@@ -822,8 +832,15 @@ fn group_register(w: &Worker) -> Result<(), String> {
     }
     barrier(comm)?;
     nccl!(ncclCommWindowDeregister(comm, wa));
-    nccl!(ncclCommWindowDeregister(child, wb));
+    // Destroying the child takes its windows with it.
     nccl!(ncclCommDestroy(child));
+    expect(
+        unsafe { commWinPut(v.as_ptr() as *const c_void, 1, UINT64, next, wb, 0, comm) },
+        ncclResult_t::ncclInvalidArgument,
+        "not a live window",
+        "a window of a destroyed communicator",
+    )?;
+    still_works(comm, n)?;
     nccl!(ncclCommDestroy(comm));
     Ok(())
 }
@@ -931,4 +948,73 @@ fn features_report_windows() {
     let mut f = 0;
     assert_eq!(unsafe { commGetFeatures(&mut f) }, OK, "{}", last_error());
     assert_ne!(f & COMM_FEATURE_WINDOWS, 0, "features {f:#x}");
+}
+
+/// Two hosts as network namespaces (scripts/netns.sh), rank r on host r % 2; None, with the
+/// reason printed, where they cannot be made (needs root and iproute2; required in CI).
+fn in_namespaces(scenario: &str, n: usize, arg: &str, secs: u64) {
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/netns.sh");
+    let root = unsafe { libc::geteuid() } == 0;
+    let ip = Command::new("ip").arg("-V").output().is_ok();
+    if !root || !ip {
+        let why = format!("namespace tests need root and iproute2 (root: {root}, ip: {ip})");
+        assert!(std::env::var("CI").is_err(), "{why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let prefix = format!("cwin{}x{k}", std::process::id() % 100_000);
+    let up = Command::new(&script)
+        .args(["up", &prefix, "2", "9"])
+        .status()
+        .expect("netns.sh");
+    assert!(up.success(), "netns.sh up failed");
+    struct Down<'a>(&'a std::path::Path, &'a str);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new(self.0).args(["down", self.1]).status();
+        }
+    }
+    let _down = Down(&script, &prefix);
+    let port = 21000 + (std::process::id() % 20000) as u16;
+    let exe = std::env::current_exe().unwrap();
+    let children = (0..n)
+        .map(|rank| {
+            let host = rank % 2;
+            let child = Command::new(&script)
+                .args(["exec", &prefix, &host.to_string()])
+                .arg(&exe)
+                .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+                .env("COMM_TEST_SCENARIO", scenario)
+                .env("COMM_TEST_RANK", rank.to_string())
+                .env("COMM_TEST_NRANKS", n.to_string())
+                .env("COMM_TEST_ID", "00".repeat(NCCL_UNIQUE_ID_BYTES))
+                .env("COMM_TEST_ARG", arg)
+                .env("NCCL_COMM_ID", format!("10.77.9.1:{port}"))
+                .env("COMM_SECRET", format!("{prefix}-{port}"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank in a namespace");
+            (rank, child)
+        })
+        .collect();
+    let r = collect(
+        children,
+        Duration::from_secs(secs),
+        &format!("{scenario} ({arg}) in namespaces"),
+    );
+    assert_all_ok(
+        &r,
+        &format!("{scenario} ({arg}, {n} ranks, network namespaces)"),
+    );
+}
+
+#[test]
+fn one_sided_ops_across_network_namespaces() {
+    in_namespaces("sleeping", 3, "user,netns", 120);
+    in_namespaces("signals", 3, "shared,netns", 120);
+    in_namespaces("channels", 2, "shared,netns", 120);
+    in_namespaces("contention", 3, "shared,netns,20000", 300);
 }

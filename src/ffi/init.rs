@@ -233,6 +233,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
         let entry = registry::remove(comm as usize)?;
         if let Ok(c) = entry.wait() {
             c.destroy();
+            crate::window::forget(&c);
         }
         Ok(())
     })
@@ -247,8 +248,10 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         let entry = registry::remove(comm as usize)?;
         if let Some(c) = entry.peek() {
             c.abort();
+            crate::window::forget(&c);
         } else if let Ok(c) = entry.wait() {
             c.abort();
+            crate::window::forget(&c);
         }
         Ok(())
     })

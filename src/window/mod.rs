@@ -29,7 +29,7 @@ use ctl::Ctl;
 use parking_lot::Mutex;
 use remote::{Frame, NetSide};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -83,6 +83,14 @@ pub struct CommWindows {
     waited: Vec<AtomicU64>,
     slots: Mutex<Vec<bool>>,
     net: Option<NetSide>,
+    /// Stops the listener for peers on other hosts once this state is dropped.
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for CommWindows {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Window state by (communicator tag, rank); a few entries, so a list.
@@ -174,6 +182,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
     let remote_peers = c.paths.contains(&Path::Network);
     let mut mine = Vec::new();
     let mut lost = None;
+    let stop = Arc::new(AtomicBool::new(false));
     if remote_peers {
         let (addr, l) = remote::listen(
             c.boot.listen_ip(),
@@ -182,6 +191,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
             n,
             *c.boot.secret(),
             own.clone(),
+            stop.clone(),
         )?;
         mine.extend_from_slice(&crate::bootstrap::encode_addr(&addr));
         lost = Some(l);
@@ -207,6 +217,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
         waited: (0..n).map(|_| AtomicU64::new(0)).collect(),
         slots: Mutex::new(vec![false; ctl::MAX_WINDOWS]),
         net,
+        stop,
     });
     crate::info!(
         "windows ready: {channels} signal channels, {} peers reached over the network",
@@ -459,6 +470,24 @@ pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
         shared::free(p as *mut u8);
     }
     Ok(())
+}
+
+/// The communicator is going away (destroy, abort): its windows go with it, memory allocated
+/// with them is freed, its listener stops and its connections close.
+pub fn forget(c: &Comm) {
+    let k = key(c);
+    COMMS.lock().retain(|e| e.0 != k);
+    let gone: Vec<Arc<Window>> = WINDOWS
+        .lock()
+        .iter_mut()
+        .filter(|w| w.as_ref().is_some_and(|w| w.comm == k))
+        .filter_map(Option::take)
+        .collect();
+    for w in gone {
+        if let Some(p) = w.owned {
+            shared::free(p as *mut u8);
+        }
+    }
 }
 
 /// This rank's own address of the window.

@@ -86,7 +86,7 @@ pub struct NetSide {
 }
 
 /// Starts listening on `ip` for peers' connections to this rank (tag `tag`), applying their
-/// operations to this rank's windows and control segment `ctl`.
+/// operations to this rank's windows and control segment `ctl`, until `stop` is set.
 pub fn listen(
     ip: std::net::IpAddr,
     tag: u64,
@@ -94,24 +94,41 @@ pub fn listen(
     nranks: usize,
     secret: [u8; 32],
     ctl: Arc<Ctl>,
+    stop: Arc<AtomicBool>,
 ) -> Result<(SocketAddr, Arc<Vec<AtomicBool>>)> {
     let l = TcpListener::bind(SocketAddr::new(ip, 0))
         .map_err(|e| Error::from_io("bind the window listener", e))?;
     let addr = l
         .local_addr()
         .map_err(|e| Error::from_io("the window listener's address", e))?;
+    l.set_nonblocking(true)
+        .map_err(|e| Error::from_io("the window listener", e))?;
     let lost: Arc<Vec<AtomicBool>> =
         Arc::new((0..nranks).map(|_| AtomicBool::new(false)).collect());
     let lost2 = lost.clone();
     std::thread::Builder::new()
         .name(format!("comm-win-{rank}"))
         .spawn(move || {
-            for s in l.incoming() {
-                let Ok(s) = s else { continue };
+            while !stop.load(Ordering::SeqCst) {
+                let s = match l.accept() {
+                    Ok((s, _)) => s,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        let mut p = libc::pollfd {
+                            fd: std::os::fd::AsRawFd::as_raw_fd(&l),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        };
+                        // SAFETY: one valid pollfd; a bounded wait so that `stop` is seen.
+                        unsafe { libc::poll(&mut p, 1, 200) };
+                        continue;
+                    }
+                    Err(_) => continue,
+                };
                 let (ctl, lost) = (ctl.clone(), lost2.clone());
                 let _ = std::thread::Builder::new()
                     .name(format!("comm-win-{rank}-conn"))
                     .spawn(move || {
+                        let _ = s.set_nonblocking(false);
                         if let Err(e) = serve(s, tag, rank, nranks, &secret, &ctl, &lost) {
                             crate::warn!("window connection: {}", e.msg);
                         }
