@@ -35,12 +35,15 @@ fn pat(r: usize, i: usize) -> u8 {
 /// ",netns" (the same hosts as network namespaces).
 struct Mode {
     shared: bool,
+    /// Shared memory from ncclMemAlloc (no GPU here), registered with ncclCommWindowRegister.
+    memalloc: bool,
     net: bool,
 }
 
 fn mode(w: &Worker) -> Mode {
     Mode {
-        shared: w.arg.contains("shared"),
+        shared: w.arg.contains("shared") || w.arg.contains("memalloc"),
+        memalloc: w.arg.contains("memalloc"),
         net: w.arg.contains("net"),
     }
 }
@@ -63,7 +66,12 @@ fn init(w: &Worker) -> Result<ncclComm_t, String> {
 /// leaked on purpose (the process exits at the end of the scenario).
 fn window(comm: ncclComm_t, size: usize, m: &Mode) -> Result<(*mut u8, ncclWindow_t), String> {
     let mut win: ncclWindow_t = null_mut();
-    if m.shared {
+    if m.memalloc {
+        let mut p: *mut c_void = null_mut();
+        nccl!(ncclMemAlloc(&mut p, size));
+        nccl!(ncclCommWindowRegister(comm, p, size, &mut win, SYM));
+        Ok((p as *mut u8, win))
+    } else if m.shared {
         let mut p: *mut c_void = null_mut();
         nccl!(commWindowAllocate(comm, size, SYM, &mut p, &mut win));
         Ok((p as *mut u8, win))
@@ -881,6 +889,78 @@ fn one_sided_ops_into_a_sleeping_or_computing_target() {
         }
         run("computing", 3, arg, &[], 120);
     }
+    // ncclMemAlloc without a GPU gives shared memory too.
+    run("sleeping", 2, "memalloc", &[], 120);
+}
+
+/// Ranks that are threads of one process: every operation on every other rank's window.
+fn threads_body(comm: ncclComm_t, me: usize, n: usize) -> Result<(), String> {
+    for shared in [false, true] {
+        let m = Mode {
+            shared,
+            memalloc: false,
+            net: false,
+        };
+        let (mem, win) = window(comm, 4096, &m)?;
+        let next = (me + 1) % n;
+        let prev = (me + n - 1) % n;
+        let src: Vec<u8> = (0..1001).map(|i| pat(me, i)).collect();
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            1001,
+            UINT8,
+            next as i32,
+            win,
+            24,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
+        let mut d = [desc(prev, 1)];
+        nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+        let got = unsafe { std::slice::from_raw_parts(mem.add(24), 1001) };
+        if let Some(i) = (0..1001).find(|&i| got[i] != pat(prev, i)) {
+            return Err(format!("threads: byte {i} from rank {prev} is {}", got[i]));
+        }
+        let mut back = vec![0u8; 1001];
+        nccl!(commWinGet(
+            back.as_mut_ptr() as *mut c_void,
+            1001,
+            UINT8,
+            next as i32,
+            win,
+            24,
+            comm
+        ));
+        if back != src {
+            return Err("threads: get of what this rank put differs".into());
+        }
+        for _ in 0..1000 {
+            nccl!(commWinFetchAdd(1, null_mut(), UINT64, 0, win, 0, comm));
+        }
+        let mut p: *mut c_void = null_mut();
+        nccl!(commWinPeerPtr(comm, win, next as i32, &mut p));
+        if p.is_null() {
+            return Err("threads: no direct pointer to a thread's window".into());
+        }
+        nccl!(commWinChannelBarrier(0, 20_000, win, comm));
+        if me == 0 {
+            let v = unsafe { std::ptr::read_volatile(mem as *const u64) };
+            if v != 1000 * n as u64 {
+                return Err(format!("threads: counter {v}"));
+            }
+        }
+        nccl!(commWinChannelBarrier(0, 20_000, win, comm));
+        nccl!(ncclCommWindowDeregister(comm, win));
+    }
+    Ok(())
+}
+
+#[test]
+fn ranks_that_are_threads_of_one_process() {
+    with_threads(3, Duration::from_secs(60), threads_body);
 }
 
 #[test]
