@@ -163,7 +163,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
         let mine =
             (crate::env::int("WIN_CHANNELS").unwrap_or(32).clamp(1, 4096) as u32).to_le_bytes();
         let b = c.boot.broadcast(0, &mine)?;
-        u32::from_le_bytes(b[..4].try_into().unwrap_or([0, 0, 0, 32])) as usize
+        u32::from_le_bytes(b[..4].try_into().unwrap_or(32u32.to_le_bytes())) as usize
     };
     let deadline = deadline_of(crate::bootstrap::init_timeout());
     let (own, fd) = Ctl::create(n, channels)?;
