@@ -32,6 +32,9 @@ pub enum Phase {
 /// A window operation to run at the end of the group.
 pub struct OneSided {
     pub phase: Phase,
+    /// Which communicator it belongs to (any value equal for the same one): collective
+    /// operations of one communicator run one after the other, in order.
+    pub comm: usize,
     pub run: Box<dyn FnOnce() -> Result<()> + Send>,
 }
 
@@ -178,13 +181,26 @@ fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
     result
 }
 
-/// Runs collective window operations of a group at the same time; the first error wins.
+/// Runs collective window operations of a group: those of one communicator in order, those
+/// of different communicators at the same time (each waits for its peers). The first error
+/// wins.
 fn run_concurrently(ops: Vec<OneSided>) -> Result<()> {
-    if ops.len() <= 1 {
-        return ops.into_iter().try_for_each(|o| (o.run)());
+    let mut by_comm: Vec<(usize, Vec<OneSided>)> = Vec::new();
+    for o in ops {
+        match by_comm.iter_mut().find(|(c, _)| *c == o.comm) {
+            Some((_, list)) => list.push(o),
+            None => by_comm.push((o.comm, vec![o])),
+        }
+    }
+    let in_order = |list: Vec<OneSided>| list.into_iter().try_for_each(|o| (o.run)());
+    if by_comm.len() <= 1 {
+        return by_comm.into_iter().try_for_each(|(_, list)| in_order(list));
     }
     std::thread::scope(|s| {
-        let handles: Vec<_> = ops.into_iter().map(|o| s.spawn(o.run)).collect();
+        let handles: Vec<_> = by_comm
+            .into_iter()
+            .map(|(_, list)| s.spawn(move || in_order(list)))
+            .collect();
         let mut first = None;
         for h in handles {
             let r = h

@@ -795,6 +795,9 @@ fn group_register(w: &Worker) -> Result<(), String> {
     let a: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
     let b: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
     let (mut wa, mut wb): (ncclWindow_t, ncclWindow_t) = (null_mut(), null_mut());
+    // A second window of `comm` in the same group: those of one communicator run in order.
+    let a2: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let mut wa2: ncclWindow_t = null_mut();
     nccl!(ncclGroupStart());
     nccl!(ncclCommWindowRegister(
         comm,
@@ -810,8 +813,15 @@ fn group_register(w: &Worker) -> Result<(), String> {
         &mut wb,
         SYM
     ));
+    nccl!(ncclCommWindowRegister(
+        comm,
+        a2.as_mut_ptr() as *mut c_void,
+        256,
+        &mut wa2,
+        SYM
+    ));
     nccl!(ncclGroupEnd());
-    if wa.is_null() || wb.is_null() {
+    if wa.is_null() || wb.is_null() || wa2.is_null() {
         return Err("a window handle is NULL after ncclGroupEnd".into());
     }
     let next = ((me + 1) % n) as i32;
@@ -838,8 +848,16 @@ fn group_register(w: &Worker) -> Result<(), String> {
             "put through the child's window left {got}, wanted {want}"
         ));
     }
+    let r = unsafe { commWinPut(v.as_ptr() as *const c_void, 1, UINT64, next, wa2, 256, comm) };
+    expect(
+        r,
+        ncclResult_t::ncclInvalidArgument,
+        "256 bytes",
+        "past the end of the 256-byte window",
+    )?;
     barrier(comm)?;
     nccl!(ncclCommWindowDeregister(comm, wa));
+    nccl!(ncclCommWindowDeregister(comm, wa2));
     // Destroying the child takes its windows with it.
     nccl!(ncclCommDestroy(child));
     expect(

@@ -184,7 +184,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
             .check_usable()
             .and_then(|_| window_args(buff, size, winFlags));
         let (b, w) = (buff as usize, win as usize);
-        one_sided(crate::group::Phase::Collective, move || {
+        one_sided(comm, crate::group::Phase::Collective, move || {
             let h = window::register(&c, b, size, winFlags, false, pre)?;
             // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
             unsafe { *(w as *mut ncclWindow_t) = h as ncclWindow_t };
@@ -294,6 +294,7 @@ fn host_bytes(
 
 /// Runs a one-sided operation now, or at the end of the current group.
 fn one_sided(
+    comm: ncclComm_t,
     phase: crate::group::Phase,
     run: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Result<()> {
@@ -302,6 +303,7 @@ fn one_sided(
     }
     let op = crate::group::OneSided {
         phase,
+        comm: comm as usize,
         run: Box::new(run),
     };
     match crate::group::defer_one_sided(op) {
@@ -341,7 +343,7 @@ pub unsafe extern "C" fn ncclPutSignal(
             );
         }
         let src = localbuff as usize;
-        one_sided(crate::group::Phase::Issue, move || {
+        one_sided(comm, crate::group::Phase::Issue, move || {
             window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true)
         })
     })
@@ -361,7 +363,9 @@ pub unsafe extern "C" fn ncclSignal(
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
         window::check_peer(&c, peer)?;
-        one_sided(crate::group::Phase::Issue, move || window::signal(&c, peer))
+        one_sided(comm, crate::group::Phase::Issue, move || {
+            window::signal(&c, peer)
+        })
     })
 }
 
@@ -401,7 +405,7 @@ pub unsafe extern "C" fn ncclWaitSignal(
             return window::wait_signals(&c, descs);
         }
         let descs: Vec<(usize, u64)> = descs.collect();
-        one_sided(crate::group::Phase::Wait, move || {
+        one_sided(comm, crate::group::Phase::Wait, move || {
             window::wait_signals(&c, descs)
         })
     })
