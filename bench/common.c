@@ -1409,8 +1409,14 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
   g_mem[0] = (double)(mem1 - mem0);
   g_mem[1] = (double)(mem2 - mem1);
   g_mem[2] = (double)mem2;
-  if (be->uses_nccl_comms && !o->parallel_init)
+  /* One group around every thread's registrations: window registration (-R 2) is collective,
+   * so one thread registering the threads' communicators one after the other would wait for
+   * itself. */
+  if (be->uses_nccl_comms && !o->parallel_init) {
+    NCCLCHECK(&g_threads[0], ncclGroupStart());
     for (int k = 0; k < o->nthreads; k++) register_buffers(&g_threads[k]);
+    NCCLCHECK(&g_threads[0], ncclGroupEnd());
+  }
 
   if (bench_w.proc == 0) {
     const char* tlabel = o->report_cputime ? "cputime" : "time";

@@ -109,7 +109,8 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
 #define COMM_FEATURE_DEVICE_MEMORY 1
 
 /*
- Windows and one-sided operations (put, signal, wait_signal) are supported.
+ Windows and one-sided operations on host memory: NCCL's put / signal / wait_signal, and
+ comm's get, atomics, peer pointers, flush and signal-pad channels.
  */
 #define COMM_FEATURE_WINDOWS 2
 
@@ -134,6 +135,37 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
 #define SCATTER 10
 
 #define BARRIER 11
+
+/*
+ NCCL's window flags this version knows.
+ */
+#define WIN_COLL_SYMMETRIC 1
+
+#define WIN_STRICT_ORDERING 2
+
+/*
+ Windows one communicator may have registered at once (per rank).
+ */
+#define MAX_WINDOWS 256
+
+#define OP_PUT 1
+
+#define OP_GET 2
+
+#define OP_FETCH_ADD 3
+
+#define OP_CAS 4
+
+#define OP_SIGNAL 5
+
+#define OP_PAD_CAS 6
+
+#define OP_FLUSH 7
+
+/*
+ With OP_PUT: count one NCCL signal once the data is in place.
+ */
+#define FLAG_SIGNAL 1
 
 typedef enum {
   ncclSuccess = 0,
@@ -357,27 +389,131 @@ void ncclResetDebugInit(void);
 
 /*
  Device memory from CUDA's virtual memory management API on the calling thread's GPU (NCCL
- 2.19): suitable for every path of the library, freed with ncclMemFree.
+ 2.19): suitable for every path of the library, freed with ncclMemFree. Where no GPU is
+ present, host memory shared with the peers on this host (as commMemAllocShared gives).
  */
 ncclResult_t ncclMemAlloc(void **ptr, size_t size);
 
 ncclResult_t ncclMemFree(void *ptr);
 
+/*
+ comm extension: `size` bytes of host memory (whole pages, zero-filled) backed by a memfd
+ that every rank on this host maps once the memory is in a window, so peers reach it with
+ loads and stores (`commWinPeerPtr`). Free with commMemFreeShared or ncclMemFree.
+ */
+ncclResult_t commMemAllocShared(void **ptr, size_t size);
+
+ncclResult_t commMemFreeShared(void *ptr);
+
 ncclResult_t ncclCommRegister(ncclComm_t comm, void *buff, size_t size, void **handle);
 
 ncclResult_t ncclCommDeregister(ncclComm_t comm, void *handle);
 
+/*
+ Collective. Inside a group it runs at ncclGroupEnd, concurrently with the group's other
+ registrations, and `*win` is set then. Windows on host memory: memory from ncclMemAlloc (on a host without a GPU),
+ commMemAllocShared or commWindowAllocate is shared with the peers on this host, which then
+ reach it with loads and stores; other memory is reached with process_vm_writev / readv, and
+ registration fails, saying why, where the kernel forbids that. Ranks on other hosts reach
+ it through a progress thread of the target. Sizes may differ between ranks.
+ */
 ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win, int winFlags);
 
+/*
+ comm extension, collective: allocates `size` bytes of shared host memory on every rank
+ (as commMemAllocShared) and registers them as a window; `*ptr` is this rank's part.
+ ncclCommWindowDeregister frees the memory. Sizes may differ between ranks.
+ */
+ncclResult_t commWindowAllocate(ncclComm_t comm, size_t size, int winFlags, void **ptr, ncclWindow_t *win);
+
+/*
+ Local, as in NCCL: no operation may still use the window.
+ */
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
 
 ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr);
 
+/*
+ Host memory: the data is in the peer's window and counted by one signal when the call (or
+ the group) returns. Unlike NCCL, `localbuff` need not lie in a window.
+ */
 ncclResult_t ncclPutSignal(const void *localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream);
 
 ncclResult_t ncclSignal(int peer, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream);
 
+/*
+ Host memory: returns (or the group ends) once every descriptor's signals arrived, their
+ data visible; a peer that is lost gives ncclRemoteError, COMM_TIMEOUT ncclTimeout.
+ */
 ncclResult_t ncclWaitSignal(int nDesc, ncclWaitSignalDesc_t *signalDescs, ncclComm_t comm, cudaStream_t stream);
+
+/*
+ comm extension: puts `count` elements from `localbuff` at byte offset `peerWinOffset` of
+ `peer`'s window, without a signal. Host-synchronous: `localbuff` is reusable on return, and
+ the data has landed once commWinFlush returns (at once for peers on this host).
+ */
+ncclResult_t commWinPut(const void *localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, ncclComm_t comm);
+
+/*
+ comm extension: reads `count` elements at byte offset `peerWinOffset` of `peer`'s window
+ into `localbuff`; complete on return. The peer does not take part.
+ */
+ncclResult_t commWinGet(void *localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, ncclComm_t comm);
+
+/*
+ comm extension: atomically adds `value` to the 8-byte integer at byte offset
+ `peerWinOffset` (8-byte aligned) of `peer`'s window and stores the previous value in
+ `*oldValue` (may be NULL). Atomic against every rank's window atomics on that word.
+ */
+ncclResult_t commWinFetchAdd(uint64_t value, uint64_t *oldValue, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, ncclComm_t comm);
+
+/*
+ comm extension: atomically replaces the 8-byte integer at byte offset `peerWinOffset` of
+ `peer`'s window with `value` if it equals `compare`; `*oldValue` (may be NULL) receives the
+ value found, so the swap happened when it equals `compare`.
+ */
+ncclResult_t commWinCompareSwap(uint64_t compare, uint64_t value, uint64_t *oldValue, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, ncclComm_t comm);
+
+/*
+ comm extension: returns once every earlier put from this rank to `peer` through any
+ window has landed in the peer's memory.
+ */
+ncclResult_t commWinFlush(int peer, ncclWindow_t win, ncclComm_t comm);
+
+/*
+ comm extension: the address at which this process reaches `peer`'s part of the window with
+ loads and stores (the peer itself, a thread of this process, or memory shared with this
+ host's peers); NULL where it cannot (ordinary memory of another process, another host).
+ */
+ncclResult_t commWinPeerPtr(ncclComm_t comm, ncclWindow_t win, int peer, void **ptr);
+
+/*
+ comm extension: `peer`'s signal pads of the window, as PyTorch's SymmetricMemory lays them
+ out: `*nchannels * nranks` uint32 words, the word of (channel, rank r) at
+ `channel * nranks + r`; NULL for a peer on another host. Zero when no synchronisation is
+ in progress.
+ */
+ncclResult_t commWinSignalPads(ncclComm_t comm, ncclWindow_t win, int peer, void **pads, int *nchannels);
+
+/*
+ comm extension, PyTorch SymmetricMemory's put_signal: sets this rank's slot for `channel`
+ in `peer`'s signal pad, waiting while the previous signal is still unconsumed.
+ `timeoutMs` 0 waits as long as COMM_TIMEOUT allows; ncclTimeout when it passes.
+ */
+ncclResult_t commWinChannelSignal(int peer, int channel, uint64_t timeoutMs, ncclWindow_t win, ncclComm_t comm);
+
+/*
+ comm extension, PyTorch SymmetricMemory's wait_signal: waits for `peer`'s signal on
+ `channel` and clears it. ncclTimeout after `timeoutMs` (0: COMM_TIMEOUT, or no limit),
+ ncclRemoteError when the peer is lost.
+ */
+ncclResult_t commWinChannelWait(int peer, int channel, uint64_t timeoutMs, ncclWindow_t win, ncclComm_t comm);
+
+/*
+ comm extension, PyTorch SymmetricMemory's barrier: signals every peer on `channel`, then
+ waits for every peer's signal. The pads are zero again afterwards.
+ */
+ncclResult_t commWinChannelBarrier(int channel, uint64_t timeoutMs, ncclWindow_t win, ncclComm_t comm);
 
 ncclResult_t ncclParamBind(ncclParamHandle_t *out_h, const char *key);
 

@@ -123,6 +123,7 @@ run "mpi_perf reduce_scatter -d all -o all" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf"
 echo "options"
 run "all_reduce, many options" "$bin/all_reduce_perf" -t 2 -g 2 -m 2 -z 1 -I 1 -K 1 -S 1 -C 1 -a 3 -u 1 -R 1 -M 1 -N 2 \
   -p 1 -n 3 -c 2 -b 8 -e 256K -f 8
+run "all_reduce -R 2 (windows), 2 threads x 2 comms" "$bin/all_reduce_perf" -t 2 -g 2 -R 2 -c 1 -n 2 -b 8 -e 256K -f 8
 run "alltoallv -z 3 -a 0 -y 1" "$bin/alltoallv_perf" -t 3 -z 3 -a 0 -y 1 -x 1 -c 1 -n 2 -b 1K -e 256K -f 16
 run_env "broadcast -r -1 -z 2, 2 processes x 2 threads" 2 "$bin/broadcast_perf" -t 2 -r -1 -z 2 -c 1 -n 2 -b 8 -e 64K -f 16
 run "gather -i step" "$bin/gather_perf" -t 3 -r 2 -c 1 -n 1 -b 1K -e 9K -i 4K

@@ -23,11 +23,34 @@ impl InitJob {
     }
 }
 
+/// When a window operation queued in a group runs at its end.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Window registrations: collective, so those of the group run concurrently, first (one
+    /// thread may drive several communicators).
+    Collective,
+    /// Puts and signals, in order.
+    Issue,
+    /// Waits for signals, after every issue and every other call of the group, so that no
+    /// order of them inside a group can deadlock.
+    Wait,
+}
+
+/// A window operation to run at the end of the group.
+pub struct OneSided {
+    pub phase: Phase,
+    /// Which communicator it belongs to (any value equal for the same one): collective
+    /// operations of one communicator run one after the other, in order.
+    pub comm: usize,
+    pub run: Box<dyn FnOnce() -> Result<()> + Send>,
+}
+
 #[derive(Default)]
 struct Group {
     depth: u32,
     calls: Vec<(Arc<Comm>, Call)>,
     inits: Vec<InitJob>,
+    one_sided: Vec<OneSided>,
     error: Option<Error>,
 }
 
@@ -56,7 +79,7 @@ pub fn record_error(e: &Error) {
 /// What the outermost group end found to do.
 enum Outcome {
     Nested,
-    Run(Vec<(Arc<Comm>, Call)>, Vec<InitJob>),
+    Run(Vec<(Arc<Comm>, Call)>, Vec<InitJob>, Vec<OneSided>),
 }
 
 fn close() -> Result<Outcome> {
@@ -71,6 +94,7 @@ fn close() -> Result<Outcome> {
         }
         let calls = std::mem::take(&mut g.calls);
         let inits = std::mem::take(&mut g.inits);
+        let one_sided = std::mem::take(&mut g.one_sided);
         match g.error.take() {
             Some(e) => {
                 // Initialisations still have to settle their handles.
@@ -85,7 +109,7 @@ fn close() -> Result<Outcome> {
                     ),
                 ))
             }
-            None => Ok(Outcome::Run(calls, inits)),
+            None => Ok(Outcome::Run(calls, inits, one_sided)),
         }
     })
 }
@@ -94,9 +118,22 @@ fn close() -> Result<Outcome> {
 pub fn end() -> Result<()> {
     match close()? {
         Outcome::Nested => Ok(()),
-        Outcome::Run(calls, inits) => {
+        Outcome::Run(calls, inits, one_sided) => {
             run_inits(inits)?;
-            run_calls(calls)
+            let (collective, rest): (Vec<OneSided>, Vec<OneSided>) = one_sided
+                .into_iter()
+                .partition(|o| o.phase == Phase::Collective);
+            run_concurrently(collective)?;
+            let (waits, issues): (Vec<OneSided>, Vec<OneSided>) =
+                rest.into_iter().partition(|o| o.phase == Phase::Wait);
+            for o in issues {
+                (o.run)()?;
+            }
+            run_calls(calls)?;
+            for o in waits {
+                (o.run)()?;
+            }
+            Ok(())
         }
     }
 }
@@ -106,7 +143,7 @@ pub fn end() -> Result<()> {
 pub fn simulate_end() -> Result<f32> {
     match close()? {
         Outcome::Nested => Ok(0.0),
-        Outcome::Run(calls, inits) => {
+        Outcome::Run(calls, inits, _) => {
             for job in inits {
                 job.entry.settle(crate::invalid_usage!(
                     "the communicator's init was in a group ended by ncclGroupSimulateEnd, which runs nothing"
@@ -151,17 +188,61 @@ fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
     result
 }
 
-/// Queues an init in the current group; gives it back when there is no group.
-pub fn defer_init(job: InitJob) -> Option<InitJob> {
+/// Runs collective window operations of a group: those of one communicator in order, those
+/// of different communicators at the same time (each waits for its peers). The first error
+/// wins.
+fn run_concurrently(ops: Vec<OneSided>) -> Result<()> {
+    let mut by_comm: Vec<(usize, Vec<OneSided>)> = Vec::new();
+    for o in ops {
+        match by_comm.iter_mut().find(|(c, _)| *c == o.comm) {
+            Some((_, list)) => list.push(o),
+            None => by_comm.push((o.comm, vec![o])),
+        }
+    }
+    let in_order = |list: Vec<OneSided>| list.into_iter().try_for_each(|o| (o.run)());
+    if by_comm.len() <= 1 {
+        return by_comm.into_iter().try_for_each(|(_, list)| in_order(list));
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = by_comm
+            .into_iter()
+            .map(|(_, list)| s.spawn(move || in_order(list)))
+            .collect();
+        let mut first = None;
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| crate::internal_err!("a window registration panicked"));
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    })
+}
+
+/// Queues `item` in the current group (in the list `list` picks); gives it back when there is
+/// no group.
+fn defer<T>(item: T, list: fn(&mut Group) -> &mut Vec<T>) -> Option<T> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
-            g.inits.push(job);
+            list(&mut g).push(item);
             None
         } else {
-            Some(job)
+            Some(item)
         }
     })
+}
+
+/// Queues a one-sided operation in the current group; gives it back when there is no group.
+pub fn defer_one_sided(op: OneSided) -> Option<OneSided> {
+    defer(op, |g| &mut g.one_sided)
+}
+
+/// Queues an init in the current group; gives it back when there is no group.
+pub fn defer_init(job: InitJob) -> Option<InitJob> {
+    defer(job, |g| &mut g.inits)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;

@@ -17,3 +17,4 @@ pub mod group;
 pub mod reduce;
 pub mod topo;
 pub mod transport;
+pub mod window;

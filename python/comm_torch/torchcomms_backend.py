@@ -40,7 +40,7 @@ BACKEND_NAME = "comm"
 
 _WINDOWS_MESSAGE = (
     "comm: windows (window_allocate, put, signal, wait_signal, get_tensor) are not implemented "
-    "yet; libcomm does not report COMM_FEATURE_WINDOWS to this backend"
+    "by this Python backend yet; libcomm's C API has them (ncclCommWindowRegister, commWin*)"
 )
 
 _KINDS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")

@@ -83,7 +83,7 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
 pub unsafe extern "C" fn commGetFeatures(features: *mut c_int) -> ncclResult_t {
     guard("commGetFeatures", || {
         out(features, "features")?;
-        let mut f = 0;
+        let mut f = COMM_FEATURE_WINDOWS;
         if crate::cuda::device_count() > 0 {
             f |= COMM_FEATURE_DEVICE_MEMORY;
         }
@@ -233,6 +233,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
         let entry = registry::remove(comm as usize)?;
         if let Ok(c) = entry.wait() {
             c.destroy();
+            crate::window::forget(&c);
         }
         Ok(())
     })
@@ -249,6 +250,7 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         entry.abort.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Ok(c) = entry.wait() {
             c.abort();
+            crate::window::forget(&c);
         }
         Ok(())
     })

@@ -39,7 +39,8 @@ pub const COMM_OP_BXOR: c_int = 0x7fff_0003;
 /// comm extension: bits of `commGetFeatures`.
 /// Device (CUDA) buffers are supported by this build and a driver was found.
 pub const COMM_FEATURE_DEVICE_MEMORY: c_int = 0x1;
-/// Windows and one-sided operations (put, signal, wait_signal) are supported.
+/// Windows and one-sided operations on host memory: NCCL's put / signal / wait_signal, and
+/// comm's get, atomics, peer pointers, flush and signal-pad channels.
 pub const COMM_FEATURE_WINDOWS: c_int = 0x2;
 
 /// Opaque communicator handle (`struct ncclComm*`).

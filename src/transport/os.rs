@@ -264,6 +264,26 @@ impl ProcessWatch {
 /// # Safety
 /// `local` must be valid for `len` bytes of writes.
 pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> io::Result<()> {
+    cma_copy(pid, local, remote, len, false)
+}
+
+/// Copies `len` bytes from `local` to address `remote` in process `pid` (process_vm_writev).
+///
+/// # Safety
+/// `local` must be valid for `len` bytes of reads.
+pub unsafe fn cma_write(pid: u32, local: *const u8, remote: usize, len: usize) -> io::Result<()> {
+    cma_copy(pid, local.cast_mut(), remote, len, true)
+}
+
+/// # Safety
+/// `local` must be valid for `len` bytes (of writes when reading from the remote process).
+unsafe fn cma_copy(
+    pid: u32,
+    local: *mut u8,
+    remote: usize,
+    len: usize,
+    write: bool,
+) -> io::Result<()> {
     let mut done = 0usize;
     while done < len {
         let liov = libc::iovec {
@@ -274,7 +294,11 @@ pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> i
             iov_base: (remote + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        let n = libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0);
+        let n = if write {
+            libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
+        } else {
+            libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
+        };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -285,7 +309,7 @@ pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> i
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                "process_vm_readv copied nothing",
+                "process_vm_readv/writev copied nothing",
             ));
         }
         done += n as usize;

@@ -901,8 +901,10 @@ fn probe_cma(pid: u32, remote_base: usize) -> bool {
     ok && u64::from_ne_bytes(word) == SEG_MAGIC
 }
 
+/// Serves descriptor `fd` to each of the `expected` peers that connects to `listener` and
+/// proves it knows the secret (also used by `window` to share window memory).
 #[allow(clippy::too_many_arguments)]
-fn serve_segment(
+pub(crate) fn serve_segment(
     listener: UnixListener,
     fd: i32,
     expected: &[(usize, ProcessWatch)],
@@ -978,7 +980,8 @@ fn serve_segment(
     lost.map_or(Ok(()), Err)
 }
 
-fn fetch_segment(
+/// Fetches the descriptor a peer serves with [`serve_segment`] on abstract socket `socket`.
+pub(crate) fn fetch_segment(
     socket: &str,
     secret: &[u8; 32],
     comm_tag: u64,

@@ -1,0 +1,144 @@
+//! A communicator's window control segment: one per rank, in shared memory that the rank's
+//! peers on the host map. It holds what one-sided operations change at the target besides the
+//! data: NCCL's signal counters (one per sending rank), the doorbell a waiting rank sleeps on,
+//! and one slot per window with the signal pads (one word per channel and peer) and the lock
+//! that serialises atomics on window memory that peers cannot reach with loads and stores.
+
+use crate::error::Result;
+use crate::transport::os::{self, Mapping};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Windows one communicator may have registered at once (per rank).
+pub const MAX_WINDOWS: usize = 256;
+
+const BELL: usize = 0;
+const SLEEPERS: usize = 4;
+const COUNTERS: usize = 64;
+/// In a window's slot: the atomics lock, then the signal pads on the next cache line.
+const SLOT_LOCK: usize = 0;
+const SLOT_PADS: usize = 64;
+
+pub struct Ctl {
+    map: Mapping,
+    nranks: usize,
+    channels: usize,
+}
+
+fn slots_at(nranks: usize) -> usize {
+    (COUNTERS + 8 * nranks).next_multiple_of(4096)
+}
+
+fn slot_bytes(nranks: usize, channels: usize) -> usize {
+    (SLOT_PADS + 4 * channels * nranks).next_multiple_of(64)
+}
+
+impl Ctl {
+    /// A fresh, zeroed control segment and its descriptor (to share with the peers).
+    pub fn create(nranks: usize, channels: usize) -> Result<(Ctl, OwnedFd)> {
+        let len = slots_at(nranks) + MAX_WINDOWS * slot_bytes(nranks, channels);
+        let fd = os::memfd("comm-window-ctl", len)?;
+        let ctl = Ctl::open(&fd, nranks, channels)?;
+        Ok((ctl, fd))
+    }
+
+    /// Maps a peer's control segment.
+    pub fn open(fd: &OwnedFd, nranks: usize, channels: usize) -> Result<Ctl> {
+        let len = slots_at(nranks) + MAX_WINDOWS * slot_bytes(nranks, channels);
+        Ok(Ctl {
+            map: Mapping::map(fd.as_raw_fd(), len)?,
+            nranks,
+            channels,
+        })
+    }
+
+    fn word32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off + 4 <= self.map.len() && off % 4 == 0);
+        // SAFETY: the offset is inside the mapping and 4-byte aligned (the mapping is page
+        // aligned); the mapping lives as long as self, and every access to it is atomic.
+        unsafe { &*(self.map.ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn word64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off + 8 <= self.map.len() && off % 8 == 0);
+        // SAFETY: as in word32, with 8-byte alignment.
+        unsafe { &*(self.map.ptr().add(off) as *const AtomicU64) }
+    }
+
+    /// How many NCCL signals rank `from` has sent this rank.
+    pub fn counter(&self, from: usize) -> &AtomicU64 {
+        self.word64(COUNTERS + 8 * from)
+    }
+
+    fn slot(&self, slot: usize) -> usize {
+        slots_at(self.nranks) + slot * slot_bytes(self.nranks, self.channels)
+    }
+
+    /// The signal pad word of window slot `slot` for `channel` and `peer`.
+    pub fn pad(&self, slot: usize, channel: usize, peer: usize) -> &AtomicU32 {
+        self.word32(self.slot(slot) + SLOT_PADS + 4 * (channel * self.nranks + peer))
+    }
+
+    /// The signal pads of window slot `slot`: `channels * nranks` words, as PyTorch lays them out.
+    pub fn pads_ptr(&self, slot: usize) -> *mut u8 {
+        // SAFETY: the slot lies inside the mapping.
+        unsafe { self.map.ptr().add(self.slot(slot) + SLOT_PADS) }
+    }
+
+    /// Clears a window slot for a new window.
+    pub fn reset_slot(&self, slot: usize) {
+        self.word32(self.slot(slot) + SLOT_LOCK)
+            .store(0, Ordering::SeqCst);
+        for ch in 0..self.channels {
+            for p in 0..self.nranks {
+                self.pad(slot, ch, p).store(0, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Runs `f` holding the atomics lock of window slot `slot`.
+    pub fn locked<T>(&self, slot: usize, f: impl FnOnce() -> T) -> T {
+        let word = self.word32(self.slot(slot) + SLOT_LOCK);
+        let mut spins = 0u32;
+        while word
+            .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let r = f();
+        word.store(0, Ordering::Release);
+        r
+    }
+
+    /// Wakes this rank's waiters after a signal or a pad changed.
+    /// Callers changed the word a waiter looks at (SeqCst) first: a waiter that registered
+    /// as a sleeper before that change is woken, one that registers after it sees the change.
+    pub fn ring(&self) {
+        if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
+            self.word32(BELL).fetch_add(1, Ordering::SeqCst);
+            os::futex_wake_all(self.word32(BELL));
+        }
+    }
+
+    /// Sleeps until the bell rings or `slice` passes, unless `ready` holds on a last look
+    /// (then returns true: `ready` may consume what it found). The protocol makes a ring
+    /// between the last look and the sleep wake the sleeper.
+    pub fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
+        let sleepers = self.word32(SLEEPERS);
+        sleepers.fetch_add(1, Ordering::SeqCst);
+        let seen = self.word32(BELL).load(Ordering::SeqCst);
+        let found = ready();
+        if !found {
+            os::futex_wait(self.word32(BELL), seen, slice);
+        }
+        sleepers.fetch_sub(1, Ordering::SeqCst);
+        found
+    }
+}

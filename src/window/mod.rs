@@ -1,0 +1,1080 @@
+//! Windows, one-sided operations and symmetric memory.
+//!
+//! A [`Window`] is a region of every rank's memory, registered collectively, plus for each peer
+//! the way this rank reaches that peer's region:
+//!
+//! - **direct**: the peer is this rank, a thread of this process, or a process on this host whose
+//!   region the library allocated (a memfd every rank on the host maps): loads, stores and
+//!   hardware atomics;
+//! - **cma**: a process on this host whose region is ordinary memory: single-copy
+//!   `process_vm_writev` / `readv`, and atomics under a lock in the target's control segment;
+//! - **net**: a rank on another host: active messages over TCP, applied by a thread of the
+//!   target ([`remote`]).
+//!
+//! None of them needs the target to call the library. Signals (NCCL's per-sender counters and
+//! PyTorch-style signal pads) live in each rank's control segment ([`ctl`]), which the peers on
+//! the host map; a signal is counted only after the data of its put is in place.
+
+mod ctl;
+mod fds;
+mod remote;
+pub mod shared;
+
+use crate::comm::Comm;
+use crate::error::{Error, ErrorKind, Result};
+use crate::topo::Path;
+use crate::transport::os::{self, Mapping};
+use crate::wire::{self, Reader};
+use ctl::Ctl;
+use parking_lot::Mutex;
+use remote::{Frame, NetSide};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// NCCL's window flags this version knows.
+pub const WIN_COLL_SYMMETRIC: i32 = 0x01;
+pub const WIN_STRICT_ORDERING: i32 = 0x02;
+
+/// How this rank reaches one rank's part of a window.
+pub enum Reach {
+    /// Loads and stores at this address.
+    Direct(usize),
+    /// process_vm_writev / readv into process `pid` at `addr`.
+    Cma { pid: u32, addr: usize },
+    /// Active messages to the target, naming its window handle `id`.
+    Net { id: u64 },
+}
+
+/// One rank's part of a window, as seen from this rank.
+pub struct PeerWin {
+    pub len: usize,
+    /// Its address in its own process (for alignment checks).
+    pub addr: usize,
+    /// Its window slot in its control segment.
+    pub slot: usize,
+    /// Atomics on it take the lock in its control segment (its memory is not shared).
+    pub locked: bool,
+    pub data: Reach,
+    _map: Option<Mapping>,
+}
+
+pub struct Window {
+    pub handle: usize,
+    /// (communicator tag, rank) of the communicator it was registered on.
+    pub comm: (u64, usize),
+    pub flags: i32,
+    pub slot: usize,
+    pub peers: Vec<PeerWin>,
+    /// Memory allocated with the window (commWindowAllocate), freed with it.
+    owned: Option<usize>,
+    /// The communicator's window state (kept here so operations need no second look-up).
+    cw: Arc<CommWindows>,
+}
+
+/// A communicator's state for windows, made at its first window registration.
+pub struct CommWindows {
+    rank: usize,
+    channels: usize,
+    /// Control segments: ours, and those of the peers on this host.
+    ctls: Vec<Option<Arc<Ctl>>>,
+    /// NCCL signals already consumed by waits, per sender.
+    waited: Vec<AtomicU64>,
+    slots: Mutex<Vec<bool>>,
+    net: Option<NetSide>,
+    /// Stops the listener for peers on other hosts once this state is dropped.
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for CommWindows {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Window state by (communicator tag, rank); a few entries, so a list.
+type CommKey = (u64, usize);
+static COMMS: Mutex<Vec<(CommKey, Arc<CommWindows>)>> = Mutex::new(Vec::new());
+
+fn find_comm(c: &Comm) -> Option<Arc<CommWindows>> {
+    let k = key(c);
+    COMMS.lock().iter().find(|e| e.0 == k).map(|e| e.1.clone())
+}
+/// Live windows of this process, by handle number (handles are never reused).
+static WINDOWS: Mutex<Vec<Option<Arc<Window>>>> = Mutex::new(Vec::new());
+static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(1);
+const HANDLE_BASE: usize = 0x3a11_0000_0000;
+const HANDLE_STEP: usize = 0x40;
+
+fn handle_number(handle: usize) -> Option<usize> {
+    let n = handle.checked_sub(HANDLE_BASE)?;
+    (n % HANDLE_STEP == 0).then_some(n / HANDLE_STEP)
+}
+
+/// The live window with this handle, whatever its communicator.
+pub(crate) fn window_by_handle(handle: usize) -> Option<Arc<Window>> {
+    let n = handle_number(handle)?;
+    WINDOWS.lock().get(n).cloned().flatten()
+}
+
+fn key(c: &Comm) -> (u64, usize) {
+    (c.tag, c.rank)
+}
+
+fn deadline_of(t: Option<Duration>) -> Option<Instant> {
+    t.map(|t| Instant::now() + t)
+}
+
+/// Every rank says whether its part went well; all fail when one did, naming it.
+fn agree(c: &Comm, mine: Result<()>) -> Result<()> {
+    let mut b = Vec::new();
+    match &mine {
+        Ok(()) => wire::put_u32(&mut b, 0),
+        Err(e) => {
+            wire::put_u32(&mut b, e.kind.code() as u32);
+            wire::put_blob(&mut b, e.msg.as_bytes());
+        }
+    }
+    let all = c.boot.allgather(&b)?;
+    mine?;
+    for (r, v) in all.iter().enumerate() {
+        let mut rd = Reader::new(v);
+        if rd.u32()? != 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidUsage,
+                format!(
+                    "rank {r} could not take part in the window registration: {}",
+                    rd.string()?
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The communicator's window state, made collectively the first time.
+fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
+    if let Some(cw) = find_comm(c) {
+        return Ok(cw);
+    }
+    let (me, n) = (c.rank, c.nranks);
+    let channels = {
+        let mine =
+            (crate::env::int("WIN_CHANNELS").unwrap_or(32).clamp(1, 4096) as u32).to_le_bytes();
+        let b = c.boot.broadcast(0, &mine)?;
+        u32::from_le_bytes(b[..4].try_into().unwrap_or(32u32.to_le_bytes())) as usize
+    };
+    let deadline = deadline_of(crate::bootstrap::init_timeout());
+    let (own, fd) = Ctl::create(n, channels)?;
+    let own = Arc::new(own);
+    // The same tag on every rank: derived from the communicator alone.
+    let tag = c.tag ^ 0x5769_6e43_746c_0000;
+    let fds = fds::exchange(&c.boot, &c.paths, &c.placements, tag, Some(&fd), deadline)?;
+    let mut ctls: Vec<Option<Arc<Ctl>>> = Vec::with_capacity(n);
+    for (r, f) in fds.iter().enumerate() {
+        ctls.push(match f {
+            _ if r == me => Some(own.clone()),
+            Some(f) => Some(Arc::new(Ctl::open(f, n, channels)?)),
+            None => None,
+        });
+    }
+    let remote_peers = c.paths.contains(&Path::Network);
+    let mut mine = Vec::new();
+    let mut lost = None;
+    let stop = Arc::new(AtomicBool::new(false));
+    if remote_peers {
+        let (addr, l) = remote::listen(
+            c.boot.listen_ip(),
+            c.tag,
+            me,
+            n,
+            *c.boot.secret(),
+            own.clone(),
+            stop.clone(),
+        )?;
+        mine.extend_from_slice(&crate::bootstrap::encode_addr(&addr));
+        lost = Some(l);
+    }
+    let addrs = c.boot.allgather(&mine)?;
+    let net = lost.map(|lost| {
+        NetSide::new(
+            me,
+            c.tag,
+            *c.boot.secret(),
+            addrs
+                .iter()
+                .map(|a| crate::bootstrap::decode_addr(a))
+                .collect(),
+            lost,
+            c.wiring.timeout,
+        )
+    });
+    let cw = Arc::new(CommWindows {
+        rank: me,
+        channels,
+        ctls,
+        waited: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        slots: Mutex::new(vec![false; ctl::MAX_WINDOWS]),
+        net,
+        stop,
+    });
+    crate::info!(
+        "windows ready: {channels} signal channels, {} peers reached over the network",
+        c.paths.iter().filter(|p| **p == Path::Network).count()
+    );
+    COMMS.lock().push((key(c), cw.clone()));
+    Ok(cw)
+}
+
+fn existing(c: &Comm, what: &str) -> Result<Arc<CommWindows>> {
+    match find_comm(c) {
+        Some(cw) => Ok(cw),
+        None => crate::invalid_usage!(
+            "{what} needs a window: register one on this communicator first (ncclCommWindowRegister is collective)"
+        ),
+    }
+}
+
+impl CommWindows {
+    fn own(&self) -> &Ctl {
+        self.ctls[self.rank]
+            .as_deref()
+            .expect("own control segment")
+    }
+
+    fn take_slot(&self) -> Result<usize> {
+        let mut s = self.slots.lock();
+        match s.iter().position(|u| !u) {
+            Some(i) => {
+                s[i] = true;
+                self.own().reset_slot(i);
+                Ok(i)
+            }
+            None => crate::invalid_usage!(
+                "this communicator already has {} windows registered; deregister some first",
+                ctl::MAX_WINDOWS
+            ),
+        }
+    }
+
+    fn net(&self, peer: usize) -> Result<&NetSide> {
+        self.net.as_ref().map_or_else(
+            || {
+                crate::internal_err!(
+                    "rank {peer} is on another host but windows have no network side"
+                )
+            },
+            Ok,
+        )
+    }
+}
+
+/// ncclCommWindowRegister (and commWindowAllocate with `owned`): collective. `precheck` is
+/// this rank's verdict on its arguments; every rank learns every verdict, so bad arguments on
+/// one rank fail the call everywhere instead of leaving the others waiting.
+pub fn register(
+    c: &Comm,
+    buff: usize,
+    size: usize,
+    flags: i32,
+    owned: bool,
+    precheck: Result<()>,
+) -> Result<usize> {
+    agree(c, precheck)?;
+    let cw = comm_windows(c)?;
+    let n = c.nranks;
+    let slot = cw.take_slot();
+    let shared = shared::find(buff, size);
+    let handle = HANDLE_BASE + HANDLE_STEP * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst);
+    let mut mine = Vec::new();
+    match &slot {
+        Ok(s) => wire::put_u32(&mut mine, *s as u32),
+        Err(_) => wire::put_u32(&mut mine, u32::MAX),
+    }
+    for v in [buff as u64, size as u64, handle as u64] {
+        wire::put_u64(&mut mine, v);
+    }
+    match &shared {
+        Some((_, alloc_len, off)) => {
+            wire::put_u32(&mut mine, 1);
+            wire::put_u64(&mut mine, *alloc_len as u64);
+            wire::put_u64(&mut mine, *off as u64);
+        }
+        None => wire::put_u32(&mut mine, 0),
+    }
+    let all = c.boot.allgather(&mine)?;
+    struct Info {
+        slot: u32,
+        addr: usize,
+        len: usize,
+        handle: u64,
+        shared: Option<(usize, usize)>,
+    }
+    let mut infos = Vec::with_capacity(n);
+    for b in &all {
+        let mut r = Reader::new(b);
+        let slot = r.u32()?;
+        let (addr, len, handle) = (r.u64()? as usize, r.u64()? as usize, r.u64()?);
+        let shared = if r.u32()? != 0 {
+            Some((r.u64()? as usize, r.u64()? as usize))
+        } else {
+            None
+        };
+        infos.push(Info {
+            slot,
+            addr,
+            len,
+            handle,
+            shared,
+        });
+    }
+    let taken = slot.as_ref().ok().copied();
+    let release = |cw: &CommWindows| {
+        if let Some(s) = taken {
+            cw.slots.lock()[s] = false;
+        }
+    };
+    if let Some(r) = infos.iter().position(|i| i.slot == u32::MAX) {
+        release(&cw);
+        slot?;
+        return crate::invalid_usage!(
+            "rank {r} already has {} windows registered on this communicator",
+            ctl::MAX_WINDOWS
+        );
+    }
+    let slot = slot?;
+    // Library memory: hand its memfd to the peers on this host, which map it.
+    let mut data_fds: Vec<Option<std::os::fd::OwnedFd>> = (0..n).map(|_| None).collect();
+    if infos.iter().any(|i| i.shared.is_some()) {
+        let deadline = deadline_of(crate::bootstrap::init_timeout());
+        let tag = c.tag ^ 0x5769_6e44_6174_0000 ^ ((infos[0].handle) << 16);
+        match fds::exchange(
+            &c.boot,
+            &c.paths,
+            &c.placements,
+            tag,
+            shared.as_ref().map(|s| &s.0),
+            deadline,
+        ) {
+            Ok(f) => data_fds = f,
+            Err(e) => {
+                release(&cw);
+                return Err(e);
+            }
+        }
+    }
+    let built = (|| -> Result<Vec<PeerWin>> {
+        let mut peers = Vec::with_capacity(n);
+        for (r, i) in infos.iter().enumerate() {
+            let (data, map, locked) = match c.paths[r] {
+                Path::SelfRank | Path::SameProcess => {
+                    (Reach::Direct(i.addr), None, i.shared.is_none())
+                }
+                Path::SameHost => match (&i.shared, &data_fds[r]) {
+                    (Some((alloc_len, off)), Some(fd)) => {
+                        let m = Mapping::map(fd.as_raw_fd(), *alloc_len)?;
+                        (Reach::Direct(m.ptr() as usize + off), Some(m), false)
+                    }
+                    _ => {
+                        let pid = c.placements[r].pid;
+                        if i.len > 0 {
+                            let mut probe = [0u8; 1];
+                            // SAFETY: probe is one writable byte.
+                            if let Err(e) =
+                                unsafe { os::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
+                            {
+                                return crate::invalid_usage!(
+                                    "rank {r}'s window ({} bytes at {:#x}) is ordinary memory of another process (pid {pid}), and this rank may not reach it with process_vm_readv/writev: {e}. Allocate window memory with ncclMemAlloc or commMemAllocShared (shared memory every rank on the host maps), or allow the ranks to trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
+                                    i.len, i.addr
+                                );
+                            }
+                        }
+                        (Reach::Cma { pid, addr: i.addr }, None, true)
+                    }
+                },
+                Path::Network => (Reach::Net { id: i.handle }, None, i.shared.is_none()),
+            };
+            peers.push(PeerWin {
+                len: i.len,
+                addr: i.addr,
+                slot: i.slot as usize,
+                locked,
+                data,
+                _map: map,
+            });
+        }
+        Ok(peers)
+    })();
+    let ok = built.as_ref().map(|_| ()).map_err(|e| e.clone());
+    if let Err(e) = agree(c, ok) {
+        release(&cw);
+        return Err(e);
+    }
+    let peers = built?;
+    let w = Arc::new(Window {
+        handle,
+        comm: key(c),
+        flags,
+        slot,
+        peers,
+        owned: owned.then_some(buff),
+        cw: cw.clone(),
+    });
+    crate::info!(
+        "window {handle:#x}: {size} bytes at {buff:#x}; peers reached {}",
+        w.peers
+            .iter()
+            .enumerate()
+            .map(|(r, p)| format!(
+                "{r}:{}",
+                match p.data {
+                    Reach::Direct(_) => "direct",
+                    Reach::Cma { .. } => "cma",
+                    Reach::Net { .. } => "net",
+                }
+            ))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
+    let mut all = WINDOWS.lock();
+    if all.len() <= at {
+        all.resize(at + 1, None);
+    }
+    all[at] = Some(w);
+    Ok(handle)
+}
+
+/// The window behind `handle`, which must belong to communicator `c`.
+pub fn lookup(c: &Comm, handle: usize) -> Result<Arc<Window>> {
+    match window_by_handle(handle) {
+        Some(w) if w.comm == key(c) => Ok(w),
+        Some(_) => crate::invalid_arg!(
+            "window {handle:#x} was registered on another communicator; use a window of this one"
+        ),
+        None => crate::invalid_arg!(
+            "window {handle:#x} is not a live window (never registered, or already deregistered)"
+        ),
+    }
+}
+
+/// ncclCommWindowDeregister: local. Memory allocated with the window is freed.
+pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
+    let w = lookup(c, handle)?;
+    if let Some(n) = handle_number(handle) {
+        WINDOWS.lock()[n] = None;
+    }
+    w.cw.slots.lock()[w.slot] = false;
+    if let Some(p) = w.owned {
+        shared::free(p as *mut u8);
+    }
+    Ok(())
+}
+
+/// The communicator is going away (destroy, abort): its windows go with it, memory allocated
+/// with them is freed, its listener stops and its connections close.
+pub fn forget(c: &Comm) {
+    let k = key(c);
+    COMMS.lock().retain(|e| e.0 != k);
+    let gone: Vec<Arc<Window>> = WINDOWS
+        .lock()
+        .iter_mut()
+        .filter(|w| w.as_ref().is_some_and(|w| w.comm == k))
+        .filter_map(Option::take)
+        .collect();
+    for w in gone {
+        if let Some(p) = w.owned {
+            shared::free(p as *mut u8);
+        }
+    }
+}
+
+/// This rank's own address of the window.
+pub fn user_ptr(c: &Comm, handle: usize) -> Result<usize> {
+    let w = lookup(c, handle)?;
+    Ok(w.peers[c.rank].addr)
+}
+
+fn peer_index(c: &Comm, peer: i32) -> Result<usize> {
+    match usize::try_from(peer) {
+        Ok(p) if p < c.nranks => Ok(p),
+        _ => crate::invalid_arg!(
+            "peer {peer} is out of range for a communicator of {} ranks",
+            c.nranks
+        ),
+    }
+}
+
+/// Checks a peer number: the rank it names.
+pub fn check_peer(c: &Comm, peer: i32) -> Result<usize> {
+    peer_index(c, peer)
+}
+
+/// Checks an access of `len` bytes at `off` of `peer`'s part of window `handle`.
+/// Returns the window and the peer's rank.
+pub fn check_access(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    len: usize,
+) -> Result<(Arc<Window>, usize)> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    check_range(&w.peers[peer], off, len, peer)?;
+    Ok((w, peer))
+}
+
+pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> Result<()> {
+    match off.checked_add(len) {
+        Some(end) if end <= p.len => Ok(()),
+        _ => crate::invalid_arg!(
+            "offset {off} + {len} bytes is past the end of rank {peer}'s window ({} bytes)",
+            p.len
+        ),
+    }
+}
+
+fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
+    let kind = if e.raw_os_error() == Some(libc::ESRCH) {
+        ErrorKind::Remote
+    } else {
+        ErrorKind::System
+    };
+    Error::new(kind, format!("{what} rank {peer}'s window: {e}"))
+}
+
+/// Puts `len` bytes from `src` at `off` of `peer`'s part of window `handle`, then (with
+/// `signal`) counts one NCCL signal at the peer, seen only after the data.
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads.
+pub unsafe fn put(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    src: *const u8,
+    len: usize,
+    signal: bool,
+) -> Result<()> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    check_range(&w.peers[peer], off, len, peer)?;
+    put_checked(&w, peer, off, src, len, signal)
+}
+
+/// [`put`] on a window already looked up, with `peer` and the range checked.
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads.
+pub unsafe fn put_checked(
+    w: &Window,
+    peer: usize,
+    off: usize,
+    src: *const u8,
+    len: usize,
+    signal: bool,
+) -> Result<()> {
+    let p = &w.peers[peer];
+    let cw = &*w.cw;
+    match p.data {
+        Reach::Direct(base) => {
+            if len > 0 {
+                // SAFETY: the destination lies inside the peer's registered window (checked
+                // by the caller), mapped here; the caller guarantees src holds len bytes. They
+                // may overlap when a rank puts into its own window.
+                unsafe { std::ptr::copy(src, (base + off) as *mut u8, len) };
+            }
+        }
+        Reach::Cma { pid, addr } => {
+            if len > 0 {
+                // SAFETY: the caller guarantees src holds len bytes.
+                unsafe { os::cma_write(pid, src, addr + off, len) }
+                    .map_err(|e| cma_error(peer, "writing into", e))?;
+            }
+        }
+        Reach::Net { id } => {
+            // SAFETY: the caller guarantees src holds len bytes.
+            let payload = unsafe { std::slice::from_raw_parts(src, len) };
+            let f = Frame {
+                op: remote::OP_PUT,
+                flags: if signal { remote::FLAG_SIGNAL } else { 0 },
+                win: id,
+                off: off as u64,
+                len: len as u64,
+                ..Default::default()
+            };
+            cw.net(peer)?.call(peer, &f, payload, false, &mut [])?;
+            return Ok(());
+        }
+    }
+    if signal {
+        signal_to(cw, peer)?;
+    }
+    Ok(())
+}
+
+fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
+    match &cw.ctls[peer] {
+        Some(ctl) => {
+            ctl.counter(cw.rank).fetch_add(1, Ordering::SeqCst);
+            ctl.ring();
+            Ok(())
+        }
+        None => {
+            let f = Frame {
+                op: remote::OP_SIGNAL,
+                ..Default::default()
+            };
+            cw.net(peer)?.call(peer, &f, &[], false, &mut [])?;
+            Ok(())
+        }
+    }
+}
+
+/// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it.
+pub fn signal(c: &Comm, peer: i32) -> Result<()> {
+    let peer = peer_index(c, peer)?;
+    let cw = existing(c, "ncclSignal")?;
+    signal_to(&cw, peer)
+}
+
+/// Reads `len` bytes at `off` of `peer`'s part of window `handle` into `dst`.
+///
+/// # Safety
+/// `dst` must be valid for `len` bytes of writes.
+pub unsafe fn get(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    dst: *mut u8,
+    len: usize,
+) -> Result<()> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    let p = &w.peers[peer];
+    check_range(p, off, len, peer)?;
+    if len == 0 {
+        return Ok(());
+    }
+    match p.data {
+        // SAFETY: the source lies inside the peer's window; the caller guarantees dst holds len bytes.
+        Reach::Direct(base) => unsafe { std::ptr::copy((base + off) as *const u8, dst, len) },
+        // SAFETY: as above.
+        Reach::Cma { pid, addr } => unsafe { os::cma_read(pid, dst, addr + off, len) }
+            .map_err(|e| cma_error(peer, "reading from", e))?,
+        Reach::Net { id } => {
+            let cw = w.cw.clone();
+            let f = Frame {
+                op: remote::OP_GET,
+                win: id,
+                off: off as u64,
+                len: len as u64,
+                ..Default::default()
+            };
+            // SAFETY: the caller guarantees dst holds len bytes.
+            let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            cw.net(peer)?.call(peer, &f, &[], true, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// An 8-byte atomic on `peer`'s part of `w` done by this process (the peer is reached
+/// directly or with CMA): fetch-add of `val`, or with `cas` a compare-and-swap to `val`.
+/// Returns the old value. `ctl` is the target's control segment (for the lock).
+pub(crate) fn atomic_at(
+    w: &Window,
+    peer: usize,
+    off: usize,
+    cas: Option<u64>,
+    val: u64,
+    ctl: &Ctl,
+) -> Result<u64> {
+    let p = &w.peers[peer];
+    let new = |old: u64| match cas {
+        Some(cmp) if old == cmp => val,
+        Some(_) => old,
+        None => old.wrapping_add(val),
+    };
+    match p.data {
+        Reach::Direct(base) => {
+            // SAFETY: the word lies inside the window (checked by the caller), is 8-byte aligned
+            // (checked too) and is only ever accessed atomically by the library.
+            let a = unsafe { &*((base + off) as *const AtomicU64) };
+            if p.locked {
+                Ok(ctl.locked(p.slot, || {
+                    let old = a.load(Ordering::SeqCst);
+                    a.store(new(old), Ordering::SeqCst);
+                    old
+                }))
+            } else {
+                Ok(match cas {
+                    Some(cmp) => {
+                        match a.compare_exchange(cmp, val, Ordering::SeqCst, Ordering::SeqCst) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    }
+                    None => a.fetch_add(val, Ordering::SeqCst),
+                })
+            }
+        }
+        Reach::Cma { pid, addr } => ctl.locked(p.slot, || {
+            let mut old = [0u8; 8];
+            // SAFETY: old is 8 writable bytes.
+            unsafe { os::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
+                .map_err(|e| cma_error(peer, "an atomic on", e))?;
+            let old = u64::from_ne_bytes(old);
+            let v = new(old);
+            if v != old {
+                // SAFETY: v is 8 readable bytes.
+                unsafe { os::cma_write(pid, v.to_ne_bytes().as_ptr(), addr + off, 8) }
+                    .map_err(|e| cma_error(peer, "an atomic on", e))?;
+            }
+            Ok(old)
+        }),
+        Reach::Net { .. } => crate::internal_err!("atomic on a remote window applied locally"),
+    }
+}
+
+/// 8-byte fetch-add (`cas` None) or compare-and-swap on `peer`'s window at `off`; the old value.
+pub fn atomic(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    cas: Option<u64>,
+    val: u64,
+) -> Result<u64> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    let p = &w.peers[peer];
+    check_range(p, off, 8, peer)?;
+    if (p.addr + off) % 8 != 0 {
+        return crate::invalid_arg!(
+            "atomics need an 8-byte aligned target; offset {off} of rank {peer}'s window is at address {:#x}",
+            p.addr + off
+        );
+    }
+    let cw = w.cw.clone();
+    match p.data {
+        Reach::Net { id } => {
+            let f = Frame {
+                op: if cas.is_some() {
+                    remote::OP_CAS
+                } else {
+                    remote::OP_FETCH_ADD
+                },
+                win: id,
+                off: off as u64,
+                a: cas.unwrap_or(0),
+                b: val,
+                ..Default::default()
+            };
+            cw.net(peer)?.call(peer, &f, &[], true, &mut [])
+        }
+        _ => {
+            let ctl = cw.ctls[peer].as_deref().ok_or_else(|| {
+                Error::new(ErrorKind::Internal, "no control segment for a local peer")
+            })?;
+            atomic_at(&w, peer, off, cas, val, ctl)
+        }
+    }
+}
+
+/// Returns once every earlier put from this rank to `peer` (every peer when None) has landed.
+pub fn flush(c: &Comm, handle: usize, peer: Option<i32>) -> Result<()> {
+    let w = lookup(c, handle)?;
+    let peers = match peer {
+        Some(p) => vec![peer_index(c, p)?],
+        None => (0..c.nranks).collect(),
+    };
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let cw = w.cw.clone();
+    for p in peers {
+        if let Reach::Net { id } = w.peers[p].data {
+            let f = Frame {
+                op: remote::OP_FLUSH,
+                win: id,
+                ..Default::default()
+            };
+            cw.net(p)?.call(p, &f, &[], true, &mut [])?;
+        }
+    }
+    Ok(())
+}
+
+/// The address at which this rank reaches `peer`'s window with loads and stores, if it can.
+pub fn peer_ptr(c: &Comm, handle: usize, peer: i32) -> Result<Option<usize>> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    Ok(match w.peers[peer].data {
+        Reach::Direct(a) => Some(a),
+        _ => None,
+    })
+}
+
+/// `peer`'s signal pads of window `handle` (channels x nranks u32 words) where this rank maps
+/// them, and the number of channels.
+pub fn signal_pads(c: &Comm, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    let cw = w.cw.clone();
+    Ok((
+        cw.ctls[peer]
+            .as_ref()
+            .map(|ctl| ctl.pads_ptr(w.peers[peer].slot) as usize),
+        cw.channels,
+    ))
+}
+
+/// Waits until `ready`, failing when `peer` is lost, the communicator aborted, or `deadline`
+/// passed. Spins briefly, then sleeps on this rank's bell. `ready` may consume what it finds
+/// (a signal-pad word), so the wait ends the first time it returns true.
+fn wait_until(
+    c: &Comm,
+    cw: &CommWindows,
+    peer: usize,
+    limit: Option<Duration>,
+    what: &dyn Fn() -> String,
+    ready: &mut dyn FnMut() -> bool,
+) -> Result<()> {
+    if ready() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    let spin_until = start + c.wiring.spin.max(Duration::from_micros(20));
+    let mut polls = 0u32;
+    loop {
+        if ready() {
+            return Ok(());
+        }
+        std::hint::spin_loop();
+        polls += 1;
+        if polls % 64 == 0 && Instant::now() >= spin_until {
+            break;
+        }
+    }
+    loop {
+        if ready() {
+            return Ok(());
+        }
+        if cw.own().sleep_unless(Duration::from_millis(10), ready) || ready() {
+            return Ok(());
+        }
+        if c.wiring.abort.load(Ordering::SeqCst) {
+            return crate::invalid_usage!(
+                "the communicator was aborted while waiting for {}",
+                what()
+            );
+        }
+        if peer != c.rank {
+            if let Some(gone) = peer_lost(c, cw, peer) {
+                // What it sent before it went still counts.
+                if ready() {
+                    return Ok(());
+                }
+                return Err(Error::lost_peer(
+                    peer,
+                    format!(
+                        "rank {peer} is gone while this rank waited for {}: {gone}",
+                        what()
+                    ),
+                ));
+            }
+        }
+        if limit.is_some_and(|l| start.elapsed() > l) {
+            return crate::timeout_err!("timed out waiting for {}", what());
+        }
+    }
+}
+
+/// Why `peer` can no longer signal this rank, if it cannot: its link says it is gone, or (on
+/// another host) its window connection closed.
+fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
+    if let Err(e) = c.wiring.links[peer].check_peer() {
+        return Some(e.msg);
+    }
+    let net = cw.net.as_ref().filter(|_| c.paths[peer] == Path::Network)?;
+    (net.lost[peer].load(Ordering::SeqCst) || net.peer_gone(peer)).then(|| {
+        "its connection closed (its process exited, or its host or the link failed)".to_string()
+    })
+}
+
+/// ncclWaitSignal: for each (peer, opCnt), waits until `peer` has sent `opCnt` more signals
+/// than earlier waits consumed, and consumes them.
+pub fn wait_signals(c: &Comm, descs: impl IntoIterator<Item = (usize, u64)>) -> Result<()> {
+    let cw = existing(c, "ncclWaitSignal")?;
+    for (peer, n) in descs {
+        let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
+        let counter = cw.own().counter(peer);
+        wait_until(
+            c,
+            &cw,
+            peer,
+            c.wiring.timeout,
+            &|| {
+                format!(
+                    "signals from rank {peer} ({} of {goal} arrived)",
+                    counter.load(Ordering::SeqCst)
+                )
+            },
+            &mut || counter.load(Ordering::Acquire) >= goal,
+        )?;
+        cw.waited[peer].fetch_max(goal, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+fn channel_of(cw: &CommWindows, channel: i32) -> Result<usize> {
+    match usize::try_from(channel) {
+        Ok(ch) if ch < cw.channels => Ok(ch),
+        _ => crate::invalid_arg!(
+            "channel {channel} is out of range: windows have {} signal channels (COMM_WIN_CHANNELS)",
+            cw.channels
+        ),
+    }
+}
+
+fn pad_deadline(c: &Comm, timeout_ms: u64) -> Option<Instant> {
+    if timeout_ms > 0 {
+        deadline_of(Some(Duration::from_millis(timeout_ms)))
+    } else {
+        deadline_of(c.wiring.timeout)
+    }
+}
+
+/// PyTorch's put_signal: sets this rank's pad word for `channel` at `dst` from 0 to 1, waiting
+/// while it is still 1 from the previous signal.
+pub fn channel_signal(
+    c: &Comm,
+    handle: usize,
+    dst: i32,
+    channel: i32,
+    timeout_ms: u64,
+) -> Result<()> {
+    let (w, dst, ch) = channel_args(c, handle, dst, channel)?;
+    channel_signal_to(c, &w.cw, &w, dst, ch, pad_deadline(c, timeout_ms))
+}
+
+/// The window, peer and channel of a channel operation, checked.
+fn channel_args(
+    c: &Comm,
+    handle: usize,
+    peer: i32,
+    channel: i32,
+) -> Result<(Arc<Window>, usize, usize)> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    let ch = channel_of(&w.cw, channel)?;
+    Ok((w, peer, ch))
+}
+
+fn channel_signal_to(
+    c: &Comm,
+    cw: &CommWindows,
+    w: &Window,
+    dst: usize,
+    ch: usize,
+    deadline: Option<Instant>,
+) -> Result<()> {
+    let me = c.rank;
+    let mut pause = Duration::from_micros(1);
+    loop {
+        let set = match (&cw.ctls[dst], &w.peers[dst].data) {
+            (Some(ctl), _) => {
+                let ok = ctl
+                    .pad(w.peers[dst].slot, ch, me)
+                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok();
+                if ok {
+                    ctl.ring();
+                }
+                ok
+            }
+            (None, Reach::Net { id }) => {
+                let f = Frame {
+                    op: remote::OP_PAD_CAS,
+                    win: *id,
+                    off: ch as u64,
+                    a: 0,
+                    b: 1,
+                    ..Default::default()
+                };
+                cw.net(dst)?.call(dst, &f, &[], true, &mut [])? == 0
+            }
+            (None, _) => return crate::internal_err!("rank {dst}'s signal pads are unreachable"),
+        };
+        if set {
+            return Ok(());
+        }
+        if dst != me {
+            if let Err(e) = c.wiring.links[dst].check_peer() {
+                return Err(Error::lost_peer(
+                    dst,
+                    format!("rank {dst} is gone while this rank waited to signal it on channel {ch}: {}", e.msg),
+                ));
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            return crate::timeout_err!(
+                "timed out signalling rank {dst} on channel {ch}: it has not consumed the previous signal"
+            );
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_micros(200));
+    }
+}
+
+/// PyTorch's wait_signal: waits until `src` has signalled this rank on `channel`, and clears it.
+pub fn channel_wait(
+    c: &Comm,
+    handle: usize,
+    src: i32,
+    channel: i32,
+    timeout_ms: u64,
+) -> Result<()> {
+    let (w, src, ch) = channel_args(c, handle, src, channel)?;
+    channel_wait_from(c, &w.cw, &w, src, ch, pad_deadline(c, timeout_ms))
+}
+
+fn channel_wait_from(
+    c: &Comm,
+    cw: &CommWindows,
+    w: &Window,
+    src: usize,
+    ch: usize,
+    deadline: Option<Instant>,
+) -> Result<()> {
+    let pad = cw.own().pad(w.slot, ch, src);
+    let limit = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    wait_until(
+        c,
+        cw,
+        src,
+        limit,
+        &|| format!("a signal from rank {src} on channel {ch}"),
+        &mut || {
+            pad.compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        },
+    )
+}
+
+/// PyTorch's barrier: signal every peer on `channel`, then wait for every peer's signal.
+pub fn channel_barrier(c: &Comm, handle: usize, channel: i32, timeout_ms: u64) -> Result<()> {
+    let w = lookup(c, handle)?;
+    let cw = w.cw.clone();
+    let ch = channel_of(&cw, channel)?;
+    let deadline = pad_deadline(c, timeout_ms);
+    for p in (0..c.nranks).filter(|&p| p != c.rank) {
+        channel_signal_to(c, &cw, &w, p, ch, deadline)?;
+    }
+    for p in (0..c.nranks).filter(|&p| p != c.rank) {
+        channel_wait_from(c, &cw, &w, p, ch, deadline)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,1118 @@
+//! Windows and one-sided operations, between real processes: puts, gets and atomics into a
+//! target that is busy and never calls the library; NCCL's signal counters (opCnt, groups,
+//! ordering); contention on one word; signal-pad channels used by two threads at once; bad
+//! input; a peer that dies during a wait. Each runs with ranks on one host (shared memory the
+//! library allocated, and ordinary memory reached with process_vm_writev/readv) and with
+//! ranks on two simulated hosts (COMM_HOSTID per rank, so the TCP path and the target's
+//! listener thread do the work).
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use common::*;
+use std::os::raw::c_void;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+const S: cudaStream_t = std::ptr::null_mut();
+const UINT8: i32 = 1;
+const INT32: i32 = 2;
+const UINT64: i32 = 5;
+const FLOAT32: i32 = 7;
+const SYM: i32 = NCCL_WIN_COLL_SYMMETRIC;
+
+use std::process::{Command, Stdio};
+
+/// The byte rank `r` writes at position `i` of its block.
+fn pat(r: usize, i: usize) -> u8 {
+    (r * 131 + i * 7 + i / 251 + 1) as u8
+}
+
+/// How a scenario's windows are made and where the ranks are, from the launch argument:
+/// "shared" (commWindowAllocate) or "user" (ordinary heap memory), optionally ",net" (ranks
+/// on two hosts by parity, told apart by COMM_HOSTID, so neighbours talk over TCP) or
+/// ",netns" (the same hosts as network namespaces).
+struct Mode {
+    shared: bool,
+    /// Shared memory from ncclMemAlloc (no GPU here), registered with ncclCommWindowRegister.
+    memalloc: bool,
+    net: bool,
+}
+
+fn mode(w: &Worker) -> Mode {
+    Mode {
+        shared: w.arg.contains("shared") || w.arg.contains("memalloc"),
+        memalloc: w.arg.contains("memalloc"),
+        net: w.arg.contains("net"),
+    }
+}
+
+fn init(w: &Worker) -> Result<ncclComm_t, String> {
+    if w.arg.contains("netns") {
+        // A rank of a network namespace: the id comes from NCCL_COMM_ID and COMM_SECRET.
+        let id = unique_id();
+        let mut c: ncclComm_t = null_mut();
+        nccl!(ncclCommInitRank(&mut c, w.nranks as i32, id, w.rank as i32));
+        return Ok(c);
+    }
+    if mode(w).net {
+        std::env::set_var("COMM_HOSTID", format!("win-host-{}", w.rank % 2));
+    }
+    init_rank(w)
+}
+
+/// A window of `size` bytes on every rank: its local address and handle. User memory is
+/// leaked on purpose (the process exits at the end of the scenario).
+fn window(comm: ncclComm_t, size: usize, m: &Mode) -> Result<(*mut u8, ncclWindow_t), String> {
+    let mut win: ncclWindow_t = null_mut();
+    if m.memalloc {
+        let mut p: *mut c_void = null_mut();
+        nccl!(ncclMemAlloc(&mut p, size));
+        nccl!(ncclCommWindowRegister(comm, p, size, &mut win, SYM));
+        Ok((p as *mut u8, win))
+    } else if m.shared {
+        let mut p: *mut c_void = null_mut();
+        nccl!(commWindowAllocate(comm, size, SYM, &mut p, &mut win));
+        Ok((p as *mut u8, win))
+    } else {
+        // 8-byte aligned for the atomics.
+        let v: &'static mut [u64] = Vec::leak(vec![0u64; size.div_ceil(8)]);
+        let p = v.as_mut_ptr() as *mut u8;
+        nccl!(ncclCommWindowRegister(
+            comm,
+            p as *mut c_void,
+            size,
+            &mut win,
+            SYM
+        ));
+        Ok((p, win))
+    }
+}
+
+fn barrier(comm: ncclComm_t) -> Result<(), String> {
+    let mut x = [1.0f32];
+    nccl!(ncclAllReduce(
+        x.as_ptr() as *const c_void,
+        x.as_mut_ptr() as *mut c_void,
+        1,
+        FLOAT32,
+        0,
+        comm,
+        S
+    ));
+    Ok(())
+}
+
+/// A collective after an error: the communicator must still work.
+fn still_works(comm: ncclComm_t, n: usize) -> Result<(), String> {
+    let mut x = [1.0f32; 3];
+    nccl!(ncclAllReduce(
+        x.as_ptr() as *const c_void,
+        x.as_mut_ptr() as *mut c_void,
+        3,
+        FLOAT32,
+        0,
+        comm,
+        S
+    ));
+    if x != [n as f32; 3] {
+        return Err(format!("allreduce after the error gave {x:?}"));
+    }
+    Ok(())
+}
+
+/// Expects `r` to be `want` with a last error that mentions `needle`.
+fn expect(r: ncclResult_t, want: ncclResult_t, needle: &str, what: &str) -> Result<(), String> {
+    if r != want {
+        return Err(format!(
+            "{what}: returned {r:?}, wanted {want:?} (last error: {})",
+            last_error()
+        ));
+    }
+    let msg = last_error();
+    if !msg.contains(needle) {
+        return Err(format!(
+            "{what}: last error {msg:?} does not mention {needle:?}"
+        ));
+    }
+    Ok(())
+}
+
+const SIZES: [usize; 5] = [0, 1, 7, 4099, (1 << 20) + 5];
+/// Per origin: a block large enough for every size, one after the other.
+const BLOCK: usize = 2 << 20;
+
+/// Rank 0 is the target: it fills a region, then sleeps or computes without calling the
+/// library while every other rank puts, gets, adds and swaps in its window; the origins must
+/// finish well before the target comes back. Then everything is checked at the target.
+fn busy_target(w: &Worker, computing: bool) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let n = w.nranks;
+    let size = 64 + BLOCK * (n + 1);
+    let (mem, win) = window(comm, size, &m)?;
+    let busy = Duration::from_secs(4);
+    // The region origins read: the last block, filled by the target before it goes busy.
+    let readable = 64 + BLOCK * n;
+    if w.rank == 0 {
+        let s = unsafe { std::slice::from_raw_parts_mut(mem.add(readable), BLOCK) };
+        for (i, b) in s.iter_mut().enumerate() {
+            *b = pat(99, i);
+        }
+    }
+    barrier(comm)?;
+    if w.rank == 0 {
+        let t = Instant::now();
+        if computing {
+            let mut x = 1u64;
+            while t.elapsed() < busy {
+                for _ in 0..10_000 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                }
+                std::hint::black_box(x);
+            }
+        } else {
+            std::thread::sleep(busy);
+        }
+        barrier(comm)?;
+        // Every origin's block, the counter, the swapped words.
+        for r in 1..n {
+            let s = unsafe { std::slice::from_raw_parts(mem.add(64 + BLOCK * r), BLOCK) };
+            let last = SIZES[SIZES.len() - 1];
+            for (i, &b) in s[..last].iter().enumerate() {
+                if b != pat(r, i) {
+                    return Err(format!(
+                        "target: byte {i} of rank {r}'s block is {b}, wanted {}",
+                        pat(r, i)
+                    ));
+                }
+            }
+            let swapped = unsafe { *(mem.add(8 * r) as *const u64) };
+            if swapped != 1000 + r as u64 {
+                return Err(format!("target: rank {r}'s swapped word is {swapped}"));
+            }
+        }
+        let counter = unsafe { *(mem as *const u64) };
+        let adds = 1000u64;
+        let want = (n as u64 - 1) * adds * (adds + 1) / 2;
+        if counter != want {
+            return Err(format!("target: counter {counter}, wanted {want}"));
+        }
+    } else {
+        let me = w.rank;
+        // Where loads and stores reach the target: shared memory on the same host only.
+        let mut direct: *mut c_void = null_mut();
+        nccl!(commWinPeerPtr(comm, win, 0, &mut direct));
+        let same_host = !m.net || me % 2 == 0;
+        if (m.shared && same_host) == direct.is_null() {
+            return Err(format!(
+                "peer pointer to rank 0 is {direct:?} (shared {}, same host {same_host})",
+                m.shared
+            ));
+        }
+        if !direct.is_null() {
+            let s =
+                unsafe { std::slice::from_raw_parts((direct as *const u8).add(readable), 4096) };
+            if let Some(i) = (0..4096).find(|&i| s[i] != pat(99, i)) {
+                return Err(format!(
+                    "load through the peer pointer: byte {i} is {}",
+                    s[i]
+                ));
+            }
+        }
+        let start = Instant::now();
+        let off = 64 + BLOCK * me;
+        for &len in &SIZES {
+            let src: Vec<u8> = (0..len).map(|i| pat(me, i)).collect();
+            nccl!(commWinPut(
+                src.as_ptr() as *const c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                off,
+                comm
+            ));
+            nccl!(commWinFlush(0, win, comm));
+            let mut back = vec![0u8; len];
+            nccl!(commWinGet(
+                back.as_mut_ptr() as *mut c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                off,
+                comm
+            ));
+            if back != src {
+                return Err(format!("get after put of {len} bytes differs"));
+            }
+            // An odd offset into what the target wrote.
+            let mut got = vec![0u8; len];
+            nccl!(commWinGet(
+                got.as_mut_ptr() as *mut c_void,
+                len,
+                UINT8,
+                0,
+                win,
+                readable + 3,
+                comm
+            ));
+            if let Some(i) = (0..len).find(|&i| got[i] != pat(99, i + 3)) {
+                return Err(format!("get of {len} bytes: byte {i} is {}", got[i]));
+            }
+        }
+        for k in 1..=1000u64 {
+            nccl!(commWinFetchAdd(k, null_mut(), UINT64, 0, win, 0, comm));
+        }
+        let mut old = 7u64;
+        nccl!(commWinCompareSwap(
+            0,
+            1000 + me as u64,
+            &mut old,
+            UINT64,
+            0,
+            win,
+            8 * me,
+            comm
+        ));
+        if old != 0 {
+            return Err(format!("first compare-and-swap found {old}, wanted 0"));
+        }
+        nccl!(commWinCompareSwap(
+            5,
+            77,
+            &mut old,
+            UINT64,
+            0,
+            win,
+            8 * me,
+            comm
+        ));
+        if old != 1000 + me as u64 {
+            return Err(format!("failed compare-and-swap found {old}"));
+        }
+        let took = start.elapsed();
+        if took >= busy - Duration::from_millis(500) {
+            return Err(format!(
+                "the one-sided operations took {took:?}: they waited for the target, which was busy for {busy:?}"
+            ));
+        }
+        barrier(comm)?;
+    }
+    nccl!(ncclCommWindowDeregister(comm, win));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+fn desc(peer: usize, op_cnt: i32) -> ncclWaitSignalDesc_t {
+    ncclWaitSignalDesc_t {
+        opCnt: op_cnt,
+        peer: peer as i32,
+        sigIdx: 0,
+        ctx: 0,
+    }
+}
+
+/// NCCL's counters: several puts and a signal consumed by one wait with opCnt; surplus
+/// signals satisfy later waits; a barrier of signals and waits in one group (waits first);
+/// and data visible as soon as its signal is, over many rounds into distinct slots.
+fn signals(w: &Worker) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let rounds = 200usize;
+    let slot = 4096 + 13;
+    let size = slot * rounds + 64;
+    let (mem, win) = window(comm, size, &m)?;
+    barrier(comm)?;
+    // Three puts of different sizes and one bare signal: one wait for all four.
+    let parts = [(0usize, 1usize), (8, 7), (64, 4000)];
+    for &(off, len) in &parts {
+        let src: Vec<u8> = (0..len).map(|i| pat(me, off + i)).collect();
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            len,
+            UINT8,
+            next as i32,
+            win,
+            off,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
+    }
+    nccl!(ncclSignal(next as i32, 0, 0, 0, comm, S));
+    let mut d = [desc(prev, 4)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+    for &(off, len) in &parts {
+        let s = unsafe { std::slice::from_raw_parts(mem.add(off), len) };
+        if let Some(i) = (0..len).find(|&i| s[i] != pat(prev, off + i)) {
+            return Err(format!(
+                "after the opCnt=4 wait, byte {} is {}",
+                off + i,
+                s[i]
+            ));
+        }
+    }
+    // Five signals, consumed by waits of 2 and 3.
+    for _ in 0..5 {
+        nccl!(ncclSignal(next as i32, 0, 0, 0, comm, S));
+    }
+    let mut d = [desc(prev, 2)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+    let mut d = [desc(prev, 3)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+    // The barrier NCCL documents, with the wait queued before the signals.
+    for _ in 0..3 {
+        let mut all: Vec<ncclWaitSignalDesc_t> =
+            (0..n).filter(|&p| p != me).map(|p| desc(p, 1)).collect();
+        nccl!(ncclGroupStart());
+        nccl!(ncclWaitSignal(all.len() as i32, all.as_mut_ptr(), comm, S));
+        for p in (0..n).filter(|&p| p != me) {
+            nccl!(ncclSignal(p as i32, 0, 0, 0, comm, S));
+        }
+        nccl!(ncclGroupEnd());
+    }
+    barrier(comm)?;
+    // Ordering: round k's data in slot k, then its signal; the receiver checks slot k the
+    // moment its k-th signal is seen.
+    for k in 0..rounds {
+        let src: Vec<u8> = (0..slot).map(|i| pat(me + k, i)).collect();
+        nccl!(ncclGroupStart());
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            slot,
+            UINT8,
+            next as i32,
+            win,
+            k * slot,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
+        nccl!(ncclGroupEnd());
+        let mut d = [desc(prev, 1)];
+        nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+        let s = unsafe { std::slice::from_raw_parts(mem.add(k * slot), slot) };
+        if let Some(i) = (0..slot).find(|&i| s[i] != pat(prev + k, i)) {
+            return Err(format!(
+                "round {k}: signal seen but byte {i} of the data not there ({})",
+                s[i]
+            ));
+        }
+    }
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, win));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// Every rank adds 1 to rank 0's counter `adds` times; then a compare-and-swap lock guards a
+/// read-modify-write (get, add, put, flush) of a plain word across processes.
+fn contention(w: &Worker) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let n = w.nranks;
+    let adds: u64 = w
+        .arg
+        .split(',')
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(100_000);
+    let (mem, win) = window(comm, 4096, &m)?;
+    barrier(comm)?;
+    for _ in 0..adds {
+        nccl!(commWinFetchAdd(1, null_mut(), UINT64, 0, win, 0, comm));
+    }
+    let sections = 300u64;
+    let me = w.rank as u64 + 1;
+    for _ in 0..sections {
+        let mut old = 0u64;
+        loop {
+            nccl!(commWinCompareSwap(0, me, &mut old, UINT64, 0, win, 8, comm));
+            if old == 0 {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        let mut v = 0u64;
+        nccl!(commWinGet(
+            &mut v as *mut u64 as *mut c_void,
+            8,
+            UINT8,
+            0,
+            win,
+            16,
+            comm
+        ));
+        v += 1;
+        nccl!(commWinPut(
+            &v as *const u64 as *const c_void,
+            8,
+            UINT8,
+            0,
+            win,
+            16,
+            comm
+        ));
+        nccl!(commWinFlush(0, win, comm));
+        nccl!(commWinCompareSwap(me, 0, &mut old, UINT64, 0, win, 8, comm));
+        if old != me {
+            return Err(format!("the lock was {old} while rank {} held it", w.rank));
+        }
+    }
+    barrier(comm)?;
+    if w.rank == 0 {
+        let words = unsafe { std::slice::from_raw_parts(mem as *const u64, 3) };
+        if words[0] != n as u64 * adds {
+            return Err(format!(
+                "counter {} after {n} x {adds} fetch-adds",
+                words[0]
+            ));
+        }
+        if words[2] != n as u64 * sections {
+            return Err(format!(
+                "locked counter {} after {n} x {sections} sections",
+                words[2]
+            ));
+        }
+    }
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, win));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// Two threads of each rank, each with a channel of its own on one window: ping-pong between
+/// ranks 0 and 1 on channel 1 while all ranks run barriers on channel 2. Mixed-up channels
+/// would consume each other's signals and time out. The pads are zero afterwards.
+fn channels(w: &Worker) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let (_mem, win) = window(comm, 64, &m)?;
+    barrier(comm)?;
+    let (c, h) = (comm as usize, win as usize);
+    let ping = std::thread::spawn(move || -> Result<(), String> {
+        let (comm, win) = (c as ncclComm_t, h as ncclWindow_t);
+        for _ in 0..500 {
+            match me {
+                0 => {
+                    nccl!(commWinChannelSignal(1, 1, 20_000, win, comm));
+                    nccl!(commWinChannelWait(1, 1, 20_000, win, comm));
+                }
+                1 => {
+                    nccl!(commWinChannelWait(0, 1, 20_000, win, comm));
+                    nccl!(commWinChannelSignal(0, 1, 20_000, win, comm));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    });
+    let bar = std::thread::spawn(move || -> Result<(), String> {
+        let (comm, win) = (c as ncclComm_t, h as ncclWindow_t);
+        for _ in 0..300 {
+            nccl!(commWinChannelBarrier(2, 20_000, win, comm));
+        }
+        Ok(())
+    });
+    ping.join().map_err(|_| "ping thread panicked")??;
+    bar.join().map_err(|_| "barrier thread panicked")??;
+    barrier(comm)?;
+    let mut pads: *mut c_void = null_mut();
+    let mut nch = 0;
+    nccl!(commWinSignalPads(comm, win, me as i32, &mut pads, &mut nch));
+    if pads.is_null() || nch < 3 {
+        return Err(format!("own signal pads {pads:?}, {nch} channels"));
+    }
+    let words = unsafe { std::slice::from_raw_parts(pads as *const u32, nch as usize * n) };
+    if let Some(i) = words.iter().position(|&x| x != 0) {
+        return Err(format!(
+            "signal pad word {i} is {} after the synchronisations",
+            words[i]
+        ));
+    }
+    nccl!(ncclCommWindowDeregister(comm, win));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// Bad input, each a clear error, the communicator working after each.
+fn bad_input(w: &Worker) -> Result<(), String> {
+    use ncclResult_t::*;
+    let m = mode(w);
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let (_mem, win) = window(comm, 4096, &m)?;
+    let next = ((me + 1) % n) as i32;
+    let mut buf = [0u8; 64];
+    let dst = buf.as_mut_ptr() as *mut c_void;
+    let src = dst as *const c_void;
+    let mut old = 0u64;
+    expect(
+        unsafe { ncclPutSignal(src, 8, UINT8, next, win, 4093, 0, 0, 0, comm, S) },
+        ncclInvalidArgument,
+        "past the end",
+        "put past the end",
+    )?;
+    expect(
+        unsafe { commWinGet(dst, 2, INT32, next, win, 4090, comm) },
+        ncclInvalidArgument,
+        "past the end",
+        "get past the end",
+    )?;
+    expect(
+        unsafe { commWinPut(src, 1, UINT8, next, win, usize::MAX, comm) },
+        ncclInvalidArgument,
+        "past the end",
+        "offset that overflows",
+    )?;
+    for peer in [n as i32, -1] {
+        expect(
+            unsafe { ncclPutSignal(src, 1, UINT8, peer, win, 0, 0, 0, 0, comm, S) },
+            ncclInvalidArgument,
+            "out of range",
+            "peer out of range",
+        )?;
+        expect(
+            unsafe { commWinFetchAdd(1, &mut old, UINT64, peer, win, 0, comm) },
+            ncclInvalidArgument,
+            "out of range",
+            "atomic on a peer out of range",
+        )?;
+    }
+    expect(
+        unsafe { commWinFetchAdd(1, &mut old, UINT64, next, win, 4, comm) },
+        ncclInvalidArgument,
+        "aligned",
+        "unaligned atomic",
+    )?;
+    expect(
+        unsafe { commWinCompareSwap(0, 1, &mut old, INT32, next, win, 0, comm) },
+        ncclInvalidArgument,
+        "8-byte integers",
+        "4-byte atomic",
+    )?;
+    expect(
+        unsafe { commWinFetchAdd(1, &mut old, FLOAT32 + 1, next, win, 0, comm) },
+        ncclInvalidArgument,
+        "8-byte integers",
+        "float64 atomic",
+    )?;
+    expect(
+        unsafe { commWinFetchAdd(1, &mut old, UINT64, next, win, 4092, comm) },
+        ncclInvalidArgument,
+        "past the end",
+        "atomic past the end",
+    )?;
+    for (sig, ctx, flags, what) in [(1, 0, 0, "sigIdx"), (0, 1, 0, "ctx"), (0, 0, 1, "flags")] {
+        expect(
+            unsafe { ncclPutSignal(src, 1, UINT8, next, win, 0, sig, ctx, flags, comm, S) },
+            ncclInvalidArgument,
+            what,
+            "reserved argument of ncclPutSignal",
+        )?;
+        expect(
+            unsafe { ncclSignal(next, sig, ctx, flags, comm, S) },
+            ncclInvalidArgument,
+            what,
+            "reserved argument of ncclSignal",
+        )?;
+    }
+    let mut d = [desc(next as usize, 0)];
+    expect(
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "opCnt",
+        "opCnt 0",
+    )?;
+    expect(
+        unsafe { ncclWaitSignal(0, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "nDesc",
+        "nDesc 0",
+    )?;
+    let mut d = [ncclWaitSignalDesc_t {
+        opCnt: 1,
+        peer: next,
+        sigIdx: 2,
+        ctx: 0,
+    }];
+    expect(
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
+        ncclInvalidArgument,
+        "sigIdx",
+        "wait sigIdx",
+    )?;
+    expect(
+        unsafe { commWinChannelSignal(next, 1 << 20, 100, win, comm) },
+        ncclInvalidArgument,
+        "channel",
+        "channel out of range",
+    )?;
+    still_works(comm, n)?;
+
+    // A window of another communicator.
+    let mut other: ncclComm_t = null_mut();
+    nccl!(ncclCommSplit(comm, 0, me as i32, &mut other, null_mut()));
+    let (_m2, win2) = window(other, 256, &m)?;
+    expect(
+        unsafe { commWinPut(src, 1, UINT8, next, win2, 0, comm) },
+        ncclInvalidArgument,
+        "another communicator",
+        "window of another communicator",
+    )?;
+    // A deregistered one.
+    nccl!(ncclCommWindowDeregister(other, win2));
+    expect(
+        unsafe { commWinGet(dst, 1, UINT8, next, win2, 0, other) },
+        ncclInvalidArgument,
+        "not a live window",
+        "deregistered window",
+    )?;
+    expect(
+        unsafe { ncclCommWindowDeregister(other, win2) },
+        ncclInvalidArgument,
+        "not a live window",
+        "deregistered twice",
+    )?;
+    nccl!(ncclCommDestroy(other));
+    // Bad flags on rank 0 only: every rank fails, none hangs.
+    let mut w3: ncclWindow_t = null_mut();
+    let mut spare = vec![0u64; 16];
+    let flags = if me == 0 { 0x10 } else { SYM };
+    let r = unsafe {
+        ncclCommWindowRegister(comm, spare.as_mut_ptr() as *mut c_void, 128, &mut w3, flags)
+    };
+    expect(
+        r,
+        if me == 0 {
+            ncclInvalidArgument
+        } else {
+            ncclInvalidUsage
+        },
+        if me == 0 { "winFlags" } else { "rank 0" },
+        "bad flags on one rank",
+    )?;
+    let r = unsafe { ncclCommWindowRegister(comm, null_mut(), 128, &mut w3, SYM) };
+    expect(r, ncclInvalidArgument, "buff is NULL", "NULL buffer")?;
+    still_works(comm, n)?;
+
+    // Waits nobody answers: a timeout, not a hang.
+    let t = Instant::now();
+    expect(
+        unsafe { commWinChannelWait(next, 0, 300, win, comm) },
+        ncclTimeout,
+        "timed out",
+        "channel wait without a signal",
+    )?;
+    if t.elapsed() > Duration::from_secs(5) {
+        return Err(format!("the 300 ms channel wait took {:?}", t.elapsed()));
+    }
+    let mut d = [desc(next as usize, 1)];
+    expect(
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) },
+        ncclTimeout,
+        "timed out",
+        "ncclWaitSignal without a signal (COMM_TIMEOUT)",
+    )?;
+    still_works(comm, n)?;
+    // Still usable for windows too.
+    barrier(comm)?;
+    let v = [me as u8 + 1];
+    nccl!(ncclPutSignal(
+        v.as_ptr() as *const c_void,
+        1,
+        UINT8,
+        next,
+        win,
+        0,
+        0,
+        0,
+        0,
+        comm,
+        S
+    ));
+    let prev = (me + n - 1) % n;
+    let mut d = [desc(prev, 1)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, win));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// Rank 0 dies after registering; rank 1 waits for its signal (NCCL counter, or a channel)
+/// and must get ncclRemoteError, not hang.
+fn peer_dies(w: &Worker) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let (_mem, win) = window(comm, 64, &m)?;
+    barrier(comm)?;
+    if w.rank == 0 {
+        std::thread::sleep(Duration::from_millis(300));
+        std::process::exit(3);
+    }
+    let t = Instant::now();
+    let r = if w.arg.contains("channel") {
+        unsafe { commWinChannelWait(0, 0, 0, win, comm) }
+    } else {
+        let mut d = [desc(0, 1)];
+        unsafe { ncclWaitSignal(1, d.as_mut_ptr(), comm, S) }
+    };
+    expect(
+        r,
+        ncclResult_t::ncclRemoteError,
+        "rank 0",
+        "wait on a dead peer",
+    )?;
+    if t.elapsed() > Duration::from_secs(20) {
+        return Err(format!(
+            "noticed the dead peer only after {:?}",
+            t.elapsed()
+        ));
+    }
+    Ok(())
+}
+
+/// Registrations of two communicators queued in one group by one thread: they run together at
+/// the group's end (one after the other would wait forever for the second), and the handles
+/// are set then.
+fn group_register(w: &Worker) -> Result<(), String> {
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let mut child: ncclComm_t = null_mut();
+    nccl!(ncclCommSplit(comm, 0, me as i32, &mut child, null_mut()));
+    let a: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let b: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let (mut wa, mut wb): (ncclWindow_t, ncclWindow_t) = (null_mut(), null_mut());
+    // A second window of `comm` in the same group: those of one communicator run in order.
+    let a2: &'static mut [u64] = Vec::leak(vec![0u64; 64]);
+    let mut wa2: ncclWindow_t = null_mut();
+    nccl!(ncclGroupStart());
+    nccl!(ncclCommWindowRegister(
+        comm,
+        a.as_mut_ptr() as *mut c_void,
+        512,
+        &mut wa,
+        SYM
+    ));
+    nccl!(ncclCommWindowRegister(
+        child,
+        b.as_mut_ptr() as *mut c_void,
+        512,
+        &mut wb,
+        SYM
+    ));
+    nccl!(ncclCommWindowRegister(
+        comm,
+        a2.as_mut_ptr() as *mut c_void,
+        256,
+        &mut wa2,
+        SYM
+    ));
+    nccl!(ncclGroupEnd());
+    if wa.is_null() || wb.is_null() || wa2.is_null() {
+        return Err("a window handle is NULL after ncclGroupEnd".into());
+    }
+    let next = ((me + 1) % n) as i32;
+    let v = [me as u64 + 5];
+    nccl!(ncclPutSignal(
+        v.as_ptr() as *const c_void,
+        1,
+        UINT64,
+        next,
+        wb,
+        8,
+        0,
+        0,
+        0,
+        child,
+        S
+    ));
+    let mut d = [desc((me + n - 1) % n, 1)];
+    nccl!(ncclWaitSignal(1, d.as_mut_ptr(), child, S));
+    let want = ((me + n - 1) % n) as u64 + 5;
+    let got = unsafe { std::ptr::read_volatile(&b[1]) };
+    if got != want {
+        return Err(format!(
+            "put through the child's window left {got}, wanted {want}"
+        ));
+    }
+    let r = unsafe { commWinPut(v.as_ptr() as *const c_void, 1, UINT64, next, wa2, 256, comm) };
+    expect(
+        r,
+        ncclResult_t::ncclInvalidArgument,
+        "256 bytes",
+        "past the end of the 256-byte window",
+    )?;
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, wa));
+    nccl!(ncclCommWindowDeregister(comm, wa2));
+    // Destroying the child takes its windows with it.
+    nccl!(ncclCommDestroy(child));
+    expect(
+        unsafe { commWinPut(v.as_ptr() as *const c_void, 1, UINT64, next, wb, 0, comm) },
+        ncclResult_t::ncclInvalidArgument,
+        "not a live window",
+        "a window of a destroyed communicator",
+    )?;
+    still_works(comm, n)?;
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+fn scenario(w: &Worker) -> Result<(), String> {
+    match w.scenario.as_str() {
+        "sleeping" => busy_target(w, false),
+        "computing" => busy_target(w, true),
+        "signals" => signals(w),
+        "contention" => contention(w),
+        "channels" => channels(w),
+        "bad" => bad_input(w),
+        "dies" => peer_dies(w),
+        "group_register" => group_register(w),
+        other => Err(format!("unknown scenario {other}")),
+    }
+}
+
+#[test]
+fn worker() {
+    if let Some(w) = worker_env() {
+        finish(scenario(&w));
+    }
+}
+
+fn run(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)], secs: u64) {
+    assert_all_ok(
+        &launch("worker", scenario, n, arg, env, Duration::from_secs(secs)),
+        &format!("{scenario} ({arg}, {n} ranks)"),
+    );
+}
+
+#[test]
+fn one_sided_ops_into_a_sleeping_or_computing_target() {
+    for arg in ["shared", "user"] {
+        for n in [2, 3] {
+            run("sleeping", n, arg, &[], 120);
+        }
+        run("computing", 3, arg, &[], 120);
+    }
+    // ncclMemAlloc without a GPU gives shared memory too.
+    run("sleeping", 2, "memalloc", &[], 120);
+}
+
+/// Ranks that are threads of one process: every operation on every other rank's window.
+fn threads_body(comm: ncclComm_t, me: usize, n: usize) -> Result<(), String> {
+    for shared in [false, true] {
+        let m = Mode {
+            shared,
+            memalloc: false,
+            net: false,
+        };
+        let (mem, win) = window(comm, 4096, &m)?;
+        let next = (me + 1) % n;
+        let prev = (me + n - 1) % n;
+        let src: Vec<u8> = (0..1001).map(|i| pat(me, i)).collect();
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            1001,
+            UINT8,
+            next as i32,
+            win,
+            24,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
+        let mut d = [desc(prev, 1)];
+        nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+        let got = unsafe { std::slice::from_raw_parts(mem.add(24), 1001) };
+        if let Some(i) = (0..1001).find(|&i| got[i] != pat(prev, i)) {
+            return Err(format!("threads: byte {i} from rank {prev} is {}", got[i]));
+        }
+        let mut back = vec![0u8; 1001];
+        nccl!(commWinGet(
+            back.as_mut_ptr() as *mut c_void,
+            1001,
+            UINT8,
+            next as i32,
+            win,
+            24,
+            comm
+        ));
+        if back != src {
+            return Err("threads: get of what this rank put differs".into());
+        }
+        for _ in 0..1000 {
+            nccl!(commWinFetchAdd(1, null_mut(), UINT64, 0, win, 0, comm));
+        }
+        let mut p: *mut c_void = null_mut();
+        nccl!(commWinPeerPtr(comm, win, next as i32, &mut p));
+        if p.is_null() {
+            return Err("threads: no direct pointer to a thread's window".into());
+        }
+        nccl!(commWinChannelBarrier(0, 20_000, win, comm));
+        if me == 0 {
+            let v = unsafe { std::ptr::read_volatile(mem as *const u64) };
+            if v != 1000 * n as u64 {
+                return Err(format!("threads: counter {v}"));
+            }
+        }
+        nccl!(commWinChannelBarrier(0, 20_000, win, comm));
+        nccl!(ncclCommWindowDeregister(comm, win));
+    }
+    Ok(())
+}
+
+#[test]
+fn ranks_that_are_threads_of_one_process() {
+    with_threads(3, Duration::from_secs(60), threads_body);
+}
+
+#[test]
+fn one_sided_ops_across_hosts() {
+    run("sleeping", 2, "user,net", &[], 120);
+    run("computing", 3, "shared,net", &[], 120);
+}
+
+#[test]
+fn signal_counters_groups_and_ordering() {
+    for arg in ["shared", "user"] {
+        for n in [2, 3] {
+            run("signals", n, arg, &[], 120);
+        }
+    }
+}
+
+#[test]
+fn signal_counters_across_hosts() {
+    run("signals", 2, "user,net", &[], 120);
+    run("signals", 3, "shared,net", &[], 120);
+}
+
+#[test]
+fn fetch_add_contention_and_cas_lock() {
+    run("contention", 3, "shared", &[], 300);
+    run("contention", 2, "user", &[], 300);
+}
+
+#[test]
+fn fetch_add_contention_across_hosts() {
+    run("contention", 3, "shared,net,20000", &[], 300);
+}
+
+#[test]
+fn channels_isolate_two_threads() {
+    run("channels", 2, "shared", &[], 120);
+    run("channels", 3, "user", &[], 120);
+    run("channels", 3, "shared,net", &[], 120);
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    for (n, arg) in [(2, "shared"), (3, "user"), (3, "shared,net")] {
+        run("bad", n, arg, &[("COMM_TIMEOUT", "2")], 120);
+    }
+}
+
+#[test]
+fn a_peer_that_dies_during_a_wait_is_a_remote_error() {
+    for arg in ["shared", "shared,channel", "user,net", "user,net,channel"] {
+        let r = launch("worker", "dies", 2, arg, &[], Duration::from_secs(90));
+        assert_all_ok(&r[1..], &format!("dies ({arg})"));
+    }
+}
+
+#[test]
+fn registrations_of_two_communicators_in_one_group() {
+    run("group_register", 3, "user", &[], 120);
+    run("group_register", 2, "user,net", &[], 120);
+}
+
+#[test]
+fn features_report_windows() {
+    let mut f = 0;
+    assert_eq!(unsafe { commGetFeatures(&mut f) }, OK, "{}", last_error());
+    assert_ne!(f & COMM_FEATURE_WINDOWS, 0, "features {f:#x}");
+}
+
+/// Two hosts as network namespaces (scripts/netns.sh), rank r on host r % 2; None, with the
+/// reason printed, where they cannot be made (needs root and iproute2; required in CI).
+fn in_namespaces(scenario: &str, n: usize, arg: &str, secs: u64) {
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/netns.sh");
+    let root = unsafe { libc::geteuid() } == 0;
+    let ip = Command::new("ip").arg("-V").output().is_ok();
+    if !root || !ip {
+        let why = format!("namespace tests need root and iproute2 (root: {root}, ip: {ip})");
+        assert!(std::env::var("CI").is_err(), "{why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let prefix = format!("cwin{}x{k}", std::process::id() % 100_000);
+    let up = Command::new(&script)
+        .args(["up", &prefix, "2", "9"])
+        .status()
+        .expect("netns.sh");
+    assert!(up.success(), "netns.sh up failed");
+    struct Down<'a>(&'a std::path::Path, &'a str);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new(self.0).args(["down", self.1]).status();
+        }
+    }
+    let _down = Down(&script, &prefix);
+    let port = 21000 + (std::process::id() % 20000) as u16;
+    let exe = std::env::current_exe().unwrap();
+    let children = (0..n)
+        .map(|rank| {
+            let host = rank % 2;
+            let child = Command::new(&script)
+                .args(["exec", &prefix, &host.to_string()])
+                .arg(&exe)
+                .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+                .env("COMM_TEST_SCENARIO", scenario)
+                .env("COMM_TEST_RANK", rank.to_string())
+                .env("COMM_TEST_NRANKS", n.to_string())
+                .env("COMM_TEST_ID", "00".repeat(NCCL_UNIQUE_ID_BYTES))
+                .env("COMM_TEST_ARG", arg)
+                .env("NCCL_COMM_ID", format!("10.77.9.1:{port}"))
+                .env("COMM_SECRET", format!("{prefix}-{port}"))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn a rank in a namespace");
+            (rank, child)
+        })
+        .collect();
+    let r = collect(
+        children,
+        Duration::from_secs(secs),
+        &format!("{scenario} ({arg}) in namespaces"),
+    );
+    assert_all_ok(
+        &r,
+        &format!("{scenario} ({arg}, {n} ranks, network namespaces)"),
+    );
+}
+
+#[test]
+fn one_sided_ops_across_network_namespaces() {
+    in_namespaces("sleeping", 3, "user,netns", 120);
+    in_namespaces("signals", 3, "shared,netns", 120);
+    in_namespaces("channels", 2, "shared,netns", 120);
+    in_namespaces("contention", 3, "shared,netns,20000", 300);
+}
