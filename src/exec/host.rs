@@ -820,9 +820,6 @@ fn count_repeats(parts: Vec<String>) -> String {
         .join(", ")
 }
 
-/// How long a wait spins before it starts offering its core to others while it goes on spinning.
-const SPIN_YIELD_AFTER: Duration = Duration::from_micros(2);
-
 /// A peer failed under a send or receive: name every other peer that is gone too, so that the
 /// error reaches the cause (a root that failed because another rank died).
 fn with_other_losses(execs: &[Exec], e: Error) -> Error {
@@ -902,12 +899,6 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
         if idle < execs[0].wiring.spin {
-            // The rank waited for may share this core (unpinned ranks often do after a
-            // wake-up): then it cannot run while this one spins. Offer the core every few
-            // microseconds; with the core to itself the call returns at once.
-            if idle >= SPIN_YIELD_AFTER {
-                std::thread::yield_now();
-            }
             continue;
         }
         if idle < execs[0].wiring.spin + execs[0].wiring.yield_for {
