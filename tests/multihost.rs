@@ -33,6 +33,7 @@ fn worker() {
         "host_dies" => host_dies,
         "link_cut" => link_cut,
         "ring_traffic" => ring_traffic,
+        "every_collective" => every_collective,
         other => finish(Err(format!("unknown scenario {other}"))),
     };
     finish(run(&w));
@@ -198,6 +199,30 @@ fn link_cut(w: &Worker) -> Result<(), String> {
         Some(t) if t < Duration::from_secs(8) => Ok(()),
         other => Err(format!("returned {other:?} after the cut: {msg}")),
     }
+}
+
+/// Every collective twice (float sum, int32 max; odd counts, in and out of place), each
+/// result checked element by element.
+fn every_collective(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let ctx = Ctx {
+        comm: c,
+        rank: w.rank,
+        n: w.nranks,
+    };
+    for coll in COLLS {
+        run_case(&ctx, coll, FLOAT, SUM, 1001, false)?;
+        run_case(
+            &ctx,
+            coll,
+            2, /* int32 */
+            2, /* max */
+            (1 << 18) + 7,
+            coll != Coll::SendRecv,
+        )?;
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
 }
 
 /// This host's bytes sent on its link, from its namespace's counters.
@@ -385,4 +410,38 @@ fn rings_cross_each_host_boundary_once() {
         ratio < 0.6,
         "host order sent {ratio:.2} of rank order's bytes"
     );
+}
+
+/// IPv6: the bootstrap root at [::1] (NCCL_COMM_ID) and, with shared memory off, the TCP
+/// transport between the ranks on IPv6 loopback too. The log says where each link goes.
+#[test]
+fn ipv6_bootstrap_and_transport() {
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let comm_id = format!("[::1]:{port}");
+    // An all-zero id makes every rank derive it from NCCL_COMM_ID.
+    let zeros = "00".repeat(NCCL_UNIQUE_ID_BYTES);
+    let env = [
+        ("COMM_TEST_ID", zeros.as_str()),
+        ("NCCL_COMM_ID", comm_id.as_str()),
+        ("COMM_SECRET", "ipv6-test"),
+        ("COMM_SHM_DISABLE", "1"),
+        ("COMM_DEBUG", "INFO"),
+    ];
+    let r = launch(
+        "worker",
+        "every_collective",
+        3,
+        "",
+        &env,
+        Duration::from_secs(300),
+    );
+    assert_all_ok(&r, "every collective over IPv6");
+    for rank in &r {
+        assert!(
+            rank.stderr.contains("net/socket [::1]:"),
+            "rank {} did not connect over IPv6: {}",
+            rank.rank,
+            rank.stderr
+        );
+    }
 }
