@@ -1,0 +1,26 @@
+"""comm_torch.symm_mem, allocate_symmetric_memory and comm_torch.rdma across processes
+(see symm_scenarios.py); "hosts" runs the ranks as two simulated hosts."""
+
+import pytest
+
+import launcher
+
+
+def _assert_ok(results, names):
+    for name in names:
+        bad = launcher.failed_checks(results, name)
+        assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_mem(world):
+    results = launcher.run("symm_scenarios:symm_mem", world, timeout=150)
+    _assert_ok(results, ["basics", "peer_fills", "storage_offset_view", "two_threads", "wait_timeout"])
+    assert all(res["values"]["buffer_ptrs_nonzero"] == world for res in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_symm_mem_two_hosts(world):
+    results = launcher.run("symm_scenarios:symm_mem", world, timeout=150, args=["hosts"])
+    _assert_ok(results, ["basics", "peer_fills", "storage_offset_view", "two_threads", "wait_timeout"])
+    assert all(res["values"]["buffer_ptrs_nonzero"] == world // 2 for res in results)
