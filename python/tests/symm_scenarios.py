@@ -159,3 +159,88 @@ def symm_mem(ctx):
     ctx.values["buffer_ptrs_nonzero"] = sum(1 for p in hdl.buffer_ptrs if p)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def expect(exc, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as err:
+        return err
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__}")
+
+
+def symmetric_alloc(ctx):
+    init(ctx)
+    import comm_torch
+    from comm_torch import symm_mem
+
+    r, w = ctx.rank, ctx.world
+    nxt = (r + 1) % w
+
+    def equal_shapes():
+        a = comm_torch.allocate_symmetric_memory((3, 4), torch, dtype=torch.float64)
+        b = comm_torch.allocate_symmetric_memory(5, torch, dtype=torch.int32)
+        assert a.shape == (3, 4) and a.dtype == torch.float64 and a.is_contiguous()
+        assert b.shape == (5,) and b.dtype == torch.int32
+        assert symm_mem.is_symm_mem_tensor(a) and symm_mem.is_symm_mem_tensor(b)
+        a.fill_(r + 0.5)
+        hdl = symm_mem.rendezvous(a)
+        assert hdl.buffer_size == 3 * 4 * 8
+        hdl.barrier()
+        peer = hdl.get_buffer(nxt, (3, 4), torch.float64)
+        assert torch.equal(peer, torch.full((3, 4), nxt + 0.5, dtype=torch.float64)), peer
+        hdl.barrier()
+        f = comm_torch.allocate_symmetric_memory((2, 3), torch, dtype=torch.float32, axis_order="F")
+        assert f.shape == (2, 3) and f.stride() == (1, 2)
+        comm_torch.free_symmetric_memory(a, b, f)
+        assert not symm_mem.is_symm_mem_tensor(a) and not symm_mem.is_symm_mem_tensor(b)
+        expect(ValueError, comm_torch.free_symmetric_memory, a)  # freed already: local error
+
+    ctx.check("equal_shapes", equal_shapes)
+
+    def unequal_shapes():
+        err = expect(ValueError, comm_torch.allocate_symmetric_memory, (r + 1, 2), torch, dtype=torch.float64)
+        assert "make_symmetric" in str(err), err
+        a = comm_torch.allocate_symmetric_memory((r + 1, 2), torch, dtype=torch.float64, make_symmetric=True)
+        assert a.shape == (r + 1, 2)
+        hdl = symm_mem.rendezvous(a)
+        assert hdl.buffer_size == w * 2 * 8, hdl.buffer_size  # the largest rank's size
+        # Every rank may address the largest rank's extent of a peer's buffer.
+        a.fill_(float(r))
+        hdl.barrier()
+        whole = hdl.get_buffer(nxt, (w * 2,), torch.float64)
+        assert torch.equal(whole[: (nxt + 1) * 2], torch.full(((nxt + 1) * 2,), float(nxt), dtype=torch.float64))
+        hdl.barrier()
+        comm_torch.free_symmetric_memory(a)
+
+    ctx.check("unequal_shapes", unequal_shapes)
+
+    def errors():
+        expect(TypeError, comm_torch.allocate_symmetric_memory, (2,), os)
+        expect(
+            ValueError,
+            comm_torch.allocate_symmetric_memory,
+            (2,),
+            torch,
+            make_symmetric=True,
+            skip_symmetric_check=True,
+        )
+        expect(ValueError, comm_torch.free_symmetric_memory, torch.empty(3))
+        expect(TypeError, comm_torch.free_symmetric_memory, [1])
+        a = comm_torch.allocate_symmetric_memory((4,), torch)
+        b = comm_torch.allocate_symmetric_memory((4,), torch)
+        # Different numbers of tensors on the ranks: an error on every rank, nothing freed.
+        if r == 0:
+            expect(ValueError, comm_torch.free_symmetric_memory, a)
+        else:
+            expect(ValueError, comm_torch.free_symmetric_memory, a, b)
+        assert symm_mem.is_symm_mem_tensor(a) and symm_mem.is_symm_mem_tensor(b)
+        comm_torch.free_symmetric_memory(a, b)
+        # The group is still usable.
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((3,), float(w)))
+
+    ctx.check("errors", errors)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -24,3 +24,9 @@ def test_symm_mem_two_hosts(world):
     results = launcher.run("symm_scenarios:symm_mem", world, timeout=150, args=["hosts"])
     _assert_ok(results, ["basics", "peer_fills", "storage_offset_view", "two_threads", "wait_timeout"])
     assert all(res["values"]["buffer_ptrs_nonzero"] == world // 2 for res in results)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symmetric_allocation(world):
+    results = launcher.run("symm_scenarios:symmetric_alloc", world, timeout=150)
+    _assert_ok(results, ["equal_shapes", "unequal_shapes", "errors"])
