@@ -177,7 +177,10 @@ class Window:
         handle = engine.executor.call(do_register)
         if not handle:
             raise CommError("comm: ncclCommWindowRegister gave no window", call="ncclCommWindowRegister")
-        return cls(engine, handle, ptr, nbytes)
+        win = cls(engine, handle, ptr, nbytes)
+        # Every rank has finished registering before any rank's one-sided calls reach it.
+        engine.barrier(False, None)
+        return win
 
     def check(self, result: int, call: str) -> None:
         if result:

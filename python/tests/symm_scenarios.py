@@ -3,11 +3,21 @@
 (COMM_HOSTID), so neighbours reach each other over TCP instead of shared memory."""
 
 import os
+import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+
+
+def run_check(ctx, name, fn):
+    """ctx.check, printing a failure at once (a failed check desynchronises the ranks, and the
+    log is then all that tells which one failed)."""
+    ctx.check(name, fn)
+    result = ctx.checks.get(name)
+    if result not in (None, "ok"):
+        print(f"check {name} failed on rank {ctx.rank}:\n{result}", file=sys.stderr, flush=True)
 
 
 def init(ctx):
@@ -31,7 +41,7 @@ def symm_mem(ctx):
 
     def timed(name, fn):
         start = time.monotonic()
-        ctx.check(name, fn)
+        run_check(ctx, name, fn)
         ctx.values[f"{name}_s"] = round(time.monotonic() - start, 3)
 
     def reachable(peer):
@@ -196,7 +206,7 @@ def symmetric_alloc(ctx):
         assert not symm_mem.is_symm_mem_tensor(a) and not symm_mem.is_symm_mem_tensor(b)
         expect(ValueError, comm_torch.free_symmetric_memory, a)  # freed already: local error
 
-    ctx.check("equal_shapes", equal_shapes)
+    run_check(ctx, "equal_shapes", equal_shapes)
 
     def unequal_shapes():
         err = expect(ValueError, comm_torch.allocate_symmetric_memory, (r + 1, 2), torch, dtype=torch.float64)
@@ -213,7 +223,7 @@ def symmetric_alloc(ctx):
         hdl.barrier()
         comm_torch.free_symmetric_memory(a)
 
-    ctx.check("unequal_shapes", unequal_shapes)
+    run_check(ctx, "unequal_shapes", unequal_shapes)
 
     def errors():
         expect(TypeError, comm_torch.allocate_symmetric_memory, (2,), os)
@@ -241,6 +251,113 @@ def symmetric_alloc(ctx):
         dist.all_reduce(t)
         assert torch.equal(t, torch.full((3,), float(w)))
 
-    ctx.check("errors", errors)
+    run_check(ctx, "errors", errors)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def rdma(ctx):
+    init(ctx)
+    import asyncio
+
+    from comm_torch.rdma import RDMABuffer
+
+    r, w = ctx.rank, ctx.world
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    total = int(ctx.args[-1]) if ctx.args and ctx.args[-1].isdigit() else 100_000
+
+    def reads_writes():
+        mine = torch.arange(64, dtype=torch.float32) + 100 * r
+        buf = RDMABuffer(mine)
+        assert buf.size() == 256 and buf.owner == r and buf.on(nxt).owner == nxt
+        got = torch.zeros(80, dtype=torch.float32)
+        assert buf.on(nxt).read_into(got).get() is None
+        assert torch.equal(got[:64], torch.arange(64, dtype=torch.float32) + 100 * nxt), got[:4]
+        dist.barrier()
+        # Write the next rank's buffer; awaited this time.
+        src = torch.full((32,), float(-r - 1), dtype=torch.float32)
+        asyncio.run(_await(buf.on(nxt).write_from(src)))
+        dist.barrier()
+        assert torch.equal(mine[:32], torch.full((32,), float(-prv - 1))), mine[:4]
+        assert torch.equal(mine[32:], torch.arange(32, 64, dtype=torch.float32) + 100 * r)
+        # A memoryview works as well.
+        view = memoryview(bytearray(256))
+        buf.on(prv).read_into(view).get()
+        assert torch.equal(torch.frombuffer(view, dtype=torch.float32)[32:], torch.arange(32, 64) + 100.0 * prv)
+        dist.barrier()
+
+    run_check(ctx, "reads_writes", reads_writes)
+
+    def fetch_adds():
+        counter = torch.zeros(2, dtype=torch.int64)
+        buf = RDMABuffer(counter).on(0)
+        share = total // w + (1 if r < total % w else 0)
+        olds = torch.zeros(share, 1, dtype=torch.int64)
+        futures = [buf.fetch_add(olds[i], 1, offset=8) for i in range(share)]
+        results = [f.get(120) for f in futures]
+        assert results == olds[:, 0].tolist()
+        dist.barrier()
+        if r == 0:
+            assert int(counter[1]) == total and int(counter[0]) == 0, counter
+        # Every old value from 0 to total-1 was seen exactly once across the ranks.
+        sizes = [total // w + (1 if q < total % w else 0) for q in range(w)]
+        gathered = [torch.zeros(s, dtype=torch.int64) for s in sizes]
+        _gather_uneven(gathered, olds[:, 0].contiguous())
+        seen = torch.sort(torch.cat(gathered)).values
+        assert torch.equal(seen, torch.arange(total)), seen[:8]
+
+    run_check(ctx, "fetch_adds", fetch_adds)
+
+    def cas_lock():
+        rounds = 30
+        state = torch.zeros(2, dtype=torch.int64)  # [lock, counter] on rank 0
+        buf = RDMABuffer(state).on(0)
+        old = torch.zeros(1, dtype=torch.int64)
+        local = torch.zeros(2, dtype=torch.int64)
+        for _ in range(rounds):
+            while buf.compare_and_swap(old, 0, r + 1).get(30) != 0:
+                time.sleep(0.0005)
+            assert int(old[0]) == 0
+            buf.read_into(local).get()
+            assert int(local[0]) == r + 1, local
+            local[1] += 1
+            buf.write_from(local).get()  # the counter, unprotected but for the lock
+            assert buf.compare_and_swap(old, r + 1, 0).get() == r + 1
+        dist.barrier()
+        if r == 0:
+            assert state.tolist() == [0, rounds * w], state
+
+    run_check(ctx, "cas_lock", cas_lock)
+
+    def validation():
+        for bad in (torch.zeros(4, 4), torch.zeros(8)[::2], torch.zeros(0)):
+            expect(ValueError, RDMABuffer, bad)
+        buf = RDMABuffer(torch.zeros(16, dtype=torch.uint8))
+        peer = buf.on(nxt)
+        expect(ValueError, peer.read_into, torch.zeros(15, dtype=torch.uint8))
+        expect(ValueError, peer.read_into, torch.zeros(32, dtype=torch.uint8)[::2])
+        expect(ValueError, peer.write_from, torch.zeros(17, dtype=torch.uint8))
+        expect(ValueError, peer.fetch_add, torch.zeros(4, dtype=torch.uint8), 1)
+        expect(ValueError, peer.fetch_add, torch.zeros(1, dtype=torch.int64), 1, offset=4)
+        expect(ValueError, peer.compare_and_swap, torch.zeros(1, dtype=torch.int64), 0, 1, offset=16)
+        expect(ValueError, buf.on, w)
+        dist.barrier()
+
+    run_check(ctx, "validation", validation)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+async def _await(fut):
+    return await fut
+
+
+def _gather_uneven(outputs, mine):
+    # all_gather of tensors of different lengths: pad to the longest.
+    longest = max(o.numel() for o in outputs)
+    padded = torch.full((longest,), -1, dtype=mine.dtype)
+    padded[: mine.numel()] = mine
+    bufs = [torch.empty(longest, dtype=mine.dtype) for _ in outputs]
+    dist.all_gather(bufs, padded)
+    for out, b in zip(outputs, bufs):
+        out.copy_(b[: out.numel()])

@@ -30,3 +30,16 @@ def test_symm_mem_two_hosts(world):
 def test_symmetric_allocation(world):
     results = launcher.run("symm_scenarios:symmetric_alloc", world, timeout=150)
     _assert_ok(results, ["equal_shapes", "unequal_shapes", "errors"])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rdma_buffer(world):
+    # 100 000 fetch_adds on one counter, from every rank at once.
+    results = launcher.run("symm_scenarios:rdma", world, timeout=240, args=["100000"])
+    _assert_ok(results, ["reads_writes", "fetch_adds", "cas_lock", "validation"])
+
+
+def test_rdma_buffer_two_hosts():
+    # Neighbours on different simulated hosts: every operation goes over TCP to the target.
+    results = launcher.run("symm_scenarios:rdma", 4, timeout=240, args=["hosts", "4000"])
+    _assert_ok(results, ["reads_writes", "fetch_adds", "cas_lock", "validation"])
