@@ -43,3 +43,19 @@ def test_rdma_buffer_two_hosts():
     # Neighbours on different simulated hosts: every operation goes over TCP to the target.
     results = launcher.run("symm_scenarios:rdma", 4, timeout=240, args=["hosts", "4000"])
     _assert_ok(results, ["reads_writes", "fetch_adds", "cas_lock", "validation"])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("hosts", [False, True], ids=["one_host", "two_hosts"])
+def test_all_gather_matmul(world, hosts):
+    if hosts and world == 3:
+        pytest.skip("two hosts are tested with 2 and 4 ranks")
+    results = launcher.run("symm_scenarios:all_gather_matmul", world, timeout=240, args=["hosts"] if hosts else [])
+    _assert_ok(results, ["matches", "bench"])
+    for res in results:
+        assert all(res["values"][f"rel_err_{i}"] < 1e-12 for i in range(3))
+    values = results[0]["values"]
+    print(
+        f"all_gather_matmul world {world}{' two hosts' if hosts else ''}: fused {values['fused_s'] * 1e3:.2f} ms, "
+        f"all_gather then matmul {values['all_gather_then_matmul_s'] * 1e3:.2f} ms"
+    )
