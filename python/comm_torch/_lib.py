@@ -174,6 +174,13 @@ _PROTOTYPES = {
 c_uint64 = ctypes.c_uint64
 _P = ctypes.POINTER
 
+
+class WaitSignalDesc(ctypes.Structure):
+    """ncclWaitSignalDesc_t."""
+
+    _fields_ = [("opCnt", c_int), ("peer", c_int), ("sigIdx", c_int), ("ctx", c_int)]
+
+
 # Windows and one-sided operations (include/nccl.h); looked up lazily, so a libcomm without
 # them still loads for the collectives.
 _WINDOW_PROTOTYPES = {
@@ -188,7 +195,7 @@ _WINDOW_PROTOTYPES = {
         [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_int, c_int, ctypes.c_uint, c_void_p, c_void_p],
     ),
     "ncclSignal": (c_int, [c_int, c_int, c_int, ctypes.c_uint, c_void_p, c_void_p]),
-    "ncclWaitSignal": (c_int, [c_int, c_void_p, c_void_p, c_void_p]),
+    "ncclWaitSignal": (c_int, [c_int, _P(WaitSignalDesc), c_void_p, c_void_p]),
     "commWinPut": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_void_p]),
     "commWinGet": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_void_p]),
     "commWinFetchAdd": (c_int, [c_uint64, _P(c_uint64), c_int, c_int, c_void_p, c_size_t, c_void_p]),
@@ -203,12 +210,6 @@ _WINDOW_PROTOTYPES = {
 
 WIN_COLL_SYMMETRIC = 0x01
 RESULT_TIMEOUT = 8
-
-
-class WaitSignalDesc(ctypes.Structure):
-    """ncclWaitSignalDesc_t."""
-
-    _fields_ = [("opCnt", c_int), ("peer", c_int), ("sigIdx", c_int), ("ctx", c_int)]
 
 
 class Library:
