@@ -59,3 +59,32 @@ def test_all_gather_matmul(world, hosts):
         f"all_gather_matmul world {world}{' two hosts' if hosts else ''}: fused {values['fused_s'] * 1e3:.2f} ms, "
         f"all_gather then matmul {values['all_gather_then_matmul_s'] * 1e3:.2f} ms"
     )
+
+
+def test_rdma_future_timeout():
+    # An operation that never finishes: get() and await both give up after the timeout.
+    import asyncio
+    import concurrent.futures
+    import time
+
+    from comm_torch.rdma import Future
+
+    fut = Future(concurrent.futures.Future(), 0.2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        fut.get()
+    assert 0.15 < time.monotonic() - start < 5
+
+    async def wait():
+        return await fut
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(wait())
+    done = concurrent.futures.Future()
+    done.set_result(7)
+    assert Future(done, 0.2).get() == 7
+    assert asyncio.run(_await(Future(done, 0.2))) == 7
+
+
+async def _await(fut):
+    return await fut
