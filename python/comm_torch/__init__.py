@@ -14,7 +14,17 @@ try:  # pyproject.toml holds the one copy of the version; installing records it 
     __version__ = _metadata.version("comm-torch")
 except _metadata.PackageNotFoundError:  # pragma: no cover - imported from a checkout, not installed
     __version__ = "0+unknown"
-__all__ = ["CommError", "features", "library_path", "load_library", "register", "version"]
+__all__ = [
+    "CommError",
+    "allocate_symmetric_memory",
+    "features",
+    "free_symmetric_memory",
+    "library_path",
+    "load_library",
+    "register",
+    "symm_mem",
+    "version",
+]
 
 try:
     import torch.distributed as _dist
@@ -24,7 +34,9 @@ except ImportError:  # pragma: no cover
     _HAVE_DIST = False
 
 if _HAVE_DIST:
+    from . import symm_mem
     from .backend import register
+    from .symmetric import allocate_symmetric_memory, free_symmetric_memory
 
     register()
 else:  # pragma: no cover

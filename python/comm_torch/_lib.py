@@ -171,6 +171,46 @@ _PROTOTYPES = {
     "ncclRedOpDestroy": (c_int, [c_int, c_void_p]),
 }
 
+c_uint64 = ctypes.c_uint64
+_P = ctypes.POINTER
+
+
+class WaitSignalDesc(ctypes.Structure):
+    """ncclWaitSignalDesc_t."""
+
+    _fields_ = [("opCnt", c_int), ("peer", c_int), ("sigIdx", c_int), ("ctx", c_int)]
+
+
+# Windows and one-sided operations (include/nccl.h); looked up lazily, so a libcomm without
+# them still loads for the collectives.
+_WINDOW_PROTOTYPES = {
+    "commMemAllocShared": (c_int, [_P(c_void_p), c_size_t]),
+    "commMemFreeShared": (c_int, [c_void_p]),
+    "ncclCommWindowRegister": (c_int, [c_void_p, c_void_p, c_size_t, _P(c_void_p), c_int]),
+    "commWindowAllocate": (c_int, [c_void_p, c_size_t, c_int, _P(c_void_p), _P(c_void_p)]),
+    "ncclCommWindowDeregister": (c_int, [c_void_p, c_void_p]),
+    "ncclWinGetUserPtr": (c_int, [c_void_p, c_void_p, _P(c_void_p)]),
+    "ncclPutSignal": (
+        c_int,
+        [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_int, c_int, ctypes.c_uint, c_void_p, c_void_p],
+    ),
+    "ncclSignal": (c_int, [c_int, c_int, c_int, ctypes.c_uint, c_void_p, c_void_p]),
+    "ncclWaitSignal": (c_int, [c_int, _P(WaitSignalDesc), c_void_p, c_void_p]),
+    "commWinPut": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_void_p]),
+    "commWinGet": (c_int, [c_void_p, c_size_t, c_int, c_int, c_void_p, c_size_t, c_void_p]),
+    "commWinFetchAdd": (c_int, [c_uint64, _P(c_uint64), c_int, c_int, c_void_p, c_size_t, c_void_p]),
+    "commWinCompareSwap": (c_int, [c_uint64, c_uint64, _P(c_uint64), c_int, c_int, c_void_p, c_size_t, c_void_p]),
+    "commWinFlush": (c_int, [c_int, c_void_p, c_void_p]),
+    "commWinPeerPtr": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p)]),
+    "commWinSignalPads": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p), _P(c_int)]),
+    "commWinChannelSignal": (c_int, [c_int, c_int, c_uint64, c_void_p, c_void_p]),
+    "commWinChannelWait": (c_int, [c_int, c_int, c_uint64, c_void_p, c_void_p]),
+    "commWinChannelBarrier": (c_int, [c_int, c_uint64, c_void_p, c_void_p]),
+}
+
+WIN_COLL_SYMMETRIC = 0x01
+RESULT_TIMEOUT = 8
+
 
 class Library:
     """The opened libcomm.so with typed entry points as attributes (``lib.ncclAllReduce``)."""
@@ -183,6 +223,21 @@ class Library:
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
+
+    def __getattr__(self, name: str):
+        # The window entry points, bound on first use (see _WINDOW_PROTOTYPES).
+        proto = None if name.startswith("_") else _WINDOW_PROTOTYPES.get(name)
+        if proto is None:
+            raise AttributeError(name)
+        try:
+            fn = getattr(self._dll, name)
+        except AttributeError as err:
+            raise CommError(
+                f"comm: {self.path} has no {name}; windows need a libcomm with windows (issue 12)", call=name
+            ) from err
+        fn.restype, fn.argtypes = proto
+        setattr(self, name, fn)
+        return fn
 
     def last_error(self, comm: ctypes.c_void_p | int | None = None) -> str:
         """The library's message for the last failed call on this thread (and communicator)."""

@@ -16,12 +16,15 @@ torchcomms finds this module through the ``torchcomms.backends`` entry point nam
 (``torchcomms._load_backend`` loads it when ``new_comm("comm", ...)`` meets an unknown name);
 importing it registers the class.
 
-Windows (``window_allocate``, and ``put``, ``signal``, ``wait_signal``, ``get_tensor`` on a
-window) raise NotImplementedError until libcomm's windows work lands.
+Windows follow torchcomms main's API (``new_window``, then ``tensor_register``, ``put``,
+``signal``, ``wait_signal``, ``get_tensor``, ``map_remote_tensor`` on the window; see
+CommWindow), on host memory through libcomm's NCCL windows; ``window_allocate`` gives a
+window over shared host memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 from collections.abc import Sequence
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from . import _lib
 from ._core import CommWork, Engine, Reduction
 
 try:
@@ -38,10 +42,6 @@ except ImportError:  # the names are also re-exported at the top level in some r
 
 BACKEND_NAME = "comm"
 
-_WINDOWS_MESSAGE = (
-    "comm: windows (window_allocate, put, signal, wait_signal, get_tensor) are not implemented "
-    "by this Python backend yet; libcomm's C API has them (ncclCommWindowRegister, commWin*)"
-)
 
 _KINDS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor", "premul_sum")
 
@@ -92,22 +92,177 @@ def _store(options):
 
 
 class CommWindow:
-    """Placeholder for a window of the torchcomms API; every method says it is missing."""
+    """A window of the torchcomms API as it stands on torchcomms main (``new_window``,
+    ``tensor_register``, ``put``, ``signal``, ``wait_signal``, ``get_tensor``,
+    ``map_remote_tensor``, ``get_size``), over an NCCL window of libcomm on host memory.
+
+    ``put`` is ncclPutSignal (one counted signal per put, as torchcomms' NCCL backend does),
+    ``signal`` ncclSignal, ``wait_signal`` ncclWaitSignal for one signal; signals are counted
+    per sender, so put() + signal() deliver two. Offsets are in elements of the source
+    tensor's dtype. Operations are complete when they return; ``async_op`` gives a completed
+    work. ``map_remote_tensor`` works for peers on this host whose window memory is shared
+    (tensors from ``window_allocate`` or ``comm_torch.symm_mem.empty``), else it raises."""
+
+    def __init__(self, engine: Engine, tensor: torch.Tensor | None = None) -> None:
+        self._engine = engine
+        self._tensor: torch.Tensor | None = None
+        self._owning = True
+        self._window = None
+        if tensor is not None:
+            self.tensor_register(tensor)
+
+    # -- registration
+    def tensor_register(self, tensor: torch.Tensor, owning: bool = True) -> None:
+        """Collective: registers ``tensor`` (contiguous, CPU) as this window's memory."""
+        from ._window import Window
+
+        if self._window is not None:
+            raise RuntimeError("comm: this window already has a registered tensor; tensor_deregister first")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("comm: window tensors must be contiguous CPU tensors")
+        self._window = Window.register(self._engine, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self._tensor, self._owning = tensor, owning
+
+    def tensor_deregister(self) -> None:
+        """Collective: barrier, forget the tensor, barrier (as torchcomms' NCCL backend)."""
+        self._live()
+        self._engine.barrier(False, None)
+        win, self._window, self._tensor = self._window, None, None
+        win.deregister()
+        self._engine.barrier(False, None)
+
+    def _live(self):
+        if self._window is None:
+            raise RuntimeError("comm: the window has no registered tensor (tensor_register first)")
+        return self._window
+
+    # -- properties
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._tensor.dtype if self._tensor is not None else None
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self._tensor.shape) if self._tensor is not None else []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
 
     def get_size(self) -> int:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+        """Registered bytes (0 before tensor_register)."""
+        return self._window.nbytes if self._window is not None else 0
 
-    def put(self, tensor: torch.Tensor, dst_rank: int, target_disp: int, async_op: bool = False) -> Any:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+    def get_tensor(self) -> torch.Tensor | None:
+        """The registered tensor; None when it was registered with owning=False."""
+        return self._tensor if self._owning else None
 
-    def signal(self, signal_disp: int, signal_val: int, dst_rank: int, async_op: bool = False) -> Any:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+    def get_attr(self, peer_rank: int) -> Any:
+        unified = self._live().peer_ptr(peer_rank) != 0
+        try:
+            from torchcomms import TorchCommWinAccessType, TorchCommWindowAttr
 
-    def wait_signal(self, signal_disp: int, signal_val: int, cmp_op: Any = None, async_op: bool = False) -> Any:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+            attr = TorchCommWindowAttr()
+            attr.access_type = (
+                TorchCommWinAccessType.WIN_ACCESS_TYPE_UNIFIED
+                if unified
+                else TorchCommWinAccessType.WIN_ACCESS_TYPE_SEPARATE
+            )
+            return attr
+        except (ImportError, AttributeError, TypeError):
+            return "WIN_ACCESS_TYPE_UNIFIED" if unified else "WIN_ACCESS_TYPE_SEPARATE"
 
-    def get_tensor(self, rank: int, sizes: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+    def map_remote_tensor(self, rank: int) -> torch.Tensor:
+        """``rank``'s registered memory as a tensor of this window's dtype and shape, aliasing it."""
+        from ._window import bytes_tensor, typed_view
+
+        win = self._live()
+        ptr = win.peer_ptr(rank)
+        if not ptr:
+            raise RuntimeError(
+                f"comm: rank {rank}'s window memory is not addressable from this process (another host, or "
+                "memory not allocated with window_allocate / comm_torch.symm_mem.empty); use put/get"
+            )
+        return typed_view(bytes_tensor(ptr, win.nbytes, keep=win), self._tensor.shape, self._tensor.dtype)
+
+    # -- one-sided operations
+    def put(
+        self,
+        tensor: torch.Tensor,
+        dst_rank: int,
+        target_offset_nelems: int,
+        async_op: bool = False,
+        hints: dict[str, str] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> CommWork | None:
+        """Writes ``tensor`` into ``dst_rank``'s window at ``target_offset_nelems`` elements of
+        its dtype, and counts one signal there."""
+        win = self._live()
+        if tensor.device.type != "cpu":
+            raise ValueError("comm: put needs a CPU tensor")
+        src = tensor.contiguous()
+        elem = src.element_size()
+        offset = target_offset_nelems * elem
+        if target_offset_nelems < 0 or offset + src.numel() * elem > win.nbytes:
+            raise ValueError(
+                f"comm: put of {src.numel() * elem} bytes at byte offset {offset} passes the window's "
+                f"{win.nbytes} bytes"
+            )
+        win.check(
+            win.lib.ncclPutSignal(
+                src.data_ptr(),
+                src.numel() * elem,
+                _lib.UINT8,
+                dst_rank,
+                win.handle,
+                offset,
+                0,
+                0,
+                0,
+                self._engine.handle,
+                None,
+            ),
+            "ncclPutSignal",
+        )
+        return _completed(async_op)
+
+    def signal(
+        self,
+        dst_rank: int,
+        async_op: bool = False,
+        hints: dict[str, str] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> CommWork | None:
+        """Counts one signal at ``dst_rank``."""
+        win = self._live()
+        win.check(win.lib.ncclSignal(dst_rank, 0, 0, 0, self._engine.handle, None), "ncclSignal")
+        return _completed(async_op)
+
+    def wait_signal(
+        self,
+        peer_rank: int,
+        async_op: bool = False,
+        hints: dict[str, str] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> CommWork | None:
+        """Waits for (and consumes) one signal from ``peer_rank``; the data of the puts before it is in place."""
+        win = self._live()
+        desc = _lib.WaitSignalDesc(1, peer_rank, 0, 0)
+        win.check(win.lib.ncclWaitSignal(1, ctypes.byref(desc), self._engine.handle, None), "ncclWaitSignal")
+        return _completed(async_op)
+
+    def get_device_window(self, signal_count: int = -1, counter_count: int = -1, barrier_count: int = 1) -> int:
+        raise NotImplementedError("comm: device windows are not supported (host memory only)")
+
+    def register_local_buffer(self, tensor: torch.Tensor) -> int:
+        raise NotImplementedError("comm: register_local_buffer is for device windows, which comm does not support")
+
+    def deregister_local_buffer(self, handle: int) -> None:
+        raise NotImplementedError("comm: register_local_buffer is for device windows, which comm does not support")
+
+
+def _completed(async_op: bool) -> CommWork | None:
+    return CommWork(None, done=True) if async_op else None
 
 
 class CommTorchCommsBackend(TorchCommBackend):
@@ -287,11 +442,18 @@ class CommTorchCommsBackend(TorchCommBackend):
         return child
 
     # -- windows
-    def window_allocate(self, window_size: int, cpu_buf: bool = False, signal_size: int = 256) -> CommWindow:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+    def new_window(self, tensor: torch.Tensor | None = None) -> CommWindow:
+        """A window of this communicator; registers ``tensor`` (collective) when given."""
+        return CommWindow(self._check(), tensor)
 
-    def new_window(self, *args: Any, **kwargs: Any) -> CommWindow:
-        raise NotImplementedError(_WINDOWS_MESSAGE)
+    def window_allocate(self, window_size: int, cpu_buf: bool = True, signal_size: int = 256) -> CommWindow:
+        """Collective: a window over ``window_size`` bytes of shared host memory (zero-filled),
+        so that ``map_remote_tensor`` reaches peers on this host. (The removed torchcomms
+        ``allocate``; ``signal_size`` is unused: signals are counted per peer.)"""
+        from ._window import Allocation
+
+        _, raw = Allocation.create(window_size)
+        return CommWindow(self._check(), raw)
 
 
 if not _is_backend_registered(BACKEND_NAME):

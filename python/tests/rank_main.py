@@ -39,7 +39,13 @@ class Context:
 def main():
     name, rank, world, store, out = sys.argv[1:6]
     ctx = Context(int(rank), int(world), store, sys.argv[6:])
-    getattr(scenarios, name)(ctx)
+    module = scenarios
+    if ":" in name:  # "module:function", a scenario kept in a module of its own
+        import importlib
+
+        mod_name, name = name.split(":", 1)
+        module = importlib.import_module(mod_name)
+    getattr(module, name)(ctx)
     with open(out, "w") as f:
         json.dump({"checks": ctx.checks, "values": ctx.values}, f)
     import torch

@@ -973,21 +973,52 @@ def torchcomms_backend(ctx):
     ctx.check("split", split)
 
     def windows():
-        from comm_torch.torchcomms_backend import CommWindow
-
-        for call in (
-            lambda: ref.window_allocate(1024),
-            lambda: CommWindow().put(torch.ones(1), 0, 0, False),
-            lambda: CommWindow().signal(0, 1, 0, False),
-            lambda: CommWindow().wait_signal(0, 1, None, False),
-            lambda: CommWindow().get_tensor(0, (1,), torch.float32, 0),
-        ):
+        # torchcomms main's window API, through the backend (see CommWindow).
+        nxt, prv = (me + 1) % n, (me - 1) % n
+        win = ref.new_window()
+        assert win.get_size() == 0 and win.get_tensor() is None
+        t = torch.zeros(16, dtype=torch.float64)
+        win.tensor_register(t)
+        assert win.get_size() == 128 and win.get_tensor() is t
+        assert win.dtype == torch.float64 and win.shape == [16]
+        # put() signals once: the wait returns with the data in place.
+        win.put(torch.full((4,), float(me + 1), dtype=torch.float64), nxt, 4, False)
+        win.wait_signal(prv, False)
+        same(t[4:8], torch.full((4,), float(prv + 1), dtype=torch.float64), "put")
+        assert int(t[:4].abs().sum()) == 0 and int(t[8:14].abs().sum()) == 0  # [14:] may be in flight
+        # put() + signal() deliver two signals; async_op gives a work.
+        work = win.put(torch.full((2,), -1.0, dtype=torch.float64), nxt, 14, True)
+        work.wait()
+        win.signal(nxt, False)
+        win.wait_signal(prv, True).wait()
+        win.wait_signal(prv, False)
+        same(t[14:], torch.full((2,), -1.0, dtype=torch.float64), "put + signal")
+        try:
+            win.put(torch.ones(4, dtype=torch.float64), nxt, 13, False)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a put past the window's end was accepted")
+        assert win.map_remote_tensor(me).data_ptr() == t.data_ptr()
+        if n > 1:
             try:
-                call()
-            except NotImplementedError as e:
-                assert "not implemented" in str(e)
+                win.map_remote_tensor(nxt)  # ordinary memory of another process
+            except RuntimeError:
+                pass
             else:
-                raise AssertionError("a window method did not raise NotImplementedError")
+                raise AssertionError("map_remote_tensor of a peer's private memory succeeded")
+        win.tensor_deregister()
+        assert win.get_size() == 0
+        # window_allocate: shared memory, so peers on this host map it.
+        shared = ref.window_allocate(64)
+        mine = shared.get_tensor()
+        assert mine.dtype == torch.uint8 and mine.numel() == 64  # a peer may be filling it already
+        remote = shared.map_remote_tensor(nxt)
+        remote.fill_(me + 1)
+        shared.signal(nxt, False)
+        shared.wait_signal(prv, False)
+        same(mine, torch.full((64,), prv + 1, dtype=torch.uint8), "map_remote_tensor")
+        shared.tensor_deregister()
 
     ctx.check("windows", windows)
     comm.finalize()

@@ -174,6 +174,9 @@ _SCALARS = {
     "ncclScalarResidence_t": ctypes.c_int,
     "ncclComm_t": ctypes.c_void_p,
     "cudaStream_t": ctypes.c_void_p,
+    "uint64_t": ctypes.c_uint64,
+    "ncclWindow_t": ctypes.c_void_p,
+    "ncclWaitSignalDesc_t": _lib.WaitSignalDesc,
     "ncclUniqueId": _lib.UniqueId,
     "ncclConfig_t": _lib.Config,
 }
@@ -242,12 +245,12 @@ def test_config_new_is_the_initializer():
             assert got == header_value(value), f"{name}: {got} where the initializer has {value}"
 
 
-@pytest.mark.parametrize("name", sorted(_lib._PROTOTYPES))
+@pytest.mark.parametrize("name", sorted({**_lib._PROTOTYPES, **_lib._WINDOW_PROTOTYPES}))
 def test_prototype(name):
     declared = prototypes()
     assert name in declared, f"include/nccl.h does not declare {name}"
     ret, params = declared[name]
-    restype, argtypes = _lib._PROTOTYPES[name]
+    restype, argtypes = {**_lib._PROTOTYPES, **_lib._WINDOW_PROTOTYPES}[name]
     assert restype == as_ctypes(ret), f"{name} returns {ret}"
     assert list(argtypes) == [as_ctypes(p) for p in params], f"{name} takes ({', '.join(params)})"
 

@@ -9,7 +9,7 @@ import pytest
 import launcher
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_torchcomms_backend(world):
     results = launcher.run("torchcomms_backend", world, timeout=120)
     for name in ("identity", "all_reduce", "collectives", "split", "windows"):
