@@ -317,6 +317,43 @@ fn desc(peer: usize, op_cnt: i32) -> ncclWaitSignalDesc_t {
     }
 }
 
+/// A put into a window the moment its registration returns: every rank's window must be in
+/// place by then, also for a peer on another host whose put arrives over TCP. Many rounds of
+/// register, put + signal to the next rank, wait for the previous one, check, deregister.
+fn fresh_windows(w: &Worker) -> Result<(), String> {
+    let m = mode(w);
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    for round in 0..300usize {
+        let (mem, win) = window(comm, 64, &m)?;
+        let src: Vec<u8> = (0..8).map(|i| pat(me, round + i)).collect();
+        nccl!(ncclPutSignal(
+            src.as_ptr() as *const c_void,
+            8,
+            UINT8,
+            next as i32,
+            win,
+            0,
+            0,
+            0,
+            0,
+            comm,
+            S
+        ));
+        let mut d = [desc(prev, 1)];
+        nccl!(ncclWaitSignal(1, d.as_mut_ptr(), comm, S));
+        let got = unsafe { std::slice::from_raw_parts(mem, 8) };
+        if let Some(i) = (0..8).find(|&i| got[i] != pat(prev, round + i)) {
+            return Err(format!("round {round}: byte {i} is {}", got[i]));
+        }
+        // Nobody deregisters before every put of the round has landed.
+        barrier(comm)?;
+        nccl!(ncclCommWindowDeregister(comm, win));
+    }
+    Ok(())
+}
+
 /// NCCL's counters: several puts and a signal consumed by one wait with opCnt; surplus
 /// signals satisfy later waits; a barrier of signals and waits in one group (waits first);
 /// and data visible as soon as its signal is, over many rounds into distinct slots.
@@ -881,6 +918,7 @@ fn scenario(w: &Worker) -> Result<(), String> {
         "bad" => bad_input(w),
         "dies" => peer_dies(w),
         "group_register" => group_register(w),
+        "fresh" => fresh_windows(w),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -994,6 +1032,12 @@ fn signal_counters_groups_and_ordering() {
             run("signals", n, arg, &[], 120);
         }
     }
+}
+
+#[test]
+fn puts_into_windows_the_moment_they_are_registered() {
+    run("fresh", 3, "user,net", &[], 120);
+    run("fresh", 2, "shared,net", &[], 120);
 }
 
 #[test]

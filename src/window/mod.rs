@@ -407,20 +407,36 @@ pub fn register(
         Ok(peers)
     })();
     let ok = built.as_ref().map(|_| ()).map_err(|e| e.clone());
+    // Published before the last agreement: once any rank is past it, every rank's window is
+    // in its table, so a peer's first put over the network finds it.
+    let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
+    let published = built.ok().map(|peers| {
+        let w = Arc::new(Window {
+            handle,
+            comm: key(c),
+            flags,
+            slot,
+            peers,
+            owned: owned.then_some(buff),
+            cw: cw.clone(),
+        });
+        let mut all = WINDOWS.lock();
+        if all.len() <= at {
+            all.resize(at + 1, None);
+        }
+        all[at] = Some(w.clone());
+        w
+    });
     if let Err(e) = agree(c, ok) {
+        if published.is_some() {
+            WINDOWS.lock()[at] = None;
+        }
         release(&cw);
         return Err(e);
     }
-    let peers = built?;
-    let w = Arc::new(Window {
-        handle,
-        comm: key(c),
-        flags,
-        slot,
-        peers,
-        owned: owned.then_some(buff),
-        cw: cw.clone(),
-    });
+    let Some(w) = published else {
+        return crate::internal_err!("window registration agreed although this rank failed");
+    };
     crate::info!(
         "window {handle:#x}: {size} bytes at {buff:#x}; peers reached {}",
         w.peers
@@ -437,12 +453,6 @@ pub fn register(
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
-    let mut all = WINDOWS.lock();
-    if all.len() <= at {
-        all.resize(at + 1, None);
-    }
-    all[at] = Some(w);
     Ok(handle)
 }
 
