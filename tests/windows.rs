@@ -22,8 +22,6 @@ const UINT64: i32 = 5;
 const FLOAT32: i32 = 7;
 const SYM: i32 = NCCL_WIN_COLL_SYMMETRIC;
 
-use std::process::{Command, Stdio};
-
 /// The byte rank `r` writes at position `i` of its block.
 fn pat(r: usize, i: usize) -> u8 {
     (r * 131 + i * 7 + i / 251 + 1) as u8
@@ -1092,60 +1090,22 @@ fn features_report_windows() {
     assert_ne!(f & COMM_FEATURE_WINDOWS, 0, "features {f:#x}");
 }
 
-/// Two hosts as network namespaces (scripts/netns.sh), rank r on host r % 2; None, with the
-/// reason printed, where they cannot be made (needs root and iproute2; required in CI).
+/// Two hosts as network namespaces (scripts/netns.sh, see tests/common/hosts.rs), rank r on
+/// host r % 2; skipped, with the reason printed, where they cannot be made (needs root and
+/// iproute2; required in CI).
 fn in_namespaces(scenario: &str, n: usize, arg: &str, secs: u64) {
-    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/netns.sh");
-    let root = unsafe { libc::geteuid() } == 0;
-    let ip = Command::new("ip").arg("-V").output().is_ok();
-    if !root || !ip {
-        let why = format!("namespace tests need root and iproute2 (root: {root}, ip: {ip})");
-        assert!(std::env::var("CI").is_err(), "{why}");
-        eprintln!("skipped: {why}");
+    let Some(hosts) = common::hosts::Hosts::up(2) else {
         return;
-    }
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let prefix = format!("cwin{}x{k}", std::process::id() % 100_000);
-    let up = Command::new(&script)
-        .args(["up", &prefix, "2", "9"])
-        .status()
-        .expect("netns.sh");
-    assert!(up.success(), "netns.sh up failed");
-    struct Down<'a>(&'a std::path::Path, &'a str);
-    impl Drop for Down<'_> {
-        fn drop(&mut self) {
-            let _ = Command::new(self.0).args(["down", self.1]).status();
-        }
-    }
-    let _down = Down(&script, &prefix);
-    let port = 21000 + (std::process::id() % 20000) as u16;
-    let exe = std::env::current_exe().unwrap();
-    let children = (0..n)
-        .map(|rank| {
-            let host = rank % 2;
-            let child = Command::new(&script)
-                .args(["exec", &prefix, &host.to_string()])
-                .arg(&exe)
-                .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
-                .env("COMM_TEST_SCENARIO", scenario)
-                .env("COMM_TEST_RANK", rank.to_string())
-                .env("COMM_TEST_NRANKS", n.to_string())
-                .env("COMM_TEST_ID", "00".repeat(NCCL_UNIQUE_ID_BYTES))
-                .env("COMM_TEST_ARG", arg)
-                .env("NCCL_COMM_ID", format!("10.77.9.1:{port}"))
-                .env("COMM_SECRET", format!("{prefix}-{port}"))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn a rank in a namespace");
-            (rank, child)
-        })
-        .collect();
-    let r = collect(
-        children,
+    };
+    let host_of: Vec<usize> = (0..n).map(|r| r % 2).collect();
+    let r = common::hosts::launch_at(
+        &hosts,
+        &host_of,
+        scenario,
+        arg,
+        &[],
         Duration::from_secs(secs),
-        &format!("{scenario} ({arg}) in namespaces"),
+        || {},
     );
     assert_all_ok(
         &r,
