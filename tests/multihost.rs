@@ -96,17 +96,7 @@ fn split_by_host(w: &Worker) -> Result<(), String> {
             rank: r as usize,
             n: n as usize,
         };
-        for coll in COLLS {
-            run_case(&ctx, coll, FLOAT, SUM, 1001, false)?;
-            run_case(
-                &ctx,
-                coll,
-                2, /* int32 */
-                2, /* max */
-                77,
-                coll != Coll::SendRecv,
-            )?;
-        }
+        each_collective_twice(&ctx, 77)?;
         nccl!(ncclCommDestroy(child));
     }
     nccl!(ncclCommDestroy(c));
@@ -201,8 +191,24 @@ fn link_cut(w: &Worker) -> Result<(), String> {
     }
 }
 
-/// Every collective twice (float sum, int32 max; odd counts, in and out of place), each
-/// result checked element by element.
+/// Every collective twice: float sum of 1001 elements out of place, then int32 max of
+/// `int_count` in place (out of place for send/recv), each result checked element by element.
+fn each_collective_twice(ctx: &Ctx, int_count: usize) -> Result<(), String> {
+    for coll in COLLS {
+        run_case(ctx, coll, FLOAT, SUM, 1001, false)?;
+        run_case(
+            ctx,
+            coll,
+            2, /* int32 */
+            2, /* max */
+            int_count,
+            coll != Coll::SendRecv,
+        )?;
+    }
+    Ok(())
+}
+
+/// Every collective twice (see `each_collective_twice`), with a large odd integer count.
 fn every_collective(w: &Worker) -> Result<(), String> {
     let c = init(w)?;
     let ctx = Ctx {
@@ -210,17 +216,7 @@ fn every_collective(w: &Worker) -> Result<(), String> {
         rank: w.rank,
         n: w.nranks,
     };
-    for coll in COLLS {
-        run_case(&ctx, coll, FLOAT, SUM, 1001, false)?;
-        run_case(
-            &ctx,
-            coll,
-            2, /* int32 */
-            2, /* max */
-            (1 << 18) + 7,
-            coll != Coll::SendRecv,
-        )?;
-    }
+    each_collective_twice(&ctx, (1 << 18) + 7)?;
     nccl!(ncclCommDestroy(c));
     Ok(())
 }

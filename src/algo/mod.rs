@@ -253,10 +253,15 @@ pub struct RingOrder {
 impl RingOrder {
     /// Ranks grouped by host (hosts in the order of their first rank, ranks in rank order inside
     /// one), or `None` when that is rank order already.
-    pub fn by_host<H: PartialEq>(host_of: &[H]) -> Option<RingOrder> {
+    pub fn by_host<H: std::hash::Hash + Eq>(host_of: &[H]) -> Option<RingOrder> {
+        // Each host's first rank, found in one pass: init runs this once per communicator,
+        // and a search per comparison would be quadratic in the rank count.
+        let mut first: std::collections::HashMap<&H, usize> = Default::default();
+        for (r, h) in host_of.iter().enumerate() {
+            first.entry(h).or_insert(r);
+        }
         let mut at: Vec<usize> = (0..host_of.len()).collect();
-        let first = |h: &H| host_of.iter().position(|x| x == h).unwrap_or(0);
-        at.sort_by_key(|&r| (first(&host_of[r]), r));
+        at.sort_by_key(|&r| (first[&host_of[r]], r));
         RingOrder::new(at)
     }
 
