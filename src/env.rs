@@ -150,6 +150,12 @@ pub const KNOBS: &[Knob] = &[
         doc: "rings visit each host's ranks together, crossing each host boundary once (0: rank order)",
     },
     Knob {
+        name: "HIER_DIRECT_MAX_BYTES",
+        nccl: false,
+        default: "",
+        doc: "hierarchical all-reduce: largest part exchanged one-shot between hosts (default: any with 2 hosts, 64K with more)",
+    },
+    Knob {
         name: "LOCAL_REGISTER",
         nccl: true,
         default: "1",

@@ -41,7 +41,7 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
                 src: sent,
             });
         }
-        fold_in_rank_order(&mut s, shape.rank, n, input, acc, out);
+        fold_in_rank_order(&mut s, shape.rank, n, &|q| q, input, acc, out);
     }
     s
 }
@@ -50,10 +50,12 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
 /// `((x0 (+) x1) (+) x2) ...`, so that every rank computing it gets the same bits: the others'
 /// contributions arrive as messages, this rank's own is `input`. Partial results go to `acc`,
 /// the final one to `out`. When this rank comes first, its input starts the chain where it is.
-fn fold_in_rank_order(
+/// The contributors are `peer_of(0..n)`, this rank being `peer_of(me)`.
+pub(super) fn fold_in_rank_order(
     s: &mut Schedule,
     me: usize,
     n: usize,
+    peer_of: &dyn Fn(usize) -> usize,
     input: Operand,
     acc: Region,
     out: Region,
@@ -74,7 +76,7 @@ fn fold_in_rank_order(
             s.push(Step::Local { dst, a, b, last });
         } else {
             s.push(Step::Recv {
-                peer: q,
+                peer: peer_of(q),
                 dst,
                 reduce_with: prior,
                 last,
@@ -128,7 +130,15 @@ pub fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
             continue;
         };
         let dst_final = Region::new(Buf::Recv, input.offset, input.len);
-        fold_in_rank_order(&mut s, me, n, Operand::input(input), slice, dst_final);
+        fold_in_rank_order(
+            &mut s,
+            me,
+            n,
+            &|q| q,
+            Operand::input(input),
+            slice,
+            dst_final,
+        );
     }
     // Phase 2: my reduced part to everyone, everyone's reduced part here.
     let out = part(Buf::Recv, me);

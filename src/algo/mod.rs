@@ -7,6 +7,7 @@
 //! keep, per peer, sends in list order and receives in list order.
 
 pub mod direct;
+pub mod hier;
 pub mod pairwise;
 pub mod ring;
 pub mod tree;
@@ -238,6 +239,57 @@ pub struct Shape {
     pub slice_bytes: usize,
     /// The order in which rings visit the ranks (`None`: rank order).
     pub ring: Option<RingOrder>,
+    /// Which ranks share a host (`None`: all of them, or not known).
+    pub hosts: Option<std::sync::Arc<HostLayout>>,
+}
+
+/// The ranks grouped by host, for schedules that keep most traffic on the links inside a host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    /// The ranks of each host in rank order; hosts in the order of their first rank.
+    pub members: Vec<Vec<usize>>,
+    /// Each rank's host (an index into `members`) and its index among that host's ranks.
+    pub place: Vec<(usize, usize)>,
+    /// The hierarchical all-reduce exchanges a part of up to this many bytes between hosts
+    /// one-shot (one message to each other host); above it, around a ring of the hosts.
+    pub direct_max: usize,
+}
+
+impl HostLayout {
+    /// The layout of ranks whose hosts are `host_of`, or `None` when they share one host.
+    pub fn new<H: std::hash::Hash + Eq>(
+        host_of: &[H],
+        direct_max: usize,
+    ) -> Option<std::sync::Arc<HostLayout>> {
+        let mut index: std::collections::HashMap<&H, usize> = Default::default();
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        let mut place = Vec::with_capacity(host_of.len());
+        for (r, h) in host_of.iter().enumerate() {
+            let i = *index.entry(h).or_insert_with(|| {
+                members.push(Vec::new());
+                members.len() - 1
+            });
+            place.push((i, members[i].len()));
+            members[i].push(r);
+        }
+        (members.len() > 1).then(|| {
+            std::sync::Arc::new(HostLayout {
+                members,
+                place,
+                direct_max,
+            })
+        })
+    }
+
+    pub fn hosts(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The number of ranks on each host, when every host has the same number.
+    pub fn per_host(&self) -> Option<usize> {
+        let n = self.members[0].len();
+        self.members.iter().all(|m| m.len() == n).then_some(n)
+    }
 }
 
 /// A ring that visits the ranks in another order than their numbers: each host's ranks one
@@ -376,6 +428,7 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
             Algorithm::TwoShot => direct::all_reduce_two_shot(*count, shape),
             Algorithm::Tree => tree::all_reduce(*count, shape),
             Algorithm::Ring => ring::all_reduce(*count, shape),
+            Algorithm::Hier => hier::all_reduce(*count, shape),
         },
         Collective::Broadcast { count, root } => match algo {
             Algorithm::Tree => tree::broadcast(*count, *root, shape),
@@ -479,6 +532,7 @@ mod tests {
             in_place: false,
             slice_bytes: 10,
             ring: None,
+            hosts: None,
         };
         let s = shape.slices(Buf::Recv, 100, 28);
         assert_eq!(

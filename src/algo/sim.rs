@@ -17,6 +17,16 @@ thread_local! {
     static BOUNDED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     /// The ring order the checks run with (None: rank order); see `with_ring`.
     static RING: std::cell::RefCell<Option<Vec<usize>>> = const { std::cell::RefCell::new(None) };
+    /// Each rank's host and the layout's `direct_max` (None: one host); see `with_hosts`.
+    static HOSTS: std::cell::RefCell<Option<(Vec<usize>, usize)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs the checks in `f` with rank r on host `host_of[r]`.
+pub fn with_hosts(host_of: Vec<usize>, direct_max: usize, f: impl FnOnce()) {
+    HOSTS.with(|h| *h.borrow_mut() = Some((host_of, direct_max)));
+    f();
+    HOSTS.with(|h| *h.borrow_mut() = None);
 }
 
 /// Runs the checks in `f` with rings that visit the ranks in `order`.
@@ -75,6 +85,11 @@ fn run_once(
             in_place,
             slice_bytes: slice_elems * E,
             ring: RING.with(|o| o.borrow().clone().and_then(super::RingOrder::new)),
+            hosts: HOSTS.with(|h| {
+                h.borrow()
+                    .as_ref()
+                    .and_then(|(of, max)| super::HostLayout::new(of, *max))
+            }),
         };
         let sched = schedule(&coll(r), &shape, algo);
         let (mut mem, send_base, recv_base) = init(r);

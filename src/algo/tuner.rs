@@ -1,8 +1,10 @@
-//! Picks the algorithm for a collective from its kind, its size, the rank count and whether its
-//! buffers are in device memory (it is not told the transports), unless `COMM_ALGO` /
-//! `NCCL_ALGO` overrides it.
+//! Picks the algorithm for a collective from its kind, its size, the rank count, how the ranks
+//! spread over hosts and whether its buffers are in device memory, unless `COMM_ALGO` /
+//! `NCCL_ALGO` overrides it. Ranks of one host talk over shared memory (or the network, with
+//! `COMM_SHM_DISABLE`), ranks of different hosts over the network; the tuner counts hosts, not
+//! links, since a link inside a host is never slower than one between hosts.
 
-use super::Collective;
+use super::{Collective, HostLayout};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -12,6 +14,8 @@ pub enum Algorithm {
     Direct,
     /// Two-shot: a direct reduce-scatter, then a direct all-gather.
     TwoShot,
+    /// Inside each host, then across hosts, then inside each host again (`hier.rs`).
+    Hier,
 }
 
 impl Algorithm {
@@ -21,11 +25,13 @@ impl Algorithm {
             Algorithm::Tree => "tree",
             Algorithm::Direct => "direct",
             Algorithm::TwoShot => "twoshot",
+            Algorithm::Hier => "hier",
         }
     }
 
     /// NCCL_ALGO syntax: a comma-separated list, case-insensitive (`Ring`, `Tree`, plus our
-    /// `Direct`); a leading `^` excludes the listed ones. Unknown names are ignored.
+    /// `Direct`, `TwoShot` and `Hier`); a leading `^` excludes the listed ones. Unknown names
+    /// are ignored.
     pub fn parse_list(spec: &str) -> Vec<Algorithm> {
         let (exclude, list) = match spec.trim().strip_prefix('^') {
             Some(rest) => (true, rest),
@@ -38,6 +44,7 @@ impl Algorithm {
                 "tree" => Some(Algorithm::Tree),
                 "direct" | "oneshot" | "one_shot" => Some(Algorithm::Direct),
                 "twoshot" | "two_shot" => Some(Algorithm::TwoShot),
+                "hier" | "hierarchical" => Some(Algorithm::Hier),
                 _ => None,
             })
             .collect();
@@ -46,6 +53,7 @@ impl Algorithm {
             Algorithm::Tree,
             Algorithm::Direct,
             Algorithm::TwoShot,
+            Algorithm::Hier,
         ];
         if exclude {
             all.into_iter().filter(|a| !named.contains(a)).collect()
@@ -64,14 +72,24 @@ pub struct Tuner {
     pub direct_max: usize,
     /// Messages up to this many bytes prefer the tree over the ring.
     pub tree_max: usize,
+    /// How many hosts the ranks are on, and how many ranks each has when all have as many.
+    pub hosts: usize,
+    pub per_host: Option<usize>,
 }
 
 impl Tuner {
-    pub fn from_env(nranks: usize) -> Tuner {
+    pub fn from_env(nranks: usize, layout: Option<&HostLayout>) -> Tuner {
         let allowed = crate::env::var("ALGO")
             .map(|s| Algorithm::parse_list(&s))
             .filter(|v| !v.is_empty())
-            .unwrap_or_else(|| vec![Algorithm::Ring, Algorithm::Tree, Algorithm::Direct]);
+            .unwrap_or_else(|| {
+                vec![
+                    Algorithm::Ring,
+                    Algorithm::Tree,
+                    Algorithm::Direct,
+                    Algorithm::Hier,
+                ]
+            });
         // One-shot sends n-1 copies of the input from every rank: worth it only while the
         // message is tiny compared to what the ring's 2(n-1) latency hops cost.
         let direct_max = crate::env::size("DIRECT_MAX_BYTES").unwrap_or(match nranks {
@@ -84,6 +102,8 @@ impl Tuner {
             allowed,
             direct_max,
             tree_max,
+            hosts: layout.map_or(1, |l| l.hosts()),
+            per_host: layout.map_or(Some(nranks), |l| l.per_host()),
         }
     }
 
@@ -116,8 +136,13 @@ impl Tuner {
                 if !ok(Algorithm::Direct) && !ok(Algorithm::Tree) && !ok(Algorithm::Ring) {
                     return self.allowed[0];
                 }
+                // Several hosts with several ranks each: beyond one-shot sizes, only one
+                // share per rank crosses between hosts.
+                let hier = self.hosts > 1 && self.per_host.is_some_and(|p| p > 1);
                 if ok(Algorithm::Direct) && bytes <= self.direct_max {
                     Algorithm::Direct
+                } else if hier && ok(Algorithm::Hier) {
+                    Algorithm::Hier
                 } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= self.tree_max {
                     Algorithm::Tree
                 } else if ok(Algorithm::Ring) {
@@ -153,8 +178,14 @@ mod tests {
         );
         assert_eq!(
             Algorithm::parse_list("^tree"),
-            vec![Algorithm::Ring, Algorithm::Direct, Algorithm::TwoShot]
+            vec![
+                Algorithm::Ring,
+                Algorithm::Direct,
+                Algorithm::TwoShot,
+                Algorithm::Hier
+            ]
         );
+        assert_eq!(Algorithm::parse_list("Hier"), vec![Algorithm::Hier]);
         assert!(Algorithm::parse_list("nvls").is_empty());
     }
 
@@ -164,6 +195,8 @@ mod tests {
             allowed: vec![Algorithm::Ring, Algorithm::Tree, Algorithm::Direct],
             direct_max: 1024,
             tree_max: 1 << 20,
+            hosts: 1,
+            per_host: Some(4),
         };
         let ar = Collective::AllReduce { count: 0 };
         assert_eq!(t.choose(&ar, 8, 4), Algorithm::Direct);
@@ -175,5 +208,45 @@ mod tests {
             ..t
         };
         assert_eq!(ring_only.choose(&ar, 8, 4), Algorithm::Ring);
+    }
+
+    #[test]
+    fn several_ranks_on_each_of_several_hosts_go_hierarchical() {
+        let hosts = |h: &[u8]| super::super::HostLayout::new(h, 0);
+        let two_by_two = hosts(&[0, 0, 1, 1]).unwrap();
+        let t = Tuner {
+            allowed: vec![
+                Algorithm::Ring,
+                Algorithm::Tree,
+                Algorithm::Direct,
+                Algorithm::Hier,
+            ],
+            direct_max: 1024,
+            tree_max: 1 << 20,
+            hosts: two_by_two.hosts(),
+            per_host: two_by_two.per_host(),
+        };
+        let ar = Collective::AllReduce { count: 0 };
+        assert_eq!(t.choose(&ar, 8, 4), Algorithm::Direct);
+        assert_eq!(t.choose(&ar, 4096, 4), Algorithm::Hier);
+        assert_eq!(t.choose(&ar, 64 << 20, 4), Algorithm::Hier);
+        // One rank per host, or hosts of different sizes: the flat algorithms.
+        let one_each = hosts(&[0, 1, 2]).unwrap();
+        let uneven = hosts(&[0, 0, 1]).unwrap();
+        for l in [one_each, uneven] {
+            let t = Tuner {
+                hosts: l.hosts(),
+                per_host: l.per_host(),
+                ..t.clone()
+            };
+            assert_eq!(t.choose(&ar, 64 << 20, 3), Algorithm::Ring);
+        }
+        // COMM_ALGO=ring keeps the flat ring.
+        let ring_only = Tuner {
+            allowed: vec![Algorithm::Ring],
+            ..t
+        };
+        assert_eq!(ring_only.choose(&ar, 64 << 20, 4), Algorithm::Ring);
+        assert!(hosts(&[5, 5, 5]).is_none(), "one host is no layout");
     }
 }

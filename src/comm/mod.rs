@@ -59,6 +59,8 @@ pub struct Comm {
     pub tuner: Tuner,
     /// The order rings visit the ranks in: each host's ranks together (None: rank order).
     pub ring: Option<crate::algo::RingOrder>,
+    /// The ranks grouped by host (None: all on one host).
+    pub hosts: Option<Arc<crate::algo::HostLayout>>,
     pub slice_bytes: usize,
     /// The CUDA device this rank was created on, or -1 on a host without one.
     pub cuda_device: i32,
@@ -145,6 +147,21 @@ impl Comm {
             .enumerate()
             .map(|(r, p)| me.path_to(p, r == rank))
             .collect();
+        let host_of: Vec<u64> = placements.iter().map(|p| p.host_hash).collect();
+        let nhosts = host_of
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len();
+        // Between two hosts, a one-shot exchange moves the same bytes as a ring of the hosts
+        // in one hop instead of two; between more, it moves more bytes.
+        let layout = crate::algo::HostLayout::new(
+            &host_of,
+            crate::env::size("HIER_DIRECT_MAX_BYTES").unwrap_or(if nhosts == 2 {
+                usize::MAX
+            } else {
+                64 << 10
+            }),
+        );
         let crate::transport::Links {
             links,
             doorbell,
@@ -202,13 +219,11 @@ impl Comm {
             rank,
             nranks,
             tag,
-            tuner: Tuner::from_env(nranks),
+            tuner: Tuner::from_env(nranks, layout.as_deref()),
             ring: (crate::env::flag("RING_BY_HOST") != Some(false))
-                .then(|| {
-                    let hosts: Vec<u64> = placements.iter().map(|p| p.host_hash).collect();
-                    crate::algo::RingOrder::by_host(&hosts)
-                })
+                .then(|| crate::algo::RingOrder::by_host(&host_of))
                 .flatten(),
+            hosts: layout,
             slice_bytes: crate::env::size("SLICE_BYTES").unwrap_or(512 << 10).max(64),
             config,
             boot,

@@ -634,6 +634,7 @@ impl Comm {
             in_place: call.in_place,
             slice_bytes,
             ring: self.ring.clone(),
+            hosts: self.hosts.clone(),
         };
         let bytes = match &call.coll {
             Collective::AllReduce { count }

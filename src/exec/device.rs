@@ -969,6 +969,7 @@ mod tests {
             in_place,
             slice_bytes: slot_bytes,
             ring: None,
+            hosts: None,
         };
         let mut ops = Vec::new();
         let mut bufs = Vec::new();
