@@ -285,6 +285,7 @@ fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
     if recv.iter().any(|&v| v != -1.0) {
         return Err("a simulated group ran its all-reduce".into());
     }
+    println!("estimated {} us", info.estimatedTime);
     Ok(())
 }
 
@@ -551,6 +552,26 @@ fn nonblocking_init_reports_progress() {
 #[test]
 fn group_simulation_estimates_without_running() {
     procs("simulate", 2, &[]);
+}
+
+/// The estimate counts what the links cost: the same all-reduce over TCP (shared memory off)
+/// is estimated slower than over shared memory.
+#[test]
+fn group_simulation_counts_the_network() {
+    let estimate = |env: &[(&str, &str)]| -> f32 {
+        let r = launch("worker", "simulate", 2, "", env, Duration::from_secs(120));
+        assert_all_ok(&r, &format!("simulate {env:?}"));
+        r[0].stdout
+            .split("estimated ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .expect("rank 0 prints its estimate")
+    };
+    let shm = estimate(&[]);
+    let tcp = estimate(&[("COMM_SHM_DISABLE", "1")]);
+    println!("256 KiB all-reduce on 2 ranks: {shm} us over shared memory, {tcp} us over TCP");
+    assert!(tcp > 2.0 * shm, "TCP {tcp} us, shared memory {shm} us");
 }
 
 #[test]

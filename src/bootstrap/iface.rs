@@ -150,6 +150,18 @@ pub fn local_ip() -> Result<IpAddr> {
     }
 }
 
+/// The speed of the interface that holds `ip`, in bytes per microsecond, where the kernel
+/// knows it (`/sys/class/net/NAME/speed`, in Mbit/s; loopback and some virtual links have none).
+pub(crate) fn speed_of(ip: IpAddr) -> Option<f32> {
+    let name = interfaces().ok()?.into_iter().find(|i| i.addr == ip)?.name;
+    let mbit: i64 = std::fs::read_to_string(format!("/sys/class/net/{name}/speed"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (mbit > 0).then(|| mbit as f32 / 8.0)
+}
+
 /// Up interfaces with an address a peer could reach: IPv6 loopback and link-local addresses are
 /// left out, as NCCL does (the latter would need a scope to be usable).
 fn interfaces() -> Result<Vec<Iface>> {

@@ -22,7 +22,7 @@
 
 pub mod auth;
 mod id;
-mod iface;
+pub(crate) mod iface;
 mod listener;
 mod net;
 mod ring;

@@ -737,18 +737,28 @@ impl Comm {
     /// this rank's busiest path plus its bytes at shared-memory copy speed. Rough, but it orders
     /// algorithms and sizes the way the executor will see them.
     pub fn estimate_us(&self, call: &Call) -> f32 {
+        // Inside a host (shared memory): a message's latency and the copy bandwidth.
         const LATENCY_US: f32 = 1.5;
         const BYTES_PER_US: f32 = 8_000.0;
+        // Between hosts: a TCP round of the kernel stack; the interface's speed.
+        const NET_LATENCY_US: f32 = 25.0;
         let Ok(op) = self.build(call, 0) else {
             return 0.0;
         };
-        let (mut msgs, mut bytes) = (0usize, 0usize);
+        let net = |peer: usize| {
+            self.net
+                .as_ref()
+                .filter(|w| w.links.get(peer).is_some_and(|l| l.is_some()))
+        };
+        let mut us = 0.0;
         for s in &op.schedule.steps {
-            if let algo::Step::Recv { dst, .. } = s {
-                msgs += 1;
-                bytes += dst.len;
+            if let algo::Step::Recv { dst, peer, .. } = s {
+                us += match net(*peer) {
+                    Some(w) => NET_LATENCY_US + dst.len as f32 / w.bytes_per_us,
+                    None => LATENCY_US + dst.len as f32 / BYTES_PER_US,
+                };
             }
         }
-        msgs as f32 * LATENCY_US + bytes as f32 / BYTES_PER_US
+        us
     }
 }

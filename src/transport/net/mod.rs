@@ -158,6 +158,9 @@ impl Waker {
 /// The network side of one communicator: its links and the thread that wakes the executor.
 pub struct NetWorld {
     pub(crate) links: Vec<Option<Arc<dyn Link>>>,
+    /// The speed of the interface the connections use, in bytes per microsecond (10 Gbit/s
+    /// where the kernel does not say), for estimates.
+    pub(crate) bytes_per_us: f32,
     waker: Arc<Waker>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -252,6 +255,7 @@ pub(crate) fn connect(
         .map_err(|e| Error::from_io("start the network progress thread", e))?;
     Ok(Some(NetWorld {
         links,
+        bytes_per_us: crate::bootstrap::iface::speed_of(boot.listen_ip()).unwrap_or(1250.0),
         waker,
         thread: Some(thread),
     }))
