@@ -176,6 +176,9 @@ pub fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
 fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
     c.check_usable()?;
     if call.device {
+        if c.spans_hosts() {
+            return run_calls(vec![(c.clone(), call)]);
+        }
         return c.enqueue_device(std::slice::from_ref(&call));
     }
     let op = c.prepare(&call)?;
@@ -367,12 +370,20 @@ pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
 fn run_grouped(comms: &[Arc<Comm>], per_comm: Vec<Vec<Call>>) -> Result<()> {
     refuse_shared_streams(comms, &per_comm)?;
     let mut jobs = Vec::with_capacity(comms.len());
+    let mut staged = Vec::new();
     for (c, calls) in comms.iter().zip(per_comm) {
-        // Device calls become one program on their stream and return at once.
+        // Device calls become one program on their stream and return at once; across hosts
+        // they run here, through host memory.
         let (device, mut calls): (Vec<Call>, Vec<Call>) = calls.into_iter().partition(|c| c.device);
         if !device.is_empty() {
             c.check_usable()?;
-            c.enqueue_device(&device)?;
+            if c.spans_hosts() {
+                let s = crate::comm::staged::Staged::take(c, &device)?;
+                calls.extend(s.calls.iter().cloned());
+                staged.push(s);
+            } else {
+                c.enqueue_device(&device)?;
+            }
         }
         if calls.is_empty() {
             continue;
@@ -396,7 +407,8 @@ fn run_grouped(comms: &[Arc<Comm>], per_comm: Vec<Vec<Call>>) -> Result<()> {
             c.fail(e);
         }
     }
-    result
+    result?;
+    staged.into_iter().try_for_each(|s| s.put_back())
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod ops;
 pub mod registry;
+pub mod staged;
 
 use crate::algo::tuner::Tuner;
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -262,6 +263,11 @@ impl Comm {
     }
 
     /// Whether new operations may be issued; the error says why not.
+    /// Whether some peer is on another host, where device programs cannot map its memory.
+    pub fn spans_hosts(&self) -> bool {
+        self.hosts.is_some()
+    }
+
     pub fn check_usable(&self) -> Result<()> {
         match self.life() {
             Life::Active => Ok(()),

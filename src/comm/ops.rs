@@ -618,7 +618,7 @@ impl Comm {
         Ok(())
     }
 
-    fn build(&self, call: &Call, seq: u64) -> Result<HostOp> {
+    pub(crate) fn build(&self, call: &Call, seq: u64) -> Result<HostOp> {
         self.build_with_slice(call, seq, self.slice_bytes)
     }
 

@@ -500,13 +500,25 @@ fn worker(
     r.misaligned_refused()?;
     let cases = r.matrix(max_bytes, quick)?;
     r.grouped_streams()?;
-    r.graph_replay()?;
+    // Across hosts, device buffers are staged through host memory by the calling thread,
+    // which a graph cannot capture (the library refuses it).
+    if std::env::var("COMM_HOSTID").is_err() {
+        r.graph_replay()?;
+    }
     drop(r);
     nccl!(ncclCommDestroy(comm));
     Ok(cases)
 }
 
-fn run_processes(n: usize, max_bytes: usize, quick: bool, memory: Memory) -> Result<(), String> {
+/// `hosts`: tell the ranks they are on two hosts (COMM_HOSTID by parity), so that device
+/// buffers go through host memory and the TCP transport.
+fn run_processes(
+    n: usize,
+    max_bytes: usize,
+    quick: bool,
+    memory: Memory,
+    hosts: bool,
+) -> Result<(), String> {
     let mut id = ncclUniqueId {
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
@@ -526,6 +538,9 @@ fn run_processes(n: usize, max_bytes: usize, quick: bool, memory: Memory) -> Res
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+        if hosts {
+            cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
+        }
         if memory.registered() {
             // The log says when a pair switches to reading registered buffers in place.
             cmd.env("COMM_DEBUG", "INFO");
@@ -693,8 +708,18 @@ fn main() {
     };
     for &n in &ranks {
         let t = Instant::now();
-        let r = run_processes(n, max_bytes, quick, Memory::Plain);
+        let r = run_processes(n, max_bytes, quick, Memory::Plain, false);
         report(format!("{n} processes on one GPU"), t, r);
+    }
+    // Ranks on two simulated hosts: device buffers staged through host memory.
+    for n in [2usize, 3] {
+        let t = Instant::now();
+        let r = run_processes(n, max_bytes.min(16 << 20), true, Memory::Plain, true);
+        report(
+            format!("{n} processes on one GPU as two hosts (staged through host memory)"),
+            t,
+            r,
+        );
     }
     // Registered buffers, read in place by the peers: VMM memory (file descriptors) and
     // cuMemAlloc memory (IPC handles), odd and even rank counts; the quick matrix.
@@ -705,7 +730,7 @@ fn main() {
         (4, Memory::RegisteredIpc),
     ] {
         let t = Instant::now();
-        let r = run_processes(n, max_bytes.min(64 << 20), true, memory);
+        let r = run_processes(n, max_bytes.min(64 << 20), true, memory, false);
         report(
             format!(
                 "{n} processes on one GPU, registered {} buffers",
