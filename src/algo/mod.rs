@@ -369,6 +369,29 @@ impl Shape {
         (self.position() + self.nranks - from) % self.nranks
     }
 
+    /// The order in which a chain from `root` visits the ranks: around the ring from the root,
+    /// each host's ranks together and the root's host first (so that the chain enters every
+    /// other host once and never comes back).
+    pub fn chain_from(&self, root: usize) -> Vec<usize> {
+        let n = self.nranks;
+        let start = self.ring.as_ref().map_or(root, |o| o.pos[root]);
+        let order = (0..n).map(|k| self.rank_at((start + k) % n));
+        let Some(l) = self.hosts.as_deref() else {
+            return order.collect();
+        };
+        let mut by_host: Vec<Vec<usize>> = Vec::new();
+        let mut slot = vec![usize::MAX; l.hosts()];
+        for r in order {
+            let h = l.place[r].0;
+            if slot[h] == usize::MAX {
+                slot[h] = by_host.len();
+                by_host.push(Vec::new());
+            }
+            by_host[slot[h]].push(r);
+        }
+        by_host.concat()
+    }
+
     /// Splits `[offset, offset + bytes)` into pipeline slices of whole elements.
     pub fn slices(&self, buf: Buf, offset: usize, bytes: usize) -> Vec<Region> {
         let per = (self.slice_bytes / self.elem).max(1) * self.elem;

@@ -136,11 +136,13 @@ pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
     s
 }
 
-/// A pipelined chain from the root around the ring.
+/// A pipelined chain from the root around the ring (see `Shape::chain_from`).
 pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
-    let pos = shape.ring_distance(root);
+    let chain = shape.chain_from(root);
+    let pos = chain.iter().position(|&r| r == shape.rank).unwrap_or(0);
+    let next = chain.get(pos + 1).copied();
     if pos == 0 {
         s.push(Step::Local {
             dst: Region::new(Buf::Recv, 0, bytes),
@@ -148,10 +150,10 @@ pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
             b: None,
             last: false,
         });
-        if n > 1 {
+        if let Some(next) = next {
             for r in shape.slices(Buf::Send, 0, bytes) {
                 s.push(Step::Send {
-                    peer: shape.next(),
+                    peer: next,
                     src: Operand::partial(r),
                 });
             }
@@ -160,14 +162,14 @@ pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     }
     for dst in shape.slices(Buf::Recv, 0, bytes) {
         s.push(Step::Recv {
-            peer: shape.prev(),
+            peer: chain[pos - 1],
             dst,
             reduce_with: None,
             last: false,
         });
-        if pos < n - 1 {
+        if let Some(next) = next.filter(|_| pos < n - 1) {
             s.push(Step::Send {
-                peer: shape.next(),
+                peer: next,
                 src: Operand::partial(dst),
             });
         }
@@ -175,19 +177,22 @@ pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     s
 }
 
-/// A pipelined chain that starts after the root and ends at it, each rank adding its input.
+/// A pipelined chain that ends at the root, each rank adding its input: the broadcast's chain
+/// run backwards.
 pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
         return Schedule::local_copy(bytes);
     }
-    // Position along the chain: root+1 is first, the root is last.
-    let pos = (shape.ring_distance(root) + n - 1) % n;
+    let mut chain = shape.chain_from(root);
+    chain.reverse();
+    // Position along the chain: the first sender is 0, the root is last.
+    let pos = chain.iter().position(|&r| r == shape.rank).unwrap_or(0);
     if pos == 0 {
         for r in shape.slices(Buf::Send, 0, bytes) {
             s.push(Step::Send {
-                peer: shape.next(),
+                peer: chain[1],
                 src: Operand::input(r),
             });
         }
@@ -204,14 +209,14 @@ pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
         .zip(shape.slices(Buf::Send, 0, bytes))
     {
         s.push(Step::Recv {
-            peer: shape.prev(),
+            peer: chain[pos - 1],
             dst,
             reduce_with: Some(Operand::input(mine)),
             last: is_root,
         });
         if !is_root {
             s.push(Step::Send {
-                peer: shape.next(),
+                peer: chain[pos + 1],
                 src: Operand::partial(dst),
             });
         }
@@ -261,6 +266,51 @@ mod tests {
                     }
                 }
             });
+        }
+    }
+
+    /// Broadcast and reduce chains enter each host but the root's once, with rings in host
+    /// order or in rank order, and still compute the reference result.
+    #[test]
+    fn chains_on_several_hosts_enter_each_host_once() {
+        use super::super::{HostLayout, RingOrder, Shape};
+        let layouts: [&[usize]; 3] = [&[0, 1, 0, 1], &[0, 0, 1, 1, 2, 2], &[2, 0, 1, 2, 0, 1, 1]];
+        for hosts in layouts {
+            let n = hosts.len();
+            let distinct = hosts.iter().collect::<std::collections::HashSet<_>>().len();
+            for by_host in [true, false] {
+                let ring = by_host.then(|| RingOrder::by_host(hosts)).flatten();
+                for root in 0..n {
+                    let shape = Shape {
+                        rank: 0,
+                        nranks: n,
+                        elem: 8,
+                        in_place: false,
+                        slice_bytes: 64,
+                        ring: ring.clone(),
+                        hosts: HostLayout::new(hosts, 0),
+                    };
+                    let chain = shape.chain_from(root);
+                    assert_eq!(chain[0], root);
+                    let mut sorted = chain.clone();
+                    sorted.sort();
+                    assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+                    let crossings = chain.windows(2).filter(|w| hosts[w[0]] != hosts[w[1]]);
+                    assert_eq!(crossings.count(), distinct - 1, "{hosts:?} root {root}");
+                }
+                let order = ring.map_or((0..n).collect(), |o| o.ranks().to_vec());
+                sim::with_ring(order, || {
+                    sim::with_hosts(hosts.to_vec(), 0, || {
+                        for count in [0, 1, 13] {
+                            for root in 0..n {
+                                let ring = super::super::Algorithm::Ring;
+                                sim::check_broadcast(n, count, root, 4, ring);
+                                sim::check_reduce(n, count, root, 4, ring);
+                            }
+                        }
+                    })
+                });
+            }
         }
     }
 

@@ -25,9 +25,39 @@ pub fn binomial(rank: usize, root: usize, n: usize) -> (Option<usize>, Vec<usize
     (parent, children)
 }
 
+/// This rank's parent and children in the tree rooted at `root`. On several hosts, a tree of
+/// trees: a binomial tree over one leader per host (the root on its own host, elsewhere the
+/// host's first rank), and inside each host a binomial tree rooted at its leader. Each host but
+/// the root's then receives once across hosts, the least a broadcast can. Children come
+/// inside-host first, so that a reduction takes the nearer (sooner) contributions first.
+pub fn tree_of(shape: &Shape, root: usize) -> (Option<usize>, Vec<usize>) {
+    let Some(l) = shape.hosts.as_deref() else {
+        return binomial(shape.rank, root, shape.nranks);
+    };
+    let root_host = l.place[root].0;
+    let leader = |host: usize| {
+        if host == root_host {
+            root
+        } else {
+            l.members[host][0]
+        }
+    };
+    let (h, local) = l.place[shape.rank];
+    let members = &l.members[h];
+    let (up, down) = binomial(local, l.place[leader(h)].1, members.len());
+    let mut parent = up.map(|i| members[i]);
+    let mut children: Vec<usize> = down.into_iter().map(|i| members[i]).collect();
+    if shape.rank == leader(h) {
+        let (up, down) = binomial(h, root_host, l.hosts());
+        parent = up.map(leader);
+        children.extend(down.into_iter().map(leader));
+    }
+    (parent, children)
+}
+
 /// Reduce up the tree towards `root`; partial sums accumulate in `acc_buf`.
 fn reduce_into(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, acc_buf: Buf) {
-    let (parent, children) = binomial(shape.rank, root, shape.nranks);
+    let (parent, children) = tree_of(shape, root);
     let slices = shape.slices(Buf::Send, 0, bytes);
     for mine in slices {
         let acc = Region::new(acc_buf, mine.offset, mine.len);
@@ -70,7 +100,7 @@ fn reduce_into(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, acc_b
 
 /// Broadcast down the tree from `root`, of data found in `src` at the root.
 fn broadcast_from(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, src: Buf) {
-    let (parent, children) = binomial(shape.rank, root, shape.nranks);
+    let (parent, children) = tree_of(shape, root);
     for dst in shape.slices(Buf::Recv, 0, bytes) {
         let from = match parent {
             Some(p) => {
@@ -136,8 +166,8 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{sim, Algorithm};
-    use super::binomial;
+    use super::super::{sim, Algorithm, HostLayout, Shape};
+    use super::{binomial, tree_of};
 
     #[test]
     fn binomial_tree_is_a_spanning_tree() {
@@ -156,6 +186,60 @@ mod tests {
                     assert_eq!(*seen, usize::from(r != root), "n={n} root={root} r={r}");
                 }
             }
+        }
+    }
+
+    /// Every rank has one parent but the root, and exactly one edge enters each host other
+    /// than the root's.
+    #[test]
+    fn trees_on_several_hosts_cross_into_each_host_once() {
+        let layouts: [&[usize]; 4] = [
+            &[0, 1, 0, 1],
+            &[0, 0, 0, 1, 1, 1],
+            &[2, 0, 1, 2, 0, 1, 1],
+            &[0, 1, 2, 3, 4],
+        ];
+        for hosts in layouts {
+            let n = hosts.len();
+            let layout = HostLayout::new(hosts, 0);
+            for root in 0..n {
+                let shape = |rank| Shape {
+                    rank,
+                    nranks: n,
+                    elem: 8,
+                    in_place: false,
+                    slice_bytes: 64,
+                    ring: None,
+                    hosts: layout.clone(),
+                };
+                let mut entering = std::collections::HashMap::new();
+                let mut parents = 0;
+                for r in 0..n {
+                    let (parent, children) = tree_of(&shape(r), root);
+                    assert_eq!(parent.is_none(), r == root);
+                    for c in children {
+                        assert_eq!(tree_of(&shape(c), root).0, Some(r), "{hosts:?} root {root}");
+                        parents += 1;
+                        if hosts[c] != hosts[r] {
+                            *entering.entry(hosts[c]).or_insert(0) += 1;
+                        }
+                    }
+                }
+                assert_eq!(parents, n - 1);
+                let distinct: std::collections::HashSet<_> = hosts.iter().collect();
+                assert_eq!(entering.len(), distinct.len() - 1, "{hosts:?} root {root}");
+                assert!(entering.values().all(|&k| k == 1), "{hosts:?} root {root}");
+                assert!(!entering.contains_key(&hosts[root]));
+            }
+            sim::with_hosts(hosts.to_vec(), 0, || {
+                for count in [0, 1, 13] {
+                    sim::check_all_reduce(n, count, 4, Algorithm::Tree);
+                    for root in 0..n {
+                        sim::check_broadcast(n, count, root, 4, Algorithm::Tree);
+                        sim::check_reduce(n, count, root, 4, Algorithm::Tree);
+                    }
+                }
+            });
         }
     }
 
