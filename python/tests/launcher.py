@@ -36,11 +36,12 @@ def rank_env(extra=None):
     return env
 
 
-def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
+def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None, hosts=None):
     """Runs ``scenario`` on ``world`` ranks; returns the list of per-rank results.
 
     ``expect_exit`` maps ranks to the exit code they are meant to end with (a rank that
-    kills itself); every other rank must exit 0.
+    kills itself); every other rank must exit 0. ``hosts``, a pair (``Hosts``, host of each
+    rank), starts each rank inside its simulated host (see ``Hosts``).
     """
     expect_exit = dict(expect_exit or {})
     tmp = tempfile.mkdtemp(prefix=f"comm-test-{scenario}-")
@@ -52,6 +53,8 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")  # noqa: SIM115
         cmd = [sys.executable, RANK_MAIN, scenario, str(rank), str(world), store, os.path.join(tmp, f"rank{rank}.json")]
         cmd += [str(a) for a in args]
+        if hosts is not None:
+            cmd = hosts[0].exec_prefix(hosts[1][rank]) + cmd
         procs.append(
             subprocess.Popen(cmd, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         )
@@ -109,6 +112,37 @@ def run(scenario, world, timeout=150, env=None, args=(), expect_exit=None):
         log.close()
     shutil.rmtree(tmp, ignore_errors=True)  # kept only when a rank failed, for its logs
     return results
+
+
+class Hosts:
+    """Simulated hosts made by ``scripts/netns.sh`` (network namespaces with their own PID,
+    IPC and mount namespaces, linked only by veth pairs and a bridge); removed on ``close``.
+    Needs root and iproute2: ``Hosts.available()`` says why not, where they are missing."""
+
+    SCRIPT = os.path.join(HERE, "..", "..", "scripts", "netns.sh")
+
+    def __init__(self, n):
+        self.prefix = f"cpy{os.getpid() % 100000}x{n}"
+        self.n = n
+        subprocess.run([self.SCRIPT, "down", self.prefix], check=False)
+        subprocess.run([self.SCRIPT, "up", self.prefix, str(n)], check=True)
+
+    @staticmethod
+    def available():
+        if os.geteuid() != 0:
+            return "simulated hosts need root"
+        if shutil.which("ip") is None or shutil.which("nsenter") is None:
+            return "simulated hosts need iproute2 and util-linux (ip, nsenter)"
+        return None
+
+    def addr(self, i):
+        return f"10.77.0.{i + 1}"
+
+    def exec_prefix(self, i):
+        return [self.SCRIPT, "exec", self.prefix, str(i)]
+
+    def close(self):
+        subprocess.run([self.SCRIPT, "down", self.prefix], check=False)
 
 
 def failed_checks(results, name):

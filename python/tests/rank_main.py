@@ -21,6 +21,12 @@ class Context:
     def store(self):
         import torch.distributed as dist
 
+        # Ranks on simulated hosts meet over the network, as on real ones: a TCPStore on
+        # rank 0's host (COMM_TEST_TCP_STORE=host:port).
+        tcp = os.environ.get("COMM_TEST_TCP_STORE")
+        if tcp:
+            host, port = tcp.rsplit(":", 1)
+            return dist.TCPStore(host, int(port), self.world, self.rank == 0)
         return dist.FileStore(self.store_path, self.world)
 
     def check(self, name, fn, *args):
