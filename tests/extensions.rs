@@ -13,92 +13,6 @@ const S: cudaStream_t = std::ptr::null_mut();
 const INT32: i32 = 2;
 const FLOAT: i32 = 7;
 
-/// Rank s sends (s + 2d) % 4 elements to rank d (zero-sized blocks included), at scattered
-/// displacements, in place and out of place.
-fn alltoallv(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
-    let count = |s: usize, d: usize| (s + 2 * d) % 4;
-    let value = |s: usize, d: usize, i: usize| (s * 10_000 + d * 100 + i) as i32;
-    for in_place in [false, true] {
-        // Displacements leave a gap of 3 elements between blocks.
-        let sc: Vec<usize> = (0..n).map(|d| count(rank, d)).collect();
-        let rc: Vec<usize> = (0..n).map(|s| count(s, rank)).collect();
-        let mut sd = Vec::new();
-        let mut at = 0;
-        for &c in &sc {
-            sd.push(at);
-            at += c + 3;
-        }
-        let send_len = at;
-        let mut rd = Vec::new();
-        at = 1;
-        for &c in &rc {
-            rd.push(at);
-            at += c + 3;
-        }
-        let recv_len = at;
-        let mut send = vec![-1i32; send_len];
-        for d in 0..n {
-            for i in 0..sc[d] {
-                send[sd[d] + i] = value(rank, d, i);
-            }
-        }
-        let mut recv = vec![-7i32; recv_len.max(send_len)];
-        if in_place {
-            // The same displacements on both sides, so the blocks line up in one buffer.
-            if sc != rc {
-                continue;
-            }
-            recv[..send_len].copy_from_slice(&send);
-            let p = recv.as_mut_ptr() as *mut c_void;
-            nccl!(commAlltoAllv(
-                p,
-                sc.as_ptr(),
-                sd.as_ptr(),
-                p,
-                sc.as_ptr(),
-                sd.as_ptr(),
-                INT32,
-                comm,
-                S
-            ));
-            for s in 0..n {
-                for i in 0..rc[s] {
-                    if recv[sd[s] + i] != value(s, rank, i) {
-                        return Err(format!(
-                            "in-place alltoallv from {s} element {i}: {}",
-                            recv[sd[s] + i]
-                        ));
-                    }
-                }
-            }
-            continue;
-        }
-        nccl!(commAlltoAllv(
-            send.as_ptr() as *const c_void,
-            sc.as_ptr(),
-            sd.as_ptr(),
-            recv.as_mut_ptr() as *mut c_void,
-            rc.as_ptr(),
-            rd.as_ptr(),
-            INT32,
-            comm,
-            S
-        ));
-        let mut expect = vec![-7i32; recv.len()];
-        for s in 0..n {
-            for i in 0..rc[s] {
-                expect[rd[s] + i] = value(s, rank, i);
-            }
-        }
-        if recv != expect {
-            return Err(format!(
-                "alltoallv on rank {rank}: got {recv:?}, expected {expect:?}"
-            ));
-        }
-    }
-    Ok(())
-}
-
 fn bitwise(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     for (op, fold) in [
         (COMM_OP_BAND, (|a, b| a & b) as fn(u32, u32) -> u32),
@@ -259,7 +173,7 @@ fn any_source(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
 fn scenario(w: &Worker) -> Result<(), String> {
     let c = init_rank(w)?;
     match w.scenario.as_str() {
-        "alltoallv" => alltoallv(c, w.rank, w.nranks)?,
+        "alltoallv" => common::run::alltoallv_uneven(c, w.rank, w.nranks)?,
         "bitwise" => bitwise(c, w.rank, w.nranks)?,
         "nested" => nested_groups(c, w.rank, w.nranks)?,
         "anysource" => any_source(c, w.rank, w.nranks)?,
@@ -296,7 +210,7 @@ fn alltoallv_uneven_blocks_processes() {
 
 #[test]
 fn alltoallv_uneven_blocks_threads() {
-    with_threads(4, Duration::from_secs(60), alltoallv);
+    with_threads(4, Duration::from_secs(60), common::run::alltoallv_uneven);
 }
 
 #[test]

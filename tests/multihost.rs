@@ -35,6 +35,7 @@ fn worker() {
         "ring_traffic" => ring_traffic,
         "every_collective" => every_collective,
         "rated_all_reduce" => rated_all_reduce,
+        "extras" => extras,
         other => finish(Err(format!("unknown scenario {other}"))),
     };
     finish(run(&w));
@@ -222,6 +223,60 @@ fn every_collective(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
+/// commAlltoAllv with uneven blocks, then one group holding a send to and a receive from
+/// every peer (sizes differing per pair) plus two all-reduces, all checked.
+fn extras(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let (me, n) = (w.rank, w.nranks);
+    common::run::alltoallv_uneven(c, me, n)?;
+    let len = |from: usize, to: usize| 1000 * (from + 1) + 7 * to + 1;
+    let outgoing: Vec<Vec<f32>> = (0..n)
+        .map(|p| (0..len(me, p)).map(|i| (me * 100_000 + i) as f32).collect())
+        .collect();
+    let mut incoming: Vec<Vec<f32>> = (0..n).map(|p| vec![-1.0; len(p, me)]).collect();
+    let mut sums = [vec![me as f32; 333], vec![1.0f32; 70_001]];
+    nccl!(ncclGroupStart());
+    for p in (0..n).filter(|&p| p != me) {
+        nccl!(ncclSend(
+            outgoing[p].as_ptr() as *const c_void,
+            outgoing[p].len(),
+            FLOAT,
+            p as i32,
+            c,
+            S
+        ));
+        nccl!(ncclRecv(
+            incoming[p].as_mut_ptr() as *mut c_void,
+            incoming[p].len(),
+            FLOAT,
+            p as i32,
+            c,
+            S
+        ));
+    }
+    for b in sums.iter_mut() {
+        let p = b.as_mut_ptr() as *mut c_void;
+        nccl!(ncclAllReduce(p, p, b.len(), FLOAT, SUM, c, S));
+    }
+    nccl!(ncclGroupEnd());
+    for p in (0..n).filter(|&p| p != me) {
+        if let Some(i) = (0..len(p, me)).find(|&i| incoming[p][i] != (p * 100_000 + i) as f32) {
+            return Err(format!("from rank {p}: element {i} is {}", incoming[p][i]));
+        }
+    }
+    let want = [(n * (n - 1) / 2) as f32, n as f32];
+    for (b, want) in sums.iter().zip(want) {
+        if let Some(i) = b.iter().position(|&v| v != want) {
+            return Err(format!(
+                "grouped all-reduce element {i} is {}, not {want}",
+                b[i]
+            ));
+        }
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
 /// This host's bytes sent on its link, from its namespace's counters.
 fn tx_bytes() -> u64 {
     std::fs::read_to_string("/sys/class/net/eth0/statistics/tx_bytes")
@@ -361,6 +416,22 @@ fn matrix_3_hosts_1_rank_each() {
 #[test]
 fn matrix_2_hosts_3_ranks_each() {
     matrix_on(&[3, 3]);
+}
+
+/// commAlltoAllv and a group of point-to-point calls and collectives, on hosts of 2 and 1 ranks.
+#[test]
+fn alltoallv_and_groups_across_hosts() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let r = launch_on(
+        &hosts,
+        &[2, 1],
+        "extras",
+        "",
+        &[],
+        Duration::from_secs(300),
+        || {},
+    );
+    assert_all_ok(&r, "alltoallv and groups across hosts");
 }
 
 #[test]

@@ -207,3 +207,89 @@ pub fn matrix(ctx: &Ctx, large: bool) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Rank s sends (s + 2d) % 4 elements to rank d (zero-sized blocks included), at scattered
+/// displacements, in place and out of place.
+pub fn alltoallv_uneven(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let count = |s: usize, d: usize| (s + 2 * d) % 4;
+    let value = |s: usize, d: usize, i: usize| (s * 10_000 + d * 100 + i) as i32;
+    for in_place in [false, true] {
+        // Displacements leave a gap of 3 elements between blocks.
+        let sc: Vec<usize> = (0..n).map(|d| count(rank, d)).collect();
+        let rc: Vec<usize> = (0..n).map(|s| count(s, rank)).collect();
+        let mut sd = Vec::new();
+        let mut at = 0;
+        for &c in &sc {
+            sd.push(at);
+            at += c + 3;
+        }
+        let send_len = at;
+        let mut rd = Vec::new();
+        at = 1;
+        for &c in &rc {
+            rd.push(at);
+            at += c + 3;
+        }
+        let recv_len = at;
+        let mut send = vec![-1i32; send_len];
+        for d in 0..n {
+            for i in 0..sc[d] {
+                send[sd[d] + i] = value(rank, d, i);
+            }
+        }
+        let mut recv = vec![-7i32; recv_len.max(send_len)];
+        if in_place {
+            // The same displacements on both sides, so the blocks line up in one buffer.
+            if sc != rc {
+                continue;
+            }
+            recv[..send_len].copy_from_slice(&send);
+            let p = recv.as_mut_ptr() as *mut c_void;
+            nccl!(commAlltoAllv(
+                p,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                p,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                2, /* int32 */
+                comm,
+                std::ptr::null_mut()
+            ));
+            for s in 0..n {
+                for i in 0..rc[s] {
+                    if recv[sd[s] + i] != value(s, rank, i) {
+                        return Err(format!(
+                            "in-place alltoallv from {s} element {i}: {}",
+                            recv[sd[s] + i]
+                        ));
+                    }
+                }
+            }
+            continue;
+        }
+        nccl!(commAlltoAllv(
+            send.as_ptr() as *const c_void,
+            sc.as_ptr(),
+            sd.as_ptr(),
+            recv.as_mut_ptr() as *mut c_void,
+            rc.as_ptr(),
+            rd.as_ptr(),
+            2, /* int32 */
+            comm,
+            std::ptr::null_mut()
+        ));
+        let mut expect = vec![-7i32; recv.len()];
+        for s in 0..n {
+            for i in 0..rc[s] {
+                expect[rd[s] + i] = value(s, rank, i);
+            }
+        }
+        if recv != expect {
+            return Err(format!(
+                "alltoallv on rank {rank}: got {recv:?}, expected {expect:?}"
+            ));
+        }
+    }
+    Ok(())
+}
