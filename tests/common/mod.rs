@@ -4,6 +4,7 @@
 
 pub mod cases;
 pub mod hosts;
+pub mod ibmodel;
 pub mod run;
 pub mod values;
 

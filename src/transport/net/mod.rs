@@ -15,6 +15,7 @@
 //! Environment: `COMM_SHM_DISABLE` / `NCCL_SHM_DISABLE` puts ranks of one host on the network
 //! too; `COMM_NET` / `NCCL_NET` names the network transport (`socket`; `ib` is not built yet).
 
+pub mod ib;
 mod socket;
 
 use crate::bootstrap::{auth, Bootstrap};
@@ -32,15 +33,21 @@ use std::time::{Duration, Instant};
 /// How long an accepted connection may take to name itself and authenticate.
 const HANDSHAKE: Duration = Duration::from_secs(5);
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Net {
+    /// InfiniBand where every rank has a device, sockets otherwise.
+    Auto,
+    Socket,
+    Ib,
+}
+
 /// Which network transport to use, from COMM_NET / NCCL_NET.
-fn chosen() -> Result<()> {
+fn chosen() -> Result<Net> {
     match crate::env::var("NET").as_deref() {
-        None | Some("") => Ok(()),
-        Some(n) if n.eq_ignore_ascii_case("socket") => Ok(()),
-        Some(n) if n.eq_ignore_ascii_case("ib") => crate::invalid_usage!(
-            "COMM_NET=ib: the InfiniBand transport is not built yet; use COMM_NET=socket"
-        ),
-        Some(n) => crate::invalid_arg!("COMM_NET={n} is not a network transport (socket)"),
+        None | Some("") => Ok(Net::Auto),
+        Some(n) if n.eq_ignore_ascii_case("socket") => Ok(Net::Socket),
+        Some(n) if n.eq_ignore_ascii_case("ib") => Ok(Net::Ib),
+        Some(n) => crate::invalid_arg!("COMM_NET={n} is not a network transport (socket, ib)"),
     }
 }
 
@@ -161,16 +168,19 @@ pub struct NetWorld {
     /// The speed of the interface the connections use, in bytes per microsecond (10 Gbit/s
     /// where the kernel does not say), for estimates.
     pub(crate) bytes_per_us: f32,
-    waker: Arc<Waker>,
+    waker: Option<Arc<Waker>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The InfiniBand device the links use, kept open while they exist.
+    _ib: Option<ib::IbWorld>,
 }
 
 impl Drop for NetWorld {
     fn drop(&mut self) {
-        self.waker.stop.store(true, Ordering::Release);
+        let Some(waker) = &self.waker else { return };
+        waker.stop.store(true, Ordering::Release);
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes to our eventfd, which wakes the thread's epoll_wait.
-        unsafe { libc::write(self.waker.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        unsafe { libc::write(waker.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -193,9 +203,19 @@ pub(crate) fn connect(
 ) -> Result<Option<NetWorld>> {
     let me = boot.rank();
     let nranks = boot.nranks();
-    if !peers.is_empty() {
-        chosen()?;
-    }
+    let want = chosen()?;
+    // Every rank votes: 2 without network peers (either will do), 1 with a usable InfiniBand
+    // device, 0 without one (or with sockets asked for).
+    let (vote, device, why) = if peers.is_empty() {
+        (2u8, None, String::new())
+    } else if want == Net::Socket {
+        (0, None, "COMM_NET=socket".to_string())
+    } else {
+        match ib::probe() {
+            Ok(d) => (1, Some(d), String::new()),
+            Err(why) => (0, None, why),
+        }
+    };
     let listener = if peers.iter().any(|&p| p < me) {
         let l = TcpListener::bind(SocketAddr::new(boot.listen_ip(), 0))
             .map_err(|e| Error::from_io("bind the TCP transport's listener", e))?;
@@ -203,7 +223,7 @@ pub(crate) fn connect(
     } else {
         None
     };
-    let mut mine = Vec::new();
+    let mut mine = vec![vote];
     if let Some(l) = &listener {
         let a = l
             .local_addr()
@@ -211,15 +231,59 @@ pub(crate) fn connect(
         mine.extend_from_slice(&crate::bootstrap::encode_addr(&a));
     }
     let addrs = boot.allgather(&mine)?;
+    let without: Vec<usize> = (0..nranks)
+        .filter(|&r| addrs[r].first() == Some(&0))
+        .collect();
+    let use_ib = without.is_empty() && addrs.iter().any(|a| a.first() == Some(&1));
+    if want == Net::Ib && !use_ib && !without.is_empty() {
+        return crate::invalid_usage!(
+            "COMM_NET=ib, but {} {} no usable InfiniBand device{}",
+            crate::bootstrap::describe_ranks(&without),
+            if without.len() == 1 { "has" } else { "have" },
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(" (here: {why})")
+            }
+        );
+    }
+    if use_ib {
+        if let Some(d) = &device {
+            crate::info!(
+                "network transport: InfiniBand on {}, which every rank has",
+                d.name()
+            );
+        }
+        let (links, world) = ib::connect(boot, peers, device, doorbell)?;
+        if peers.is_empty() {
+            return Ok(None);
+        }
+        return Ok(Some(NetWorld {
+            links,
+            bytes_per_us: 12_500.0,
+            waker: None,
+            thread: None,
+            _ib: world,
+        }));
+    }
     if peers.is_empty() {
         return Ok(None);
+    }
+    if want == Net::Auto {
+        match without.first() {
+            Some(&r) if r == me => crate::info!("network transport: sockets ({why})"),
+            Some(&r) => {
+                crate::info!("network transport: sockets (rank {r} has no InfiniBand device)")
+            }
+            None => {}
+        }
     }
     let secret = *boot.secret();
     let mut streams: Vec<Option<TcpStream>> = (0..nranks).map(|_| None).collect();
     // Upward first: a higher rank's listener takes the connection even while its owner is
     // still connecting upward itself, so the chain always resolves from the top.
     for &p in peers.iter().filter(|&&p| p > me) {
-        let addr = crate::bootstrap::decode_addr(&addrs[p]).ok_or_else(|| {
+        let addr = crate::bootstrap::decode_addr(&addrs[p][1..]).ok_or_else(|| {
             Error::new(
                 ErrorKind::Internal,
                 format!("rank {p} published no TCP transport address"),
@@ -256,8 +320,9 @@ pub(crate) fn connect(
     Ok(Some(NetWorld {
         links,
         bytes_per_us: crate::bootstrap::iface::speed_of(boot.listen_ip()).unwrap_or(1250.0),
-        waker,
+        waker: Some(waker),
         thread: Some(thread),
+        _ib: None,
     }))
 }
 

@@ -1,0 +1,161 @@
+//! InfiniBand / RoCE: one RC queue pair per peer, messages RDMA-written with immediate data
+//! into slots the receiver registered, under credits (`link.rs`). The verbs it uses are behind
+//! a narrow interface (`verbs.rs`), implemented over `libibverbs.so.1` opened at run time
+//! (`libverbs.rs`), so the library loads and falls back to sockets where rdma-core or a device
+//! is missing; the tests run the protocol over an in-process model of that interface.
+//!
+//! Selection (`net::connect`): `COMM_NET` / `NCCL_NET` `ib` requires it; unset, IB is used when
+//! every rank has a usable device and active port, sockets otherwise, and an INFO line says
+//! which and why.
+//!
+//! This transport has been tested against the model only, never on RDMA hardware.
+
+mod libverbs;
+mod link;
+pub mod verbs;
+
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, ErrorKind, Result};
+use crate::transport::{Doorbell, Link};
+use link::{Buffer, IbLink, HEADER, RECVS, SLOTS};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use verbs::{Device, Provider, QpAddr, Remote};
+
+static PROVIDER: Mutex<Option<Arc<dyn Provider>>> = Mutex::new(None);
+
+/// Replaces the verbs library with `p` (a test's model), or restores it (`None`).
+#[doc(hidden)]
+pub fn set_provider(p: Option<Arc<dyn Provider>>) {
+    *PROVIDER.lock() = p;
+}
+
+fn provider() -> Arc<dyn Provider> {
+    PROVIDER
+        .lock()
+        .clone()
+        .unwrap_or_else(|| Arc::new(libverbs::Library))
+}
+
+/// A usable device, or why there is none.
+pub(super) fn probe() -> std::result::Result<Arc<dyn Device>, String> {
+    match provider().open() {
+        Ok(r) => r,
+        Err(e) => Err(e.msg),
+    }
+}
+
+/// Bytes of one slot: its header and up to `COMM_IB_SLOT_BYTES` (default 256 KiB) of data.
+fn slot_bytes() -> usize {
+    crate::env::size("IB_SLOT_BYTES")
+        .unwrap_or(256 << 10)
+        .clamp(4 << 10, 16 << 20)
+        + HEADER
+}
+
+/// One link per rank (`None` where the network does not carry the traffic).
+type NetLinks = Vec<Option<Arc<dyn Link>>>;
+
+/// Keeps the device (and through the links, the queue pairs and registrations) alive.
+pub(crate) struct IbWorld {
+    _device: Arc<dyn Device>,
+}
+
+/// Connects this rank to `peers` over `device`. Collective over the bootstrap: every rank
+/// calls it (with or without peers of its own) once every rank chose IB.
+pub(super) fn connect(
+    boot: &Bootstrap,
+    peers: &[usize],
+    device: Option<Arc<dyn Device>>,
+    doorbell: Arc<dyn Doorbell>,
+) -> Result<(NetLinks, Option<IbWorld>)> {
+    let me = boot.rank();
+    let n = boot.nranks();
+    let slot = slot_bytes();
+    let mut made: Vec<Option<Arc<IbLink>>> = (0..n).map(|_| None).collect();
+    let device = match device {
+        Some(d) => Some(d),
+        None if peers.is_empty() => None,
+        None => return crate::internal_err!("InfiniBand chosen without a device"),
+    };
+    for &p in peers {
+        let device = device.as_ref().expect("checked");
+        let ring = Buffer::new(SLOTS * slot)?;
+        let staging = Buffer::new(SLOTS * slot)?;
+        let ring_mr = device.register(ring.ptr(), SLOTS * slot)?;
+        let staging_mr = device.register(staging.ptr(), SLOTS * slot)?;
+        let bell = doorbell.clone();
+        let qp = device.create_qp(2 * RECVS, Arc::new(move || bell.ring()))?;
+        made[p] = Some(Arc::new(IbLink::new(
+            me,
+            p,
+            device.name(),
+            slot,
+            qp,
+            ring,
+            staging,
+            ring_mr,
+            staging_mr,
+        )));
+    }
+    // For every rank: whether it is a peer, then our queue pair and ring for it.
+    let mut mine = Vec::new();
+    for link in &made {
+        match link {
+            Some(l) => {
+                mine.push(1);
+                l.qp_addr().encode(&mut mine);
+                let k = l.ring_key();
+                mine.extend_from_slice(&k.addr.to_le_bytes());
+                mine.extend_from_slice(&k.rkey.to_le_bytes());
+            }
+            None => mine.push(0),
+        }
+    }
+    let all = boot.allgather(&mine)?;
+    for &p in peers {
+        let theirs = entry_for(&all[p], me).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Internal,
+                format!("rank {p} published no InfiniBand connection for rank {me}"),
+            )
+        })?;
+        let l = made[p].as_ref().expect("made above");
+        l.connect(&theirs.0)
+            .map_err(|e| e.context(format!("connecting the queue pair to rank {p}")))?;
+        l.start(theirs.1)?;
+        crate::info!("rank {me} -> rank {p}: {}", l.describe());
+    }
+    // Every queue pair is ready to receive before anyone sends.
+    boot.barrier()?;
+    let links = made
+        .into_iter()
+        .map(|l| l.map(|l| l as Arc<dyn Link>))
+        .collect();
+    Ok((links, device.map(|d| IbWorld { _device: d })))
+}
+
+/// Rank `of`'s entry in a published table: its queue pair's address and its ring.
+fn entry_for(table: &[u8], of: usize) -> Option<(QpAddr, Remote)> {
+    let entry = QpAddr::BYTES + 12;
+    let mut at = 0;
+    for r in 0..=of {
+        let present = *table.get(at)? == 1;
+        at += 1;
+        if r == of {
+            if !present {
+                return None;
+            }
+            let b = table.get(at..at + entry)?;
+            let qp = QpAddr::decode(b)?;
+            let k = &b[QpAddr::BYTES..];
+            let addr = u64::from_le_bytes(k[0..8].try_into().ok()?);
+            let rkey = u32::from_le_bytes(k[8..12].try_into().ok()?);
+            return Some((qp, Remote { addr, rkey }));
+        }
+        if present {
+            at += entry;
+        }
+    }
+    None
+}

@@ -1,0 +1,421 @@
+//! An in-process software model of the verbs the InfiniBand transport uses
+//! (`comm::transport::net::ib::verbs`), for ranks that are threads of one process. RC
+//! semantics as the transport relies on them: work requests of a queue pair take effect in
+//! order; a write with immediate lands its bytes before the target's receive completion and
+//! waits for a posted receive (an unlimited RNR retry); atomics are atomic; remote accesses
+//! are checked against registered memory and its keys. Faults can be injected: a write that
+//! completes with an error status (both ends of its connection go to error, as a real RC
+//! connection does), a connection broken outright, and completions delayed by a fixed time.
+//!
+//! Everything happens under one lock, which is what makes the ordering easy to trust; a
+//! delayed operation is applied later by the fabric's thread, still in posting order.
+
+use comm::error::{Error, ErrorKind, Result};
+use comm::transport::net::ib::verbs::*;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What goes wrong, and when.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// The n-th write with data (counted from 1 over the whole fabric) completes with
+    /// `status`, and its connection goes to error.
+    pub fail_write: Option<(u64, String)>,
+    /// Every operation takes effect (and completes) this much later than it was posted.
+    pub delay: Option<Duration>,
+}
+
+struct Region {
+    addr: u64,
+    len: u64,
+    key: u32,
+}
+
+struct QpState {
+    remote: Option<u32>,
+    cq: VecDeque<Completion>,
+    /// Posted receives, and writes with immediate waiting for one.
+    recvs: VecDeque<u64>,
+    waiting_imm: VecDeque<u32>,
+    error: bool,
+}
+
+struct ModelQp {
+    qpn: u32,
+    fabric: Arc<Fabric>,
+    notify: Arc<dyn Fn() + Send + Sync>,
+}
+
+struct State {
+    qps: HashMap<u32, QpState>,
+    notifies: HashMap<u32, Arc<dyn Fn() + Send + Sync>>,
+    regions: Vec<Region>,
+    next_qpn: u32,
+    next_key: u32,
+    writes: u64,
+    /// Delayed operations: when, on which queue pair, what.
+    later: VecDeque<(Instant, u32, SendWr)>,
+    faults: Faults,
+}
+
+pub struct Fabric {
+    state: Mutex<State>,
+    tick: Condvar,
+}
+
+const FLUSH: &str = "work request flushed error (5)";
+
+impl Fabric {
+    pub fn new(faults: Faults) -> Arc<Fabric> {
+        let f = Arc::new(Fabric {
+            state: Mutex::new(State {
+                qps: HashMap::new(),
+                notifies: HashMap::new(),
+                regions: Vec::new(),
+                next_qpn: 0x100,
+                next_key: 0x1000,
+                writes: 0,
+                later: VecDeque::new(),
+                faults,
+            }),
+            tick: Condvar::new(),
+        });
+        if f.state.lock().unwrap().faults.delay.is_some() {
+            let weak = Arc::downgrade(&f);
+            std::thread::spawn(move || Fabric::deliver_later(weak));
+        }
+        f
+    }
+
+    /// Writes with data so far, over the whole fabric.
+    pub fn writes(&self) -> u64 {
+        self.state.lock().unwrap().writes
+    }
+
+    fn deliver_later(fabric: std::sync::Weak<Fabric>) {
+        loop {
+            let Some(f) = fabric.upgrade() else { return };
+            let mut st = f.state.lock().unwrap();
+            let due = st.later.front().map(|(t, _, _)| *t);
+            match due {
+                Some(t) if t <= Instant::now() => {
+                    let (_, qpn, wr) = st.later.pop_front().unwrap();
+                    let woken = apply(&mut st, qpn, &wr);
+                    drop(st);
+                    ring(&f, woken);
+                }
+                Some(t) => {
+                    let left = t.saturating_duration_since(Instant::now());
+                    let _ = f.tick.wait_timeout(st, left).unwrap();
+                }
+                None => {
+                    let _ = f.tick.wait_timeout(st, Duration::from_millis(20)).unwrap();
+                }
+            }
+        }
+    }
+}
+
+fn ring(f: &Fabric, qpns: Vec<u32>) {
+    let notifies: Vec<_> = {
+        let st = f.state.lock().unwrap();
+        qpns.iter()
+            .filter_map(|q| st.notifies.get(q).cloned())
+            .collect()
+    };
+    for n in notifies {
+        n();
+    }
+}
+
+/// Both ends of `qpn`'s connection go to error: their posted receives flush, later work
+/// requests fail. Returns the queue pairs to wake.
+fn break_connection(st: &mut State, qpn: u32) -> Vec<u32> {
+    let peer = st.qps.get(&qpn).and_then(|q| q.remote);
+    let mut woken = Vec::new();
+    for q in [Some(qpn), peer].into_iter().flatten() {
+        if let Some(s) = st.qps.get_mut(&q) {
+            s.error = true;
+            while let Some(id) = s.recvs.pop_front() {
+                s.cq.push_back(Completion {
+                    wr_id: id,
+                    what: Completed::RecvImm(0),
+                    error: Some(FLUSH.into()),
+                });
+            }
+            woken.push(q);
+        }
+    }
+    woken
+}
+
+fn covered(st: &State, addr: u64, len: u64, key: u32, local: bool) -> bool {
+    // A zero-byte local buffer needs no key; a remote one still names a registered region.
+    (local && len == 0)
+        || st
+            .regions
+            .iter()
+            .any(|r| r.key == key && addr >= r.addr && addr + len <= r.addr + r.len)
+}
+
+/// Carries out one work request of `qpn`; returns the queue pairs to wake.
+fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
+    let complete = |st: &mut State, error: Option<String>| {
+        if let Some(q) = st.qps.get_mut(&qpn) {
+            if wr.signaled || error.is_some() {
+                q.cq.push_back(Completion {
+                    wr_id: wr.wr_id,
+                    what: Completed::Send,
+                    error,
+                });
+            }
+        }
+    };
+    let (err, remote) = match st.qps.get(&qpn) {
+        Some(q) => (q.error, q.remote),
+        None => return Vec::new(),
+    };
+    if err {
+        complete(st, Some(FLUSH.into()));
+        return vec![qpn];
+    }
+    let Some(target) = remote.filter(|r| st.qps.get(r).is_some_and(|q| !q.error)) else {
+        complete(st, Some("transport retry counter exceeded (12)".into()));
+        let mut w = break_connection(st, qpn);
+        w.push(qpn);
+        return w;
+    };
+    let data = matches!(wr.op, Op::Write | Op::WriteImm(_)) && wr.local.len > 0;
+    if data {
+        st.writes += 1;
+        if let Some((n, status)) = st.faults.fail_write.clone() {
+            if st.writes == n {
+                complete(st, Some(status));
+                let mut w = break_connection(st, qpn);
+                w.push(qpn);
+                return w;
+            }
+        }
+    }
+    let len = match wr.op {
+        Op::FetchAdd(_) | Op::CompareSwap(..) => 8,
+        _ => u64::from(wr.local.len),
+    };
+    if !covered(st, wr.remote.addr, len, wr.remote.rkey, false)
+        || !covered(st, wr.local.addr, len, wr.local.lkey, true)
+    {
+        complete(st, Some("remote access error (10)".into()));
+        let mut w = break_connection(st, qpn);
+        w.push(qpn);
+        return w;
+    }
+    // SAFETY: both ranges are registered memory of this process (checked above), which the
+    // transport keeps alive while work requests are outstanding.
+    unsafe {
+        let (l, r) = (wr.local.addr as *mut u8, wr.remote.addr as *mut u8);
+        match wr.op {
+            Op::Write | Op::WriteImm(_) => std::ptr::copy(l, r, len as usize),
+            Op::Read => std::ptr::copy(r, l, len as usize),
+            Op::FetchAdd(add) => {
+                let old = AtomicU64::from_ptr(r as *mut u64).fetch_add(add, Ordering::SeqCst);
+                (l as *mut u64).write_unaligned(old);
+            }
+            Op::CompareSwap(cmp, swap) => {
+                let old = match AtomicU64::from_ptr(r as *mut u64).compare_exchange(
+                    cmp,
+                    swap,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                ) {
+                    Ok(v) | Err(v) => v,
+                };
+                (l as *mut u64).write_unaligned(old);
+            }
+        }
+    }
+    complete(st, None);
+    let mut woken = vec![qpn];
+    if let Op::WriteImm(imm) = wr.op {
+        let t = st.qps.get_mut(&target).expect("checked");
+        match t.recvs.pop_front() {
+            Some(id) => t.cq.push_back(Completion {
+                wr_id: id,
+                what: Completed::RecvImm(imm),
+                error: None,
+            }),
+            None => t.waiting_imm.push_back(imm),
+        }
+        woken.push(target);
+    }
+    woken
+}
+
+impl Qp for ModelQp {
+    fn addr(&self) -> QpAddr {
+        QpAddr {
+            qpn: self.qpn,
+            psn: self.qpn * 7 % 0xff_ffff,
+            lid: 1,
+            gid: [0; 16],
+            mtu: 5,
+        }
+    }
+
+    fn connect(&self, remote: &QpAddr) -> Result<()> {
+        let mut st = self.fabric.state.lock().unwrap();
+        if !st.qps.contains_key(&remote.qpn) {
+            return Err(Error::new(
+                ErrorKind::System,
+                format!("no queue pair {:#x} on the fabric", remote.qpn),
+            ));
+        }
+        st.qps.get_mut(&self.qpn).unwrap().remote = Some(remote.qpn);
+        Ok(())
+    }
+
+    fn post_send(&self, wr: &SendWr) -> Result<()> {
+        let mut st = self.fabric.state.lock().unwrap();
+        if let Some(d) = st.faults.delay {
+            st.later.push_back((Instant::now() + d, self.qpn, *wr));
+            self.fabric.tick.notify_all();
+            return Ok(());
+        }
+        let woken = apply(&mut st, self.qpn, wr);
+        drop(st);
+        ring(&self.fabric, woken);
+        Ok(())
+    }
+
+    fn post_recv(&self, wr_id: u64) -> Result<()> {
+        let mut st = self.fabric.state.lock().unwrap();
+        let q = st.qps.get_mut(&self.qpn).unwrap();
+        if q.error {
+            q.cq.push_back(Completion {
+                wr_id,
+                what: Completed::RecvImm(0),
+                error: Some(FLUSH.into()),
+            });
+        } else if let Some(imm) = q.waiting_imm.pop_front() {
+            q.cq.push_back(Completion {
+                wr_id,
+                what: Completed::RecvImm(imm),
+                error: None,
+            });
+        } else {
+            q.recvs.push_back(wr_id);
+            return Ok(());
+        }
+        drop(st);
+        (self.notify)();
+        Ok(())
+    }
+
+    fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<()> {
+        let mut st = self.fabric.state.lock().unwrap();
+        let q = st.qps.get_mut(&self.qpn).unwrap();
+        while out.len() < max {
+            match q.cq.pop_front() {
+                Some(c) => out.push(c),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn arm(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for ModelQp {
+    fn drop(&mut self) {
+        let mut st = self.fabric.state.lock().unwrap();
+        st.qps.remove(&self.qpn);
+        st.notifies.remove(&self.qpn);
+    }
+}
+
+struct ModelMr {
+    key: u32,
+    fabric: Arc<Fabric>,
+}
+
+impl Mr for ModelMr {
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+
+    fn rkey(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for ModelMr {
+    fn drop(&mut self) {
+        let mut st = self.fabric.state.lock().unwrap();
+        st.regions.retain(|r| r.key != self.key);
+    }
+}
+
+struct ModelDevice {
+    fabric: Arc<Fabric>,
+}
+
+impl Device for ModelDevice {
+    fn name(&self) -> String {
+        "model_0:1".into()
+    }
+
+    fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn Mr>> {
+        let mut st = self.fabric.state.lock().unwrap();
+        st.next_key += 1;
+        let key = st.next_key;
+        st.regions.push(Region {
+            addr: addr as u64,
+            len: len as u64,
+            key,
+        });
+        Ok(Arc::new(ModelMr {
+            key,
+            fabric: self.fabric.clone(),
+        }))
+    }
+
+    fn create_qp(&self, _depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>> {
+        let mut st = self.fabric.state.lock().unwrap();
+        st.next_qpn += 1;
+        let qpn = st.next_qpn;
+        st.qps.insert(
+            qpn,
+            QpState {
+                remote: None,
+                cq: VecDeque::new(),
+                recvs: VecDeque::new(),
+                waiting_imm: VecDeque::new(),
+                error: false,
+            },
+        );
+        st.notifies.insert(qpn, notify.clone());
+        Ok(Arc::new(ModelQp {
+            qpn,
+            fabric: self.fabric.clone(),
+            notify,
+        }))
+    }
+}
+
+/// Hands out the model's one device, or says there is none.
+pub struct ModelProvider {
+    pub fabric: Option<Arc<Fabric>>,
+}
+
+impl Provider for ModelProvider {
+    fn open(&self) -> Result<std::result::Result<Arc<dyn Device>, String>> {
+        Ok(match &self.fabric {
+            Some(f) => Ok(Arc::new(ModelDevice { fabric: f.clone() })),
+            None => Err("the model has no device".into()),
+        })
+    }
+}

@@ -1,0 +1,220 @@
+//! The InfiniBand transport over the software model of verbs (`common/ibmodel.rs`), with ranks
+//! as threads of this process (ncclCommInitAll, shared memory off so that they talk over the
+//! network transport): the collective matrix, delayed completions, injected errors, and the
+//! fall back to sockets where there is no device. No RDMA hardware is involved anywhere: the
+//! model stands in for it (see the README for what a first run on a fabric must check).
+//!
+//! The tests set process-wide environment variables and the verbs provider, so they take a
+//! lock and run one at a time.
+
+mod common;
+
+use comm::ffi::types::*;
+use comm::ffi::*;
+use comm::transport::net::ib;
+use common::cases::*;
+use common::ibmodel::{Fabric, Faults, ModelProvider};
+use common::run::*;
+use common::*;
+use std::os::raw::c_void;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const FLOAT: i32 = 7;
+const SUM: i32 = 0;
+const S: cudaStream_t = std::ptr::null_mut();
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Runs `f` with the model (or no device, for `None`) as the verbs provider and `net` as
+/// COMM_NET, ranks of one process on the network transport.
+fn with_model<T>(fabric: Option<Arc<Fabric>>, net: &str, f: impl FnOnce() -> T) -> T {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("COMM_SHM_DISABLE", "1");
+    std::env::set_var("COMM_NET", net);
+    ib::set_provider(Some(Arc::new(ModelProvider { fabric })));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    ib::set_provider(None);
+    std::env::remove_var("COMM_NET");
+    std::env::remove_var("COMM_TIMEOUT");
+    match r {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e),
+    }
+}
+
+fn every_case(c: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let ctx = Ctx { comm: c, rank, n };
+    matrix(&ctx, false)?;
+    for coll in COLLS {
+        run_case(&ctx, coll, FLOAT, SUM, (1 << 20) + 3, false)?;
+        if coll != Coll::SendRecv {
+            run_case(&ctx, coll, FLOAT, SUM, (1 << 20) + 3, true)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every collective, datatype, op, size and in/out-of-place case over the model, on 2, 3 and
+/// 4 ranks; the fabric counts the writes, so the cases really went over it.
+#[test]
+fn collectives_over_the_model() {
+    for n in [2, 3, 4] {
+        let fabric = Fabric::new(Faults::default());
+        with_model(Some(fabric.clone()), "ib", || {
+            with_threads(n, Duration::from_secs(600), every_case);
+        });
+        assert!(
+            fabric.writes() > 1000,
+            "only {} RDMA writes on {n} ranks",
+            fabric.writes()
+        );
+    }
+}
+
+/// Unset COMM_NET picks InfiniBand where every rank has a device.
+#[test]
+fn picked_automatically_where_every_rank_has_a_device() {
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric.clone()), "", || {
+        with_threads(3, Duration::from_secs(120), |c, rank, n| {
+            let ctx = Ctx { comm: c, rank, n };
+            run_case(&ctx, Coll::AllReduce, FLOAT, SUM, 100_003, false)
+        });
+    });
+    assert!(fabric.writes() > 0, "no RDMA writes: sockets were used");
+}
+
+/// Every operation takes effect 200 us after it was posted: results are still right.
+#[test]
+fn delayed_completions() {
+    let fabric = Fabric::new(Faults {
+        delay: Some(Duration::from_micros(200)),
+        ..Faults::default()
+    });
+    with_model(Some(fabric), "ib", || {
+        with_threads(3, Duration::from_secs(300), |c, rank, n| {
+            let ctx = Ctx { comm: c, rank, n };
+            for coll in COLLS {
+                run_case(&ctx, coll, FLOAT, SUM, 300_001, false)?;
+                run_case(&ctx, coll, FLOAT, SUM, 0, false)?;
+            }
+            Ok(())
+        });
+    });
+}
+
+/// The 40th write completes with a remote access error and its connection goes to error:
+/// every rank's all-reduce loop ends in an error (none hangs), the ranks at the broken
+/// connection name the device, the peer and the status, and the communicators can still be
+/// destroyed.
+#[test]
+fn an_error_completion_fails_the_collective() {
+    let status = "remote access error (10)";
+    let fabric = Fabric::new(Faults {
+        fail_write: Some((40, status.into())),
+        ..Faults::default()
+    });
+    // (rank, result, message, time to fail)
+    type Failure = (usize, ncclResult_t, String, Duration);
+    let errors: Arc<Mutex<Vec<Failure>>> = Default::default();
+    let seen = errors.clone();
+    with_model(Some(fabric), "ib", || {
+        std::env::set_var("COMM_TIMEOUT", "20");
+        with_threads(3, Duration::from_secs(120), move |c, rank, _n| {
+            let mut buf = vec![1f32; 1 << 20];
+            let t = Instant::now();
+            for _ in 0..100 {
+                let p = buf.as_mut_ptr() as *mut c_void;
+                let r = unsafe { ncclAllReduce(p, p, buf.len(), FLOAT, SUM, c, S) };
+                if r != OK {
+                    let msg = last_error();
+                    seen.lock().unwrap().push((rank, r, msg, t.elapsed()));
+                    return Ok(());
+                }
+            }
+            Err("100 all-reduces succeeded through a broken connection".into())
+        });
+    });
+    let errors = errors.lock().unwrap();
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    let naming = errors
+        .iter()
+        .filter(|(_, _, m, _)| m.contains("InfiniBand model_0:1") && m.contains(status))
+        .count();
+    assert!(
+        naming >= 1,
+        "no rank names the device and status: {errors:?}"
+    );
+    for (rank, r, msg, t) in errors.iter() {
+        println!("rank {rank}: {r:?} after {t:?}: {msg}");
+        assert!(
+            matches!(
+                r,
+                ncclResult_t::ncclRemoteError | ncclResult_t::ncclSystemError
+            ),
+            "rank {rank}: {r:?} {msg}"
+        );
+        assert!(*t < Duration::from_secs(15), "rank {rank} took {t:?}");
+    }
+}
+
+/// Without a device: unset COMM_NET falls back to sockets; COMM_NET=ib is refused with the
+/// reason.
+#[test]
+fn without_a_device() {
+    with_model(None, "", || {
+        with_threads(2, Duration::from_secs(120), |c, rank, n| {
+            let ctx = Ctx { comm: c, rank, n };
+            run_case(&ctx, Coll::AllReduce, FLOAT, SUM, 1001, false)
+        });
+    });
+    with_model(None, "ib", || {
+        let mut comms = [std::ptr::null_mut(); 2];
+        let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) };
+        let msg = last_error();
+        assert_eq!(r, ncclResult_t::ncclInvalidUsage, "{msg}");
+        assert!(
+            msg.contains("COMM_NET=ib") && msg.contains("the model has no device"),
+            "{msg}"
+        );
+    });
+}
+
+/// The real verbs library, on this machine (which has no RDMA device): loaded at run time,
+/// and a reason to fall back when it is absent or lists no device.
+#[test]
+fn the_verbs_library_is_opened_at_run_time() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("COMM_SHM_DISABLE", "1");
+    std::env::set_var("COMM_NET", "ib");
+    let mut comms = [std::ptr::null_mut(); 2];
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) };
+    let msg = last_error();
+    std::env::remove_var("COMM_NET");
+    assert_eq!(r, ncclResult_t::ncclInvalidUsage, "{msg}");
+    assert!(
+        msg.contains("libibverbs.so.1 is not installed")
+            || msg.contains("libibverbs lists no RDMA device"),
+        "{msg}"
+    );
+    // No load-time dependency on rdma-core.
+    let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(if cfg!(debug_assertions) {
+        "target/debug/libcomm.so"
+    } else {
+        "target/release/libcomm.so"
+    });
+    if let Ok(out) = std::process::Command::new("readelf")
+        .arg("-d")
+        .arg(&lib)
+        .output()
+    {
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("NEEDED"),
+            "readelf -d {}: {text}",
+            lib.display()
+        );
+        assert!(!text.contains("libibverbs"), "{text}");
+    }
+}
