@@ -17,6 +17,13 @@ done
 if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libopenmpi-dev >/dev/null 2>&1; then
   apt_missing+=(libopenmpi-dev)
 fi
+# rdma-core without a device: the InfiniBand transport must load it, find nothing and fall
+# back; its header lets a test check the verbs structure layouts the transport uses.
+for pkg in libibverbs-dev ibverbs-providers; do
+  if command -v dpkg >/dev/null 2>&1 && ! dpkg -s "$pkg" >/dev/null 2>&1; then
+    apt_missing+=("$pkg")
+  fi
+done
 if ((${#apt_missing[@]})); then
   echo "installing ${apt_missing[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
