@@ -174,6 +174,12 @@ pub const KNOBS: &[Knob] = &[
         doc: "InfiniBand traffic class (RoCE)",
     },
     Knob {
+        name: "IB_QPS_PER_CONNECTION",
+        nccl: true,
+        default: "1",
+        doc: "InfiniBand queue pairs per peer; message pieces alternate between them (1-16)",
+    },
+    Knob {
         name: "IB_SLOT_BYTES",
         nccl: false,
         default: "256K",

@@ -72,6 +72,33 @@ fn collectives_over_the_model() {
     }
 }
 
+/// Three queue pairs per peer: pieces alternate between them, and every result is right,
+/// with a slot size that cuts the messages into many pieces.
+#[test]
+fn several_queue_pairs_per_connection() {
+    let fabric = Fabric::new(Faults::default());
+    std::env::set_var("NCCL_IB_QPS_PER_CONNECTION", "3");
+    std::env::set_var("COMM_IB_SLOT_BYTES", "4K");
+    with_model(Some(fabric.clone()), "ib", || {
+        with_threads(3, Duration::from_secs(300), |c, rank, n| {
+            let ctx = Ctx { comm: c, rank, n };
+            for coll in COLLS {
+                for count in [0, 1, 1001, 100_003] {
+                    run_case(&ctx, coll, FLOAT, SUM, count, false)?;
+                }
+            }
+            Ok(())
+        });
+    });
+    std::env::remove_var("NCCL_IB_QPS_PER_CONNECTION");
+    std::env::remove_var("COMM_IB_SLOT_BYTES");
+    assert_eq!(
+        fabric.queue_pairs(),
+        3 * 2 * 3,
+        "3 ranks x 2 peers x 3 queue pairs"
+    );
+}
+
 /// Unset COMM_NET picks InfiniBand where every rank has a device.
 #[test]
 fn picked_automatically_where_every_rank_has_a_device() {

@@ -89,6 +89,11 @@ impl Fabric {
         f
     }
 
+    /// Queue pairs created so far.
+    pub fn queue_pairs(&self) -> u32 {
+        self.state.lock().unwrap().next_qpn - 0x100
+    }
+
     /// Writes with data so far, over the whole fabric.
     pub fn writes(&self) -> u64 {
         self.state.lock().unwrap().writes

@@ -1,5 +1,9 @@
-//! One peer over an RC queue pair: messages cut into pieces, each RDMA-written with immediate
-//! data into a ring of slots the receiver registered for this sender, under credits.
+//! One peer over RC queue pairs: messages cut into pieces, each RDMA-written with immediate
+//! data into a ring of slots the receiver registered for this sender, under credits. With
+//! several queue pairs per connection (`NCCL_IB_QPS_PER_CONNECTION`), piece k travels on queue
+//! pair k mod n, so that a message spreads over several paths of the fabric; each queue pair
+//! keeps its own pieces in order, and the receiver takes piece k once its queue pair has
+//! delivered its share up to k.
 //!
 //! A slot holds a 32-byte header (tag, message length, the piece's offset and length, the
 //! scale) and up to `SLOT - HEADER` bytes of the message. The sender copies a piece into its
@@ -119,13 +123,14 @@ impl Header {
 
 #[derive(Default)]
 struct State {
-    /// Pieces this side posted, and how many of their writes completed here.
+    /// Pieces this side posted, and, per queue pair, how many of its writes completed here.
     posted: u64,
-    written: u64,
+    written: Vec<u64>,
     /// Pieces the peer consumed (its last credit).
     credit: u64,
-    /// Pieces that arrived here, how many were consumed, and the count last sent as credit.
-    arrived: u64,
+    /// Pieces that arrived here per queue pair, how many were consumed in all, and the count
+    /// last sent as credit.
+    arrived: Vec<u64>,
     consumed: u64,
     credited: u64,
     /// The first failure: completion errors, refused posts.
@@ -140,7 +145,7 @@ pub(super) struct IbLink {
     peer: usize,
     device: String,
     slot: usize,
-    qp: Arc<dyn Qp>,
+    qps: Vec<Arc<dyn Qp>>,
     /// The slots the peer writes into, and the ones this side sends from.
     ring: Buffer,
     staging: Buffer,
@@ -159,7 +164,7 @@ impl IbLink {
         peer: usize,
         device: String,
         slot: usize,
-        qp: Arc<dyn Qp>,
+        qps: Vec<Arc<dyn Qp>>,
         ring: Buffer,
         staging: Buffer,
         ring_mr: Arc<dyn Mr>,
@@ -170,23 +175,53 @@ impl IbLink {
             peer,
             device,
             slot,
-            qp,
             ring,
             staging,
             ring_mr,
             staging_mr,
             remote: Mutex::new(None),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                written: vec![0; qps.len()],
+                arrived: vec![0; qps.len()],
+                ..State::default()
+            }),
+            qps,
             closed: AtomicBool::new(false),
         }
     }
 
-    pub(super) fn qp_addr(&self) -> super::verbs::QpAddr {
-        self.qp.addr()
+    pub(super) fn qp_addrs(&self) -> Vec<super::verbs::QpAddr> {
+        self.qps.iter().map(|q| q.addr()).collect()
     }
 
-    pub(super) fn connect(&self, remote: &super::verbs::QpAddr) -> Result<()> {
-        self.qp.connect(remote)
+    /// Connects queue pair i to the peer's queue pair i.
+    pub(super) fn connect(&self, remote: &[super::verbs::QpAddr]) -> Result<()> {
+        if remote.len() != self.qps.len() {
+            return crate::invalid_usage!(
+                "rank {} uses {} queue pairs per connection and this rank {}: set NCCL_IB_QPS_PER_CONNECTION alike on every rank",
+                self.peer,
+                remote.len(),
+                self.qps.len()
+            );
+        }
+        for (q, r) in self.qps.iter().zip(remote) {
+            q.connect(r)?;
+        }
+        Ok(())
+    }
+
+    fn nq(&self) -> u64 {
+        self.qps.len() as u64
+    }
+
+    /// Whether piece `k` has arrived: its queue pair delivered its share up to it.
+    fn has_arrived(&self, st: &State, k: u64) -> bool {
+        st.arrived[(k % self.nq()) as usize] > k / self.nq()
+    }
+
+    /// Whether the write of piece `k` completed here (its staging slot is free again).
+    fn was_written(&self, st: &State, k: u64) -> bool {
+        st.written[(k % self.nq()) as usize] > k / self.nq()
     }
 
     /// What the peer needs to write into this side's ring.
@@ -200,10 +235,13 @@ impl IbLink {
     /// Connected: the peer's ring, and the receives its first writes will consume.
     pub(super) fn start(&self, remote: Remote) -> Result<()> {
         *self.remote.lock() = Some(remote);
-        for i in 0..RECVS {
-            self.qp.post_recv(u64::from(i))?;
+        for q in &self.qps {
+            for i in 0..RECVS {
+                q.post_recv(u64::from(i))?;
+            }
+            q.arm()?;
         }
-        self.qp.arm()
+        Ok(())
     }
 
     fn payload(&self) -> usize {
@@ -224,8 +262,8 @@ impl IbLink {
         e
     }
 
-    fn post(&self, st: &mut State, wr: &SendWr) -> Result<()> {
-        if let Err(e) = self.qp.post_send(wr) {
+    fn post(&self, st: &mut State, q: usize, wr: &SendWr) -> Result<()> {
+        if let Err(e) = self.qps[q].post_send(wr) {
             return Err(self.fail(st, format!("posting a work request failed: {}", e.msg)));
         }
         Ok(())
@@ -246,16 +284,25 @@ impl IbLink {
             remote,
             signaled: false,
         };
-        self.post(st, &wr)
+        self.post(st, 0, &wr)
     }
 
     /// Takes every completion there is; returns whether there were any.
     fn progress(&self, st: &mut State) -> Result<bool> {
+        let mut any = false;
+        for q in 0..self.qps.len() {
+            any |= self.progress_qp(st, q)?;
+        }
+        Ok(any)
+    }
+
+    fn progress_qp(&self, st: &mut State, q: usize) -> Result<bool> {
+        let qp = &self.qps[q];
         let mut got: Vec<Completion> = Vec::new();
         let mut any = false;
         loop {
             got.clear();
-            if let Err(e) = self.qp.poll(&mut got, 64) {
+            if let Err(e) = qp.poll(&mut got, 64) {
                 return Err(self.fail(st, format!("polling completions failed: {}", e.msg)));
             }
             if got.is_empty() {
@@ -274,11 +321,11 @@ impl IbLink {
                 match c.what {
                     Completed::Send => {
                         if c.wr_id & DATA_WR != 0 {
-                            st.written += 1;
+                            st.written[q] += 1;
                         }
                     }
                     Completed::RecvImm(imm) => {
-                        if let Err(e) = self.qp.post_recv(c.wr_id) {
+                        if let Err(e) = qp.post_recv(c.wr_id) {
                             return Err(
                                 self.fail(st, format!("reposting a receive failed: {}", e.msg))
                             );
@@ -293,7 +340,7 @@ impl IbLink {
                             st.peer_closed =
                                 Some((how.unwrap_or(Closing::Failed), lost.checked_sub(1)));
                         } else {
-                            st.arrived += 1;
+                            st.arrived[q] += 1;
                         }
                     }
                 }
@@ -304,11 +351,13 @@ impl IbLink {
     /// Nothing to do right now: ask for a doorbell at the next completion, then look once
     /// more (one may have slipped in before the request).
     fn idle(&self, st: &mut State) -> Result<bool> {
-        if let Err(e) = self.qp.arm() {
-            return Err(self.fail(
-                st,
-                format!("arming completion notification failed: {}", e.msg),
-            ));
+        for qp in &self.qps {
+            if let Err(e) = qp.arm() {
+                return Err(self.fail(
+                    st,
+                    format!("arming completion notification failed: {}", e.msg),
+                ));
+            }
         }
         self.progress(st)
     }
@@ -350,7 +399,8 @@ impl Link for IbLink {
         };
         while cur.sent < msg.len || !cur.started {
             let s = st.posted;
-            let room = s - st.credit < SLOTS as u64 && st.written + SLOTS as u64 > s;
+            let room = s - st.credit < SLOTS as u64
+                && (s < SLOTS as u64 || self.was_written(&st, s - SLOTS as u64));
             if !room {
                 if self.idle(&mut st)? {
                     moved = true;
@@ -384,7 +434,7 @@ impl Link for IbLink {
                 },
                 signaled: true,
             };
-            self.post(&mut st, &wr)?;
+            self.post(&mut st, (s % self.nq()) as usize, &wr)?;
             st.posted += 1;
             cur.sent += n;
             cur.started = true;
@@ -410,7 +460,7 @@ impl Link for IbLink {
         let mut moved = self.progress(&mut st)?;
         let mut done = false;
         loop {
-            while !done && st.consumed < st.arrived {
+            while !done && self.has_arrived(&st, st.consumed) {
                 let at = Self::slot_ptr(&self.ring, self.slot, st.consumed);
                 std::sync::atomic::fence(Ordering::Acquire);
                 let h = Header::read(at);
@@ -474,7 +524,7 @@ impl Link for IbLink {
         let mut st = self.state.lock();
         self.usable(&st)?;
         self.progress(&mut st)?;
-        if st.consumed < st.arrived {
+        if self.has_arrived(&st, st.consumed) {
             return Ok(());
         }
         match self.peer_gone(&st) {
@@ -487,10 +537,10 @@ impl Link for IbLink {
         let mut st = self.state.lock();
         self.usable(&st)?;
         self.progress(&mut st)?;
-        if st.consumed == st.arrived {
+        if !self.has_arrived(&st, st.consumed) {
             self.idle(&mut st)?;
         }
-        if st.consumed < st.arrived {
+        if self.has_arrived(&st, st.consumed) {
             std::sync::atomic::fence(Ordering::Acquire);
             let h = Header::read(Self::slot_ptr(&self.ring, self.slot, st.consumed));
             return Ok(Some((h.msg_len as usize, h.tag)));

@@ -84,27 +84,35 @@ pub(super) fn connect(
         let staging = Buffer::new(SLOTS * slot)?;
         let ring_mr = device.register(ring.ptr(), SLOTS * slot)?;
         let staging_mr = device.register(staging.ptr(), SLOTS * slot)?;
-        let bell = doorbell.clone();
-        let qp = device.create_qp(2 * RECVS, Arc::new(move || bell.ring()))?;
+        let qps = (0..qps_per_connection())
+            .map(|_| {
+                let bell = doorbell.clone();
+                device.create_qp(2 * RECVS, Arc::new(move || bell.ring()))
+            })
+            .collect::<Result<Vec<_>>>()?;
         made[p] = Some(Arc::new(IbLink::new(
             me,
             p,
             device.name(),
             slot,
-            qp,
+            qps,
             ring,
             staging,
             ring_mr,
             staging_mr,
         )));
     }
-    // For every rank: whether it is a peer, then our queue pair and ring for it.
+    // For every rank: how many queue pairs connect us (0: it is no peer), their addresses,
+    // and our ring for it.
     let mut mine = Vec::new();
     for link in &made {
         match link {
             Some(l) => {
-                mine.push(1);
-                l.qp_addr().encode(&mut mine);
+                let addrs = l.qp_addrs();
+                mine.push(addrs.len() as u8);
+                for a in &addrs {
+                    a.encode(&mut mine);
+                }
                 let k = l.ring_key();
                 mine.extend_from_slice(&k.addr.to_le_bytes());
                 mine.extend_from_slice(&k.rkey.to_le_bytes());
@@ -135,27 +143,36 @@ pub(super) fn connect(
     Ok((links, device.map(|d| IbWorld { _device: d })))
 }
 
-/// Rank `of`'s entry in a published table: its queue pair's address and its ring.
-fn entry_for(table: &[u8], of: usize) -> Option<(QpAddr, Remote)> {
-    let entry = QpAddr::BYTES + 12;
+/// Rank `of`'s entry in a published table: its queue pairs' addresses and its ring.
+fn entry_for(table: &[u8], of: usize) -> Option<(Vec<QpAddr>, Remote)> {
     let mut at = 0;
     for r in 0..=of {
-        let present = *table.get(at)? == 1;
+        let nq = *table.get(at)? as usize;
         at += 1;
+        let entry = nq * QpAddr::BYTES + 12;
         if r == of {
-            if !present {
+            if nq == 0 {
                 return None;
             }
             let b = table.get(at..at + entry)?;
-            let qp = QpAddr::decode(b)?;
-            let k = &b[QpAddr::BYTES..];
+            let qps = (0..nq)
+                .map(|i| QpAddr::decode(&b[i * QpAddr::BYTES..]))
+                .collect::<Option<Vec<_>>>()?;
+            let k = &b[nq * QpAddr::BYTES..];
             let addr = u64::from_le_bytes(k[0..8].try_into().ok()?);
             let rkey = u32::from_le_bytes(k[8..12].try_into().ok()?);
-            return Some((qp, Remote { addr, rkey }));
+            return Some((qps, Remote { addr, rkey }));
         }
-        if present {
+        if nq > 0 {
             at += entry;
         }
     }
     None
+}
+
+/// Queue pairs per peer: `NCCL_IB_QPS_PER_CONNECTION` (1 to 16, default 1).
+fn qps_per_connection() -> usize {
+    crate::env::int("IB_QPS_PER_CONNECTION")
+        .unwrap_or(1)
+        .clamp(1, 16) as usize
 }
