@@ -51,7 +51,8 @@ const MAX_PENDING: usize = 256;
 /// NCCL's cap on sockets per peer (NSOCKS_PERTHREAD x SOCKET_NTHREADS).
 pub(crate) const MAX_SOCKETS: usize = 64;
 
-/// Sockets per peer when the environment does not say.
+/// Sockets per peer when the environment does not say: one, since 2 and 4 measured no faster
+/// between network namespaces (bench/RESULTS.md, "Sockets per peer across network namespaces").
 const DEFAULT_SOCKETS: usize = 1;
 
 /// The hello a connecting rank sends before authenticating: communicator tag, its rank and the
