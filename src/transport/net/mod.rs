@@ -43,9 +43,11 @@ use std::time::{Duration, Instant};
 /// How long an accepted connection may take to name itself and authenticate.
 const HANDSHAKE: Duration = Duration::from_secs(5);
 
-/// Connections whose handshake may be under way at once; beyond this the oldest is dropped, so
-/// a flood of idle connections cannot exhaust descriptors (a real peer's handshake takes a few
-/// round trips, so it is never the oldest for long).
+/// Connections whose handshake may be under way at once (or twice the lower peers, if more);
+/// beyond this, or when descriptors run out, one is dropped: the oldest that has not yet named
+/// a rank that is due, else the oldest. So a flood of idle connections can neither exhaust
+/// descriptors nor push out a real peer (each dials one socket at a time, and its handshake
+/// takes a few round trips).
 const MAX_PENDING: usize = 256;
 
 /// NCCL's cap on sockets per peer (NSOCKS_PERTHREAD x SOCKET_NTHREADS).
@@ -550,6 +552,14 @@ impl Incoming {
     }
 }
 
+/// Drops one handshaking connection to make room: the oldest that has not named a due rank,
+/// else the oldest.
+fn evict(pending: &mut Vec<Incoming>, me: usize, why: &str) {
+    let i = pending.iter().position(|c| c.claim.is_none()).unwrap_or(0);
+    let c = pending.remove(i);
+    refused(me, c.from, &format!("{why}; it was dropped to make room"));
+}
+
 fn refused(me: usize, from: SocketAddr, why: &str) {
     crate::warn!("rank {me}: refused a connection to the TCP transport from {from}: {why}");
 }
@@ -624,12 +634,11 @@ fn accept_all(
                         refused(me, from, &format!("configuring it failed: {e}"));
                         continue;
                     }
-                    if pending.len() >= MAX_PENDING {
-                        let old = pending.remove(0);
-                        refused(
+                    if pending.len() >= MAX_PENDING.max(2 * due.len()) {
+                        evict(
+                            &mut pending,
                             me,
-                            old.from,
-                            "too many connections were handshaking at once; this was the oldest",
+                            "too many connections were handshaking at once",
                         );
                     }
                     pending.push(Incoming::new(s, from));
@@ -640,6 +649,14 @@ fn accept_all(
                         e.kind(),
                         std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
                     ) => {}
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
+                        && !pending.is_empty() =>
+                {
+                    // The connection waits in the backlog; make room for it.
+                    evict(&mut pending, me, "this process ran out of file descriptors");
+                    break;
+                }
                 Err(e) => return Err(Error::from_io("accept a TCP transport connection", e)),
             }
         }
