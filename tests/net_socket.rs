@@ -93,6 +93,16 @@ fn hostile(w: &Worker) -> Result<(), String> {
             .spawn()
             .map_err(|e| format!("start the attacker: {e}"))?;
         attacker = Some(child);
+    } else if let Ok(n) = std::env::var("COMM_TEST_NOFILE") {
+        // Fewer descriptors than the attacker's connections: the listener runs out of them.
+        let n: u64 = n.parse().unwrap();
+        let lim = libc::rlimit {
+            rlim_cur: n,
+            rlim_max: n,
+        };
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(format!("setrlimit: {}", std::io::Error::last_os_error()));
+        }
     }
     let c = init_rank(w)?;
     let released = std::fs::read_to_string(format!("{base}.released"))
@@ -359,9 +369,9 @@ fn remove(paths: &[String]) {
 /// another communicator's hello, a due rank without the secret, ranks that are not due, then
 /// 300 silent connections held open. Setup must finish as soon as rank 0 comes, whatever the
 /// silent connections do; every attack must be refused and logged; collectives must be right
-/// afterwards; and the port must refuse connections once setup is over.
-#[test]
-fn hostile_connections_to_the_listener_are_refused() {
+/// afterwards; and the port must refuse connections once setup is over. With `nofile`, rank 1
+/// may hold only that many descriptors, fewer than the silent connections.
+fn hostile_run(nofile: Option<&str>) {
     let Some(hosts) = Hosts::up(2) else { return };
     let base = std::env::temp_dir()
         .join(format!("comm-net-socket-{}", hosts.prefix))
@@ -369,18 +379,22 @@ fn hostile_connections_to_the_listener_are_refused() {
         .to_string();
     let files = [format!("{base}.log"), format!("{base}.released")];
     remove(&files);
+    let mut env = vec![
+        ("COMM_DEBUG", "INFO"),
+        ("COMM_DEBUG_FILE", files[0].as_str()),
+        // A rank that fails gives up in time: the launch's own timeout cannot reach what the
+        // ranks leave behind.
+        ("COMM_INIT_TIMEOUT", "60"),
+    ];
+    if let Some(n) = nofile {
+        env.push(("COMM_TEST_NOFILE", n));
+    }
     let r = launch_on(
         &hosts,
         &[1, 1],
         "hostile",
         &base,
-        &[
-            ("COMM_DEBUG", "INFO"),
-            ("COMM_DEBUG_FILE", files[0].as_str()),
-            // A rank that fails gives up in time: the launch's own timeout cannot reach
-            // what the ranks leave behind.
-            ("COMM_INIT_TIMEOUT", "60"),
-        ],
+        &env,
         Duration::from_secs(180),
         || {},
     );
@@ -403,17 +417,38 @@ fn hostile_connections_to_the_listener_are_refused() {
     );
     assert_eq!(count("wrong secret"), 1, "{refused:#?}");
     assert_eq!(count("which is not due to connect"), 2, "{refused:#?}");
-    // The silent ones: some dropped to make room (at least those beyond 256), the rest when
-    // setup was done.
+    // The silent ones: some dropped to make room (past 256 in flight, or when descriptors ran
+    // out), the rest when setup was done.
     let crowded = count("too many connections were handshaking at once");
+    let starved = count("this process ran out of file descriptors");
     let outlived = count("every peer connected before it finished its handshake");
-    assert!(crowded >= SILENT - 256, "{crowded} dropped to make room");
-    assert_eq!(crowded + outlived, SILENT, "{crowded} + {outlived}");
+    if nofile.is_some() {
+        assert!(starved > 0, "descriptors never ran out");
+    } else {
+        assert!(crowded >= SILENT - 256, "{crowded} dropped to make room");
+    }
+    assert_eq!(
+        crowded + starved + outlived,
+        SILENT,
+        "{crowded} + {starved} + {outlived}"
+    );
     assert_eq!(refused.len(), SILENT + 5, "{refused:#?}");
     assert!(
         log.contains("rank 1 -> rank 0: net/socket 10.77.0.1:"),
         "{log}"
     );
+}
+
+#[test]
+fn hostile_connections_to_the_listener_are_refused() {
+    hostile_run(None);
+}
+
+/// The same with rank 1 limited to 128 descriptors: running out of them while the attacker's
+/// connections wait must cost one of those, not the setup.
+#[test]
+fn hostile_connections_that_exhaust_descriptors_are_refused() {
+    hostile_run(Some("128"));
 }
 
 /// Four sockets per peer (NCCL's NSOCKS_PERTHREAD) between two hosts: the links say so, each of
