@@ -186,6 +186,18 @@ pub const KNOBS: &[Knob] = &[
         doc: "InfiniBand: bytes of each of the 8 receive slots per peer",
     },
     Knob {
+        name: "NSOCKS_PERTHREAD",
+        nccl: true,
+        default: "1",
+        doc: "TCP sockets per peer (times SOCKET_NTHREADS, at most 64); large messages are cut across them",
+    },
+    Knob {
+        name: "SOCKET_NTHREADS",
+        nccl: true,
+        default: "1",
+        doc: "multiplies NSOCKS_PERTHREAD; no helper threads are started (the executor drives every socket)",
+    },
+    Knob {
         name: "HOSTID",
         nccl: true,
         default: "",

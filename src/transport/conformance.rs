@@ -1,6 +1,7 @@
 //! The conformance suite every `Link` passes: message order and lengths, tags, both kinds of
 //! sink, zero-byte messages, a peer that closes (destroyed, aborted with a lost rank). It runs
-//! against the shm and socket transports between two ranks that are threads of this process,
+//! against the shm and socket transports (with one socket per peer and with several, so that
+//! large messages are cut across sockets) between two ranks that are threads of this process,
 //! and the parts that apply to a rank's channel to itself against loopback.
 
 use super::{establish_with, Closing, InExpect, Link, Links, OutMsg, RecvCursor, SendCursor};
@@ -14,7 +15,8 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Shm,
-    Socket,
+    /// TCP with this many sockets per peer.
+    Socket(usize),
 }
 
 /// Two ranks' links to each other (and their bootstraps, kept alive with them).
@@ -32,6 +34,9 @@ impl Pair {
                 .map(|r| {
                     let id = id.clone();
                     s.spawn(move || {
+                        if let Kind::Socket(n) = kind {
+                            super::net::SOCKETS_FOR_TEST.with(|c| c.set(Some(n)));
+                        }
                         let boot = Bootstrap::init(&[id], r, 2, t).expect("bootstrap");
                         let me = crate::topo::this_process();
                         let placements = vec![me.clone(), me];
@@ -202,6 +207,10 @@ fn order_and_lengths(tx: &dyn Link, rx: &dyn Link, direct: bool) {
 fn suite(kind: Kind) {
     let pair = Pair::new(kind);
     let (a, b) = (pair.link(0), pair.link(1));
+    if let Kind::Socket(n @ 2..) = kind {
+        let d = a.describe();
+        assert!(d.contains(&format!("({n} sockets)")), "{d}");
+    }
     // Both directions, both kinds of sink.
     order_and_lengths(&*a, &*b, true);
     order_and_lengths(&*b, &*a, false);
@@ -258,8 +267,16 @@ fn shm_links_conform() {
 
 #[test]
 fn socket_links_conform() {
-    suite(Kind::Socket);
-    closing(Kind::Socket);
+    suite(Kind::Socket(1));
+    closing(Kind::Socket(1));
+}
+
+#[test]
+fn socket_links_with_several_sockets_conform() {
+    for n in [2, 4] {
+        suite(Kind::Socket(n));
+        closing(Kind::Socket(n));
+    }
 }
 
 #[test]

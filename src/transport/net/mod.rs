@@ -1,19 +1,29 @@
 //! Transports between hosts. `socket` is TCP; every connection is made at communicator setup
 //! over the bootstrap and proves it knows the communicator's secret.
 //!
-//! Setup is collective: every rank publishes the address of a listener of its own over the
-//! bootstrap, then the lower rank of each pair that talks over the network connects to the
-//! higher one, names itself and runs the bootstrap's HMAC challenge/response bound to the
-//! communicator and the pair. Anything else that connects meanwhile (a stray client, garbage,
-//! a wrong secret, a half-open connection) is logged and dropped; once every peer is connected
-//! the listener is closed, so later connections are refused by the kernel.
+//! Setup is collective: every rank publishes, over the bootstrap, how many sockets it wants per
+//! peer and the address of a listener of its own; then the lower rank of each pair that talks
+//! over the network opens that many connections (the smaller of the two ranks' counts) to the
+//! higher one, and on each names itself and the socket's index and runs the bootstrap's HMAC
+//! challenge/response bound to the communicator, the pair and the index. The listener runs the
+//! handshakes of every connection it accepts side by side from one poll loop, so anything else
+//! that connects meanwhile (a stray client, garbage, a wrong communicator, a wrong secret, a
+//! rank that is not due, a half-open connection) costs the real peers nothing: it is logged
+//! ("refused a connection to the TCP transport") and dropped, when it misbehaves or at the
+//! latest after `HANDSHAKE`. Once every peer is connected the listener is closed, so later
+//! connections are refused by the kernel.
 //!
-//! A waiting executor sleeps on its doorbell. A link that found its socket empty (or full)
+//! A waiting executor sleeps on its doorbell. A link that found a socket empty (or full)
 //! asks the `Waker` to watch it: one thread per communicator waits in epoll for those sockets
-//! and rings the doorbell when one becomes ready.
+//! and rings the doorbell when one becomes ready. The executor itself moves every byte, on all
+//! of a peer's sockets, without blocking; there are no helper threads.
 //!
 //! Environment: `COMM_SHM_DISABLE` / `NCCL_SHM_DISABLE` puts ranks of one host on the network
-//! too; `COMM_NET` / `NCCL_NET` names the network transport (`socket`; `ib` is not built yet).
+//! too; `COMM_NET` / `NCCL_NET` names the network transport (`socket`, or `ib`: see `ib`).
+//! `COMM_NSOCKS_PERTHREAD` / `NCCL_NSOCKS_PERTHREAD` times `COMM_SOCKET_NTHREADS` /
+//! `NCCL_SOCKET_NTHREADS` is the number of sockets per peer (at most 64, as in NCCL); large
+//! messages are cut across them (see `socket`). NCCL runs SOCKET_NTHREADS helper threads per
+//! connection; this transport starts none, so that knob only multiplies the socket count.
 
 pub mod ib;
 mod socket;
@@ -23,6 +33,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{Doorbell, Link};
 use parking_lot::Mutex;
 use socket::SocketLink;
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -32,6 +43,53 @@ use std::time::{Duration, Instant};
 
 /// How long an accepted connection may take to name itself and authenticate.
 const HANDSHAKE: Duration = Duration::from_secs(5);
+
+/// Connections whose handshake may be under way at once (or twice the lower peers, if more);
+/// beyond this, or when descriptors run out, one is dropped: the oldest that has not yet named
+/// a rank that is due, else the oldest. So a flood of idle connections can neither exhaust
+/// descriptors nor push out a real peer (each dials one socket at a time, and its handshake
+/// takes a few round trips).
+const MAX_PENDING: usize = 256;
+
+/// NCCL's cap on sockets per peer (NSOCKS_PERTHREAD x SOCKET_NTHREADS).
+pub(crate) const MAX_SOCKETS: usize = 64;
+
+/// Sockets per peer when the environment does not say: one, since 2 and 4 measured no faster
+/// between network namespaces (bench/RESULTS.md, "Sockets per peer across network namespaces").
+const DEFAULT_SOCKETS: usize = 1;
+
+/// The hello a connecting rank sends before authenticating: communicator tag, its rank and the
+/// index of this socket among its sockets to the peer.
+const HELLO: usize = 16;
+
+#[cfg(test)]
+thread_local! {
+    /// Sockets per peer for connections this thread makes, whatever the environment says (the
+    /// conformance suite runs with several sockets without touching the process environment).
+    pub(crate) static SOCKETS_FOR_TEST: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Sockets per peer this rank asks for: COMM_NSOCKS_PERTHREAD x COMM_SOCKET_NTHREADS (NCCL_
+/// names too), each at least 1, the product at most 64.
+fn sockets_per_peer() -> usize {
+    #[cfg(test)]
+    if let Some(n) = SOCKETS_FOR_TEST.with(|c| c.get()) {
+        return n.clamp(1, MAX_SOCKETS);
+    }
+    let per_thread = crate::env::int("NSOCKS_PERTHREAD");
+    let threads = crate::env::int("SOCKET_NTHREADS");
+    if per_thread.is_none() && threads.is_none() {
+        return DEFAULT_SOCKETS;
+    }
+    let n = per_thread.unwrap_or(1).max(1) * threads.unwrap_or(1).max(1);
+    if n > MAX_SOCKETS as i64 {
+        crate::warn!(
+            "NSOCKS_PERTHREAD x SOCKET_NTHREADS = {n} sockets per peer; using {MAX_SOCKETS}"
+        );
+    }
+    n.min(MAX_SOCKETS as i64) as usize
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Net {
@@ -121,7 +179,7 @@ impl Waker {
         Ok(())
     }
 
-    fn arm(&self, link: &SocketLink, events: u32) {
+    fn arm(&self, fd: i32, events: u32) {
         let _g = self.armed.lock();
         let mut ev = libc::epoll_event {
             events: events | (libc::EPOLLONESHOT | libc::EPOLLRDHUP) as u32,
@@ -129,24 +187,17 @@ impl Waker {
         };
         // SAFETY: both descriptors are open (the link is registered); `ev` is valid. A failure
         // only costs the wake-up: the executor's sleep is bounded.
-        unsafe {
-            libc::epoll_ctl(
-                self.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_MOD,
-                link.fd(),
-                &mut ev,
-            )
-        };
+        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &mut ev) };
     }
 
-    /// The link's socket had nothing to read: ring when it has.
-    pub(super) fn want_read(&self, link: &SocketLink) {
-        self.arm(link, libc::EPOLLIN as u32);
+    /// A link's socket had nothing to read: ring when it has.
+    pub(super) fn want_read(&self, fd: i32) {
+        self.arm(fd, libc::EPOLLIN as u32);
     }
 
-    /// The link's socket was full: ring when it takes more.
-    pub(super) fn want_write(&self, link: &SocketLink) {
-        self.arm(link, (libc::EPOLLIN | libc::EPOLLOUT) as u32);
+    /// A link's socket was full: ring when it takes more.
+    pub(super) fn want_write(&self, fd: i32) {
+        self.arm(fd, (libc::EPOLLIN | libc::EPOLLOUT) as u32);
     }
 
     fn run(&self) {
@@ -187,8 +238,21 @@ impl Drop for NetWorld {
     }
 }
 
-fn context(tag: u64, from: usize, to: usize) -> Vec<u8> {
-    format!("comm net/socket {tag:016x} {from}->{to}").into_bytes()
+fn context(tag: u64, from: usize, to: usize, socket: usize) -> Vec<u8> {
+    format!("comm net/socket {tag:016x} {from}->{to} #{socket}").into_bytes()
+}
+
+/// What a rank publishes for the TCP transport: its socket count, then its listener's address
+/// (none when no lower rank connects to it).
+fn publication(sockets: usize, listener: Option<&TcpListener>) -> Result<Vec<u8>> {
+    let mut mine = (sockets as u32).to_le_bytes().to_vec();
+    if let Some(l) = listener {
+        let a = l
+            .local_addr()
+            .map_err(|e| Error::from_io("the TCP transport's listener address", e))?;
+        mine.extend_from_slice(&crate::bootstrap::encode_addr(&a));
+    }
+    Ok(mine)
 }
 
 /// Connects this rank to every rank in `peers` over TCP. Collective: every rank of the
@@ -219,18 +283,21 @@ pub(crate) fn connect(
     let listener = if peers.iter().any(|&p| p < me) {
         let l = TcpListener::bind(SocketAddr::new(boot.listen_ip(), 0))
             .map_err(|e| Error::from_io("bind the TCP transport's listener", e))?;
+        if let Ok(a) = l.local_addr() {
+            crate::info!(
+                "rank {me}: TCP transport of communicator {comm_tag:016x} listening on {a}"
+            );
+        }
         Some(l)
     } else {
         None
     };
+    let sockets = sockets_per_peer();
     let mut mine = vec![vote];
-    if let Some(l) = &listener {
-        let a = l
-            .local_addr()
-            .map_err(|e| Error::from_io("the TCP transport's listener address", e))?;
-        mine.extend_from_slice(&crate::bootstrap::encode_addr(&a));
-    }
+    mine.extend(publication(sockets, listener.as_ref())?);
     let addrs = boot.allgather(&mine)?;
+    // A failure test can freeze this rank here, with every listener open and nobody connected.
+    crate::fault::point("net:published");
     let without: Vec<usize> = (0..nranks)
         .filter(|&r| addrs[r].first() == Some(&0))
         .collect();
@@ -278,37 +345,61 @@ pub(crate) fn connect(
             None => {}
         }
     }
+    // Each pair uses the smaller of the two ranks' counts, so both ends agree.
+    let count = |p: usize| -> Result<usize> {
+        let theirs = addrs[p]
+            .get(1..5)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Internal,
+                    format!("rank {p} published no TCP transport settings"),
+                )
+            })?;
+        Ok(sockets.min(theirs).clamp(1, MAX_SOCKETS))
+    };
     let secret = *boot.secret();
-    let mut streams: Vec<Option<TcpStream>> = (0..nranks).map(|_| None).collect();
+    let mut streams: Vec<Vec<TcpStream>> = (0..nranks).map(|_| Vec::new()).collect();
     // Upward first: a higher rank's listener takes the connection even while its owner is
     // still connecting upward itself, so the chain always resolves from the top.
     for &p in peers.iter().filter(|&&p| p > me) {
-        let addr = crate::bootstrap::decode_addr(&addrs[p][1..]).ok_or_else(|| {
+        let addr = crate::bootstrap::decode_addr(&addrs[p][5..]).ok_or_else(|| {
             Error::new(
                 ErrorKind::Internal,
                 format!("rank {p} published no TCP transport address"),
             )
         })?;
-        streams[p] = Some(
-            dial(addr, me, p, &secret, comm_tag, deadline)
-                .map_err(|e| e.context(format!("connecting to rank {p} ({addr}) over TCP")))?,
-        );
+        for i in 0..count(p)? {
+            let s = dial(addr, me, p, i, &secret, comm_tag, deadline).map_err(|e| {
+                e.context(format!(
+                    "connecting to rank {p} ({addr}) over TCP (socket {i})"
+                ))
+            })?;
+            streams[p].push(s);
+        }
     }
     if let Some(l) = listener {
-        let expected: Vec<usize> = peers.iter().copied().filter(|&p| p < me).collect();
-        for (p, s) in accept_all(&l, &expected, me, &secret, comm_tag, deadline)? {
-            streams[p] = Some(s);
+        let mut due = HashMap::new();
+        for &p in peers.iter().filter(|&&p| p < me) {
+            due.insert(p, count(p)?);
+        }
+        for (p, s) in accept_all(&l, &due, me, &secret, comm_tag, deadline)? {
+            streams[p] = s;
         }
     }
     let waker = Arc::new(Waker::new(doorbell)?);
     let mut links: Vec<Option<Arc<dyn Link>>> = (0..nranks).map(|_| None).collect();
-    for (p, s) in streams.into_iter().enumerate() {
-        let Some(s) = s else { continue };
-        s.set_nonblocking(true)
-            .and_then(|_| s.set_nodelay(true))
-            .map_err(|e| Error::from_io("configure a TCP connection", e))?;
-        waker.add(s.as_raw_fd(), p)?;
-        let link = SocketLink::new(me, p, s, waker.clone());
+    for (p, ss) in streams.into_iter().enumerate() {
+        if ss.is_empty() {
+            continue;
+        }
+        for s in &ss {
+            s.set_nonblocking(true)
+                .and_then(|_| s.set_nodelay(true))
+                .map_err(|e| Error::from_io("configure a TCP connection", e))?;
+            waker.add(s.as_raw_fd(), p)?;
+        }
+        let link = SocketLink::new(me, p, ss, waker.clone());
         crate::info!("rank {me} -> rank {p}: {}", link.describe());
         links[p] = Some(Arc::new(link));
     }
@@ -344,6 +435,7 @@ fn dial(
     addr: SocketAddr,
     me: usize,
     peer: usize,
+    socket: usize,
     secret: &[u8; 32],
     tag: u64,
     deadline: Option<Instant>,
@@ -361,96 +453,332 @@ fn dial(
     s.set_read_timeout(Some(left))
         .and_then(|_| s.set_write_timeout(Some(left)))
         .map_err(|e| Error::from_io("socket timeouts", e))?;
-    let mut hello = Vec::with_capacity(12);
+    let mut hello = Vec::with_capacity(HELLO);
     crate::wire::put_u64(&mut hello, tag);
     crate::wire::put_u32(&mut hello, me as u32);
+    crate::wire::put_u32(&mut hello, socket as u32);
     s.write_all(&hello)
         .map_err(|e| Error::from_io("send the hello", e))?;
-    auth::client(&mut s, secret, &context(tag, me, peer))?;
+    auth::client(&mut s, secret, &context(tag, me, peer, socket))?;
     s.set_read_timeout(None)
         .and_then(|_| s.set_write_timeout(None))
         .map_err(|e| Error::from_io("socket timeouts", e))?;
     Ok(s)
 }
 
-/// Accepts the connections of `expected` (lower ranks), refusing anything else.
+/// An accepted connection on its way through the hello and the server side of the handshake,
+/// driven without blocking so that many run side by side.
+struct Incoming {
+    stream: TcpStream,
+    from: SocketAddr,
+    deadline: Instant,
+    hello: [u8; HELLO],
+    /// (rank, socket index) it claims, once its hello is read.
+    claim: Option<(usize, usize)>,
+    hs: auth::ServerHandshake,
+    /// Bytes of the current message read so far (the hello, then the handshake's messages).
+    buf: Vec<u8>,
+    filled: usize,
+    out: Vec<u8>,
+    out_off: usize,
+    finished: bool,
+}
+
+enum Handshake {
+    Pending,
+    Done(usize, usize),
+    Refused(String),
+}
+
+impl Incoming {
+    fn new(stream: TcpStream, from: SocketAddr) -> Incoming {
+        Incoming {
+            stream,
+            from,
+            deadline: Instant::now() + HANDSHAKE,
+            hello: [0; HELLO],
+            claim: None,
+            hs: auth::ServerHandshake::new(),
+            buf: Vec::new(),
+            filled: 0,
+            out: Vec::new(),
+            out_off: 0,
+            finished: false,
+        }
+    }
+
+    fn events(&self) -> i16 {
+        if self.out_off < self.out.len() {
+            libc::POLLOUT
+        } else {
+            libc::POLLIN
+        }
+    }
+
+    /// Reads into `dst` until full; Ok(false) while the socket has no more for now.
+    fn fill(
+        stream: &TcpStream,
+        dst: &mut [u8],
+        filled: &mut usize,
+    ) -> std::result::Result<bool, String> {
+        while *filled < dst.len() {
+            match (&*stream).read(&mut dst[*filled..]) {
+                Ok(0) => {
+                    return Err("it closed the connection before finishing its handshake".into())
+                }
+                Ok(n) => *filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("reading its handshake failed: {e}")),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Moves the handshake on as far as the socket allows. `due` says whether a (rank, socket)
+    /// may still connect.
+    fn progress(
+        &mut self,
+        me: usize,
+        tag: u64,
+        secret: &[u8; 32],
+        due: &dyn Fn(usize, usize) -> bool,
+    ) -> Handshake {
+        let refuse = |why: String| Handshake::Refused(why);
+        if self.claim.is_none() {
+            let mut got = self.filled;
+            match Self::fill(&self.stream, &mut self.hello, &mut got) {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.filled = got;
+                    return Handshake::Pending;
+                }
+                Err(e) => return refuse(e),
+            }
+            self.filled = 0;
+            let their_tag = u64::from_le_bytes(self.hello[..8].try_into().unwrap());
+            let rank = u32::from_le_bytes(self.hello[8..12].try_into().unwrap()) as usize;
+            let socket = u32::from_le_bytes(self.hello[12..].try_into().unwrap()) as usize;
+            if their_tag != tag {
+                return refuse(format!(
+                    "it belongs to another communicator (tag {their_tag:016x}, this one is {tag:016x}), or sent garbage"
+                ));
+            }
+            if !due(rank, socket) {
+                return refuse(format!(
+                    "it claims to be socket {socket} of rank {rank}, which is not due to connect"
+                ));
+            }
+            self.claim = Some((rank, socket));
+        }
+        let (rank, socket) = self.claim.expect("claimed above");
+        let expected = context(tag, rank, me, socket);
+        let lookup = |ctx: &[u8]| -> std::result::Result<[u8; 32], String> {
+            if ctx == expected.as_slice() {
+                Ok(*secret)
+            } else {
+                Err("its handshake is meant for another communicator, pair or socket".into())
+            }
+        };
+        loop {
+            while self.out_off < self.out.len() {
+                match (&self.stream).write(&self.out[self.out_off..]) {
+                    Ok(0) => return refuse("it closed the connection".into()),
+                    Ok(n) => self.out_off += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        return Handshake::Pending
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return refuse(format!("writing to it failed: {e}")),
+                }
+            }
+            if self.finished {
+                return Handshake::Done(rank, socket);
+            }
+            let need = self.hs.need();
+            self.buf.resize(need, 0);
+            match Self::fill(&self.stream, &mut self.buf, &mut self.filled) {
+                Ok(true) => {}
+                Ok(false) => return Handshake::Pending,
+                Err(e) => return refuse(e),
+            }
+            self.filled = 0;
+            match self.hs.on_message(&self.buf, &lookup) {
+                auth::Step::Reply(r) => {
+                    self.out = r;
+                    self.out_off = 0;
+                }
+                auth::Step::Done(r) => {
+                    self.out = r;
+                    self.out_off = 0;
+                    self.finished = true;
+                }
+                auth::Step::Refuse(r, why) => {
+                    // One attempt to say no; it learns either way when the connection closes.
+                    let _ = (&self.stream).write(&r);
+                    return refuse(why);
+                }
+            }
+        }
+    }
+}
+
+/// Drops one handshaking connection to make room: the oldest that has not named a due rank,
+/// else the oldest.
+fn evict(pending: &mut Vec<Incoming>, me: usize, why: &str) {
+    let i = pending.iter().position(|c| c.claim.is_none()).unwrap_or(0);
+    let c = pending.remove(i);
+    refused(me, c.from, &format!("{why}; it was dropped to make room"));
+}
+
+fn refused(me: usize, from: SocketAddr, why: &str) {
+    crate::warn!("rank {me}: refused a connection to the TCP transport from {from}: {why}");
+}
+
+/// Accepts `due[rank]` connections from each lower rank, refusing anything else. Handshakes
+/// run side by side: a connection that stays silent, or goes slowly, holds up nobody else.
 fn accept_all(
     l: &TcpListener,
-    expected: &[usize],
+    due: &HashMap<usize, usize>,
     me: usize,
     secret: &[u8; 32],
     tag: u64,
     deadline: Option<Instant>,
-) -> Result<Vec<(usize, TcpStream)>> {
-    let mut got: Vec<(usize, TcpStream)> = Vec::new();
+) -> Result<Vec<(usize, Vec<TcpStream>)>> {
+    let want: usize = due.values().sum();
+    let mut got: HashMap<(usize, usize), TcpStream> = HashMap::new();
+    let mut pending: Vec<Incoming> = Vec::new();
     l.set_nonblocking(true)
         .map_err(|e| Error::from_io("listener", e))?;
-    while got.len() < expected.len() {
-        let missing: Vec<usize> = expected
-            .iter()
-            .copied()
-            .filter(|p| got.iter().all(|g| g.0 != *p))
-            .collect();
+    while got.len() < want {
+        let missing = || -> Vec<usize> {
+            let mut m: Vec<usize> = due
+                .iter()
+                .filter(|(&p, &n)| (0..n).any(|i| !got.contains_key(&(p, i))))
+                .map(|(&p, _)| p)
+                .collect();
+            m.sort_unstable();
+            m
+        };
         if crate::bootstrap::init_aborted() {
             return Err(Error::new(
                 ErrorKind::Internal,
                 format!(
                     "aborted (ncclCommAbort) while waiting for {} to connect over TCP",
-                    crate::bootstrap::describe_ranks(&missing)
+                    crate::bootstrap::describe_ranks(&missing())
                 ),
             ));
         }
         if remaining(deadline).is_err() {
             return crate::timeout_err!(
                 "timed out waiting for {} to connect over TCP",
-                crate::bootstrap::describe_ranks(&missing)
+                crate::bootstrap::describe_ranks(&missing())
             );
         }
-        let (mut s, from) = match l.accept() {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let mut p = libc::pollfd {
-                    fd: l.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one valid pollfd.
-                unsafe { libc::poll(&mut p, 1, 100) };
-                continue;
-            }
-            Err(e) => return Err(Error::from_io("accept a TCP transport connection", e)),
+        let mut fds = vec![libc::pollfd {
+            fd: l.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        fds.extend(pending.iter().map(|c| libc::pollfd {
+            fd: c.stream.as_raw_fd(),
+            events: c.events(),
+            revents: 0,
+        }));
+        let now = Instant::now();
+        let wait = pending
+            .iter()
+            .map(|c| c.deadline.saturating_duration_since(now))
+            .fold(Duration::from_millis(100), Duration::min);
+        // SAFETY: `fds` holds valid pollfds for open descriptors.
+        unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as _,
+                wait.as_millis() as i32 + 1,
+            )
         };
-        let handshake = (|| -> Result<usize> {
-            s.set_nonblocking(false)
-                .and_then(|_| s.set_read_timeout(Some(HANDSHAKE)))
-                .and_then(|_| s.set_write_timeout(Some(HANDSHAKE)))
-                .map_err(|e| Error::from_io("socket", e))?;
-            let mut hello = [0u8; 12];
-            s.read_exact(&mut hello)
-                .map_err(|e| Error::from_io("read the hello", e))?;
-            let their_tag = u64::from_le_bytes(hello[..8].try_into().unwrap());
-            let rank = u32::from_le_bytes(hello[8..].try_into().unwrap()) as usize;
-            if their_tag != tag {
-                return crate::invalid_usage!("it belongs to another communicator");
+        loop {
+            match l.accept() {
+                Ok((s, from)) => {
+                    if let Err(e) = s.set_nonblocking(true) {
+                        refused(me, from, &format!("configuring it failed: {e}"));
+                        continue;
+                    }
+                    if pending.len() >= MAX_PENDING.max(2 * due.len()) {
+                        evict(
+                            &mut pending,
+                            me,
+                            "too many connections were handshaking at once",
+                        );
+                    }
+                    pending.push(Incoming::new(s, from));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
+                    ) => {}
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
+                        && !pending.is_empty() =>
+                {
+                    // The connection waits in the backlog; make room for it.
+                    evict(&mut pending, me, "this process ran out of file descriptors");
+                    break;
+                }
+                Err(e) => return Err(Error::from_io("accept a TCP transport connection", e)),
             }
-            if !missing.contains(&rank) {
-                return crate::invalid_usage!(
-                    "it claims to be rank {rank}, which is not due to connect"
-                );
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let due_now = |r: usize, s: usize| {
+                due.get(&r).is_some_and(|&n| s < n) && !got.contains_key(&(r, s))
+            };
+            match pending[i].progress(me, tag, secret, &due_now) {
+                Handshake::Pending if Instant::now() < pending[i].deadline => i += 1,
+                Handshake::Pending => {
+                    let c = pending.remove(i);
+                    refused(
+                        me,
+                        c.from,
+                        &format!("it did not complete its handshake within {HANDSHAKE:?}"),
+                    );
+                }
+                Handshake::Refused(why) => {
+                    let c = pending.remove(i);
+                    refused(me, c.from, &why);
+                }
+                Handshake::Done(r, s) => {
+                    let c = pending.remove(i);
+                    match got.entry((r, s)) {
+                        std::collections::hash_map::Entry::Occupied(_) => refused(
+                            me,
+                            c.from,
+                            &format!("socket {s} of rank {r} is connected already"),
+                        ),
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(c.stream);
+                        }
+                    }
+                }
             }
-            auth::server(&mut s, secret, &context(tag, rank, me))?;
-            s.set_read_timeout(None)
-                .and_then(|_| s.set_write_timeout(None))
-                .map_err(|e| Error::from_io("socket", e))?;
-            Ok(rank)
-        })();
-        match handshake {
-            Ok(rank) => got.push((rank, s)),
-            Err(e) => crate::warn!(
-                "rank {me}: refused a connection to the TCP transport from {from}: {}",
-                e.msg
-            ),
         }
     }
-    Ok(got)
+    for c in pending {
+        refused(
+            me,
+            c.from,
+            "every peer connected before it finished its handshake",
+        );
+    }
+    let mut out = Vec::new();
+    for (&p, &n) in due {
+        let ss: Vec<TcpStream> = (0..n)
+            .map(|i| got.remove(&(p, i)).expect("every socket is connected"))
+            .collect();
+        out.push((p, ss));
+    }
+    Ok(out)
 }

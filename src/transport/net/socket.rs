@@ -1,14 +1,23 @@
-//! One peer over TCP: a non-blocking stream carrying framed messages.
+//! One peer over TCP: one or several non-blocking streams carrying framed messages.
 //!
-//! A message is a 32-byte header (magic, flags, tag, length, scale) followed by its bytes. The
-//! sender writes straight from the caller's buffer and is done when the kernel has taken every
-//! byte; the receiver reads straight into the destination when the bytes need no combining,
-//! otherwise through a staging buffer into the sink. Messages on a channel are handled one at
-//! a time in order, so the only state the link keeps is the header of the message arriving.
+//! A message is a 32-byte header (magic, flags, tag, length, scale) followed by its bytes. With
+//! several sockets, every header travels on socket 0, and a message of `SPLIT_FROM` bytes or
+//! more is cut into one part per socket (equal parts, each a multiple of `PART_ALIGN` bytes but
+//! the last): part i goes on socket i, with no header of its own, since both ends derive the
+//! cut from the length. Smaller messages go whole on socket 0. Every socket carries its parts in
+//! message order, so the channel keeps its order; the receiver takes a message's parts from
+//! whichever sockets have bytes, and only once its header has arrived.
 //!
-//! A closing end sends a close header when it is between two messages (so the peer can tell an
-//! abort or a destroy from a crash), then shuts down its sending side: the peer reads every
-//! message sent before the close, and only then learns that nothing more will come.
+//! The sender writes straight from the caller's buffer and is done when the kernel has taken
+//! every byte; the receiver reads straight into the destination when the bytes need no
+//! combining, otherwise through a staging buffer per socket into the sink, always in whole
+//! chunks (a multiple of any element size, or the end of the message). The link keeps how far
+//! each socket got with the message being sent and the one arriving.
+//!
+//! A closing end sends a close header on socket 0 when it is between two messages (so the peer
+//! can tell an abort or a destroy from a crash), then shuts down the sending side of every
+//! socket: the peer reads every message sent before the close, and only then learns that
+//! nothing more will come.
 
 use super::Waker;
 use crate::error::{Error, ErrorKind, Result};
@@ -77,22 +86,49 @@ impl Header {
     }
 }
 
-/// The message arriving: its header so far, then how it is being delivered.
+/// Messages of at least this many bytes are cut across a peer's sockets.
+pub(super) const SPLIT_FROM: usize = 128 << 10;
+/// Every part but the last is a multiple of this many bytes.
+pub(super) const PART_ALIGN: usize = 4096;
+
+/// Where part `i` of a `len`-byte message lies (start, length) when a peer has `n` sockets.
+pub(super) fn part(len: usize, n: usize, i: usize) -> (usize, usize) {
+    if n <= 1 || len < SPLIT_FROM {
+        return if i == 0 { (0, len) } else { (len, 0) };
+    }
+    let size = len.div_ceil(n).next_multiple_of(PART_ALIGN);
+    let start = (i * size).min(len);
+    let end = ((i + 1) * size).min(len);
+    (start, end - start)
+}
+
+/// One socket's share of the message arriving.
 #[derive(Default)]
-struct Arriving {
-    raw: [u8; HEADER],
-    got: usize,
+struct PartIn {
+    /// Bytes of the part given to the sink.
+    done: usize,
     /// Bytes of the current chunk read but not yet given to the sink.
     staged: usize,
     staging: Vec<u8>,
 }
 
+/// The message arriving: its header so far (on socket 0), then each socket's part.
+#[derive(Default)]
+struct Arriving {
+    raw: [u8; HEADER],
+    got: usize,
+    parts: Vec<PartIn>,
+}
+
 pub(crate) struct SocketLink {
     me: usize,
     peer: usize,
-    stream: TcpStream,
+    streams: Vec<TcpStream>,
     waker: Arc<Waker>,
     arriving: Mutex<Arriving>,
+    /// Bytes each socket has taken of the message being sent (socket 0's count includes the
+    /// header).
+    sending: Mutex<Vec<usize>>,
     /// Part of a message is on the wire: a close header now would be read as its rest.
     mid_message: AtomicBool,
     /// Why the peer will send nothing more (OPEN while it may).
@@ -109,13 +145,24 @@ enum Io {
 }
 
 impl SocketLink {
-    pub(super) fn new(me: usize, peer: usize, stream: TcpStream, waker: Arc<Waker>) -> SocketLink {
+    pub(super) fn new(
+        me: usize,
+        peer: usize,
+        streams: Vec<TcpStream>,
+        waker: Arc<Waker>,
+    ) -> SocketLink {
+        let n = streams.len();
+        assert!(n >= 1, "a link needs a socket");
         SocketLink {
             me,
             peer,
-            stream,
+            streams,
             waker,
-            arriving: Mutex::new(Arriving::default()),
+            arriving: Mutex::new(Arriving {
+                parts: (0..n).map(|_| PartIn::default()).collect(),
+                ..Default::default()
+            }),
+            sending: Mutex::new(vec![0; n]),
             mid_message: AtomicBool::new(false),
             state: AtomicU32::new(OPEN),
             peer_lost: AtomicU32::new(0),
@@ -123,11 +170,11 @@ impl SocketLink {
         }
     }
 
-    pub(super) fn fd(&self) -> i32 {
-        self.stream.as_raw_fd()
+    fn fd(&self, i: usize) -> i32 {
+        self.streams[i].as_raw_fd()
     }
 
-    fn write(&self, parts: &[&[u8]]) -> Result<Io> {
+    fn write(&self, i: usize, parts: &[&[u8]]) -> Result<Io> {
         let iov: Vec<libc::iovec> = parts
             .iter()
             .filter(|p| !p.is_empty())
@@ -146,7 +193,7 @@ impl SocketLink {
         loop {
             // SAFETY: the descriptor is ours; every iovec covers readable memory of the caller.
             let n =
-                unsafe { libc::sendmsg(self.fd(), &mh, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+                unsafe { libc::sendmsg(self.fd(i), &mh, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
             if n >= 0 {
                 return Ok(Io::Moved(n as usize));
             }
@@ -162,10 +209,10 @@ impl SocketLink {
         }
     }
 
-    fn read(&self, dst: *mut u8, len: usize) -> Result<Io> {
+    fn read(&self, i: usize, dst: *mut u8, len: usize) -> Result<Io> {
         loop {
             // SAFETY: the caller passes `len` writable bytes at `dst`.
-            let n = unsafe { libc::recv(self.fd(), dst.cast(), len, libc::MSG_DONTWAIT) };
+            let n = unsafe { libc::recv(self.fd(i), dst.cast(), len, libc::MSG_DONTWAIT) };
             if n > 0 {
                 return Ok(Io::Moved(n as usize));
             }
@@ -197,8 +244,8 @@ impl SocketLink {
 
     /// A send failed: the peer may have said why it went, in a close header that waits behind
     /// messages nobody will read now (a broadcast root never reads from its successor). Look
-    /// for it, so the error names the cause rather than a broken pipe. Not while a message is
-    /// being received: its reader will come to the header itself.
+    /// for it on socket 0, so the error names the cause rather than a broken pipe. Not while a
+    /// message is being received: its reader will come to the header itself.
     fn reason_behind(&self) -> Option<Error> {
         let mut a = self.arriving.try_lock()?;
         if a.got >= HEADER {
@@ -210,7 +257,7 @@ impl SocketLink {
         for _ in 0..1024 {
             if skip > 0 {
                 let n = skip.min(scratch.len());
-                match self.read(scratch.as_mut_ptr(), n) {
+                match self.read(0, scratch.as_mut_ptr(), n) {
                     Ok(Io::Moved(k)) => skip -= k,
                     _ => return None,
                 }
@@ -218,7 +265,8 @@ impl SocketLink {
             }
             match self.header(&mut a) {
                 Ok(Some(h)) => {
-                    skip = h.len as usize;
+                    // Socket 0 carries only the first part of a message that was cut.
+                    skip = part(h.len as usize, self.streams.len(), 0).1;
                     a.got = 0;
                 }
                 Ok(None) => return None,
@@ -269,15 +317,15 @@ impl SocketLink {
         Some(e)
     }
 
-    /// Reads the rest of the next header. Ok(None) while it is incomplete.
+    /// Reads the rest of the next header from socket 0. Ok(None) while it is incomplete.
     fn header(&self, a: &mut Arriving) -> Result<Option<Header>> {
         while a.got < HEADER {
             let at = a.got;
             // SAFETY: the rest of `raw` is writable.
-            match self.read(unsafe { a.raw.as_mut_ptr().add(at) }, HEADER - at)? {
+            match self.read(0, unsafe { a.raw.as_mut_ptr().add(at) }, HEADER - at)? {
                 Io::Moved(n) => a.got += n,
                 Io::Blocked => {
-                    self.waker.want_read(self);
+                    self.waker.want_read(self.fd(0));
                     return Ok(None);
                 }
                 Io::Eof => return Err(self.ended()),
@@ -298,34 +346,71 @@ impl SocketLink {
             ),
         }
     }
+
+    /// Socket `i` hung up with nothing left to read.
+    fn hung_up(&self, i: usize) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.fd(i),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut p, 1, 0) };
+        if ready <= 0 || p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+            return false;
+        }
+        let mut b = 0u8;
+        // SAFETY: one writable byte; MSG_PEEK leaves it in the socket.
+        let n = unsafe {
+            libc::recv(
+                self.fd(i),
+                (&mut b as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n <= 0
+    }
 }
 
 impl Link for SocketLink {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
-        let total = HEADER + msg.len;
-        let mut moved = false;
+        let n = self.streams.len();
+        let mut sent = self.sending.lock();
+        if !cur.started {
+            sent.iter_mut().for_each(|s| *s = 0);
+            cur.started = true;
+        }
         let header = Header::for_message(msg).encode();
         // SAFETY: `src` holds `len` bytes and stays valid until the send completes.
         let payload = unsafe { std::slice::from_raw_parts(msg.src, msg.len) };
-        cur.started = true;
-        while cur.sent < total {
-            let (h, p) = if cur.sent < HEADER {
-                (&header[cur.sent..], payload)
-            } else {
-                (&header[..0], &payload[cur.sent - HEADER..])
-            };
-            match self.write(&[h, p])? {
-                Io::Moved(n) => {
-                    cur.sent += n;
-                    moved |= n > 0;
-                    self.mid_message.store(cur.sent < total, Ordering::Relaxed);
-                }
-                Io::Blocked | Io::Eof => {
-                    self.waker.want_write(self);
-                    break;
+        let mut moved = false;
+        for (i, done) in sent.iter_mut().enumerate() {
+            let (start, len) = part(msg.len, n, i);
+            let head = if i == 0 { HEADER } else { 0 };
+            let mine = &payload[start..start + len];
+            while *done < head + len {
+                let (h, p) = if *done < head {
+                    (&header[*done..], mine)
+                } else {
+                    (&header[..0], &mine[*done - head..])
+                };
+                match self.write(i, &[h, p])? {
+                    Io::Moved(k) => {
+                        *done += k;
+                        moved |= k > 0;
+                    }
+                    Io::Blocked | Io::Eof => {
+                        self.waker.want_write(self.fd(i));
+                        break;
+                    }
                 }
             }
         }
+        cur.sent = sent.iter().sum();
+        let total = HEADER + msg.len;
+        self.mid_message
+            .store(cur.sent > 0 && cur.sent < total, Ordering::Relaxed);
         let state = if cur.sent == total {
             SendState::Complete
         } else {
@@ -340,12 +425,13 @@ impl Link for SocketLink {
         cur: &mut RecvCursor,
         sink: &mut dyn Sink,
     ) -> Result<Progress<bool>> {
-        let mut a = self.arriving.lock();
+        let mut guard = self.arriving.lock();
+        let a = &mut *guard;
         let idle = Progress {
             state: false,
             moved: false,
         };
-        let Some(h) = self.header(&mut a)? else {
+        let Some(h) = self.header(a)? else {
             return Ok(idle);
         };
         if h.tag != expect.tag || h.len as usize != expect.len {
@@ -364,53 +450,74 @@ impl Link for SocketLink {
         }
         cur.started = true;
         let scale = (h.flags & FLAG_SCALE != 0).then_some(Scale(h.scale));
+        let n = self.streams.len();
         let mut moved = false;
         let mut budget = RECV_BUDGET;
         // Bytes reach the sink in whole chunks (a multiple of any element size, or the end of
-        // the message): a reduction or a scale cannot apply to part of an element.
+        // the message): a reduction or a scale cannot apply to part of an element. Parts start
+        // at multiples of PART_ALIGN, so their chunks do too.
         while cur.received < expect.len && budget > 0 {
-            let chunk = (expect.len - cur.received).min(STAGING);
-            let direct = sink.direct();
-            let at = cur.received + a.staged;
-            let io = match direct {
-                // SAFETY: the destination covers the message; this piece lies inside it.
-                Some(dst) => self.read(unsafe { dst.add(at) }, chunk - a.staged)?,
-                None => {
-                    if a.staging.len() < chunk {
-                        a.staging.resize(chunk, 0);
-                    }
-                    let staged = a.staged;
-                    // SAFETY: the staging buffer holds `chunk` bytes.
-                    self.read(
-                        unsafe { a.staging.as_mut_ptr().add(staged) },
-                        chunk - staged,
-                    )?
+            let mut any = false;
+            for i in 0..n {
+                let (start, len) = part(expect.len, n, i);
+                let p = &mut a.parts[i];
+                if p.done == len {
+                    continue;
                 }
-            };
-            match io {
-                Io::Moved(n) => {
-                    a.staged += n;
-                    budget = budget.saturating_sub(n);
-                    moved = true;
-                    if a.staged == chunk {
-                        match direct {
-                            Some(_) => sink.placed(cur.received, chunk, scale)?,
-                            None => sink.put(cur.received, &a.staging[..chunk], scale)?,
+                let chunk = (len - p.done).min(STAGING);
+                let direct = sink.direct();
+                let at = start + p.done;
+                let io = match direct {
+                    // SAFETY: the destination covers the message; this piece lies inside it.
+                    Some(dst) => {
+                        self.read(i, unsafe { dst.add(at + p.staged) }, chunk - p.staged)?
+                    }
+                    None => {
+                        if p.staging.len() < chunk {
+                            p.staging.resize(chunk, 0);
                         }
-                        cur.received += chunk;
-                        a.staged = 0;
+                        // SAFETY: the staging buffer holds `chunk` bytes.
+                        let to = unsafe { p.staging.as_mut_ptr().add(p.staged) };
+                        self.read(i, to, chunk - p.staged)?
+                    }
+                };
+                match io {
+                    Io::Moved(k) => {
+                        p.staged += k;
+                        budget = budget.saturating_sub(k);
+                        moved = true;
+                        any = true;
+                        if p.staged == chunk {
+                            match direct {
+                                Some(_) => sink.placed(at, chunk, scale)?,
+                                None => sink.put(at, &p.staging[..chunk], scale)?,
+                            }
+                            p.done += chunk;
+                            p.staged = 0;
+                            cur.received += chunk;
+                        }
+                    }
+                    Io::Blocked => {}
+                    Io::Eof => return Err(self.ended()),
+                }
+            }
+            if !any {
+                // Nothing on any socket that owes bytes: ring when one of them has some.
+                for i in 0..n {
+                    if a.parts[i].done < part(expect.len, n, i).1 {
+                        self.waker.want_read(self.fd(i));
                     }
                 }
-                Io::Blocked => {
-                    self.waker.want_read(self);
-                    break;
-                }
-                Io::Eof => return Err(self.ended()),
+                break;
             }
         }
         let done = cur.received == expect.len;
         if done {
             a.got = 0;
+            for p in a.parts.iter_mut() {
+                p.done = 0;
+                p.staged = 0;
+            }
             moved = true;
         }
         Ok(Progress { state: done, moved })
@@ -423,30 +530,29 @@ impl Link for SocketLink {
         // A peer that closed is known only once its close header or end of stream is read.
         // Between messages, read the next header now (recv and peek find it afterwards); in
         // the middle of one, its receiver reads on and finds out.
-        if let Some(mut a) = self.arriving.try_lock() {
-            if a.got < HEADER {
-                self.header(&mut a)?;
-                return Ok(());
-            }
+        let Some(mut a) = self.arriving.try_lock() else {
+            return Ok(());
+        };
+        if a.got < HEADER {
+            self.header(&mut a)?;
+            return Ok(());
         }
         // In the middle of a message nothing may be consumed here, but the kernel knows
-        // whether the peer hung up. Its buffered bytes can still be read: the caller's next
-        // pass takes them, and it fails only if that pass finds nothing.
-        let mut p = libc::pollfd {
-            fd: self.fd(),
-            events: libc::POLLRDHUP,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd; a zero timeout never blocks.
-        let ready = unsafe { libc::poll(&mut p, 1, 0) };
-        if ready > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
-            return Err(Error::lost_peer(
-                self.first_lost(),
-                format!(
-                    "rank {} closed its TCP connection in the middle of a message (its process exited, or its host or the link failed)",
-                    self.peer
-                ),
-            ));
+        // whether the peer hung up. Only a socket that still owes bytes of this message tells
+        // anything (the peer may close once the kernel took its last bytes, and one socket can
+        // drain before another), and only once what it buffered is read.
+        let len = Header::decode(&a.raw).len as usize;
+        let n = self.streams.len();
+        for i in 0..n {
+            if a.parts[i].done < part(len, n, i).1 && self.hung_up(i) {
+                return Err(Error::lost_peer(
+                    self.first_lost(),
+                    format!(
+                        "rank {} closed its TCP connection in the middle of a message (its process exited, or its host or the link failed)",
+                        self.peer
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -457,9 +563,15 @@ impl Link for SocketLink {
     }
 
     fn describe(&self) -> String {
-        match self.stream.peer_addr() {
-            Ok(a) => format!("net/socket {a}"),
-            Err(_) => "net/socket".into(),
+        let n = self.streams.len();
+        let sockets = if n > 1 {
+            format!(" ({n} sockets)")
+        } else {
+            String::new()
+        };
+        match self.streams[0].peer_addr() {
+            Ok(a) => format!("net/socket {a}{sockets}"),
+            Err(_) => format!("net/socket{sockets}"),
         }
     }
 
@@ -477,9 +589,11 @@ impl Link for SocketLink {
             };
             // One attempt: a full socket buffer means the peer is not reading, and the
             // shutdown below still tells it we are gone.
-            let _ = self.write(&[&h.encode()]);
+            let _ = self.write(0, &[&h.encode()]);
         }
-        let _ = self.stream.shutdown(Shutdown::Write);
+        for s in &self.streams {
+            let _ = s.shutdown(Shutdown::Write);
+        }
     }
 }
 
@@ -497,5 +611,37 @@ mod tests {
             scale: [9, 8, 7, 6, 5, 4, 3, 2],
         };
         assert_eq!(Header::decode(&h.encode()), h);
+    }
+
+    #[test]
+    fn parts_cover_a_message_once_in_aligned_pieces() {
+        for n in [1, 2, 3, 4, 7, 64] {
+            for len in [
+                0,
+                1,
+                SPLIT_FROM - 1,
+                SPLIT_FROM,
+                300_001,
+                (1 << 20) + 12,
+                1 << 26,
+            ] {
+                let mut next = 0;
+                for i in 0..n {
+                    let (start, l) = part(len, n, i);
+                    assert_eq!(start, next.min(len), "n={n} len={len} part {i}");
+                    if start + l < len {
+                        assert_eq!(l % PART_ALIGN, 0, "n={n} len={len} part {i}");
+                    }
+                    next = start + l;
+                }
+                assert_eq!(next, len, "n={n} len={len}");
+                let cut = (0..n).filter(|&i| part(len, n, i).1 > 0).count();
+                if n > 1 && len >= SPLIT_FROM {
+                    assert!(cut > 1, "n={n} len={len} went on {cut} socket");
+                } else {
+                    assert!(cut <= 1, "n={n} len={len} went on {cut} sockets");
+                }
+            }
+        }
     }
 }
