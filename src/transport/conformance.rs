@@ -1,8 +1,9 @@
 //! The conformance suite every `Link` passes: message order and lengths, tags, both kinds of
 //! sink, zero-byte messages, a peer that closes (destroyed, aborted with a lost rank). It runs
 //! against the shm and socket transports (with one socket per peer and with several, so that
-//! large messages are cut across sockets) between two ranks that are threads of this process,
-//! and the parts that apply to a rank's channel to itself against loopback.
+//! large messages are cut across sockets) and InfiniBand over the tests' verbs model (one and
+//! three queue pairs) between two ranks that are threads of this process, and the parts that
+//! apply to a rank's channel to itself against loopback.
 
 use super::{establish_with, Closing, InExpect, Link, Links, OutMsg, RecvCursor, SendCursor};
 use super::{SendState, Sink};
@@ -17,6 +18,15 @@ enum Kind {
     Shm,
     /// TCP with this many sockets per peer.
     Socket(usize),
+    /// InfiniBand over the model, with this many queue pairs per peer.
+    Ib(usize),
+}
+
+/// The tests' verbs model, which names this crate `comm` as the integration tests do.
+#[allow(dead_code)]
+mod ibmodel {
+    use crate as comm;
+    include!("../../tests/common/ibmodel.rs");
 }
 
 /// Two ranks' links to each other (and their bootstraps, kept alive with them).
@@ -28,14 +38,24 @@ struct Pair {
 impl Pair {
     fn new(kind: Kind) -> Pair {
         let id = new_unique_id().expect("unique id");
+        let fabric = ibmodel::Fabric::new(ibmodel::Faults::default());
         let t = Some(Duration::from_secs(30));
         let made: Vec<(Bootstrap, Links)> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|r| {
                     let id = id.clone();
+                    let fabric = fabric.clone();
                     s.spawn(move || {
                         if let Kind::Socket(n) = kind {
                             super::net::SOCKETS_FOR_TEST.with(|c| c.set(Some(n)));
+                        }
+                        if let Kind::Ib(n) = kind {
+                            let model = ibmodel::ModelProvider {
+                                fabric: Some(fabric),
+                            };
+                            super::net::ib::PROVIDER_FOR_TEST
+                                .with(|c| *c.borrow_mut() = Some(Arc::new(model)));
+                            super::net::ib::QPS_FOR_TEST.with(|c| c.set(Some(n)));
                         }
                         let boot = Bootstrap::init(&[id], r, 2, t).expect("bootstrap");
                         let me = crate::topo::this_process();
@@ -276,6 +296,14 @@ fn socket_links_with_several_sockets_conform() {
     for n in [2, 4] {
         suite(Kind::Socket(n));
         closing(Kind::Socket(n));
+    }
+}
+
+#[test]
+fn ib_links_over_the_model_conform() {
+    for n in [1, 3] {
+        suite(Kind::Ib(n));
+        closing(Kind::Ib(n));
     }
 }
 

@@ -1,14 +1,17 @@
-//! An in-process software model of the verbs the InfiniBand transport uses
-//! (`comm::transport::net::ib::verbs`), for ranks that are threads of one process. RC
-//! semantics as the transport relies on them: work requests of a queue pair take effect in
-//! order; a write with immediate lands its bytes before the target's receive completion and
-//! waits for a posted receive (an unlimited RNR retry); atomics are atomic; remote accesses
-//! are checked against registered memory and its keys. Faults can be injected: a write that
-//! completes with an error status (both ends of its connection go to error, as a real RC
-//! connection does), a connection broken outright, and completions delayed by a fixed time.
-//!
-//! Everything happens under one lock, which is what makes the ordering easy to trust; a
-//! delayed operation is applied later by the fabric's thread, still in posting order.
+// An in-process software model of the verbs the InfiniBand transport uses
+// (`comm::transport::net::ib::verbs`), for ranks that are threads of one process. RC
+// semantics as the transport relies on them: work requests of a queue pair take effect in
+// order; a write with immediate lands its bytes before the target's receive completion and
+// waits for a posted receive (an unlimited RNR retry); atomics are atomic; remote accesses
+// are checked against registered memory and its keys. Faults can be injected: a write that
+// completes with an error status (both ends of its connection go to error, as a real RC
+// connection does), a connection broken outright, and completions delayed by a fixed time.
+//
+// The library's own conformance suite includes this file too (src/transport/conformance.rs),
+// which is why its notes are plain comments and it names the crate `comm` only in `use`s.
+//
+// Everything happens under one lock, which is what makes the ordering easy to trust; a
+// delayed operation is applied later by the fabric's thread, still in posting order.
 
 use comm::error::{Error, ErrorKind, Result};
 use comm::transport::net::ib::verbs::*;

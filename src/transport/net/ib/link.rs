@@ -249,8 +249,8 @@ impl IbLink {
     }
 
     fn fail(&self, st: &mut State, what: String) -> Error {
-        let e = Error::new(
-            ErrorKind::Remote,
+        let e = Error::lost_peer(
+            self.peer,
             format!(
                 "InfiniBand {}: rank {} <-> rank {}: {what}",
                 self.device, self.me, self.peer
@@ -369,9 +369,14 @@ impl IbLink {
         Ok(())
     }
 
+    /// The peer closed its end: an error naming how, and the first rank lost (the one it
+    /// said it lost, else itself).
     fn peer_gone(&self, st: &State) -> Option<Error> {
-        st.peer_closed
-            .map(|(how, lost)| Error::new(how.kind(), how.describe(self.peer, lost)))
+        st.peer_closed.map(|(how, lost)| {
+            let mut e = Error::lost_peer(lost.unwrap_or(self.peer), how.describe(self.peer, lost));
+            e.kind = how.kind();
+            e
+        })
     }
 
     fn give_credit(&self, st: &mut State) -> Result<()> {

@@ -30,7 +30,22 @@ pub fn set_provider(p: Option<Arc<dyn Provider>>) {
     *PROVIDER.lock() = p;
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The provider for connections this thread makes, ahead of `set_provider` (the
+    /// conformance suite runs over the model without changing it for other tests).
+    pub(crate) static PROVIDER_FOR_TEST: std::cell::RefCell<Option<Arc<dyn Provider>>> =
+        const { std::cell::RefCell::new(None) };
+    /// Queue pairs per connection for this thread, ahead of the environment.
+    pub(crate) static QPS_FOR_TEST: std::cell::Cell<Option<usize>> =
+        const { std::cell::Cell::new(None) };
+}
+
 fn provider() -> Arc<dyn Provider> {
+    #[cfg(test)]
+    if let Some(p) = PROVIDER_FOR_TEST.with(|c| c.borrow().clone()) {
+        return p;
+    }
     PROVIDER
         .lock()
         .clone()
@@ -172,6 +187,10 @@ fn entry_for(table: &[u8], of: usize) -> Option<(Vec<QpAddr>, Remote)> {
 
 /// Queue pairs per peer: `NCCL_IB_QPS_PER_CONNECTION` (1 to 16, default 1).
 fn qps_per_connection() -> usize {
+    #[cfg(test)]
+    if let Some(n) = QPS_FOR_TEST.with(|c| c.get()) {
+        return n;
+    }
     crate::env::int("IB_QPS_PER_CONNECTION")
         .unwrap_or(1)
         .clamp(1, 16) as usize
