@@ -249,7 +249,7 @@ pub const KNOBS: &[Knob] = &[
         name: "SPIN_US",
         nccl: false,
         default: "50",
-        doc: "microseconds to spin before sleeping (0 when ranks outnumber cores)",
+        doc: "microseconds to spin before sleeping (1000 with peers across the network; 0 when ranks outnumber cores)",
     },
     Knob {
         name: "SLICE_BYTES",

@@ -77,9 +77,10 @@ fn collectives_over_the_model() {
 #[test]
 fn several_queue_pairs_per_connection() {
     let fabric = Fabric::new(Faults::default());
-    std::env::set_var("NCCL_IB_QPS_PER_CONNECTION", "3");
-    std::env::set_var("COMM_IB_SLOT_BYTES", "4K");
     with_model(Some(fabric.clone()), "ib", || {
+        // Set under the lock with_model holds, so no other test sees them.
+        std::env::set_var("NCCL_IB_QPS_PER_CONNECTION", "3");
+        std::env::set_var("COMM_IB_SLOT_BYTES", "4K");
         with_threads(3, Duration::from_secs(300), |c, rank, n| {
             let ctx = Ctx { comm: c, rank, n };
             for coll in COLLS {
@@ -89,9 +90,9 @@ fn several_queue_pairs_per_connection() {
             }
             Ok(())
         });
+        std::env::remove_var("NCCL_IB_QPS_PER_CONNECTION");
+        std::env::remove_var("COMM_IB_SLOT_BYTES");
     });
-    std::env::remove_var("NCCL_IB_QPS_PER_CONNECTION");
-    std::env::remove_var("COMM_IB_SLOT_BYTES");
     assert_eq!(
         fabric.queue_pairs(),
         3 * 2 * 3,

@@ -183,7 +183,15 @@ impl Comm {
         // With more ranks than cores, spinning steals the core from the rank we wait for:
         // yield it instead, then sleep.
         let oversubscribed = local_ranks > topo::usable_cpus();
-        let spin_us = crate::env::int("SPIN_US").unwrap_or(if oversubscribed { 0 } else { 50 });
+        // A round trip over the network (tens of microseconds) outlasts a spin sized for shared
+        // memory, and a rank that sleeps through it pays a wake-up on every small message:
+        // with network peers, spin as long as a few round trips.
+        let spin_default = match (oversubscribed, net_world.is_some()) {
+            (true, _) => 0,
+            (false, true) => 1000,
+            (false, false) => 50,
+        };
+        let spin_us = crate::env::int("SPIN_US").unwrap_or(spin_default);
         let yield_us = crate::env::int("YIELD_US").unwrap_or(if oversubscribed { 200 } else { 0 });
         let huge_pages_from = if crate::env::flag("SHM_HUGEPAGES") == Some(false) {
             None

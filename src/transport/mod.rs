@@ -88,13 +88,27 @@ pub(crate) fn establish_with(
     } else {
         None
     };
-    let doorbell: Arc<dyn Doorbell> = match &shm_world {
-        Some(w) => w.local.clone(),
-        None => Arc::new(LocalDoorbell::default()),
+    // Without shared-memory peers, a rank sleeps in epoll on its sockets (see `net::Waker`).
+    let direct = if shm_world.is_none() && any_net {
+        Some(Arc::new(net::Waker::direct()?))
+    } else {
+        None
+    };
+    let doorbell: Arc<dyn Doorbell> = match (&shm_world, &direct) {
+        (Some(w), _) => w.local.clone(),
+        (None, Some(d)) => d.clone(),
+        (None, None) => Arc::new(LocalDoorbell::default()),
     };
     let net_peers: Vec<usize> = (0..n).filter(|&r| by_net(paths[r])).collect();
     let net_world = if any_net {
-        net::connect(boot, &net_peers, doorbell.clone(), comm_tag, deadline)?
+        net::connect(
+            boot,
+            &net_peers,
+            doorbell.clone(),
+            direct,
+            comm_tag,
+            deadline,
+        )?
     } else {
         None
     };

@@ -37,7 +37,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -109,10 +109,20 @@ fn chosen() -> Result<Net> {
     }
 }
 
-/// Watches sockets for the executor and rings its doorbell when one is ready.
+/// Watches sockets for the executor. Two modes:
+/// - with a thread: the thread waits in epoll and rings the communicator's doorbell (a
+///   shared-memory futex, when the communicator has peers on its host too) when one is ready;
+/// - direct, for communicators whose peers are all across the network: the waker *is* the
+///   doorbell, and a rank going to sleep waits in epoll itself, on its sockets and on an
+///   eventfd that rings write. A message then wakes the rank that waits for it with no other
+///   thread in between, one scheduling delay fewer on the path of every small message.
 pub(crate) struct Waker {
     epoll: OwnedFd,
-    doorbell: Arc<dyn Doorbell>,
+    /// The doorbell to ring (thread mode); None when the waker is the doorbell.
+    doorbell: Option<Arc<dyn Doorbell>>,
+    /// Direct mode: bumped by every ring, and how many ranks are preparing to sleep or asleep.
+    word: AtomicU32,
+    sleepers: AtomicU32,
     /// Serialises arming, so that interest in reading and in writing combine correctly.
     armed: Mutex<()>,
     stop: AtomicBool,
@@ -121,7 +131,12 @@ pub(crate) struct Waker {
 }
 
 impl Waker {
-    fn new(doorbell: Arc<dyn Doorbell>) -> Result<Waker> {
+    /// A waker that is its communicator's doorbell (direct mode).
+    pub(crate) fn direct() -> Result<Waker> {
+        Waker::new(None)
+    }
+
+    fn new(doorbell: Option<Arc<dyn Doorbell>>) -> Result<Waker> {
         // SAFETY: epoll_create1 takes flags and returns a new descriptor or -1.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if fd < 0 {
@@ -142,6 +157,8 @@ impl Waker {
         let w = Waker {
             epoll,
             doorbell,
+            word: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
             armed: Mutex::new(()),
             stop: AtomicBool::new(false),
             wake,
@@ -207,9 +224,49 @@ impl Waker {
             let n =
                 unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 16, 1000) };
             if n > 0 {
-                self.doorbell.ring();
+                if let Some(d) = &self.doorbell {
+                    d.ring();
+                }
             }
         }
+    }
+}
+
+impl Doorbell for Waker {
+    fn ring(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.word.fetch_add(1, Ordering::SeqCst);
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes to our eventfd, which wakes an epoll_wait on it.
+            unsafe { libc::write(self.wake.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+    }
+
+    fn prepare_sleep(&self) -> u32 {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.word.load(Ordering::SeqCst)
+    }
+
+    fn cancel_sleep(&self) {
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn sleep(&self, seen: u32, timeout: Duration) {
+        if self.word.load(Ordering::SeqCst) == seen {
+            let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
+            let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: `events` has room for 16 entries.
+            let n =
+                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), 16, ms) };
+            if n > 0 && events[..n as usize].iter().any(|e| e.u64 == u64::MAX) {
+                let mut buf = [0u8; 8];
+                // SAFETY: reads the eventfd's counter (non-blocking), resetting it.
+                unsafe { libc::read(self.wake.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+            }
+        }
+        self.cancel_sleep();
     }
 }
 
@@ -262,6 +319,7 @@ pub(crate) fn connect(
     boot: &Bootstrap,
     peers: &[usize],
     doorbell: Arc<dyn Doorbell>,
+    direct: Option<Arc<Waker>>,
     comm_tag: u64,
     deadline: Option<Instant>,
 ) -> Result<Option<NetWorld>> {
@@ -387,7 +445,10 @@ pub(crate) fn connect(
             streams[p] = s;
         }
     }
-    let waker = Arc::new(Waker::new(doorbell)?);
+    let (waker, thread_needed) = match direct {
+        Some(w) => (w, false),
+        None => (Arc::new(Waker::new(Some(doorbell))?), true),
+    };
     let mut links: Vec<Option<Arc<dyn Link>>> = (0..nranks).map(|_| None).collect();
     for (p, ss) in streams.into_iter().enumerate() {
         if ss.is_empty() {
@@ -403,16 +464,22 @@ pub(crate) fn connect(
         crate::info!("rank {me} -> rank {p}: {}", link.describe());
         links[p] = Some(Arc::new(link));
     }
-    let w = waker.clone();
-    let thread = std::thread::Builder::new()
-        .name(format!("comm-net-{me}"))
-        .spawn(move || w.run())
-        .map_err(|e| Error::from_io("start the network progress thread", e))?;
+    let thread = if thread_needed {
+        let w = waker.clone();
+        Some(
+            std::thread::Builder::new()
+                .name(format!("comm-net-{me}"))
+                .spawn(move || w.run())
+                .map_err(|e| Error::from_io("start the network progress thread", e))?,
+        )
+    } else {
+        None
+    };
     Ok(Some(NetWorld {
         links,
         bytes_per_us: crate::bootstrap::iface::speed_of(boot.listen_ip()).unwrap_or(1250.0),
         waker: Some(waker),
-        thread: Some(thread),
+        thread,
         _ib: None,
     }))
 }
