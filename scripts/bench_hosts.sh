@@ -20,6 +20,7 @@
 #     --out DIR          where the JSON files, logs and tables go (a new temporary directory)
 #     --no-mpi, --no-gloo, --no-iperf   leave one out
 #     --timeout S        limit on each launch (600)
+#     --report DIR       only print the tables again from the files of an earlier --out DIR
 #
 # How each runs: comm's plain <coll>_perf binaries, one process per rank joined to its host's
 # namespaces, with torchrun-style RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (host 0) and
@@ -42,7 +43,7 @@ netns=$root/scripts/netns.sh
 
 hosts=2 per_host=1 rate="" rounds=3 max=256M colls=all_reduce,all_gather
 bin=${COMM_BENCH_BIN:-$root/build/bench} out="" limit=600
-do_mpi=1 do_gloo=1 do_iperf=1
+do_mpi=1 do_gloo=1 do_iperf=1 report_only=0
 variants=("")
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2; exit "${1:-2}"; }
 while (($#)); do
@@ -57,6 +58,7 @@ while (($#)); do
     --bin) bin=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
+    --report) out=$2; report_only=1; shift 2 ;;
     --no-mpi) do_mpi=0; shift ;;
     --no-gloo) do_gloo=0; shift ;;
     --no-iperf) do_iperf=0; shift ;;
@@ -66,7 +68,159 @@ while (($#)); do
 done
 ((hosts >= 2 && per_host >= 1 && rounds >= 1)) || { echo "bench_hosts.sh: need --hosts >= 2, --per-host >= 1, --rounds >= 1" >&2; exit 2; }
 nranks=$((hosts * per_host))
+
+# The tables, from the JSON files of --out: busbw medians over rounds with the lowest and highest
+# round, ratios per round (then their median and range), iperf3's rate.
+summarize() {
+  python3 - "$out" "${coll_list[@]}" <<'PY' | tee "$out/tables.md"
+import glob, json, os, statistics, sys
+
+out, colls = sys.argv[1], sys.argv[2:]
+labels = dict(l.rstrip("\n").split("\t") for l in open(os.path.join(out, "variants.txt")) if l.strip())
+variants = sorted(labels)
+setup = open(os.path.join(out, "setup.txt")).read()
+print("```\n" + setup.strip() + "\n```\n")
+# placement compared: gloo's all_reduce works in place, its all_gather_into_tensor out of place
+place = {"all_reduce": "in_place", "all_gather": "out_of_place"}
+
+
+def rounds():
+    return sorted({int(os.path.basename(p).split(".")[0][1:]) for p in glob.glob(os.path.join(out, "r*.json"))})
+
+
+def load(rnd, impl, coll):
+    rows = {}
+    for p in glob.glob(os.path.join(out, f"r{rnd}.{impl}.{coll}.*.json")):
+        try:
+            doc = json.load(open(p))
+        except (OSError, ValueError):
+            continue
+        for row in doc.get("results", []):
+            rows[row["size"]] = row
+    return rows
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None, None
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def fmt(t, digits=2, unit=""):
+    m, lo, hi = t
+    if m is None:
+        return "-"
+    return f"{m:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+R = rounds()
+# iperf3: Gbit/s received, single stream and each direction of --bidir
+single, fwd, rev = [], [], []
+for r in R:
+    try:
+        d = json.load(open(os.path.join(out, f"r{r}.iperf.json")))["end"]
+        single.append(d["sum_received"]["bits_per_second"] / 1e9)
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        d = json.load(open(os.path.join(out, f"r{r}.iperf-bidir.json")))["end"]
+        fwd.append(d["sum_received"]["bits_per_second"] / 1e9)
+        rev.append(d["sum_received_bidir_reverse"]["bits_per_second"] / 1e9)
+    except (OSError, ValueError, KeyError):
+        pass
+per_dir = [(a + b) / 2 for a, b in zip(fwd, rev)]
+if single:
+    print(f"iperf3 one stream: {fmt(med(single))} Gbit/s; --bidir host 0 -> 1: {fmt(med(fwd))}, "
+          f"1 -> 0: {fmt(med(rev))} Gbit/s; per direction (mean of the two) {fmt(med(per_dir))} Gbit/s "
+          f"= {fmt(med([x / 8 for x in per_dir]), digits=3)} GB/s\n")
+link = statistics.median(per_dir) / 8 if per_dir else None
+
+
+def busbw(rnd, impl, coll, size, pl):
+    row = load(rnd, impl, coll).get(size)
+    if not row or pl not in row:
+        return None
+    return row[pl]["bus_bw"]
+
+
+def time_us(rnd, impl, coll, size, pl):
+    row = load(rnd, impl, coll).get(size)
+    if not row or pl not in row:
+        return None
+    return row[pl]["time"]
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+cache = {}
+for coll in colls:
+    pl = place.get(coll, "out_of_place")
+    data = {impl: {r: load(r, impl, coll) for r in R} for impl in variants + ["mpi", "gloo"]}
+    sizes = sorted({s for r in R for s in data[variants[0]][r]} - {8} if coll == "all_reduce" else
+                   {s for r in R for s in data[variants[0]][r]})
+
+    def bw(impl, r, s):
+        row = data[impl][r].get(s)
+        return row[pl]["bus_bw"] if row and pl in row else None
+
+    have = [i for i in ("mpi", "gloo") if any(data[i][r] for r in R)]
+    print(f"### {coll}, {pl.replace('_', ' ')}: busbw in GB/s, median of {len(R)} rounds (min-max)\n")
+    head = ["size"] + [labels[v] for v in variants] + [{"mpi": "MPI-TCP", "gloo": "gloo"}[i] for i in have]
+    for v in variants:
+        for i in have:
+            head.append(f"{labels[v]} / {'MPI' if i == 'mpi' else 'gloo'}")
+    for v in variants[1:]:
+        head.append(f"{labels[v]} / {labels[variants[0]]}")
+    if link:
+        head += [f"{labels[v]} / link" for v in variants]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    for s in sizes:
+        cells = [str(s)]
+        for i in variants + have:
+            cells.append(fmt(med([bw(i, r, s) for r in R]), digits=3))
+        for v in variants:
+            for i in have:
+                cells.append(fmt(med([ratio(bw(v, r, s), bw(i, r, s)) for r in R]), unit="x"))
+        for v in variants[1:]:
+            cells.append(fmt(med([ratio(bw(v, r, s), bw(variants[0], r, s)) for r in R]), unit="x"))
+        if link:
+            for v in variants:
+                m = med([bw(v, r, s) for r in R])
+                cells.append(f"{100 * m[0] / link:.0f} %" if m[0] is not None else "-")
+        print("| " + " | ".join(cells) + " |")
+    print()
+    if coll == "all_reduce":
+        print("### all_reduce 8 B: time in us, median (min-max)\n")
+        print("| placement | " + " | ".join(labels[v] for v in variants) + " | " +
+              " | ".join({"mpi": "MPI-TCP", "gloo": "gloo"}[i] for i in have) + " | " +
+              " | ".join(f"{'MPI' if i == 'mpi' else 'gloo'} time / {labels[v]} time" for v in variants for i in have) + " |")
+        print("|---|" + "---:|" * (len(variants) + len(have) + len(variants) * len(have)))
+        for p in ("out_of_place", "in_place"):
+            def t(impl, r):
+                row = data[impl][r].get(8)
+                return row[p]["time"] if row and p in row else None
+            cells = [p.replace("_", " ")]
+            for i in variants + have:
+                cells.append(fmt(med([t(i, r) for r in R])))
+            for v in variants:
+                for i in have:
+                    cells.append(fmt(med([ratio(t(i, r), t(v, r)) for r in R]), unit="x"))
+            print("| " + " | ".join(cells) + " |")
+        print()
+fails = open(os.path.join(out, "failures.txt")).read().strip()
+if fails:
+    print("Failures:\n\n```\n" + fails + "\n```")
+PY
+}
 IFS=, read -r -a coll_list <<<"$colls"
+if ((report_only)); then
+  summarize
+  exit 0
+fi
 for c in "${coll_list[@]}"; do
   [ -x "$bin/${c}_perf" ] || { echo "bench_hosts.sh: $bin/${c}_perf missing (build with cmake, see bench/README.md, or pass --bin)" >&2; exit 2; }
 done
@@ -270,147 +424,5 @@ for ((round = 0; round < rounds; round++)); do
 done
 echo "total $(($(date +%s) - start)) s" >>"$out/setup.txt"
 
-python3 - "$out" "${coll_list[@]}" <<'PY' | tee "$out/tables.md"
-import glob, json, os, statistics, sys
-
-out, colls = sys.argv[1], sys.argv[2:]
-labels = dict(l.rstrip("\n").split("\t") for l in open(os.path.join(out, "variants.txt")) if l.strip())
-variants = sorted(labels)
-setup = open(os.path.join(out, "setup.txt")).read()
-print("```\n" + setup.strip() + "\n```\n")
-# placement compared: gloo's all_reduce works in place, its all_gather_into_tensor out of place
-place = {"all_reduce": "in_place", "all_gather": "out_of_place"}
-
-
-def rounds():
-    return sorted({int(os.path.basename(p).split(".")[0][1:]) for p in glob.glob(os.path.join(out, "r*.json"))})
-
-
-def load(rnd, impl, coll):
-    rows = {}
-    for p in glob.glob(os.path.join(out, f"r{rnd}.{impl}.{coll}.*.json")):
-        try:
-            doc = json.load(open(p))
-        except (OSError, ValueError):
-            continue
-        for row in doc.get("results", []):
-            rows[row["size"]] = row
-    return rows
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None, None
-    return statistics.median(xs), min(xs), max(xs)
-
-
-def fmt(t, digits=2, unit=""):
-    m, lo, hi = t
-    if m is None:
-        return "-"
-    return f"{m:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
-
-
-R = rounds()
-# iperf3: Gbit/s received, single stream and each direction of --bidir
-single, fwd, rev = [], [], []
-for r in R:
-    try:
-        d = json.load(open(os.path.join(out, f"r{r}.iperf.json")))["end"]
-        single.append(d["sum_received"]["bits_per_second"] / 1e9)
-    except (OSError, ValueError, KeyError):
-        pass
-    try:
-        d = json.load(open(os.path.join(out, f"r{r}.iperf-bidir.json")))["end"]
-        fwd.append(d["sum_received"]["bits_per_second"] / 1e9)
-        rev.append(d["sum_received_bidir_reverse"]["bits_per_second"] / 1e9)
-    except (OSError, ValueError, KeyError):
-        pass
-per_dir = [(a + b) / 2 for a, b in zip(fwd, rev)]
-if single:
-    print(f"iperf3 one stream: {fmt(med(single))} Gbit/s; --bidir host 0 -> 1: {fmt(med(fwd))}, "
-          f"1 -> 0: {fmt(med(rev))} Gbit/s; per direction (mean of the two) {fmt(med(per_dir))} Gbit/s "
-          f"= {fmt(med([x / 8 for x in per_dir]))} GB/s\n")
-link = statistics.median(per_dir) / 8 if per_dir else None
-
-
-def busbw(rnd, impl, coll, size, pl):
-    row = load(rnd, impl, coll).get(size)
-    if not row or pl not in row:
-        return None
-    return row[pl]["bus_bw"]
-
-
-def time_us(rnd, impl, coll, size, pl):
-    row = load(rnd, impl, coll).get(size)
-    if not row or pl not in row:
-        return None
-    return row[pl]["time"]
-
-
-def ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-cache = {}
-for coll in colls:
-    pl = place.get(coll, "out_of_place")
-    data = {impl: {r: load(r, impl, coll) for r in R} for impl in variants + ["mpi", "gloo"]}
-    sizes = sorted({s for r in R for s in data[variants[0]][r]} - {8} if coll == "all_reduce" else
-                   {s for r in R for s in data[variants[0]][r]})
-
-    def bw(impl, r, s):
-        row = data[impl][r].get(s)
-        return row[pl]["bus_bw"] if row and pl in row else None
-
-    have = [i for i in ("mpi", "gloo") if any(data[i][r] for r in R)]
-    print(f"### {coll}, {pl.replace('_', ' ')}: busbw in GB/s, median of {len(R)} rounds (min-max)\n")
-    head = ["size"] + [labels[v] for v in variants] + [{"mpi": "MPI-TCP", "gloo": "gloo"}[i] for i in have]
-    for v in variants:
-        for i in have:
-            head.append(f"{labels[v]} / {'MPI' if i == 'mpi' else 'gloo'}")
-    for v in variants[1:]:
-        head.append(f"{labels[v]} / {labels[variants[0]]}")
-    if link:
-        head += [f"{labels[v]} / link" for v in variants]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---:|" * len(head))
-    for s in sizes:
-        cells = [str(s)]
-        for i in variants + have:
-            cells.append(fmt(med([bw(i, r, s) for r in R])))
-        for v in variants:
-            for i in have:
-                cells.append(fmt(med([ratio(bw(v, r, s), bw(i, r, s)) for r in R]), unit="x"))
-        for v in variants[1:]:
-            cells.append(fmt(med([ratio(bw(v, r, s), bw(variants[0], r, s)) for r in R]), unit="x"))
-        if link:
-            for v in variants:
-                m = med([bw(v, r, s) for r in R])
-                cells.append(f"{100 * m[0] / link:.0f} %" if m[0] is not None else "-")
-        print("| " + " | ".join(cells) + " |")
-    print()
-    if coll == "all_reduce":
-        print("### all_reduce 8 B: time in us, median (min-max)\n")
-        print("| placement | " + " | ".join(labels[v] for v in variants) + " | " +
-              " | ".join({"mpi": "MPI-TCP", "gloo": "gloo"}[i] for i in have) + " | " +
-              " | ".join(f"{'MPI' if i == 'mpi' else 'gloo'} time / {labels[v]} time" for v in variants for i in have) + " |")
-        print("|---|" + "---:|" * (len(variants) + len(have) + len(variants) * len(have)))
-        for p in ("out_of_place", "in_place"):
-            def t(impl, r):
-                row = data[impl][r].get(8)
-                return row[p]["time"] if row and p in row else None
-            cells = [p.replace("_", " ")]
-            for i in variants + have:
-                cells.append(fmt(med([t(i, r) for r in R])))
-            for v in variants:
-                for i in have:
-                    cells.append(fmt(med([ratio(t(i, r), t(v, r)) for r in R]), unit="x"))
-            print("| " + " | ".join(cells) + " |")
-        print()
-fails = open(os.path.join(out, "failures.txt")).read().strip()
-if fails:
-    print("Failures:\n\n```\n" + fails + "\n```")
-PY
+summarize
 echo "results in $out" >&2
