@@ -226,13 +226,12 @@ class Window:
             return win.value
 
         engine.flush_p2p()
+        # No barrier afterwards: the library puts the window in this rank's table before any
+        # rank leaves the registration, so peers' one-sided calls may follow at once.
         handle = engine.executor.call(lambda: _register_with_pad_size(engine, do_register))
         if not handle:
             raise CommError("comm: ncclCommWindowRegister gave no window", call="ncclCommWindowRegister")
-        win = cls(engine, handle, ptr, nbytes)
-        # Every rank has finished registering before any rank's one-sided calls reach it.
-        engine.barrier(False, None)
-        return win
+        return cls(engine, handle, ptr, nbytes)
 
     def check(self, result: int, call: str) -> None:
         if result:
