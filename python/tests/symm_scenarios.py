@@ -445,7 +445,37 @@ def all_gather_matmul(ctx):
 
     run_check(ctx, "matches", matches)
 
+    def back_to_back():
+        # Calls with no other collective between them: a rank overwrites its workspace only
+        # after every peer released the previous chunk, even when one rank lags. Every other
+        # call writes the shard into the workspace itself (shard_workspace, no copy).
+        from comm_torch.fused import shard_workspace
+
+        calls = 12
+        shards = [
+            torch.randn(16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1000 * r + i))
+            for i in range(calls)
+        ]
+        outs = []
+        for i, shard in enumerate(shards):
+            if r == w - 1 and i % 3 == 0:
+                time.sleep(0.02)  # the others run ahead into the next call
+            if i % 2:
+                ws = shard_workspace(shard.shape, shard.dtype)
+                ws.copy_(shard)
+                outs.append(fused(ws, b))
+            else:
+                outs.append(fused(shard, b))
+        for i, shard in enumerate(shards):
+            ref_a, ref_out = reference(shard)
+            assert torch.equal(outs[i][0], ref_a), f"call {i}: the gathered A differs"
+            rel = float((outs[i][1] - ref_out).norm() / ref_out.norm())
+            assert rel < 1e-12, (i, rel)
+
+    run_check(ctx, "back_to_back", back_to_back)
+
     def bench():
+        torch.set_num_threads(1)  # one rank per core: more intra-op threads oversubscribe them
         shard = torch.randn(256, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
         bb = torch.randn(512, 256, dtype=torch.float64)
         dist.broadcast(bb, 0)

@@ -63,7 +63,7 @@ def test_all_gather_matmul(world, hosts):
     if hosts and world == 3:
         pytest.skip("two hosts are tested with 2 and 4 ranks")
     results = launcher.run("symm_scenarios:all_gather_matmul", world, timeout=240, args=["hosts"] if hosts else [])
-    _assert_ok(results, ["matches", "bench"])
+    _assert_ok(results, ["matches", "back_to_back", "bench"])
     for res in results:
         assert all(res["values"][f"rel_err_{i}"] < 1e-12 for i in range(3))
     values = results[0]["values"]
