@@ -253,6 +253,11 @@ def symmetric_alloc(ctx):
         a.fill_(r + 0.5)
         hdl = symm_mem.rendezvous(a)
         assert hdl.buffer_size == 3 * 4 * 8
+        # No set_signal_pad_size in this scenario: the library's channels per window (32 unless
+        # COMM_WIN_CHANNELS says otherwise).
+        assert hdl.signal_pad_size == symm_mem.get_signal_pad_size(), hdl.signal_pad_size
+        if not os.environ.get("COMM_WIN_CHANNELS") and not os.environ.get("NCCL_WIN_CHANNELS"):
+            assert hdl.signal_pad_size == 32 * 4 * w, hdl.signal_pad_size
         hdl.barrier()
         peer = hdl.get_buffer(nxt, (3, 4), torch.float64)
         assert torch.equal(peer, torch.full((3, 4), nxt + 0.5, dtype=torch.float64)), peer
