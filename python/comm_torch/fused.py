@@ -8,8 +8,8 @@ into a workspace in symmetric memory (one per shape, dtype and group, made once;
 the shard is that workspace already, see ``shard_workspace``) and signals every peer on a
 channel; then it multiplies its own chunk, and each peer's chunk once that peer's signal
 arrives: in place (``get_buffer``) for peers on this host, through a one-sided get for peers
-on other hosts. Nothing is copied between ranks, so the only cost the two-step version does
-not have is one signal and one wait per peer.
+on other hosts. Between ranks of one host nothing is copied, so the only cost the two-step
+version does not have is one signal and one wait per peer.
 
 Once a rank has multiplied a peer's chunk it tells that peer so on a second channel; a rank
 waits for those releases only at its next call on the same workspace, right before it
