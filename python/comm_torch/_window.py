@@ -12,6 +12,7 @@ involve the target, so two threads may wait on different channels at once.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from typing import Any, ClassVar
@@ -24,6 +25,57 @@ from ._core import Engine
 from ._lib import CommError
 
 _byref = ctypes.byref
+
+# The signal pad size symm_mem.set_signal_pad_size chose (bytes), and the communicators that
+# have made their first window (the library fixes a communicator's channel count then).
+_pad_bytes: int | None = None
+_engines_with_windows: weakref.WeakSet = weakref.WeakSet()
+_CHANNEL_VARS = ("COMM_WIN_CHANNELS", "NCCL_WIN_CHANNELS")
+
+
+def pad_bytes() -> int | None:
+    return _pad_bytes
+
+
+def set_pad_bytes(nbytes: int) -> None:
+    global _pad_bytes
+    _pad_bytes = nbytes
+
+
+def windows_made() -> bool:
+    """Whether this process has registered a window on any communicator."""
+    return len(_engines_with_windows) > 0
+
+
+def default_channels() -> int:
+    """The library's channel count per window when no signal pad size was set."""
+    for name in _CHANNEL_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return min(max(int(value), 1), 4096)
+            except ValueError:
+                pass
+    return 32
+
+
+def _register_with_pad_size(engine: Engine, register: Any) -> Any:
+    """Runs ``register``; when a signal pad size was set and this is the communicator's first
+    window, the library is told the channel count it implies (COMM_WIN_CHANNELS, which it
+    reads once per communicator, on rank 0)."""
+    first = engine not in _engines_with_windows
+    _engines_with_windows.add(engine)
+    if _pad_bytes is None or not first:
+        return register()
+    saved = os.environ.get(_CHANNEL_VARS[0])
+    os.environ[_CHANNEL_VARS[0]] = str(min(max(_pad_bytes // (4 * engine.size), 1), 4096))
+    try:
+        return register()
+    finally:
+        if saved is None:
+            del os.environ[_CHANNEL_VARS[0]]
+        else:
+            os.environ[_CHANNEL_VARS[0]] = saved
 
 
 def engine_of(group: Any = None) -> Engine:
@@ -174,13 +226,12 @@ class Window:
             return win.value
 
         engine.flush_p2p()
-        handle = engine.executor.call(do_register)
+        # No barrier afterwards: the library puts the window in this rank's table before any
+        # rank leaves the registration, so peers' one-sided calls may follow at once.
+        handle = engine.executor.call(lambda: _register_with_pad_size(engine, do_register))
         if not handle:
             raise CommError("comm: ncclCommWindowRegister gave no window", call="ncclCommWindowRegister")
-        win = cls(engine, handle, ptr, nbytes)
-        # Every rank has finished registering before any rank's one-sided calls reach it.
-        engine.barrier(False, None)
-        return win
+        return cls(engine, handle, ptr, nbytes)
 
     def check(self, result: int, call: str) -> None:
         if result:

@@ -25,20 +25,31 @@ as long as the library's ``COMM_TIMEOUT`` allows; a wait that times out raises `
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from . import _lib, _window
 from ._lib import CommError
 from ._window import Allocation, Window, bytes_tensor, engine_of, typed_view
 
 __all__ = [
     "SymmetricMemory",
     "empty",
+    "get",
     "get_backend",
+    "get_mem_pool",
+    "get_mempool_allocator",
+    "get_signal_pad_size",
+    "is_nvshmem_available",
     "is_symm_mem_tensor",
+    "put_signal",
     "rendezvous",
+    "set_backend",
+    "set_signal_pad_size",
+    "wait_signal",
 ]
 
 BACKEND = "COMM"
@@ -79,6 +90,56 @@ def get_backend(device: torch.device | str | None = None) -> str | None:
     return BACKEND
 
 
+def set_backend(name: str) -> None:
+    """Chooses the allocation backend. There is one on CPU, "COMM", so this accepts that name
+    (a no-op) and, like PyTorch for a backend it does not have, raises RuntimeError for any
+    other."""
+    if name != BACKEND:
+        raise RuntimeError(f"SymmetricMemory does not find allocation backend {name} (comm_torch has only {BACKEND})")
+
+
+def is_nvshmem_available() -> bool:
+    """False: comm_torch's symmetric memory is host memory, not NVSHMEM's."""
+    return False
+
+
+def get_mempool_allocator(device: torch.device | str) -> Any:
+    """PyTorch's MemPool allocator for symmetric memory; there is no CPU MemPool in PyTorch, so
+    this raises RuntimeError (allocate with ``empty`` instead)."""
+    _check_device(device)
+    raise RuntimeError("comm_torch.symm_mem: PyTorch has no MemPool for CPU tensors; allocate with symm_mem.empty")
+
+
+def get_mem_pool(device: torch.device | str) -> Any:
+    """As ``get_mempool_allocator``: RuntimeError on CPU (use ``empty``)."""
+    return get_mempool_allocator(device)
+
+
+def set_signal_pad_size(size: int) -> None:
+    """Sets the signal pad size in bytes of the windows made from now on. Like PyTorch's, it
+    must come before the first ``rendezvous`` (or any other window of comm_torch) in the
+    process, and it must be the same on every rank; a later call raises RuntimeError. A
+    communicator of N ranks gets ``size // (4 * N)`` channels (at least one) per window."""
+    size = int(size)
+    if size < 4:
+        raise ValueError(f"comm_torch.symm_mem: a signal pad of {size} bytes holds no signal")
+    if _window.windows_made() and size != get_signal_pad_size():
+        raise RuntimeError("comm_torch.symm_mem: set_signal_pad_size must be called before the first rendezvous")
+    _window.set_pad_bytes(size)
+
+
+def get_signal_pad_size() -> int:
+    """The signal pad size in bytes: the value ``set_signal_pad_size`` set, else that of the
+    library's default (``COMM_WIN_CHANNELS``, 32 channels) for the default group's size (1
+    before torch.distributed is initialised). A handle's ``signal_pad_size`` is its own."""
+    if _window.pad_bytes() is not None:
+        return _window.pad_bytes()
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return _window.default_channels() * 4 * world
+
+
 class SymmetricMemory:
     """The handle ``rendezvous`` returns: PyTorch's ``_SymmetricMemory`` on host memory."""
 
@@ -95,6 +156,8 @@ class SymmetricMemory:
         self.signal_pad_ptrs: list[int] = [p for p, _ in pads]
         self._channels = pads[self.rank][1]
         self.signal_pad_size: int = self._channels * self.world_size * 4
+        self._buffer_ptrs_arr: Any = None
+        self._signal_pad_ptrs_arr: Any = None
 
     def __repr__(self) -> str:
         return f"SymmetricMemory(rank={self.rank}, world_size={self.world_size}, buffer_size={self.buffer_size})"
@@ -183,13 +246,26 @@ class SymmetricMemory:
         """Writes the 32-bit word ``offset`` of ``tensor`` (at once: there is no stream on CPU)."""
         SymmetricMemory.memset32(tensor, offset, val, 1)
 
+    # On CUDA these are device arrays of world_size pointers that kernels index; on CPU they
+    # are host arrays (uint64 each) of the same addresses as buffer_ptrs / signal_pad_ptrs,
+    # valid as long as the handle.
     @property
     def buffer_ptrs_dev(self) -> int:
-        raise NotImplementedError("comm_torch.symm_mem: CPU handles have no device pointer arrays; use buffer_ptrs")
+        """The address of a host array of ``world_size`` 64-bit pointers: ``buffer_ptrs``."""
+        if self._buffer_ptrs_arr is None:
+            self._buffer_ptrs_arr = (ctypes.c_uint64 * self.world_size)(*self.buffer_ptrs)
+        return ctypes.addressof(self._buffer_ptrs_arr)
 
     @property
     def signal_pad_ptrs_dev(self) -> int:
-        raise NotImplementedError("comm_torch.symm_mem: CPU handles have no device pointer arrays; use signal_pad_ptrs")
+        """The address of a host array of ``world_size`` 64-bit pointers: ``signal_pad_ptrs``."""
+        if self._signal_pad_ptrs_arr is None:
+            self._signal_pad_ptrs_arr = (ctypes.c_uint64 * self.world_size)(*self.signal_pad_ptrs)
+        return ctypes.addressof(self._signal_pad_ptrs_arr)
+
+    def boxed(self) -> SymmetricMemory:
+        """PyTorch 2.15 converts its handle for the dispatcher; this one is its own."""
+        return self
 
     @property
     def multicast_ptr(self) -> int:
@@ -215,3 +291,81 @@ def rendezvous(tensor: torch.Tensor, group: Any = None) -> SymmetricMemory:
         handle = SymmetricMemory(alloc.window(engine), offset, tensor.device)
         alloc.handles[key] = handle
     return handle
+
+
+# -- one-sided module functions (PyTorch 2.15: backend "NCCL" only there; comm_torch has them on CPU)
+def _check_peer(hdl: SymmetricMemory, peer: int, what: str) -> None:
+    if not 0 <= peer < hdl.world_size:
+        raise ValueError(f"{what}: invalid peer")
+
+
+def get(dst: torch.Tensor, hdl: SymmetricMemory, peer: int, offset: int = 0) -> None:
+    """Copies ``dst.numel()`` elements from ``peer``'s allocation behind ``hdl``, from
+    ``offset`` elements (of ``dst``'s dtype) past the handle's tensor, into ``dst``: straight
+    from the peer's memory on this host, through a one-sided read across hosts."""
+    if dst.device != hdl.device:
+        raise ValueError("get: dst must be on the same device as hdl")
+    if not dst.is_contiguous():
+        raise ValueError("get: dst must be backed by contiguous memory")
+    if offset < 0:
+        raise ValueError("get: offset must be non-negative")
+    _check_peer(hdl, peer, "get")
+    size, elem = dst.numel(), dst.element_size()
+    if hdl.offset % elem:
+        raise RuntimeError("get: handle offset is not element-aligned")
+    start = hdl.offset + offset * elem
+    if start + size * elem > hdl.buffer_size:
+        raise ValueError("get: requested range exceeds symmetric allocation")
+    if size == 0:
+        return
+    if hdl.buffer_ptrs[peer]:
+        dst.view(-1).copy_(hdl.get_buffer(peer, (size,), dst.dtype, start // elem))
+        return
+    win = hdl._window
+    win.check(
+        win.lib.commWinGet(
+            ctypes.c_void_p(dst.data_ptr()), size * elem, _lib.UINT8, peer, win.handle, start, win.engine.handle
+        ),
+        "commWinGet",
+    )
+
+
+def put_signal(src: torch.Tensor, hdl: SymmetricMemory, peer: int) -> None:
+    """ncclPutSignal, as PyTorch's NCCL backend: writes ``src`` into ``peer``'s allocation at
+    the handle's tensor and counts one signal there (signals are counted per sender and
+    communicator, apart from the channel signal pads). Complete when it returns."""
+    if src.device != hdl.device:
+        raise ValueError("put_signal: src must be on the same device as hdl")
+    _check_peer(hdl, peer, "put_signal")
+    src = src.contiguous()
+    nbytes = src.numel() * src.element_size()
+    if hdl.offset + nbytes > hdl.buffer_size:
+        raise ValueError("put_signal: the source exceeds the symmetric allocation")
+    win = hdl._window
+    win._live()
+    win.check(
+        win.lib.ncclPutSignal(
+            ctypes.c_void_p(src.data_ptr()),
+            nbytes,
+            _lib.UINT8,
+            peer,
+            win.handle,
+            hdl.offset,
+            0,
+            0,
+            0,
+            win.engine.handle,
+            None,
+        ),
+        "ncclPutSignal",
+    )
+
+
+def wait_signal(hdl: SymmetricMemory, peer: int) -> None:
+    """ncclWaitSignal for one signal from ``peer``: returns once a ``put_signal`` (or another
+    counted signal) from it has arrived, with its data in place; consumes that signal."""
+    _check_peer(hdl, peer, "wait_signal")
+    win = hdl._window
+    win._live()
+    desc = _lib.WaitSignalDesc(1, peer, 0, 0)
+    win.check(win.lib.ncclWaitSignal(1, ctypes.byref(desc), win.engine.handle, None), "ncclWaitSignal")

@@ -2,6 +2,7 @@
 ``symm_scenarios:NAME``). With the argument ``hosts`` the ranks pose as two hosts by parity
 (COMM_HOSTID), so neighbours reach each other over TCP instead of shared memory."""
 
+import ctypes
 import os
 import sys
 import threading
@@ -36,6 +37,9 @@ def symm_mem(ctx):
     nxt, prv = (r + 1) % w, (r - 1) % w
     split_hosts = "hosts" in ctx.args
     n = 256
+    # Before the first window: 16 channels per window instead of the library's 32.
+    pad_bytes = 16 * 4 * w
+    symm_mem.set_signal_pad_size(pad_bytes)
     t = symm_mem.empty(n, dtype=torch.float64)
     hdl = symm_mem.rendezvous(t, dist.group.WORLD)
 
@@ -166,6 +170,59 @@ def symm_mem(ctx):
         hdl.barrier(channel=7)
 
     timed("wait_timeout", wait_timeout)
+
+    def module_functions():
+        assert symm_mem.get_backend("cpu") == "COMM" and symm_mem.get_backend("meta") is None
+        symm_mem.set_backend("COMM")
+        expect(RuntimeError, symm_mem.set_backend, "NVSHMEM")
+        assert symm_mem.is_nvshmem_available() is False
+        expect(RuntimeError, symm_mem.get_mem_pool, "cpu")
+        expect(RuntimeError, symm_mem.get_mempool_allocator, torch.device("cpu"))
+        assert hdl.signal_pad_size == pad_bytes == symm_mem.get_signal_pad_size(), hdl.signal_pad_size
+        symm_mem.set_signal_pad_size(pad_bytes)  # unchanged: allowed
+        expect(RuntimeError, symm_mem.set_signal_pad_size, 2 * pad_bytes)  # after the first window
+        assert hdl.boxed() is hdl
+
+    timed("module_functions", module_functions)
+
+    def ptrs_dev():
+        # Host arrays of world_size 64-bit addresses, the same as buffer_ptrs / signal_pad_ptrs.
+        bufs = (ctypes.c_uint64 * w).from_address(hdl.buffer_ptrs_dev)
+        pads = (ctypes.c_uint64 * w).from_address(hdl.signal_pad_ptrs_dev)
+        assert list(bufs) == hdl.buffer_ptrs and list(pads) == hdl.signal_pad_ptrs, (list(bufs), hdl.buffer_ptrs)
+        t[0] = 1.5 * r + 1
+        hdl.barrier(channel=0)
+        if reachable(nxt):
+            assert ctypes.c_double.from_address(bufs[nxt]).value == 1.5 * nxt + 1
+        hdl.barrier(channel=0)
+
+    timed("ptrs_dev", ptrs_dev)
+
+    def one_sided():
+        # symm_mem.get reads a peer's allocation (in place or over the network), put_signal
+        # writes one and counts a signal that wait_signal consumes.
+        t.copy_(torch.arange(n, dtype=torch.float64) + 1000 * r)
+        hdl.barrier(channel=0)
+        dst = torch.zeros(16, dtype=torch.float64)
+        symm_mem.get(dst, hdl, nxt, offset=8)
+        assert torch.equal(dst, torch.arange(8, 24, dtype=torch.float64) + 1000 * nxt), dst
+        symm_mem.get(dst[:4], hdl, prv)
+        assert torch.equal(dst[:4], torch.arange(4, dtype=torch.float64) + 1000 * prv), dst
+        expect(ValueError, symm_mem.get, dst, hdl, w)
+        expect(ValueError, symm_mem.get, dst, hdl, nxt, n - 8)
+        expect(ValueError, symm_mem.get, dst, hdl, nxt, -1)
+        expect(ValueError, symm_mem.get, torch.zeros(4, 4, dtype=torch.float64).t(), hdl, nxt)
+        expect(ValueError, symm_mem.put_signal, torch.zeros(n + 1, dtype=torch.float64), hdl, nxt)
+        hdl.barrier(channel=0)
+        for i in range(3):
+            symm_mem.put_signal(torch.full((n // 2,), float(i * 100 + r), dtype=torch.float64), hdl, nxt)
+            symm_mem.wait_signal(hdl, prv)
+            got = t[: n // 2]
+            assert bool((got == i * 100 + prv).all()), (i, got[:4].tolist())
+            hdl.barrier(channel=0)  # nobody puts round i + 1 before round i was checked
+        assert torch.equal(t[n // 2 :], torch.arange(n // 2, n, dtype=torch.float64) + 1000 * r)
+
+    timed("one_sided", one_sided)
     ctx.values["buffer_ptrs_nonzero"] = sum(1 for p in hdl.buffer_ptrs if p)
     dist.barrier()
     dist.destroy_process_group()
@@ -196,6 +253,11 @@ def symmetric_alloc(ctx):
         a.fill_(r + 0.5)
         hdl = symm_mem.rendezvous(a)
         assert hdl.buffer_size == 3 * 4 * 8
+        # No set_signal_pad_size in this scenario: the library's channels per window (32 unless
+        # COMM_WIN_CHANNELS says otherwise).
+        assert hdl.signal_pad_size == symm_mem.get_signal_pad_size(), hdl.signal_pad_size
+        if not os.environ.get("COMM_WIN_CHANNELS") and not os.environ.get("NCCL_WIN_CHANNELS"):
+            assert hdl.signal_pad_size == 32 * 4 * w, hdl.signal_pad_size
         hdl.barrier()
         peer = hdl.get_buffer(nxt, (3, 4), torch.float64)
         assert torch.equal(peer, torch.full((3, 4), nxt + 0.5, dtype=torch.float64)), peer
@@ -388,7 +450,37 @@ def all_gather_matmul(ctx):
 
     run_check(ctx, "matches", matches)
 
+    def back_to_back():
+        # Calls with no other collective between them: a rank overwrites its workspace only
+        # after every peer released the previous chunk, even when one rank lags. Every other
+        # call writes the shard into the workspace itself (shard_workspace, no copy).
+        from comm_torch.fused import shard_workspace
+
+        calls = 12
+        shards = [
+            torch.randn(16, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(1000 * r + i))
+            for i in range(calls)
+        ]
+        outs = []
+        for i, shard in enumerate(shards):
+            if r == w - 1 and i % 3 == 0:
+                time.sleep(0.02)  # the others run ahead into the next call
+            if i % 2:
+                ws = shard_workspace(shard.shape, shard.dtype)
+                ws.copy_(shard)
+                outs.append(fused(ws, b))
+            else:
+                outs.append(fused(shard, b))
+        for i, shard in enumerate(shards):
+            ref_a, ref_out = reference(shard)
+            assert torch.equal(outs[i][0], ref_a), f"call {i}: the gathered A differs"
+            rel = float((outs[i][1] - ref_out).norm() / ref_out.norm())
+            assert rel < 1e-12, (i, rel)
+
+    run_check(ctx, "back_to_back", back_to_back)
+
     def bench():
+        torch.set_num_threads(1)  # one rank per core: more intra-op threads oversubscribe them
         shard = torch.randn(256, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
         bb = torch.randn(512, 256, dtype=torch.float64)
         dist.broadcast(bb, 0)

@@ -28,3 +28,42 @@ def test_bench_targets():
     text = _bench(["--sizes", "8,64M", "--rounds", "5"], 600)
     print(text)
     assert "MISSED" not in text, text
+
+
+def test_bench_symm_smoke():
+    out = launcher.run_command(
+        [
+            sys.executable,
+            "-m",
+            "comm_torch.bench_symm",
+            "--shape",
+            "64,128,32",
+            "--dtype",
+            "float64",
+            "--buffer",
+            "1M",
+            "--rounds",
+            "1",
+            "--iters",
+            "2",
+        ],
+        180,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    for row in ("| fused |", "| two-step |", "| peer get_buffer |", "| local torch tensor |"):
+        assert row in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(
+    os.environ.get("COMM_TEST_PERF") != "1", reason="set COMM_TEST_PERF=1 to check the performance targets"
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bench_symm_targets(ranks):
+    # The shape of bench/RESULTS.md: communication is about 30% of the two-step time.
+    args = ["--ranks", str(ranks), "--shape", "256,1024,128", "--dtype", "float64", "--rounds", "7"]
+    if ranks != 2:
+        args += ["--what", "matmul"]
+    out = launcher.run_command([sys.executable, "-m", "comm_torch.bench_symm", *args], 600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    print(out.stdout)
+    assert "MISSED" not in out.stdout, out.stdout

@@ -12,17 +12,29 @@ def _assert_ok(results, names):
         assert not bad, "\n".join(bad)
 
 
+SYMM_MEM_CHECKS = [
+    "basics",
+    "peer_fills",
+    "storage_offset_view",
+    "two_threads",
+    "wait_timeout",
+    "module_functions",
+    "ptrs_dev",
+    "one_sided",
+]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_symm_mem(world):
     results = launcher.run("symm_scenarios:symm_mem", world, timeout=150)
-    _assert_ok(results, ["basics", "peer_fills", "storage_offset_view", "two_threads", "wait_timeout"])
+    _assert_ok(results, SYMM_MEM_CHECKS)
     assert all(res["values"]["buffer_ptrs_nonzero"] == world for res in results)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_symm_mem_two_hosts(world):
     results = launcher.run("symm_scenarios:symm_mem", world, timeout=150, args=["hosts"])
-    _assert_ok(results, ["basics", "peer_fills", "storage_offset_view", "two_threads", "wait_timeout"])
+    _assert_ok(results, SYMM_MEM_CHECKS)
     assert all(res["values"]["buffer_ptrs_nonzero"] == world // 2 for res in results)
 
 
@@ -51,7 +63,7 @@ def test_all_gather_matmul(world, hosts):
     if hosts and world == 3:
         pytest.skip("two hosts are tested with 2 and 4 ranks")
     results = launcher.run("symm_scenarios:all_gather_matmul", world, timeout=240, args=["hosts"] if hosts else [])
-    _assert_ok(results, ["matches", "bench"])
+    _assert_ok(results, ["matches", "back_to_back", "bench"])
     for res in results:
         assert all(res["values"][f"rel_err_{i}"] < 1e-12 for i in range(3))
     values = results[0]["values"]
