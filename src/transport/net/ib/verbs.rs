@@ -30,7 +30,7 @@ pub struct QpAddr {
 }
 
 impl QpAddr {
-    pub const BYTES: usize = 4 + 4 + 2 + 16 + 1;
+    pub(crate) const BYTES: usize = 4 + 4 + 2 + 16 + 1;
 
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.qpn.to_le_bytes());
