@@ -347,7 +347,10 @@ impl SocketLink {
         }
     }
 
-    /// Socket `i` hung up with nothing left to read.
+    /// Socket `i` hung up. Bytes it buffered before may still be unread: the executor's next
+    /// pass takes them, and it fails only if that pass finds nothing; and a rank that failed
+    /// because of another loss names this one too (`with_other_losses`), so a peer killed
+    /// while its bytes wait unread here is still named.
     fn hung_up(&self, i: usize) -> bool {
         let mut p = libc::pollfd {
             fd: self.fd(i),
@@ -356,20 +359,7 @@ impl SocketLink {
         };
         // SAFETY: one valid pollfd; a zero timeout never blocks.
         let ready = unsafe { libc::poll(&mut p, 1, 0) };
-        if ready <= 0 || p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
-            return false;
-        }
-        let mut b = 0u8;
-        // SAFETY: one writable byte; MSG_PEEK leaves it in the socket.
-        let n = unsafe {
-            libc::recv(
-                self.fd(i),
-                (&mut b as *mut u8).cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        n <= 0
+        ready > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
     }
 }
 
@@ -540,7 +530,7 @@ impl Link for SocketLink {
         // In the middle of a message nothing may be consumed here, but the kernel knows
         // whether the peer hung up. Only a socket that still owes bytes of this message tells
         // anything (the peer may close once the kernel took its last bytes, and one socket can
-        // drain before another), and only once what it buffered is read.
+        // drain before another).
         let len = Header::decode(&a.raw).len as usize;
         let n = self.streams.len();
         for i in 0..n {
