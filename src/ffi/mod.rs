@@ -196,6 +196,37 @@ pub(crate) fn out<T>(p: *mut T, name: &str) -> Result<()> {
     }
 }
 
+// The C caller's contract, as NCCL's: every pointer argument is NULL or valid for what the
+// function does with it (an out-parameter writable, an input array of the given length
+// readable, a string NUL-terminated), aligned, and not freed or written by another thread
+// during the call. The helpers below are where the library relies on it; each call site
+// names the pointer it passes.
+
+/// Writes `v` through the caller's out-parameter `p`; NULL is an invalid argument named `name`.
+///
+/// # Safety
+/// `p` is NULL or valid for a write of one aligned `T`.
+pub(crate) unsafe fn write_out<T: Copy>(p: *mut T, name: &str, v: T) -> Result<()> {
+    out(p, name)?;
+    // SAFETY: `p` is not NULL (checked above) and, by this function's contract, writable and
+    // aligned; `T: Copy`, so the value it held needs no drop.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// The caller's NUL-terminated string `p`, or None when it is NULL.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that nothing writes during `'a`.
+pub(crate) unsafe fn input_cstr<'a>(p: *const c_char) -> Option<&'a std::ffi::CStr> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` is not NULL (checked above) and, by this function's contract, a
+    // NUL-terminated string left alone for `'a`.
+    Some(unsafe { std::ffi::CStr::from_ptr(p) })
+}
+
 /// Converts a C int that must be a non-negative count or rank.
 pub(crate) fn nonneg(v: i32, name: &str) -> Result<usize> {
     usize::try_from(v).map_or_else(
