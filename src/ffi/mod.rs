@@ -214,6 +214,23 @@ pub(crate) unsafe fn write_out<T: Copy>(p: *mut T, name: &str, v: T) -> Result<(
     Ok(())
 }
 
+/// The caller's input array `p` of `n` elements, borrowed for the call; NULL with `n > 0` is an
+/// invalid argument named `name`. `n == 0` gives an empty slice without reading `p`.
+///
+/// # Safety
+/// `p` is NULL or points to `n` initialized, aligned `T` that nothing writes during `'a`.
+pub(crate) unsafe fn input_slice<'a, T>(p: *const T, n: usize, name: &str) -> Result<&'a [T]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return crate::invalid_arg!("{name} is NULL");
+    }
+    // SAFETY: `p` is not NULL and `n > 0` (checked above); by this function's contract it
+    // points to `n` initialized `T` left alone for `'a`.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
 /// The caller's NUL-terminated string `p`, or None when it is NULL.
 ///
 /// # Safety
