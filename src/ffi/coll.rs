@@ -1,7 +1,7 @@
 //! Collectives, point-to-point, custom reduction ops and groups.
 
 use super::types::*;
-use super::{guard, guard_comm, nonneg, out};
+use super::{guard, guard_comm, input_slice, nonneg, out, write_out};
 use crate::algo::Collective;
 use crate::comm::ops::{parse_dtype, ScalarSrc};
 use crate::comm::Comm;
@@ -218,10 +218,8 @@ pub unsafe extern "C" fn commAlltoAllv(
     guard_comm("commAlltoAllv", comm, |c| {
         let n = c.nranks;
         let arr = |p: *const usize, name: &str| -> Result<Vec<usize>> {
-            if p.is_null() {
-                return crate::invalid_arg!("{name} is NULL");
-            }
-            Ok(std::slice::from_raw_parts(p, n).to_vec())
+            // SAFETY: each array is the C caller's, with one entry per rank (`n >= 1`).
+            Ok(unsafe { input_slice(p, n, name) }?.to_vec())
         };
         let coll = Collective::AlltoAllv {
             send_counts: arr(sendcounts, "sendcounts")?,
@@ -386,8 +384,8 @@ pub unsafe extern "C" fn commRecvAny(
             None,
             stream,
         )?;
-        *source = peer as c_int;
-        Ok(())
+        // SAFETY: `source` is the C caller's out-parameter.
+        unsafe { write_out(source, "source", peer as c_int) }
     })
 }
 
@@ -408,7 +406,8 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
         let src = match residence {
             1 => ScalarSrc::Value(Scale::from_bytes(
                 dtype,
-                std::slice::from_raw_parts(scalar as *const u8, dtype.size()),
+                // SAFETY: `scalar` is the C caller's host value of one `datatype` element.
+                unsafe { input_slice(scalar as *const u8, dtype.size(), "scalar") }?,
             )),
             0 => ScalarSrc::Pointer(scalar as usize),
             r => {
@@ -417,8 +416,9 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
                 )
             }
         };
-        *op = c.create_premulsum(dtype, src)?;
-        Ok(())
+        let created = c.create_premulsum(dtype, src)?;
+        // SAFETY: `op` is the C caller's out-parameter.
+        unsafe { write_out(op, "op", created) }
     })
 }
 
@@ -444,10 +444,14 @@ pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
 pub unsafe extern "C" fn ncclGroupSimulateEnd(simInfo: *mut ncclSimInfo_t) -> ncclResult_t {
     guard("ncclGroupSimulateEnd", || {
         if !simInfo.is_null() {
-            let size = std::ptr::read_unaligned(simInfo as *const usize);
-            if size < std::mem::size_of::<ncclSimInfo_t>()
-                || (*simInfo).magic != NCCL_SIM_INFO_MAGIC
-            {
+            // SAFETY: `simInfo` is not NULL and the C caller's struct, which begins with its
+            // `size`; its `magic` is read only once `size` says the whole struct is there.
+            let (size, magic) = unsafe {
+                let size = std::ptr::read_unaligned(simInfo as *const usize);
+                let whole = size >= std::mem::size_of::<ncclSimInfo_t>();
+                (size, if whole { (*simInfo).magic } else { 0 })
+            };
+            if size < std::mem::size_of::<ncclSimInfo_t>() || magic != NCCL_SIM_INFO_MAGIC {
                 // Still end the group so the caller's nesting stays balanced.
                 let _ = group::simulate_end();
                 return crate::invalid_arg!(
@@ -457,7 +461,8 @@ pub unsafe extern "C" fn ncclGroupSimulateEnd(simInfo: *mut ncclSimInfo_t) -> nc
         }
         let us = group::simulate_end()?;
         if !simInfo.is_null() {
-            (*simInfo).estimatedTime = us;
+            // SAFETY: `simInfo` is not NULL and the caller's whole ncclSimInfo_t (checked above).
+            unsafe { (*simInfo).estimatedTime = us };
         }
         Ok(())
     })

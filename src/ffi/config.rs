@@ -4,8 +4,8 @@
 
 use crate::comm::config::{version, RawConfig, UNDEF_INT};
 use crate::error::Result;
+use crate::ffi::input_cstr;
 use crate::ffi::types::{ncclConfig_t, NCCL_API_MAGIC};
-use std::ffi::CStr;
 use std::os::raw::c_char;
 
 /// What NCCL_CONFIG_INITIALIZER produces: every field unset, stamped with `version`.
@@ -42,7 +42,9 @@ pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
     if ptr.is_null() {
         return Ok(None);
     }
-    let size = std::ptr::read_unaligned(ptr as *const usize);
+    // SAFETY: `ptr` is not NULL (checked above) and has at least `size_of::<usize>()` readable
+    // bytes, the leading `size` field, by this function's contract; unaligned is allowed.
+    let size = unsafe { std::ptr::read_unaligned(ptr as *const usize) };
     let min = std::mem::offset_of!(ncclConfig_t, blocking);
     if size < min + 4 {
         return crate::invalid_arg!(
@@ -52,7 +54,12 @@ pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
     // Start from an initializer and copy what the caller's struct has of ours.
     let mut c = initializer(0);
     let n = size.min(std::mem::size_of::<ncclConfig_t>());
-    std::ptr::copy_nonoverlapping(ptr as *const u8, &mut c as *mut ncclConfig_t as *mut u8, n);
+    // SAFETY: the caller's struct has `size >= n` readable bytes (this function's contract);
+    // `c` is a local `ncclConfig_t` of at least `n` bytes, so the two cannot overlap, and every
+    // field is an integer or a pointer, valid for any bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(ptr as *const u8, &mut c as *mut ncclConfig_t as *mut u8, n)
+    };
     if c.magic != NCCL_API_MAGIC {
         return crate::invalid_arg!(
             "config->magic is {:#x}: ncclConfig_t argument not initialized via NCCL_CONFIG_INITIALIZER",
@@ -69,10 +76,12 @@ pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
         }
     };
     let since_ptr = |x, y, z, p: *const c_char| {
-        if v < version(x, y, z) || p.is_null() {
+        if v < version(x, y, z) {
             None
         } else {
-            Some(CStr::from_ptr(p).to_string_lossy().into_owned())
+            // SAFETY: a string field the caller's header has is NULL or NUL-terminated
+            // (this function's contract covers the struct the caller passes).
+            unsafe { input_cstr(p) }.map(|s| s.to_string_lossy().into_owned())
         }
     };
     Ok(Some(RawConfig {
@@ -108,6 +117,7 @@ mod tests {
     #[test]
     fn the_initializer_reads_as_all_unset() {
         let c = initializer();
+        // SAFETY: `c` is a whole ncclConfig_t whose `size` is its own.
         let raw = unsafe { read_raw(&c) }.unwrap().unwrap();
         assert_eq!(raw, RawConfig::default());
     }
@@ -116,6 +126,7 @@ mod tests {
     fn bad_magic_is_rejected() {
         let mut c = initializer();
         c.magic = 0;
+        // SAFETY: `c` is a whole ncclConfig_t whose `size` is its own.
         let e = unsafe { read_raw(&c) }.unwrap_err();
         assert_eq!(e.kind, crate::error::ErrorKind::InvalidArgument);
         assert!(e.msg.contains("NCCL_CONFIG_INITIALIZER"));
@@ -130,6 +141,8 @@ mod tests {
         c.blocking = 0;
         c.commName = c"garbage".as_ptr();
         c.CTAPolicy = 77;
+        // SAFETY: `c` is a whole ncclConfig_t; its `size` (48) is less, and `commName`, too new
+        // for version 2.17 to be read, is a valid string anyway.
         let raw = unsafe { read_raw(&c) }.unwrap().unwrap();
         assert_eq!(raw.blocking, 0);
         assert_eq!(raw.comm_name, None);
@@ -144,6 +157,7 @@ mod tests {
         c.size = 120;
         c.version = 23203;
         c.graphStreamOrdering = 1;
+        // SAFETY: `big` has room for the whole struct `c`; the two are distinct locals.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 &c as *const ncclConfig_t as *const u8,
@@ -151,6 +165,8 @@ mod tests {
                 std::mem::size_of::<ncclConfig_t>(),
             )
         };
+        // SAFETY: `big` holds the 120 bytes its `size` field says; `read_raw` reads it
+        // unaligned and copies out at most our struct's size.
         let raw = unsafe { read_raw(big.as_ptr() as *const ncclConfig_t) }
             .unwrap()
             .unwrap();

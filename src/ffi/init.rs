@@ -1,7 +1,7 @@
 //! Version, unique ids, communicator lifecycle, errors and queries.
 
 use super::types::*;
-use super::{comm_of, guard, guard_comm, guard_on, nonneg, out};
+use super::{comm_of, guard, guard_comm, guard_on, input_slice, nonneg, out, write_out};
 use crate::bootstrap::{self, UniqueId, UNIQUE_ID_BYTES};
 use crate::comm::config::{Config, RawConfig};
 use crate::comm::registry::{self, Entry};
@@ -21,14 +21,21 @@ fn id_from(id: &ncclUniqueId) -> Result<UniqueId> {
     UniqueId::from_bytes(&bytes)
 }
 
-fn id_to(id: &UniqueId, out: &mut ncclUniqueId) {
+fn id_to(id: &UniqueId) -> ncclUniqueId {
+    let mut out = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
     for (c, b) in out.internal.iter_mut().zip(id.to_bytes().iter()) {
         *c = *b as c_char;
     }
+    out
 }
 
+/// # Safety
+/// `config` is NULL or the caller's `ncclConfig_t`, readable for its `size` field's bytes.
 unsafe fn config_from(config: *mut ncclConfig_t) -> Result<Option<Config>> {
-    match super::config::read_raw(config)? {
+    // SAFETY: this function's contract is `read_raw`'s.
+    match unsafe { super::config::read_raw(config) }? {
         Some(raw) => Ok(Some(Config::resolve(raw)?)),
         None => Ok(None),
     }
@@ -40,6 +47,9 @@ fn default_config() -> Result<Config> {
 
 /// Creates a handle and runs `run` to fill it: now when blocking, at the end of the group when
 /// inside one, or in the background for a non-blocking config (the call returns InProgress).
+///
+/// # Safety
+/// `out_comm` is NULL or writable (the caller's out-parameter).
 unsafe fn start_init(
     out_comm: *mut ncclComm_t,
     blocking: bool,
@@ -47,7 +57,8 @@ unsafe fn start_init(
 ) -> Result<()> {
     let entry = Entry::new(blocking);
     let h = registry::insert(entry.clone());
-    *out_comm = h as ncclComm_t;
+    // SAFETY: this function's contract.
+    unsafe { write_out(out_comm, "comm", h as ncclComm_t) }?;
     let job = InitJob {
         entry: entry.clone(),
         run: Box::new(run),
@@ -59,7 +70,8 @@ unsafe fn start_init(
         entry.settle(job.execute());
         if let Err(e) = entry.init_outcome() {
             let _ = registry::remove(h);
-            *out_comm = std::ptr::null_mut();
+            // SAFETY: this function's contract.
+            unsafe { write_out(out_comm, "comm", std::ptr::null_mut()) }?;
             return Err(e);
         }
         Ok(())
@@ -71,9 +83,8 @@ unsafe fn start_init(
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     guard("ncclGetVersion", || {
-        out(version, "version")?;
-        *version = NCCL_VERSION_CODE;
-        Ok(())
+        // SAFETY: `version` is the C caller's out-parameter.
+        unsafe { write_out(version, "version", NCCL_VERSION_CODE) }
     })
 }
 
@@ -87,8 +98,8 @@ pub unsafe extern "C" fn commGetFeatures(features: *mut c_int) -> ncclResult_t {
         if crate::cuda::device_count() > 0 {
             f |= COMM_FEATURE_DEVICE_MEMORY;
         }
-        *features = f;
-        Ok(())
+        // SAFETY: `features` is the C caller's out-parameter.
+        unsafe { write_out(features, "features", f) }
     })
 }
 
@@ -97,8 +108,8 @@ pub unsafe extern "C" fn ncclGetUniqueId(uniqueId: *mut ncclUniqueId) -> ncclRes
     guard("ncclGetUniqueId", || {
         out(uniqueId, "uniqueId")?;
         let id = bootstrap::new_unique_id()?;
-        id_to(&id, &mut *uniqueId);
-        Ok(())
+        // SAFETY: `uniqueId` is the C caller's out-parameter.
+        unsafe { write_out(uniqueId, "uniqueId", id_to(&id)) }
     })
 }
 
@@ -109,7 +120,8 @@ pub unsafe extern "C" fn ncclCommInitRank(
     commId: ncclUniqueId,
     rank: c_int,
 ) -> ncclResult_t {
-    ncclCommInitRankConfig(comm, nranks, commId, rank, std::ptr::null_mut())
+    // SAFETY: the C caller's pointer, passed on; a NULL config is allowed.
+    unsafe { ncclCommInitRankConfig(comm, nranks, commId, rank, std::ptr::null_mut()) }
 }
 
 #[no_mangle]
@@ -128,11 +140,15 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
             return crate::invalid_arg!("rank {rank} is out of range for nranks {nranks}");
         }
         let id = id_from(&commId)?;
-        let cfg = config_from(config)?.map_or_else(default_config, Ok)?;
+        // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
+        let cfg = unsafe { config_from(config) }?.map_or_else(default_config, Ok)?;
         let blocking = cfg.blocking;
-        start_init(comm, blocking, move || {
-            Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
-        })
+        // SAFETY: `comm` is the C caller's out-parameter.
+        unsafe {
+            start_init(comm, blocking, move || {
+                Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+            })
+        }
     })
 }
 
@@ -157,15 +173,20 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
         if k == 0 || k > n {
             return crate::invalid_arg!("nId is {nId}; it must be between 1 and nranks ({nranks})");
         }
-        let ids = std::slice::from_raw_parts(commIds, k)
+        // SAFETY: `commIds` is the C caller's array of `nId` ids.
+        let ids = unsafe { input_slice(commIds, k, "commIds") }?
             .iter()
             .map(id_from)
             .collect::<Result<Vec<_>>>()?;
-        let cfg = config_from(config)?.map_or_else(default_config, Ok)?;
+        // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
+        let cfg = unsafe { config_from(config) }?.map_or_else(default_config, Ok)?;
         let blocking = cfg.blocking;
-        start_init(newcomm, blocking, move || {
-            Comm::init(&ids, r, n, cfg, crate::cuda::current_device())
-        })
+        // SAFETY: `newcomm` is the C caller's out-parameter.
+        unsafe {
+            start_init(newcomm, blocking, move || {
+                Comm::init(&ids, r, n, cfg, crate::cuda::current_device())
+            })
+        }
     })
 }
 
@@ -184,7 +205,8 @@ pub unsafe extern "C" fn ncclCommInitAll(
         let devices: Vec<c_int> = if devlist.is_null() {
             (0..ndev).collect()
         } else {
-            std::slice::from_raw_parts(devlist, n).to_vec()
+            // SAFETY: `devlist` is the C caller's array of `ndev` devices.
+            unsafe { input_slice(devlist, n, "devlist") }?.to_vec()
         };
         let id = bootstrap::new_unique_id()?;
         let threads: Vec<_> = (0..n)
@@ -213,7 +235,10 @@ pub unsafe extern "C" fn ncclCommInitAll(
         }
         for (r, c) in results.into_iter().enumerate() {
             let c = c.expect("checked above");
-            *comm.add(r) = registry::insert(Entry::ready_now(c)) as ncclComm_t;
+            let h = registry::insert(Entry::ready_now(c)) as ncclComm_t;
+            // SAFETY: `comm` is not NULL (checked) and the C caller's array of `ndev` handles;
+            // `r < ndev`.
+            unsafe { comm.add(r).write(h) };
         }
         Ok(())
     })
@@ -271,26 +296,33 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
 
 /// Runs a derivation (split, shrink, grow) now, or at the end of the group: several ranks
 /// driven by one thread must derive their communicators together.
+///
+/// # Safety
+/// `newcomm` is NULL or writable (the caller's out-parameter).
 unsafe fn start_derive(
     newcomm: *mut ncclComm_t,
     blocking: bool,
     run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
 ) -> Result<()> {
     if group::depth() > 0 {
-        return start_init(newcomm, blocking, move || {
-            run()?.ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidUsage,
-                    "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
-                )
+        // SAFETY: this function's contract is `start_init`'s.
+        return unsafe {
+            start_init(newcomm, blocking, move || {
+                run()?.ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::InvalidUsage,
+                        "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
+                    )
+                })
             })
-        });
+        };
     }
-    match run()? {
-        Some(c) => *newcomm = registry::insert(Entry::ready_now(c)) as ncclComm_t,
-        None => *newcomm = std::ptr::null_mut(),
-    }
-    Ok(())
+    let h = match run()? {
+        Some(c) => registry::insert(Entry::ready_now(c)) as ncclComm_t,
+        None => std::ptr::null_mut(),
+    };
+    // SAFETY: this function's contract.
+    unsafe { write_out(newcomm, "newcomm", h) }
 }
 
 #[no_mangle]
@@ -303,9 +335,11 @@ pub unsafe extern "C" fn ncclCommSplit(
 ) -> ncclResult_t {
     guard_comm("ncclCommSplit", comm, |c| {
         out(newcomm, "newcomm")?;
-        let cfg = config_from(config)?;
+        // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
+        let cfg = unsafe { config_from(config) }?;
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
-        start_derive(newcomm, blocking, move || c.split(color, key, cfg))
+        // SAFETY: `newcomm` is the C caller's out-parameter.
+        unsafe { start_derive(newcomm, blocking, move || c.split(color, key, cfg)) }
     })
 }
 
@@ -331,9 +365,10 @@ pub unsafe extern "C" fn ncclCommShrink(
                 "shrinkFlags is {shrinkFlags}; only NCCL_SHRINK_DEFAULT and NCCL_SHRINK_ABORT are defined"
             );
         }
+        // SAFETY: `excludeRanksList` is the C caller's array of `excludeRanksCount` ranks.
+        let list = unsafe { input_slice(excludeRanksList, count, "excludeRanksList") }?;
         let mut exclude = Vec::with_capacity(count);
-        for i in 0..count {
-            let r = *excludeRanksList.add(i);
+        for (i, &r) in list.iter().enumerate() {
             let r = usize::try_from(r)
                 .ok()
                 .filter(|&r| r < c.nranks)
@@ -349,12 +384,16 @@ pub unsafe extern "C" fn ncclCommShrink(
         if exclude.len() >= c.nranks {
             return crate::invalid_arg!("excludeRanksList excludes every rank");
         }
-        let cfg = config_from(config)?;
+        // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
+        let cfg = unsafe { config_from(config) }?;
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
         let abort_first = shrinkFlags & NCCL_SHRINK_ABORT != 0;
-        start_derive(newcomm, blocking, move || {
-            c.shrink(&exclude, cfg, abort_first).map(Some)
-        })
+        // SAFETY: `newcomm` is the C caller's out-parameter.
+        unsafe {
+            start_derive(newcomm, blocking, move || {
+                c.shrink(&exclude, cfg, abort_first).map(Some)
+            })
+        }
     })
 }
 
@@ -366,8 +405,9 @@ pub unsafe extern "C" fn ncclCommGetUniqueId(
     guard_comm("ncclCommGetUniqueId", comm, |c| {
         out(uniqueId, "uniqueId")?;
         c.check_usable()?;
-        id_to(&bootstrap::new_unique_id()?, &mut *uniqueId);
-        Ok(())
+        let id = id_to(&bootstrap::new_unique_id()?);
+        // SAFETY: `uniqueId` is the C caller's out-parameter.
+        unsafe { write_out(uniqueId, "uniqueId", id) }
     })
 }
 
@@ -383,11 +423,12 @@ pub unsafe extern "C" fn ncclCommGrow(
     guard_on("ncclCommGrow", comm, || {
         out(newcomm, "newcomm")?;
         let n = nonneg(nRanks, "nRanks")?;
-        let cfg = config_from(config)?;
-        let id = if uniqueId.is_null() {
-            None
-        } else {
-            Some(id_from(&*uniqueId)?)
+        // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
+        let cfg = unsafe { config_from(config) }?;
+        // SAFETY: `uniqueId` is the C caller's (NULL or an ncclUniqueId).
+        let id = match unsafe { uniqueId.as_ref() } {
+            None => None,
+            Some(id) => Some(id_from(id)?),
         };
         if comm.is_null() {
             // A new rank joining.
@@ -400,18 +441,24 @@ pub unsafe extern "C" fn ncclCommGrow(
             }
             let cfg = cfg.map_or_else(default_config, Ok)?;
             let blocking = cfg.blocking;
-            return start_init(newcomm, blocking, move || {
-                Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
-            });
+            // SAFETY: `newcomm` is the C caller's out-parameter.
+            return unsafe {
+                start_init(newcomm, blocking, move || {
+                    Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+                })
+            };
         }
         let c = comm_of(comm)?;
         if rank != -1 {
             return crate::invalid_arg!("an existing rank must pass rank = -1, not {rank}");
         }
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
-        start_derive(newcomm, blocking, move || {
-            c.grow(n, id.as_ref(), cfg).map(Some)
-        })
+        // SAFETY: `newcomm` is the C caller's out-parameter.
+        unsafe {
+            start_derive(newcomm, blocking, move || {
+                c.grow(n, id.as_ref(), cfg).map(Some)
+            })
+        }
     })
 }
 
@@ -446,13 +493,14 @@ pub unsafe extern "C" fn ncclCommMemStats(
 ) -> ncclResult_t {
     guard_comm("ncclCommMemStats", comm, |c| {
         out(value, "value")?;
-        *value = match stat {
+        let v = match stat {
             // No GPU memory is allocated by a host communicator.
             0 | 2 | 3 => 0,
             1 => c.suspended.load(std::sync::atomic::Ordering::SeqCst) as u64,
             _ => return crate::invalid_arg!("stat {stat} is not an ncclCommMemStat_t (0..=3)"),
         };
-        Ok(())
+        // SAFETY: `value` is the C caller's out-parameter.
+        unsafe { write_out(value, "value", v) }
     })
 }
 
@@ -486,7 +534,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
     guard_on("ncclCommGetAsyncError", comm, || {
         out(asyncError, "asyncError")?;
         let entry = registry::lookup(comm as usize)?;
-        *asyncError = match entry.async_state() {
+        let v = match entry.async_state() {
             Ok(()) => ncclResult_t::ncclSuccess,
             Err(e) => {
                 if e.kind != ErrorKind::InProgress {
@@ -495,25 +543,24 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
                 super::code(e.kind)
             }
         };
-        Ok(())
+        // SAFETY: `asyncError` is the C caller's out-parameter.
+        unsafe { write_out(asyncError, "asyncError", v) }
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: ncclComm_t, count: *mut c_int) -> ncclResult_t {
     guard_comm("ncclCommCount", comm, |c| {
-        out(count, "count")?;
-        *count = c.nranks as c_int;
-        Ok(())
+        // SAFETY: `count` is the C caller's out-parameter.
+        unsafe { write_out(count, "count", c.nranks as c_int) }
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) -> ncclResult_t {
     guard_comm("ncclCommUserRank", comm, |c| {
-        out(rank, "rank")?;
-        *rank = c.rank as c_int;
-        Ok(())
+        // SAFETY: `rank` is the C caller's out-parameter.
+        unsafe { write_out(rank, "rank", c.rank as c_int) }
     })
 }
 
@@ -521,9 +568,8 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) ->
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) -> ncclResult_t {
     guard_comm("ncclCommCuDevice", comm, |c| {
-        out(device, "device")?;
-        *device = c.cuda_device;
-        Ok(())
+        // SAFETY: `device` is the C caller's out-parameter.
+        unsafe { write_out(device, "device", c.cuda_device) }
     })
 }
 

@@ -4,7 +4,7 @@
 //! does and queue one-sided operations in groups.
 
 use super::types::*;
-use super::{guard, guard_comm, out};
+use super::{guard, guard_comm, input_slice, out, write_out};
 use crate::error::Result;
 use crate::window;
 use once_cell::sync::Lazy;
@@ -20,12 +20,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     guard("ncclMemAlloc", || {
         out(ptr, "ptr")?;
-        *ptr = if crate::cuda::device_count() > 0 {
+        let p = if crate::cuda::device_count() > 0 {
             crate::cuda::vmm_alloc(size)? as *mut c_void
         } else {
             window::shared::alloc(size)? as *mut c_void
         };
-        Ok(())
+        // SAFETY: `ptr` is the C caller's out-parameter.
+        unsafe { write_out(ptr, "ptr", p) }
     })
 }
 
@@ -46,8 +47,9 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
 pub unsafe extern "C" fn commMemAllocShared(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     guard("commMemAllocShared", || {
         out(ptr, "ptr")?;
-        *ptr = window::shared::alloc(size)? as *mut c_void;
-        Ok(())
+        let p = window::shared::alloc(size)? as *mut c_void;
+        // SAFETY: `ptr` is the C caller's out-parameter.
+        unsafe { write_out(ptr, "ptr", p) }
     })
 }
 
@@ -118,8 +120,8 @@ pub unsafe extern "C" fn ncclCommRegister(
                 entry,
             },
         );
-        *handle = h as *mut c_void;
-        Ok(())
+        // SAFETY: `handle` is the C caller's out-parameter.
+        unsafe { write_out(handle, "handle", h as *mut c_void) }
     })
 }
 
@@ -217,11 +219,12 @@ pub unsafe extern "C" fn commWindowAllocate(
                 window_args(mem.cast(), size, winFlags)
             });
         match window::register(&c, mem as usize, size, winFlags, true, pre) {
-            Ok(h) => {
-                *win = h as ncclWindow_t;
-                *ptr = mem.cast();
-                Ok(())
-            }
+            // SAFETY: `win` and `ptr` are the C caller's out-parameters (and not NULL: `pre`
+            // checked them, and registration fails when `pre` did).
+            Ok(h) => unsafe {
+                write_out(win, "win", h as ncclWindow_t)?;
+                write_out(ptr, "ptr", mem.cast())
+            },
             Err(e) => {
                 if !mem.is_null() {
                     window::shared::free(mem);
@@ -251,8 +254,9 @@ pub unsafe extern "C" fn ncclWinGetUserPtr(
 ) -> ncclResult_t {
     guard_comm("ncclWinGetUserPtr", comm, |c| {
         out(outUserPtr, "outUserPtr")?;
-        *outUserPtr = window::user_ptr(&c, win as usize)? as *mut c_void;
-        Ok(())
+        let p = window::user_ptr(&c, win as usize)? as *mut c_void;
+        // SAFETY: `outUserPtr` is the C caller's out-parameter.
+        unsafe { write_out(outUserPtr, "outUserPtr", p) }
     })
 }
 
@@ -344,7 +348,9 @@ pub unsafe extern "C" fn ncclPutSignal(
         }
         let src = localbuff as usize;
         one_sided(comm, crate::group::Phase::Issue, move || {
-            window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true)
+            // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
+            // which NCCL requires valid until the call, or its group, returns.
+            unsafe { window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true) }
         })
     })
 }
@@ -387,7 +393,8 @@ pub unsafe extern "C" fn ncclWaitSignal(
         if nDesc <= 0 {
             return crate::invalid_arg!("nDesc is {nDesc}; it must be positive");
         }
-        let given = std::slice::from_raw_parts(signalDescs, nDesc as usize);
+        // SAFETY: `signalDescs` is the C caller's array of `nDesc` descriptors.
+        let given = unsafe { input_slice(signalDescs, nDesc as usize, "signalDescs") }?;
         for (i, d) in given.iter().enumerate() {
             if d.opCnt <= 0 {
                 return crate::invalid_arg!(
@@ -427,15 +434,18 @@ pub unsafe extern "C" fn commWinPut(
     guard_comm("commWinPut", comm, |c| {
         c.check_usable()?;
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        window::put(
-            &c,
-            peerWin as usize,
-            peer,
-            peerWinOffset,
-            localbuff.cast(),
-            bytes,
-            false,
-        )
+        // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
+        unsafe {
+            window::put(
+                &c,
+                peerWin as usize,
+                peer,
+                peerWinOffset,
+                localbuff.cast(),
+                bytes,
+                false,
+            )
+        }
     })
 }
 
@@ -454,14 +464,17 @@ pub unsafe extern "C" fn commWinGet(
     guard_comm("commWinGet", comm, |c| {
         c.check_usable()?;
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        window::get(
-            &c,
-            peerWin as usize,
-            peer,
-            peerWinOffset,
-            localbuff.cast(),
-            bytes,
-        )
+        // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
+        unsafe {
+            window::get(
+                &c,
+                peerWin as usize,
+                peer,
+                peerWinOffset,
+                localbuff.cast(),
+                bytes,
+            )
+        }
     })
 }
 
@@ -495,7 +508,8 @@ pub unsafe extern "C" fn commWinFetchAdd(
         atomic_type(datatype)?;
         let old = window::atomic(&c, peerWin as usize, peer, peerWinOffset, None, value)?;
         if !oldValue.is_null() {
-            *oldValue = old;
+            // SAFETY: `oldValue` is the C caller's out-parameter (optional: it was not NULL).
+            unsafe { write_out(oldValue, "oldValue", old) }?;
         }
         Ok(())
     })
@@ -527,7 +541,8 @@ pub unsafe extern "C" fn commWinCompareSwap(
             value,
         )?;
         if !oldValue.is_null() {
-            *oldValue = old;
+            // SAFETY: `oldValue` is the C caller's out-parameter (optional: it was not NULL).
+            unsafe { write_out(oldValue, "oldValue", old) }?;
         }
         Ok(())
     })
@@ -559,8 +574,9 @@ pub unsafe extern "C" fn commWinPeerPtr(
 ) -> ncclResult_t {
     guard_comm("commWinPeerPtr", comm, |c| {
         out(ptr, "ptr")?;
-        *ptr = window::peer_ptr(&c, win as usize, peer)?.unwrap_or(0) as *mut c_void;
-        Ok(())
+        let p = window::peer_ptr(&c, win as usize, peer)?.unwrap_or(0) as *mut c_void;
+        // SAFETY: `ptr` is the C caller's out-parameter.
+        unsafe { write_out(ptr, "ptr", p) }
     })
 }
 
@@ -580,9 +596,11 @@ pub unsafe extern "C" fn commWinSignalPads(
         out(pads, "pads")?;
         out(nchannels, "nchannels")?;
         let (p, n) = window::signal_pads(&c, win as usize, peer)?;
-        *pads = p.unwrap_or(0) as *mut c_void;
-        *nchannels = n as c_int;
-        Ok(())
+        // SAFETY: `pads` and `nchannels` are the C caller's out-parameters.
+        unsafe {
+            write_out(pads, "pads", p.unwrap_or(0) as *mut c_void)?;
+            write_out(nchannels, "nchannels", n as c_int)
+        }
     })
 }
 

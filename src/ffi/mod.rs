@@ -2,7 +2,13 @@
 //! errors into `ncclResult_t` and remember their message for `ncclGetLastError`. The logic
 //! lives in `comm`, `group` and below.
 
-// Parameter names follow NCCL's header, which the generated nccl.h repeats.
+// Every raw-pointer operation is an explicit `unsafe { }` block that says why it is sound,
+// even inside an `unsafe extern "C" fn`.
+#![deny(unsafe_op_in_unsafe_fn)]
+// Parameter names follow NCCL's header, which the generated nccl.h repeats. The entry points
+// carry no `# Safety` sections: cbindgen copies their doc comments into include/nccl.h, so a
+// section on each of 148 functions (64 of them the pnccl twins) would change the C header;
+// their contract is NCCL's, stated once above `write_out`.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 pub mod coll;
@@ -194,6 +200,54 @@ pub(crate) fn out<T>(p: *mut T, name: &str) -> Result<()> {
     } else {
         Ok(())
     }
+}
+
+// The C caller's contract, as NCCL's: every pointer argument is NULL or valid for what the
+// function does with it (an out-parameter writable, an input array of the given length
+// readable, a string NUL-terminated), aligned, and not freed or written by another thread
+// during the call. The helpers below are where the library relies on it; each call site
+// names the pointer it passes.
+
+/// Writes `v` through the caller's out-parameter `p`; NULL is an invalid argument named `name`.
+///
+/// # Safety
+/// `p` is NULL or valid for a write of one aligned `T`.
+pub(crate) unsafe fn write_out<T: Copy>(p: *mut T, name: &str, v: T) -> Result<()> {
+    out(p, name)?;
+    // SAFETY: `p` is not NULL (checked above) and, by this function's contract, writable and
+    // aligned; `T: Copy`, so the value it held needs no drop.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// The caller's input array `p` of `n` elements, borrowed for the call; NULL with `n > 0` is an
+/// invalid argument named `name`. `n == 0` gives an empty slice without reading `p`.
+///
+/// # Safety
+/// `p` is NULL or points to `n` initialized, aligned `T` that nothing writes during `'a`.
+pub(crate) unsafe fn input_slice<'a, T>(p: *const T, n: usize, name: &str) -> Result<&'a [T]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return crate::invalid_arg!("{name} is NULL");
+    }
+    // SAFETY: `p` is not NULL and `n > 0` (checked above); by this function's contract it
+    // points to `n` initialized `T` left alone for `'a`.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// The caller's NUL-terminated string `p`, or None when it is NULL.
+///
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that nothing writes during `'a`.
+pub(crate) unsafe fn input_cstr<'a>(p: *const c_char) -> Option<&'a std::ffi::CStr> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` is not NULL (checked above) and, by this function's contract, a
+    // NUL-terminated string left alone for `'a`.
+    Some(unsafe { std::ffi::CStr::from_ptr(p) })
 }
 
 /// Converts a C int that must be a non-negative count or rank.

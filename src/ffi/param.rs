@@ -1,7 +1,7 @@
 //! The ncclParam* API (NCCL 2.30.4): read access to the library's knobs by name.
 
 use super::types::*;
-use super::{guard, out};
+use super::{guard, input_cstr, out, write_out};
 use crate::env::{knob, knob_value, Knob, KNOBS};
 use crate::error::Result;
 use once_cell::sync::Lazy;
@@ -36,11 +36,14 @@ fn intern(s: String) -> &'static CStr {
     c
 }
 
+/// # Safety
+/// `key` is NULL or a NUL-terminated string.
 unsafe fn key_of(key: *const c_char) -> Result<&'static Knob> {
-    if key.is_null() {
+    // SAFETY: this function's contract.
+    let Some(k) = (unsafe { input_cstr(key) }) else {
         return crate::invalid_arg!("key is NULL");
-    }
-    let k = CStr::from_ptr(key).to_string_lossy();
+    };
+    let k = k.to_string_lossy();
     knob(&k).map_or_else(
         || crate::invalid_arg!("{k} is not a parameter of this library"),
         Ok,
@@ -80,9 +83,10 @@ pub unsafe extern "C" fn ncclParamBind(
 ) -> ncclResult_t {
     guard("ncclParamBind", || {
         out(out_h, "out")?;
-        let k = key_of(key)?;
-        *out_h = k as *const Knob as ncclParamHandle_t;
-        Ok(())
+        // SAFETY: `key` is the C caller's string.
+        let k = unsafe { key_of(key) }?;
+        // SAFETY: `out_h` is the C caller's out-parameter.
+        unsafe { write_out(out_h, "out", k as *const Knob as ncclParamHandle_t) }
     })
 }
 
@@ -90,8 +94,9 @@ pub unsafe extern "C" fn ncclParamBind(
 pub unsafe extern "C" fn ncclParamGetI8(h: ncclParamHandle_t, out_v: *mut i8) -> ncclResult_t {
     guard("ncclParamGetI8", || {
         out(out_v, "out")?;
-        *out_v = integer::<i8>(h, "i8")?;
-        Ok(())
+        let v = integer::<i8>(h, "i8")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -99,8 +104,9 @@ pub unsafe extern "C" fn ncclParamGetI8(h: ncclParamHandle_t, out_v: *mut i8) ->
 pub unsafe extern "C" fn ncclParamGetI16(h: ncclParamHandle_t, out_v: *mut i16) -> ncclResult_t {
     guard("ncclParamGetI16", || {
         out(out_v, "out")?;
-        *out_v = integer::<i16>(h, "i16")?;
-        Ok(())
+        let v = integer::<i16>(h, "i16")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -108,8 +114,9 @@ pub unsafe extern "C" fn ncclParamGetI16(h: ncclParamHandle_t, out_v: *mut i16) 
 pub unsafe extern "C" fn ncclParamGetI32(h: ncclParamHandle_t, out_v: *mut i32) -> ncclResult_t {
     guard("ncclParamGetI32", || {
         out(out_v, "out")?;
-        *out_v = integer::<i32>(h, "i32")?;
-        Ok(())
+        let v = integer::<i32>(h, "i32")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -117,8 +124,9 @@ pub unsafe extern "C" fn ncclParamGetI32(h: ncclParamHandle_t, out_v: *mut i32) 
 pub unsafe extern "C" fn ncclParamGetI64(h: ncclParamHandle_t, out_v: *mut i64) -> ncclResult_t {
     guard("ncclParamGetI64", || {
         out(out_v, "out")?;
-        *out_v = integer::<i64>(h, "i64")?;
-        Ok(())
+        let v = integer::<i64>(h, "i64")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -126,8 +134,9 @@ pub unsafe extern "C" fn ncclParamGetI64(h: ncclParamHandle_t, out_v: *mut i64) 
 pub unsafe extern "C" fn ncclParamGetU8(h: ncclParamHandle_t, out_v: *mut u8) -> ncclResult_t {
     guard("ncclParamGetU8", || {
         out(out_v, "out")?;
-        *out_v = integer::<u8>(h, "u8")?;
-        Ok(())
+        let v = integer::<u8>(h, "u8")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -135,8 +144,9 @@ pub unsafe extern "C" fn ncclParamGetU8(h: ncclParamHandle_t, out_v: *mut u8) ->
 pub unsafe extern "C" fn ncclParamGetU16(h: ncclParamHandle_t, out_v: *mut u16) -> ncclResult_t {
     guard("ncclParamGetU16", || {
         out(out_v, "out")?;
-        *out_v = integer::<u16>(h, "u16")?;
-        Ok(())
+        let v = integer::<u16>(h, "u16")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -144,8 +154,9 @@ pub unsafe extern "C" fn ncclParamGetU16(h: ncclParamHandle_t, out_v: *mut u16) 
 pub unsafe extern "C" fn ncclParamGetU32(h: ncclParamHandle_t, out_v: *mut u32) -> ncclResult_t {
     guard("ncclParamGetU32", || {
         out(out_v, "out")?;
-        *out_v = integer::<u32>(h, "u32")?;
-        Ok(())
+        let v = integer::<u32>(h, "u32")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -153,8 +164,9 @@ pub unsafe extern "C" fn ncclParamGetU32(h: ncclParamHandle_t, out_v: *mut u32) 
 pub unsafe extern "C" fn ncclParamGetU64(h: ncclParamHandle_t, out_v: *mut u64) -> ncclResult_t {
     guard("ncclParamGetU64", || {
         out(out_v, "out")?;
-        *out_v = integer::<u64>(h, "u64")?;
-        Ok(())
+        let v = integer::<u64>(h, "u64")?;
+        // SAFETY: `out_v` is the C caller's out-parameter.
+        unsafe { write_out(out_v, "out", v) }
     })
 }
 
@@ -165,8 +177,9 @@ pub unsafe extern "C" fn ncclParamGetStr(
 ) -> ncclResult_t {
     guard("ncclParamGetStr", || {
         out(out_s, "out")?;
-        *out_s = intern(knob_value(knob_of(h)?)).as_ptr();
-        Ok(())
+        let v = intern(knob_value(knob_of(h)?)).as_ptr();
+        // SAFETY: `out_s` is the C caller's out-parameter.
+        unsafe { write_out(out_s, "out", v) }
     })
 }
 
@@ -183,13 +196,18 @@ pub unsafe extern "C" fn ncclParamGet(
         let v = knob_value(knob_of(h)?);
         let bytes = v.as_bytes();
         if !len.is_null() {
-            *len = bytes.len() as c_int + 1;
+            // SAFETY: `len` is the C caller's out-parameter (optional: it was not NULL).
+            unsafe { write_out(len, "len", bytes.len() as c_int + 1) }?;
         }
         if maxLen > 0 {
             out(out_v, "out")?;
             let n = bytes.len().min(maxLen as usize - 1);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), out_v as *mut u8, n);
-            *(out_v as *mut u8).add(n) = 0;
+            // SAFETY: `out_v` is not NULL (checked) and the caller's buffer of `maxLen` bytes;
+            // `n + 1 <= maxLen` bytes are written, and a C buffer cannot overlap `v`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), out_v as *mut u8, n);
+                *(out_v as *mut u8).add(n) = 0;
+            }
         }
         Ok(())
     })
@@ -203,12 +221,14 @@ pub unsafe extern "C" fn ncclParamGetParameter(
 ) -> ncclResult_t {
     guard("ncclParamGetParameter", || {
         out(value, "value")?;
-        let v = knob_value(key_of(key)?);
+        // SAFETY: `key` is the C caller's string.
+        let v = knob_value(unsafe { key_of(key) }?);
         if !valueLen.is_null() {
-            *valueLen = v.len() as c_int;
+            // SAFETY: `valueLen` is the C caller's out-parameter (optional: it was not NULL).
+            unsafe { write_out(valueLen, "valueLen", v.len() as c_int) }?;
         }
-        *value = intern(v).as_ptr();
-        Ok(())
+        // SAFETY: `value` is the C caller's out-parameter.
+        unsafe { write_out(value, "value", intern(v).as_ptr()) }
     })
 }
 
@@ -220,9 +240,11 @@ pub unsafe extern "C" fn ncclParamGetAllParameterKeys(
     guard("ncclParamGetAllParameterKeys", || {
         out(table, "table")?;
         out(tableLen, "tableLen")?;
-        *table = KEY_PTRS.as_ptr() as *mut *const c_char;
-        *tableLen = KEY_PTRS.len() as c_int;
-        Ok(())
+        // SAFETY: `table` and `tableLen` are the C caller's out-parameters.
+        unsafe {
+            write_out(table, "table", KEY_PTRS.as_ptr() as *mut *const c_char)?;
+            write_out(tableLen, "tableLen", KEY_PTRS.len() as c_int)
+        }
     })
 }
 
