@@ -32,6 +32,7 @@ fn worker() {
         "split" => split_by_host,
         "host_dies" => host_dies,
         "link_cut" => link_cut,
+        "link_cut_abort" => link_cut_abort,
         "ring_traffic" => ring_traffic,
         "every_collective" => every_collective,
         "rated_all_reduce" => rated_all_reduce,
@@ -221,6 +222,38 @@ fn every_collective(w: &Worker) -> Result<(), String> {
     each_collective_twice(&ctx, (1 << 18) + 7)?;
     nccl!(ncclCommDestroy(c));
     Ok(())
+}
+
+/// arg: the file whose appearance marks the cut. Without COMM_TIMEOUT, all-reduces run until
+/// the link is cut; a second thread aborts the communicator a second after the cut, and the
+/// call blocked on the dead link must return within a second of the abort.
+fn link_cut_abort(w: &Worker) -> Result<(), String> {
+    let c = init(w)?;
+    let cut = std::path::PathBuf::from(&w.arg);
+    let handle = c as usize;
+    let aborted_at = std::sync::Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let stamp = aborted_at.clone();
+    std::thread::spawn(move || {
+        while !cut.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        *stamp.lock().unwrap() = Some(Instant::now());
+        unsafe { ncclCommAbort(handle as ncclComm_t) };
+    });
+    let mut buf = vec![1f32; 1 << 18];
+    // A call after the abort would use a freed communicator: stop at the first error.
+    let (r, msg) = all_reduce_loop(c, &mut buf, Duration::from_secs(60));
+    let late = aborted_at.lock().unwrap().map(|t| t.elapsed());
+    println!("rank {}: {r:?} {late:?} after the abort: {msg}", w.rank);
+    if r == OK {
+        return Err("still succeeding a minute after the link was cut".into());
+    }
+    match late {
+        Some(t) if t < Duration::from_secs(1) => Ok(()),
+        Some(t) => Err(format!("returned {t:?} after the abort: {msg}")),
+        None => Err(format!("returned {r:?} before the abort: {msg}")),
+    }
 }
 
 /// commAlltoAllv with uneven blocks, then one group holding a send to and a receive from
@@ -497,6 +530,34 @@ fn a_cut_link_gives_an_error_not_a_hang() {
         print!("{}", s.stdout);
     }
     assert_all_ok(&r, "cut link");
+}
+
+/// A link cut with no COMM_TIMEOUT: the call blocks on the dead link until ncclCommAbort from
+/// another thread, which must unblock it at once on both hosts.
+#[test]
+fn abort_unblocks_a_call_stuck_on_a_cut_link() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let file = std::env::temp_dir().join(format!("comm-link-cut-abort-{}", hosts.prefix));
+    let _ = std::fs::remove_file(&file);
+    let arg = file.display().to_string();
+    let r = launch_on(
+        &hosts,
+        &[1, 1],
+        "link_cut_abort",
+        &arg,
+        &[],
+        Duration::from_secs(120),
+        || {
+            std::thread::sleep(Duration::from_secs(3));
+            hosts.run(&["link", "1", "down"]);
+            std::fs::write(&file, b"cut").unwrap();
+        },
+    );
+    let _ = std::fs::remove_file(&file);
+    for s in &r {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(&r, "abort after a cut link");
 }
 
 /// Ranks numbered round-robin over two hosts (0 and 2 on host 0, 1 and 3 on host 1). A ring in
