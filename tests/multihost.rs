@@ -352,18 +352,44 @@ fn ring_traffic(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-/// Payload bytes this host's TCP connections have sent, from the kernel's per-connection
-/// counters (`ss`, run inside the host's namespace): what the transport wrote, without the
-/// wire's own headers and acknowledgements.
-fn tcp_payload_sent() -> Result<u64, String> {
+/// Payload bytes each of this host's TCP connections has sent, from the kernel's
+/// per-connection counters (`ss`, run inside the host's namespace): what the transport wrote,
+/// without the wire's own headers and acknowledgements. Keyed by local and peer address.
+fn tcp_payload_sent() -> Result<std::collections::HashMap<String, u64>, String> {
     let out = std::process::Command::new("ss")
         .args(["-tinH", "state", "established"])
         .output()
         .map_err(|e| format!("ss: {e}"))?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .filter_map(|w| w.strip_prefix("bytes_sent:"))
-        .filter_map(|v| v.parse::<u64>().ok())
+    let mut sent = std::collections::HashMap::new();
+    let mut conn = String::new();
+    // A connection's line, then an indented line of its counters.
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if !line.starts_with(char::is_whitespace) {
+            conn = line
+                .split_whitespace()
+                .skip(2)
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ");
+            continue;
+        }
+        if let Some(v) = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("bytes_sent:"))
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            sent.insert(conn.clone(), v);
+        }
+    }
+    Ok(sent)
+}
+
+/// What this host's connections sent between two snapshots; a connection that closed in
+/// between is left out, one that opened counts whole.
+fn sent_since(before: &std::collections::HashMap<String, u64>) -> Result<u64, String> {
+    Ok(tcp_payload_sent()?
+        .iter()
+        .map(|(k, v)| v.saturating_sub(before.get(k).copied().unwrap_or(0)))
         .sum())
 }
 
@@ -396,7 +422,7 @@ fn rated_all_reduce(w: &Worker) -> Result<(), String> {
     if r != OK {
         return Err(msg);
     }
-    let sent = tcp_payload_sent()? - before;
+    let sent = sent_since(&before)?;
     let n = w.nranks;
     let want = (n * (n - 1) / 2 + n * (reps - 1)) as f32;
     if let Some(i) = buf.iter().position(|&v| v != want) {
