@@ -352,47 +352,6 @@ fn ring_traffic(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-/// Payload bytes each of this host's TCP connections has sent, from the kernel's
-/// per-connection counters (`ss`, run inside the host's namespace): what the transport wrote,
-/// without the wire's own headers and acknowledgements. Keyed by local and peer address.
-fn tcp_payload_sent() -> Result<std::collections::HashMap<String, u64>, String> {
-    let out = std::process::Command::new("ss")
-        .args(["-tinH", "state", "established"])
-        .output()
-        .map_err(|e| format!("ss: {e}"))?;
-    let mut sent = std::collections::HashMap::new();
-    let mut conn = String::new();
-    // A connection's line, then an indented line of its counters.
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if !line.starts_with(char::is_whitespace) {
-            conn = line
-                .split_whitespace()
-                .skip(2)
-                .take(2)
-                .collect::<Vec<_>>()
-                .join(" ");
-            continue;
-        }
-        if let Some(v) = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("bytes_sent:"))
-            .and_then(|v| v.parse::<u64>().ok())
-        {
-            sent.insert(conn.clone(), v);
-        }
-    }
-    Ok(sent)
-}
-
-/// What this host's connections sent between two snapshots; a connection that closed in
-/// between is left out, one that opened counts whole.
-fn sent_since(before: &std::collections::HashMap<String, u64>) -> Result<u64, String> {
-    Ok(tcp_payload_sent()?
-        .iter()
-        .map(|(k, v)| v.saturating_sub(before.get(k).copied().unwrap_or(0)))
-        .sum())
-}
-
 /// arg: `reps:MiB:ranks per host`. All ranks all-reduce `MiB` of floats `reps` times; the
 /// first rank of each host reports the payload its host sent meanwhile and the seconds taken.
 fn rated_all_reduce(w: &Worker) -> Result<(), String> {
@@ -410,7 +369,7 @@ fn rated_all_reduce(w: &Worker) -> Result<(), String> {
     if r != OK {
         return Err(msg);
     }
-    let before = tcp_payload_sent()?;
+    let before = tx_bytes();
     let t = Instant::now();
     for rep in 0..reps {
         buf.fill((w.rank + rep) as f32);
@@ -422,7 +381,7 @@ fn rated_all_reduce(w: &Worker) -> Result<(), String> {
     if r != OK {
         return Err(msg);
     }
-    let sent = sent_since(&before)?;
+    let sent = tx_bytes() - before;
     let n = w.nranks;
     let want = (n * (n - 1) / 2 + n * (reps - 1)) as f32;
     if let Some(i) = buf.iter().position(|&v| v != want) {
@@ -629,7 +588,7 @@ fn rings_cross_each_host_boundary_once() {
 
 /// Two hosts of two ranks behind 1 Gbit/s links (tc tbf on each host's link). The hierarchical
 /// all-reduce sends, from each host, the least any all-reduce can: 2(H-1)/H of the buffer per
-/// call, counted in payload bytes on the host's TCP connections; the flat ring over the same
+/// call, counted on the host's link (payload plus under 15 % of headers); the flat ring over the same
 /// ranks sends 2(N-1)/N, half as much again. Each run reports its bus bandwidth against the
 /// bound the link sets for its algorithm; bench/RESULTS.md has the benchmark's numbers, this
 /// test asserts only a floor far below them, as the machine is shared.
@@ -675,17 +634,22 @@ fn hierarchical_all_reduce_sends_the_minimum_across_a_slow_link() {
         for (sent, secs) in hosts_seen {
             let (bw, b) = (busbw(secs), bound(min));
             println!(
-                "{algo}: a host sent {sent} payload bytes ({:.3} x {min}); busbw {:.1} MB/s, {:.0} % of the link's bound {:.1} MB/s",
+                "{algo}: a host sent {sent} bytes on its link ({:.3} x {min}); busbw {:.1} MB/s, {:.0} % of the link's bound {:.1} MB/s",
                 sent as f64 / min as f64,
                 bw / 1e6,
                 100.0 * bw / b,
                 b / 1e6
             );
-            // The minimum, plus 32-byte message headers and the small calls around the loop.
-            assert!(sent >= min, "{algo}: sent {sent}, below the minimum {min}");
+            // Bytes on the host's link: the payload plus the wire's own headers and
+            // acknowledgements (under 15 %); the counters bracket the loop from one rank of
+            // the host, so a little of the other's traffic may fall outside (2 %).
             assert!(
-                sent <= min + min / 100,
-                "{algo}: sent {sent} payload bytes, more than the minimum {min}"
+                sent >= min - min / 50,
+                "{algo}: sent {sent}, below the minimum {min}"
+            );
+            assert!(
+                sent <= min + min * 15 / 100,
+                "{algo}: sent {sent} bytes on the link, more than the minimum {min} and its headers"
             );
             assert!(
                 bw > 0.5 * b,
