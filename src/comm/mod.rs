@@ -276,6 +276,22 @@ impl Comm {
         self.hosts.is_some()
     }
 
+    /// What windows need of this communicator (they never see the communicator itself).
+    pub fn window_members(&self) -> crate::window::Members<'_> {
+        crate::window::Members {
+            rank: self.rank,
+            nranks: self.nranks,
+            tag: self.tag,
+            boot: &self.boot,
+            placements: &self.placements,
+            paths: &self.paths,
+            links: &self.wiring.links,
+            abort: &self.wiring.abort,
+            timeout: self.wiring.timeout,
+            spin: self.wiring.spin,
+        }
+    }
+
     pub fn check_usable(&self) -> Result<()> {
         match self.life() {
             Life::Active => Ok(()),

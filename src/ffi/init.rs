@@ -258,7 +258,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
         let entry = registry::remove(comm as usize)?;
         if let Ok(c) = entry.wait() {
             c.destroy();
-            crate::window::forget(&c);
+            crate::window::forget(&c.window_members());
         }
         Ok(())
     })
@@ -275,7 +275,7 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         entry.abort.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Ok(c) = entry.wait() {
             c.abort();
-            crate::window::forget(&c);
+            crate::window::forget(&c.window_members());
         }
         Ok(())
     })

@@ -187,7 +187,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
             .and_then(|_| window_args(buff, size, winFlags));
         let (b, w) = (buff as usize, win as usize);
         one_sided(comm, crate::group::Phase::Collective, move || {
-            let h = window::register(&c, b, size, winFlags, false, pre)?;
+            let h = window::register(&c.window_members(), b, size, winFlags, false, pre)?;
             // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
             unsafe { *(w as *mut ncclWindow_t) = h as ncclWindow_t };
             Ok(())
@@ -218,7 +218,7 @@ pub unsafe extern "C" fn commWindowAllocate(
                 mem = window::shared::alloc(size)?;
                 window_args(mem.cast(), size, winFlags)
             });
-        match window::register(&c, mem as usize, size, winFlags, true, pre) {
+        match window::register(&c.window_members(), mem as usize, size, winFlags, true, pre) {
             // SAFETY: `win` and `ptr` are the C caller's out-parameters (and not NULL: `pre`
             // checked them, and registration fails when `pre` did).
             Ok(h) => unsafe {
@@ -242,7 +242,7 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(
     win: ncclWindow_t,
 ) -> ncclResult_t {
     guard_comm("ncclCommWindowDeregister", comm, |c| {
-        window::deregister(&c, win as usize)
+        window::deregister(&c.window_members(), win as usize)
     })
 }
 
@@ -254,7 +254,7 @@ pub unsafe extern "C" fn ncclWinGetUserPtr(
 ) -> ncclResult_t {
     guard_comm("ncclWinGetUserPtr", comm, |c| {
         out(outUserPtr, "outUserPtr")?;
-        let p = window::user_ptr(&c, win as usize)? as *mut c_void;
+        let p = window::user_ptr(&c.window_members(), win as usize)? as *mut c_void;
         // SAFETY: `outUserPtr` is the C caller's out-parameter.
         unsafe { write_out(outUserPtr, "outUserPtr", p) }
     })
@@ -340,7 +340,13 @@ pub unsafe extern "C" fn ncclPutSignal(
             return crate::invalid_arg!("localbuff is NULL");
         }
         let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
-        let (w, peer) = window::check_access(&c, peerWin as usize, peer, peerWinOffset, bytes)?;
+        let (w, peer) = window::check_access(
+            &c.window_members(),
+            peerWin as usize,
+            peer,
+            peerWinOffset,
+            bytes,
+        )?;
         if w.flags & NCCL_WIN_COLL_SYMMETRIC == 0 {
             return crate::invalid_arg!(
                 "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"
@@ -368,9 +374,9 @@ pub unsafe extern "C" fn ncclSignal(
     guard_comm("ncclSignal", comm, |c| {
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
-        window::check_peer(&c, peer)?;
+        window::check_peer(&c.window_members(), peer)?;
         one_sided(comm, crate::group::Phase::Issue, move || {
-            window::signal(&c, peer)
+            window::signal(&c.window_members(), peer)
         })
     })
 }
@@ -404,16 +410,16 @@ pub unsafe extern "C" fn ncclWaitSignal(
             }
             reserved_zero(d.sigIdx, d.ctx, 0)
                 .map_err(|e| e.context(format!("signalDescs[{i}]")))?;
-            window::check_peer(&c, d.peer)?;
+            window::check_peer(&c.window_members(), d.peer)?;
         }
         // Checked above: peers in range, counts positive.
         let descs = given.iter().map(|d| (d.peer as usize, d.opCnt as u64));
         if crate::group::depth() == 0 {
-            return window::wait_signals(&c, descs);
+            return window::wait_signals(&c.window_members(), descs);
         }
         let descs: Vec<(usize, u64)> = descs.collect();
         one_sided(comm, crate::group::Phase::Wait, move || {
-            window::wait_signals(&c, descs)
+            window::wait_signals(&c.window_members(), descs)
         })
     })
 }
@@ -437,7 +443,7 @@ pub unsafe extern "C" fn commWinPut(
         // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
         unsafe {
             window::put(
-                &c,
+                &c.window_members(),
                 peerWin as usize,
                 peer,
                 peerWinOffset,
@@ -467,7 +473,7 @@ pub unsafe extern "C" fn commWinGet(
         // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
         unsafe {
             window::get(
-                &c,
+                &c.window_members(),
                 peerWin as usize,
                 peer,
                 peerWinOffset,
@@ -506,7 +512,14 @@ pub unsafe extern "C" fn commWinFetchAdd(
     guard_comm("commWinFetchAdd", comm, |c| {
         c.check_usable()?;
         atomic_type(datatype)?;
-        let old = window::atomic(&c, peerWin as usize, peer, peerWinOffset, None, value)?;
+        let old = window::atomic(
+            &c.window_members(),
+            peerWin as usize,
+            peer,
+            peerWinOffset,
+            None,
+            value,
+        )?;
         if !oldValue.is_null() {
             // SAFETY: `oldValue` is the C caller's out-parameter (optional: it was not NULL).
             unsafe { write_out(oldValue, "oldValue", old) }?;
@@ -533,7 +546,7 @@ pub unsafe extern "C" fn commWinCompareSwap(
         c.check_usable()?;
         atomic_type(datatype)?;
         let old = window::atomic(
-            &c,
+            &c.window_members(),
             peerWin as usize,
             peer,
             peerWinOffset,
@@ -558,7 +571,7 @@ pub unsafe extern "C" fn commWinFlush(
 ) -> ncclResult_t {
     guard_comm("commWinFlush", comm, |c| {
         c.check_usable()?;
-        window::flush(&c, win as usize, Some(peer))
+        window::flush(&c.window_members(), win as usize, Some(peer))
     })
 }
 
@@ -574,7 +587,8 @@ pub unsafe extern "C" fn commWinPeerPtr(
 ) -> ncclResult_t {
     guard_comm("commWinPeerPtr", comm, |c| {
         out(ptr, "ptr")?;
-        let p = window::peer_ptr(&c, win as usize, peer)?.unwrap_or(0) as *mut c_void;
+        let p =
+            window::peer_ptr(&c.window_members(), win as usize, peer)?.unwrap_or(0) as *mut c_void;
         // SAFETY: `ptr` is the C caller's out-parameter.
         unsafe { write_out(ptr, "ptr", p) }
     })
@@ -595,7 +609,7 @@ pub unsafe extern "C" fn commWinSignalPads(
     guard_comm("commWinSignalPads", comm, |c| {
         out(pads, "pads")?;
         out(nchannels, "nchannels")?;
-        let (p, n) = window::signal_pads(&c, win as usize, peer)?;
+        let (p, n) = window::signal_pads(&c.window_members(), win as usize, peer)?;
         // SAFETY: `pads` and `nchannels` are the C caller's out-parameters.
         unsafe {
             write_out(pads, "pads", p.unwrap_or(0) as *mut c_void)?;
@@ -617,7 +631,7 @@ pub unsafe extern "C" fn commWinChannelSignal(
 ) -> ncclResult_t {
     guard_comm("commWinChannelSignal", comm, |c| {
         c.check_usable()?;
-        window::channel_signal(&c, win as usize, peer, channel, timeoutMs)
+        window::channel_signal(&c.window_members(), win as usize, peer, channel, timeoutMs)
     })
 }
 
@@ -634,7 +648,7 @@ pub unsafe extern "C" fn commWinChannelWait(
 ) -> ncclResult_t {
     guard_comm("commWinChannelWait", comm, |c| {
         c.check_usable()?;
-        window::channel_wait(&c, win as usize, peer, channel, timeoutMs)
+        window::channel_wait(&c.window_members(), win as usize, peer, channel, timeoutMs)
     })
 }
 
@@ -649,7 +663,7 @@ pub unsafe extern "C" fn commWinChannelBarrier(
 ) -> ncclResult_t {
     guard_comm("commWinChannelBarrier", comm, |c| {
         c.check_usable()?;
-        window::channel_barrier(&c, win as usize, channel, timeoutMs)
+        window::channel_barrier(&c.window_members(), win as usize, channel, timeoutMs)
     })
 }
 

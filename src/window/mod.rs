@@ -20,10 +20,12 @@ mod fds;
 mod remote;
 pub mod shared;
 
-use crate::comm::Comm;
+use crate::bootstrap::Bootstrap;
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
+use crate::topo::Placement;
 use crate::transport::os::{self, Mapping};
+use crate::transport::Link;
 use crate::wire::{self, Reader};
 use ctl::Ctl;
 use parking_lot::Mutex;
@@ -32,6 +34,25 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// What windows need of a communicator: its members, how to reach them, and its limits.
+/// The communicator lends it (`Comm::window_members`); windows never see the communicator.
+pub struct Members<'a> {
+    pub rank: usize,
+    pub nranks: usize,
+    /// The communicator's tag, the same on every rank.
+    pub tag: u64,
+    pub boot: &'a Bootstrap,
+    pub placements: &'a [Placement],
+    pub paths: &'a [Path],
+    /// One link per rank: whether a peer is still there.
+    pub links: &'a [Arc<dyn Link>],
+    pub abort: &'a AtomicBool,
+    /// Give up (ncclTimeout) after this long.
+    pub timeout: Option<Duration>,
+    /// Spin this long before sleeping.
+    pub spin: Duration,
+}
 
 /// NCCL's window flags this version knows.
 pub const WIN_COLL_SYMMETRIC: i32 = 0x01;
@@ -97,7 +118,7 @@ impl Drop for CommWindows {
 type CommKey = (u64, usize);
 static COMMS: Mutex<Vec<(CommKey, Arc<CommWindows>)>> = Mutex::new(Vec::new());
 
-fn find_comm(c: &Comm) -> Option<Arc<CommWindows>> {
+fn find_comm(c: &Members) -> Option<Arc<CommWindows>> {
     let k = key(c);
     COMMS.lock().iter().find(|e| e.0 == k).map(|e| e.1.clone())
 }
@@ -118,7 +139,7 @@ pub(crate) fn window_by_handle(handle: usize) -> Option<Arc<Window>> {
     WINDOWS.lock().get(n).cloned().flatten()
 }
 
-fn key(c: &Comm) -> (u64, usize) {
+fn key(c: &Members) -> (u64, usize) {
     (c.tag, c.rank)
 }
 
@@ -127,7 +148,7 @@ fn deadline_of(t: Option<Duration>) -> Option<Instant> {
 }
 
 /// Every rank says whether its part went well; all fail when one did, naming it.
-fn agree(c: &Comm, mine: Result<()>) -> Result<()> {
+fn agree(c: &Members, mine: Result<()>) -> Result<()> {
     let mut b = Vec::new();
     match &mine {
         Ok(()) => wire::put_u32(&mut b, 0),
@@ -154,7 +175,7 @@ fn agree(c: &Comm, mine: Result<()>) -> Result<()> {
 }
 
 /// The communicator's window state, made collectively the first time.
-fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
+fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
     if let Some(cw) = find_comm(c) {
         return Ok(cw);
     }
@@ -207,7 +228,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
                 .map(|a| crate::bootstrap::decode_addr(a))
                 .collect(),
             lost,
-            c.wiring.timeout,
+            c.timeout,
         )
     });
     let cw = Arc::new(CommWindows {
@@ -227,7 +248,7 @@ fn comm_windows(c: &Comm) -> Result<Arc<CommWindows>> {
     Ok(cw)
 }
 
-fn existing(c: &Comm, what: &str) -> Result<Arc<CommWindows>> {
+fn existing(c: &Members, what: &str) -> Result<Arc<CommWindows>> {
     match find_comm(c) {
         Some(cw) => Ok(cw),
         None => crate::invalid_usage!(
@@ -274,7 +295,7 @@ impl CommWindows {
 /// this rank's verdict on its arguments; every rank learns every verdict, so bad arguments on
 /// one rank fail the call everywhere instead of leaving the others waiting.
 pub fn register(
-    c: &Comm,
+    c: &Members,
     buff: usize,
     size: usize,
     flags: i32,
@@ -457,7 +478,7 @@ pub fn register(
 }
 
 /// The window behind `handle`, which must belong to communicator `c`.
-pub fn lookup(c: &Comm, handle: usize) -> Result<Arc<Window>> {
+pub fn lookup(c: &Members, handle: usize) -> Result<Arc<Window>> {
     match window_by_handle(handle) {
         Some(w) if w.comm == key(c) => Ok(w),
         Some(_) => crate::invalid_arg!(
@@ -470,7 +491,7 @@ pub fn lookup(c: &Comm, handle: usize) -> Result<Arc<Window>> {
 }
 
 /// ncclCommWindowDeregister: local. Memory allocated with the window is freed.
-pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
+pub fn deregister(c: &Members, handle: usize) -> Result<()> {
     let w = lookup(c, handle)?;
     if let Some(n) = handle_number(handle) {
         WINDOWS.lock()[n] = None;
@@ -484,7 +505,7 @@ pub fn deregister(c: &Comm, handle: usize) -> Result<()> {
 
 /// The communicator is going away (destroy, abort): its windows go with it, memory allocated
 /// with them is freed, its listener stops and its connections close.
-pub fn forget(c: &Comm) {
+pub fn forget(c: &Members) {
     let k = key(c);
     COMMS.lock().retain(|e| e.0 != k);
     let gone: Vec<Arc<Window>> = WINDOWS
@@ -501,12 +522,12 @@ pub fn forget(c: &Comm) {
 }
 
 /// This rank's own address of the window.
-pub fn user_ptr(c: &Comm, handle: usize) -> Result<usize> {
+pub fn user_ptr(c: &Members, handle: usize) -> Result<usize> {
     let w = lookup(c, handle)?;
     Ok(w.peers[c.rank].addr)
 }
 
-fn peer_index(c: &Comm, peer: i32) -> Result<usize> {
+fn peer_index(c: &Members, peer: i32) -> Result<usize> {
     match usize::try_from(peer) {
         Ok(p) if p < c.nranks => Ok(p),
         _ => crate::invalid_arg!(
@@ -517,14 +538,14 @@ fn peer_index(c: &Comm, peer: i32) -> Result<usize> {
 }
 
 /// Checks a peer number: the rank it names.
-pub fn check_peer(c: &Comm, peer: i32) -> Result<usize> {
+pub fn check_peer(c: &Members, peer: i32) -> Result<usize> {
     peer_index(c, peer)
 }
 
 /// Checks an access of `len` bytes at `off` of `peer`'s part of window `handle`.
 /// Returns the window and the peer's rank.
 pub fn check_access(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     peer: i32,
     off: usize,
@@ -561,7 +582,7 @@ fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
 /// # Safety
 /// `src` must be valid for `len` bytes of reads.
 pub unsafe fn put(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     peer: i32,
     off: usize,
@@ -645,7 +666,7 @@ fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
 }
 
 /// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it.
-pub fn signal(c: &Comm, peer: i32) -> Result<()> {
+pub fn signal(c: &Members, peer: i32) -> Result<()> {
     let peer = peer_index(c, peer)?;
     let cw = existing(c, "ncclSignal")?;
     signal_to(&cw, peer)
@@ -656,7 +677,7 @@ pub fn signal(c: &Comm, peer: i32) -> Result<()> {
 /// # Safety
 /// `dst` must be valid for `len` bytes of writes.
 pub unsafe fn get(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     peer: i32,
     off: usize,
@@ -752,7 +773,7 @@ pub(crate) fn atomic_at(
 
 /// 8-byte fetch-add (`cas` None) or compare-and-swap on `peer`'s window at `off`; the old value.
 pub fn atomic(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     peer: i32,
     off: usize,
@@ -796,7 +817,7 @@ pub fn atomic(
 }
 
 /// Returns once every earlier put from this rank to `peer` (every peer when None) has landed.
-pub fn flush(c: &Comm, handle: usize, peer: Option<i32>) -> Result<()> {
+pub fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
     let w = lookup(c, handle)?;
     let peers = match peer {
         Some(p) => vec![peer_index(c, p)?],
@@ -818,7 +839,7 @@ pub fn flush(c: &Comm, handle: usize, peer: Option<i32>) -> Result<()> {
 }
 
 /// The address at which this rank reaches `peer`'s window with loads and stores, if it can.
-pub fn peer_ptr(c: &Comm, handle: usize, peer: i32) -> Result<Option<usize>> {
+pub fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     Ok(match w.peers[peer].data {
@@ -829,7 +850,7 @@ pub fn peer_ptr(c: &Comm, handle: usize, peer: i32) -> Result<Option<usize>> {
 
 /// `peer`'s signal pads of window `handle` (channels x nranks u32 words) where this rank maps
 /// them, and the number of channels.
-pub fn signal_pads(c: &Comm, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
+pub fn signal_pads(c: &Members, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     let cw = w.cw.clone();
@@ -845,7 +866,7 @@ pub fn signal_pads(c: &Comm, handle: usize, peer: i32) -> Result<(Option<usize>,
 /// passed. Spins briefly, then sleeps on this rank's bell. `ready` may consume what it finds
 /// (a signal-pad word), so the wait ends the first time it returns true.
 fn wait_until(
-    c: &Comm,
+    c: &Members,
     cw: &CommWindows,
     peer: usize,
     limit: Option<Duration>,
@@ -856,7 +877,7 @@ fn wait_until(
         return Ok(());
     }
     let start = Instant::now();
-    let spin_until = start + c.wiring.spin.max(Duration::from_micros(20));
+    let spin_until = start + c.spin.max(Duration::from_micros(20));
     let mut polls = 0u32;
     loop {
         if ready() {
@@ -875,7 +896,7 @@ fn wait_until(
         if cw.own().sleep_unless(Duration::from_millis(10), ready) || ready() {
             return Ok(());
         }
-        if c.wiring.abort.load(Ordering::SeqCst) {
+        if c.abort.load(Ordering::SeqCst) {
             return crate::invalid_usage!(
                 "the communicator was aborted while waiting for {}",
                 what()
@@ -904,8 +925,8 @@ fn wait_until(
 
 /// Why `peer` can no longer signal this rank, if it cannot: its link says it is gone, or (on
 /// another host) its window connection closed.
-fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
-    if let Err(e) = c.wiring.links[peer].check_peer() {
+fn peer_lost(c: &Members, cw: &CommWindows, peer: usize) -> Option<String> {
+    if let Err(e) = c.links[peer].check_peer() {
         return Some(e.msg);
     }
     let net = cw.net.as_ref().filter(|_| c.paths[peer] == Path::Network)?;
@@ -916,7 +937,7 @@ fn peer_lost(c: &Comm, cw: &CommWindows, peer: usize) -> Option<String> {
 
 /// ncclWaitSignal: for each (peer, opCnt), waits until `peer` has sent `opCnt` more signals
 /// than earlier waits consumed, and consumes them.
-pub fn wait_signals(c: &Comm, descs: impl IntoIterator<Item = (usize, u64)>) -> Result<()> {
+pub fn wait_signals(c: &Members, descs: impl IntoIterator<Item = (usize, u64)>) -> Result<()> {
     let cw = existing(c, "ncclWaitSignal")?;
     for (peer, n) in descs {
         let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
@@ -925,7 +946,7 @@ pub fn wait_signals(c: &Comm, descs: impl IntoIterator<Item = (usize, u64)>) -> 
             c,
             &cw,
             peer,
-            c.wiring.timeout,
+            c.timeout,
             &|| {
                 format!(
                     "signals from rank {peer} ({} of {goal} arrived)",
@@ -949,18 +970,18 @@ fn channel_of(cw: &CommWindows, channel: i32) -> Result<usize> {
     }
 }
 
-fn pad_deadline(c: &Comm, timeout_ms: u64) -> Option<Instant> {
+fn pad_deadline(c: &Members, timeout_ms: u64) -> Option<Instant> {
     if timeout_ms > 0 {
         deadline_of(Some(Duration::from_millis(timeout_ms)))
     } else {
-        deadline_of(c.wiring.timeout)
+        deadline_of(c.timeout)
     }
 }
 
 /// PyTorch's put_signal: sets this rank's pad word for `channel` at `dst` from 0 to 1, waiting
 /// while it is still 1 from the previous signal.
 pub fn channel_signal(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     dst: i32,
     channel: i32,
@@ -972,7 +993,7 @@ pub fn channel_signal(
 
 /// The window, peer and channel of a channel operation, checked.
 fn channel_args(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     peer: i32,
     channel: i32,
@@ -984,7 +1005,7 @@ fn channel_args(
 }
 
 fn channel_signal_to(
-    c: &Comm,
+    c: &Members,
     cw: &CommWindows,
     w: &Window,
     dst: usize,
@@ -1022,7 +1043,7 @@ fn channel_signal_to(
             return Ok(());
         }
         if dst != me {
-            if let Err(e) = c.wiring.links[dst].check_peer() {
+            if let Err(e) = c.links[dst].check_peer() {
                 return Err(Error::lost_peer(
                     dst,
                     format!("rank {dst} is gone while this rank waited to signal it on channel {ch}: {}", e.msg),
@@ -1041,7 +1062,7 @@ fn channel_signal_to(
 
 /// PyTorch's wait_signal: waits until `src` has signalled this rank on `channel`, and clears it.
 pub fn channel_wait(
-    c: &Comm,
+    c: &Members,
     handle: usize,
     src: i32,
     channel: i32,
@@ -1052,7 +1073,7 @@ pub fn channel_wait(
 }
 
 fn channel_wait_from(
-    c: &Comm,
+    c: &Members,
     cw: &CommWindows,
     w: &Window,
     src: usize,
@@ -1075,7 +1096,7 @@ fn channel_wait_from(
 }
 
 /// PyTorch's barrier: signal every peer on `channel`, then wait for every peer's signal.
-pub fn channel_barrier(c: &Comm, handle: usize, channel: i32, timeout_ms: u64) -> Result<()> {
+pub fn channel_barrier(c: &Members, handle: usize, channel: i32, timeout_ms: u64) -> Result<()> {
     let w = lookup(c, handle)?;
     let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;
