@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::transport::os::{self, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Windows one communicator may have registered at once (per rank).
 pub const MAX_WINDOWS: usize = 256;
@@ -16,8 +16,10 @@ pub const MAX_WINDOWS: usize = 256;
 const BELL: usize = 0;
 const SLEEPERS: usize = 4;
 const COUNTERS: usize = 64;
-/// In a window's slot: the atomics lock, then the signal pads on the next cache line.
+/// In a window's slot: the atomics lock (the holder's pid), the handle of the window that now
+/// owns the slot (0: none), then the signal pads on the next cache line.
 const SLOT_LOCK: usize = 0;
+const SLOT_LIVE: usize = 8;
 const SLOT_PADS: usize = 64;
 
 pub struct Ctl {
@@ -86,10 +88,18 @@ impl Ctl {
         unsafe { self.map.ptr().add(self.slot(slot) + SLOT_PADS) }
     }
 
+    /// The handle of the window registered in slot `slot` of this rank, 0 when none is: a peer
+    /// checks it before reaching into the window, so that an operation into memory the target
+    /// has deregistered (and perhaps freed and reused) is refused instead of corrupting it.
+    pub fn live(&self, slot: usize) -> &AtomicU64 {
+        self.word64(self.slot(slot) + SLOT_LIVE)
+    }
+
     /// Clears a window slot for a new window.
     pub fn reset_slot(&self, slot: usize) {
         self.word32(self.slot(slot) + SLOT_LOCK)
             .store(0, Ordering::SeqCst);
+        self.live(slot).store(0, Ordering::SeqCst);
         for ch in 0..self.channels {
             for p in 0..self.nranks {
                 self.pad(slot, ch, p).store(0, Ordering::SeqCst);
@@ -97,24 +107,50 @@ impl Ctl {
         }
     }
 
-    /// Runs `f` holding the atomics lock of window slot `slot`.
-    pub fn locked<T>(&self, slot: usize, f: impl FnOnce() -> T) -> T {
+    /// Runs `f` holding the atomics lock of window slot `slot`. The lock word holds the
+    /// holder's pid: a waiter that finds the holder's process gone takes the lock over (the
+    /// holder died between its read and its write of one word, or after both), and one that
+    /// waits past `deadline` gives up with ncclTimeout.
+    pub fn locked<T>(
+        &self,
+        slot: usize,
+        deadline: Option<Instant>,
+        f: impl FnOnce() -> T,
+    ) -> Result<T> {
         let word = self.word32(self.slot(slot) + SLOT_LOCK);
+        let me = std::process::id().max(1);
         let mut spins = 0u32;
-        while word
-            .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+        let mut seen = 0u32;
+        loop {
+            match word.compare_exchange_weak(seen, me, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(holder) if holder == 0 => seen = 0,
+                Err(holder) => {
+                    seen = 0;
+                    spins += 1;
+                    if spins < 64 {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    std::thread::yield_now();
+                    if spins % 256 == 0 {
+                        if !os::ProcessWatch::new(holder).alive() {
+                            crate::warn!(
+                                "process {holder} died holding a window's atomics lock; taking it over"
+                            );
+                            seen = holder;
+                        } else if deadline.is_some_and(|d| Instant::now() > d) {
+                            return crate::timeout_err!(
+                                "timed out waiting for a window's atomics lock, held by process {holder}"
+                            );
+                        }
+                    }
+                }
             }
         }
         let r = f();
         word.store(0, Ordering::Release);
-        r
+        Ok(r)
     }
 
     /// Wakes this rank's waiters after a signal or a pad changed.

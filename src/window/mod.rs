@@ -75,6 +75,8 @@ pub struct PeerWin {
     pub addr: usize,
     /// Its window slot in its control segment.
     pub slot: usize,
+    /// Its handle for the window (what its slot's live word holds while registered).
+    pub handle: u64,
     /// Atomics on it take the lock in its control segment (its memory is not shared).
     pub locked: bool,
     pub data: Reach,
@@ -420,6 +422,7 @@ pub fn register(
                 len: i.len,
                 addr: i.addr,
                 slot: i.slot as usize,
+                handle: i.handle,
                 locked,
                 data,
                 _map: map,
@@ -446,11 +449,13 @@ pub fn register(
             all.resize(at + 1, None);
         }
         all[at] = Some(w.clone());
+        cw.own().live(slot).store(handle as u64, Ordering::SeqCst);
         w
     });
     if let Err(e) = agree(c, ok) {
         if published.is_some() {
             WINDOWS.lock()[at] = None;
+            cw.own().live(slot).store(0, Ordering::SeqCst);
         }
         release(&cw);
         return Err(e);
@@ -496,6 +501,8 @@ pub fn deregister(c: &Members, handle: usize) -> Result<()> {
     if let Some(n) = handle_number(handle) {
         WINDOWS.lock()[n] = None;
     }
+    // Peers on this host look at this word before they reach into the window.
+    w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
     w.cw.slots.lock()[w.slot] = false;
     if let Some(p) = w.owned {
         shared::free(p as *mut u8);
@@ -567,6 +574,23 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
     }
 }
 
+/// Refuses an operation into `peer`'s part of `w` once the peer has deregistered it (peers
+/// on this host; across hosts the target's server refuses it). Deregistration is local, as in
+/// NCCL, so this catches a program that deregisters too early instead of letting a put land
+/// in memory the peer may have freed and reused.
+fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()> {
+    let p = &w.peers[peer];
+    match &cw.ctls[peer] {
+        Some(ctl) if peer != cw.rank && ctl.live(p.slot).load(Ordering::Acquire) != p.handle => {
+            crate::invalid_usage!(
+                "rank {peer} has deregistered its part of window {:#x}; one-sided operations into it are refused (ncclCommWindowDeregister is local: every rank must be done with a window before any rank deregisters it)",
+                w.handle
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
 fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
     let kind = if e.raw_os_error() == Some(libc::ESRCH) {
         ErrorKind::Remote
@@ -610,6 +634,7 @@ pub unsafe fn put_checked(
 ) -> Result<()> {
     let p = &w.peers[peer];
     let cw = &*w.cw;
+    check_live(cw, w, peer)?;
     match p.data {
         Reach::Direct(base) => {
             if len > 0 {
@@ -688,6 +713,7 @@ pub unsafe fn get(
     let peer = peer_index(c, peer)?;
     let p = &w.peers[peer];
     check_range(p, off, len, peer)?;
+    check_live(&w.cw, &w, peer)?;
     if len == 0 {
         return Ok(());
     }
@@ -724,6 +750,7 @@ pub(crate) fn atomic_at(
     cas: Option<u64>,
     val: u64,
     ctl: &Ctl,
+    deadline: Option<Instant>,
 ) -> Result<u64> {
     let p = &w.peers[peer];
     let new = |old: u64| match cas {
@@ -737,11 +764,12 @@ pub(crate) fn atomic_at(
             // (checked too) and is only ever accessed atomically by the library.
             let a = unsafe { &*((base + off) as *const AtomicU64) };
             if p.locked {
-                Ok(ctl.locked(p.slot, || {
+                ctl.locked(p.slot, deadline, || {
                     let old = a.load(Ordering::SeqCst);
+                    crate::fault::point("window_atomic_locked");
                     a.store(new(old), Ordering::SeqCst);
                     old
-                }))
+                })
             } else {
                 Ok(match cas {
                     Some(cmp) => {
@@ -753,12 +781,13 @@ pub(crate) fn atomic_at(
                 })
             }
         }
-        Reach::Cma { pid, addr } => ctl.locked(p.slot, || {
+        Reach::Cma { pid, addr } => ctl.locked(p.slot, deadline, || {
             let mut old = [0u8; 8];
             // SAFETY: old is 8 writable bytes.
             unsafe { os::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
                 .map_err(|e| cma_error(peer, "an atomic on", e))?;
             let old = u64::from_ne_bytes(old);
+            crate::fault::point("window_atomic_locked");
             let v = new(old);
             if v != old {
                 // SAFETY: v is 8 readable bytes.
@@ -766,7 +795,7 @@ pub(crate) fn atomic_at(
                     .map_err(|e| cma_error(peer, "an atomic on", e))?;
             }
             Ok(old)
-        }),
+        })?,
         Reach::Net { .. } => crate::internal_err!("atomic on a remote window applied locally"),
     }
 }
@@ -811,7 +840,8 @@ pub fn atomic(
             let ctl = cw.ctls[peer].as_deref().ok_or_else(|| {
                 Error::new(ErrorKind::Internal, "no control segment for a local peer")
             })?;
-            atomic_at(&w, peer, off, cas, val, ctl)
+            check_live(&cw, &w, peer)?;
+            atomic_at(&w, peer, off, cas, val, ctl, deadline_of(c.timeout))
         }
     }
 }
@@ -842,6 +872,7 @@ pub fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
 pub fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
+    check_live(&w.cw, &w, peer)?;
     Ok(match w.peers[peer].data {
         Reach::Direct(a) => Some(a),
         _ => None,
@@ -988,6 +1019,7 @@ pub fn channel_signal(
     timeout_ms: u64,
 ) -> Result<()> {
     let (w, dst, ch) = channel_args(c, handle, dst, channel)?;
+    check_live(&w.cw, &w, dst)?;
     channel_signal_to(c, &w.cw, &w, dst, ch, pad_deadline(c, timeout_ms))
 }
 

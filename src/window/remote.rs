@@ -246,7 +246,10 @@ fn apply(
                 Err(e) => {
                     std::io::copy(&mut (&mut *s).take(f.len), &mut std::io::sink())
                         .map_err(io("skip a window put"))?;
+                    // The data did not land, so its signal is not counted either: a signal
+                    // promises its put's data. The origin learns why at its next flush.
                     sticky.get_or_insert(e);
+                    return Ok(());
                 }
             }
             if f.flags & FLAG_SIGNAL != 0 {
@@ -272,7 +275,7 @@ fn apply(
             let r = target(f.win, tag, me).and_then(|w| {
                 let cas = (f.op == OP_CAS).then_some(f.a);
                 super::check_range(&w.peers[me], f.off as usize, 8, me)?;
-                super::atomic_at(&w, me, f.off as usize, cas, f.b, ctl)
+                super::atomic_at(&w, me, f.off as usize, cas, f.b, ctl, None)
             });
             reply(s, r, None)
         }
