@@ -124,7 +124,7 @@ impl Ctl {
         loop {
             match word.compare_exchange_weak(seen, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => break,
-                Err(holder) if holder == 0 => seen = 0,
+                Err(0) => seen = 0,
                 Err(holder) => {
                     seen = 0;
                     spins += 1;

@@ -193,7 +193,7 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
     let own = Arc::new(own);
     // The same tag on every rank: derived from the communicator alone.
     let tag = c.tag ^ 0x5769_6e43_746c_0000;
-    let fds = fds::exchange(&c.boot, &c.paths, &c.placements, tag, Some(&fd), deadline)?;
+    let fds = fds::exchange(c.boot, c.paths, c.placements, tag, Some(&fd), deadline)?;
     let mut ctls: Vec<Option<Arc<Ctl>>> = Vec::with_capacity(n);
     for (r, f) in fds.iter().enumerate() {
         ctls.push(match f {
@@ -373,9 +373,9 @@ pub fn register(
         let deadline = deadline_of(crate::bootstrap::init_timeout());
         let tag = c.tag ^ 0x5769_6e44_6174_0000 ^ ((infos[0].handle) << 16);
         match fds::exchange(
-            &c.boot,
-            &c.paths,
-            &c.placements,
+            c.boot,
+            c.paths,
+            c.placements,
             tag,
             shared.as_ref().map(|s| &s.0),
             deadline,
