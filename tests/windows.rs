@@ -694,6 +694,25 @@ fn bad_input(w: &Worker) -> Result<(), String> {
         "channel",
         "channel out of range",
     )?;
+    let mut p: *mut c_void = null_mut();
+    expect(
+        unsafe { ncclGetPeerDevicePointer(win, 0, next, &mut p) },
+        ncclInvalidUsage,
+        "host memory",
+        "a device pointer into a host-memory window",
+    )?;
+    expect(
+        unsafe { ncclGetPeerDevicePointer(win, 0, n as i32, &mut p) },
+        ncclInvalidArgument,
+        "out of range",
+        "a device pointer of a peer out of range",
+    )?;
+    expect(
+        unsafe { ncclGetPeerDevicePointer(win, 4097, next, &mut p) },
+        ncclInvalidArgument,
+        "past the end",
+        "a device pointer past the end",
+    )?;
     still_works(comm, n)?;
 
     // A window of another communicator.

@@ -289,6 +289,7 @@ impl Comm {
             abort: &self.wiring.abort,
             timeout: self.wiring.timeout,
             spin: self.wiring.spin,
+            device: self.device.as_ref().map(|d| d.device.clone()),
         }
     }
 

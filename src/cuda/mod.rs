@@ -578,6 +578,47 @@ impl Stream {
     }
 }
 
+/// Copies `len` bytes between any two addresses the driver knows (host, this device, a
+/// mapped peer), synchronously.
+pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let _b = device.bind()?;
+    // SAFETY: the caller resolved both ranges (unified addressing tells the kinds apart).
+    check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")
+}
+
+/// Waits until every operation on `device` is done.
+pub fn synchronize(device: &Device) -> Result<()> {
+    let _b = device.bind()?;
+    // SAFETY: a context is bound.
+    check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+/// Runs a host function queued with [`Stream::host_fn`], once.
+unsafe extern "C" fn run_host_fn(data: *mut c_void) {
+    // SAFETY: `data` is the box host_fn leaked for exactly this one call.
+    let f = unsafe { Box::from_raw(data as *mut Box<dyn FnOnce() + Send>) };
+    // A panic must not unwind into the driver.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+}
+
+impl Stream {
+    /// Runs `f` on a driver thread once everything queued on the stream before it is done.
+    /// `f` must not call CUDA.
+    pub fn host_fn(self, f: Box<dyn FnOnce() + Send>) -> Result<()> {
+        let data = Box::into_raw(Box::new(f));
+        // SAFETY: run_host_fn takes back the box exactly once, when the driver runs it.
+        let r = unsafe { cu::cuLaunchHostFunc(self.raw(), Some(run_host_fn), data as *mut c_void) };
+        if r != cu::CUresult::CUDA_SUCCESS {
+            // SAFETY: the driver refused it, so it will never run: the box is still ours.
+            drop(unsafe { Box::from_raw(data) });
+        }
+        check(r, "cuLaunchHostFunc")
+    }
+}
+
 /// Copies host bytes to device memory (synchronously; for tests and setup).
 pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
     let _b = device.bind()?;

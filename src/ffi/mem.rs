@@ -143,8 +143,8 @@ pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_voi
     })
 }
 
-/// What NCCL 2.30 checks of a window's buffer and flags; host memory is accepted, device
-/// memory is refused until device windows exist.
+/// What NCCL 2.30 checks of a window's buffer and flags (where the memory is, host or the
+/// communicator's GPU, registration checks).
 fn window_args(buff: *mut c_void, size: usize, win_flags: c_int) -> Result<()> {
     if buff.is_null() {
         return crate::invalid_arg!("buff is NULL");
@@ -156,11 +156,6 @@ fn window_args(buff: *mut c_void, size: usize, win_flags: c_int) -> Result<()> {
     if win_flags & !known != 0 {
         return crate::invalid_arg!(
             "winFlags {win_flags:#x} has bits NCCL 2.30 does not define (NCCL_WIN_COLL_SYMMETRIC = 0x1, NCCL_WIN_STRICT_ORDERING = 0x2)"
-        );
-    }
-    if let crate::cuda::MemKind::Device(_) = crate::cuda::classify(buff) {
-        return crate::invalid_usage!(
-            "buff is device memory: device-memory windows are not supported by comm yet (windows on host memory are)"
         );
     }
     Ok(())
@@ -274,8 +269,8 @@ fn reserved_zero(sig_idx: c_int, ctx: c_int, flags: c_uint) -> Result<()> {
     Ok(())
 }
 
-/// Bytes of `count` elements of `datatype`, for a buffer that must be host memory.
-fn host_bytes(
+/// Bytes of `count` elements of `datatype` at `buf`.
+fn buffer_bytes(
     buf: *const c_void,
     count: usize,
     datatype: RawDataType,
@@ -287,11 +282,6 @@ fn host_bytes(
     };
     if buf.is_null() && bytes > 0 {
         return crate::invalid_arg!("{name} is NULL but count is {count}");
-    }
-    if let crate::cuda::MemKind::Device(_) = crate::cuda::classify(buf) {
-        return crate::invalid_usage!(
-            "{name} is device memory: device-memory windows and one-sided operations are not supported by comm yet"
-        );
     }
     Ok(bytes)
 }
@@ -332,14 +322,13 @@ pub unsafe extern "C" fn ncclPutSignal(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclPutSignal", comm, |c| {
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
         if localbuff.is_null() {
             return crate::invalid_arg!("localbuff is NULL");
         }
-        let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
+        let bytes = buffer_bytes(localbuff, count, datatype, "localbuff")?;
         let (w, peer) = window::check_access(
             &c.window_members(),
             peerWin as usize,
@@ -347,6 +336,11 @@ pub unsafe extern "C" fn ncclPutSignal(
             peerWinOffset,
             bytes,
         )?;
+        window::check_local(localbuff as usize, "localbuff", &w, peer)?;
+        // Into device memory the copy and its signal are queued on the stream, as in NCCL.
+        let on = w
+            .is_device(peer)
+            .then_some(crate::cuda::Stream(stream as *mut c_void));
         if w.flags & NCCL_WIN_COLL_SYMMETRIC == 0 {
             return crate::invalid_arg!(
                 "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"
@@ -355,8 +349,11 @@ pub unsafe extern "C" fn ncclPutSignal(
         let src = localbuff as usize;
         one_sided(comm, crate::group::Phase::Issue, move || {
             // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
-            // which NCCL requires valid until the call, or its group, returns.
-            unsafe { window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true) }
+            // which NCCL requires valid until the call, or its group, returns (on a stream:
+            // until the stream has done the copy).
+            unsafe {
+                window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
+            }
         })
     })
 }
@@ -370,13 +367,13 @@ pub unsafe extern "C" fn ncclSignal(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    let _ = stream;
     guard_comm("ncclSignal", comm, |c| {
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
+        let on = crate::cuda::Stream(stream as *mut c_void);
         window::check_peer(&c.window_members(), peer)?;
         one_sided(comm, crate::group::Phase::Issue, move || {
-            window::signal(&c.window_members(), peer)
+            window::signal(&c.window_members(), peer, Some(on))
         })
     })
 }
@@ -439,7 +436,7 @@ pub unsafe extern "C" fn commWinPut(
 ) -> ncclResult_t {
     guard_comm("commWinPut", comm, |c| {
         c.check_usable()?;
-        let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
+        let bytes = buffer_bytes(localbuff, count, datatype, "localbuff")?;
         // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
         unsafe {
             window::put(
@@ -469,7 +466,7 @@ pub unsafe extern "C" fn commWinGet(
 ) -> ncclResult_t {
     guard_comm("commWinGet", comm, |c| {
         c.check_usable()?;
-        let bytes = host_bytes(localbuff, count, datatype, "localbuff")?;
+        let bytes = buffer_bytes(localbuff, count, datatype, "localbuff")?;
         // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes).
         unsafe {
             window::get(
@@ -712,10 +709,10 @@ pub unsafe extern "C" fn ncclGetPeerDevicePointer(
     peer: c_int,
     outPtr: *mut *mut c_void,
 ) -> ncclResult_t {
-    let _ = (window, offset, peer, outPtr);
     guard("ncclGetPeerDevicePointer", || {
-        crate::invalid_usage!(
-            "ncclGetPeerDevicePointer: device-memory windows are not supported by comm yet (host-memory windows are; see commWinPeerPtr)"
-        )
+        out(outPtr, "outPtr")?;
+        let p = window::peer_device_ptr(window as usize, offset, peer)?;
+        // SAFETY: `outPtr` is the C caller's out-parameter.
+        unsafe { write_out(outPtr, "outPtr", p as *mut c_void) }
     })
 }

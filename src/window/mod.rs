@@ -21,6 +21,8 @@ mod remote;
 pub mod shared;
 
 use crate::bootstrap::Bootstrap;
+use crate::cuda::share::{self, Imported, Shareable};
+use crate::cuda::{Device, MemKind, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
 use crate::topo::Placement;
@@ -52,6 +54,8 @@ pub struct Members<'a> {
     pub timeout: Option<Duration>,
     /// Spin this long before sleeping.
     pub spin: Duration,
+    /// The communicator's GPU, when it has a device path (device-memory windows need it).
+    pub device: Option<Arc<Device>>,
 }
 
 /// NCCL's window flags this version knows.
@@ -66,6 +70,16 @@ pub enum Reach {
     Cma { pid: u32, addr: usize },
     /// Active messages to the target, naming its window handle `id`.
     Net { id: u64 },
+    /// Device memory at this address of this process (the peer's own GPU memory mapped with
+    /// CUDA IPC, or a thread's in this process): copies by the driver, on a stream or not.
+    Device(usize),
+}
+
+/// What keeps a peer's part mapped in this process.
+enum Keep {
+    Nothing,
+    Host(#[allow(dead_code)] Mapping),
+    Device(#[allow(dead_code)] Imported),
 }
 
 /// One rank's part of a window, as seen from this rank.
@@ -80,7 +94,7 @@ pub struct PeerWin {
     /// Atomics on it take the lock in its control segment (its memory is not shared).
     pub locked: bool,
     pub data: Reach,
-    _map: Option<Mapping>,
+    _keep: Keep,
 }
 
 pub struct Window {
@@ -94,6 +108,8 @@ pub struct Window {
     owned: Option<usize>,
     /// The communicator's window state (kept here so operations need no second look-up).
     cw: Arc<CommWindows>,
+    /// This rank's GPU, for windows with a part in device memory (copies go through it).
+    device: Option<Arc<Device>>,
 }
 
 /// A communicator's state for windows, made at its first window registration.
@@ -304,6 +320,11 @@ pub fn register(
     owned: bool,
     precheck: Result<()>,
 ) -> Result<usize> {
+    let mut exported = None;
+    let precheck = precheck.and_then(|_| {
+        exported = device_part(c, buff)?;
+        Ok(())
+    });
     agree(c, precheck)?;
     let cw = comm_windows(c)?;
     let n = c.nranks;
@@ -326,6 +347,22 @@ pub fn register(
         }
         None => wire::put_u32(&mut mine, 0),
     }
+    // Device memory: how peers on this host map it, its allocation's length and our offset.
+    match &exported {
+        None => wire::put_u32(&mut mine, DEV_NONE),
+        Some(ex) => {
+            match &ex.how {
+                None => wire::put_u32(&mut mine, DEV_UNSHARED),
+                Some(Shareable::Ipc(h)) => {
+                    wire::put_u32(&mut mine, DEV_IPC);
+                    wire::put_blob(&mut mine, h);
+                }
+                Some(Shareable::Fd(_)) => wire::put_u32(&mut mine, DEV_FD),
+            }
+            wire::put_u64(&mut mine, ex.alloc_len as u64);
+            wire::put_u64(&mut mine, (buff as u64).wrapping_sub(ex.alloc_base));
+        }
+    }
     let all = c.boot.allgather(&mine)?;
     struct Info {
         slot: u32,
@@ -333,6 +370,8 @@ pub fn register(
         len: usize,
         handle: u64,
         shared: Option<(usize, usize)>,
+        /// Device memory: (how, IPC handle, allocation length, offset in it).
+        dev: Option<(u32, [u8; 64], usize, usize)>,
     }
     let mut infos = Vec::with_capacity(n);
     for b in &all {
@@ -344,12 +383,27 @@ pub fn register(
         } else {
             None
         };
+        let dev = match r.u32()? {
+            DEV_NONE => None,
+            how => {
+                let mut ipc = [0u8; 64];
+                if how == DEV_IPC {
+                    let h = r.blob()?;
+                    if h.len() != 64 {
+                        return crate::internal_err!("a CUDA IPC handle of {} bytes", h.len());
+                    }
+                    ipc.copy_from_slice(&h);
+                }
+                Some((how, ipc, r.u64()? as usize, r.u64()? as usize))
+            }
+        };
         infos.push(Info {
             slot,
             addr,
             len,
             handle,
             shared,
+            dev,
         });
     }
     let taken = slot.as_ref().ok().copied();
@@ -387,9 +441,44 @@ pub fn register(
             }
         }
     }
+    // VMM device memory (ncclMemAlloc) travels as a file descriptor.
+    let mut dev_fds: Vec<Option<std::os::fd::OwnedFd>> = (0..n).map(|_| None).collect();
+    if infos.iter().any(|i| matches!(i.dev, Some((DEV_FD, ..)))) {
+        let deadline = deadline_of(crate::bootstrap::init_timeout());
+        let tag = c.tag ^ 0x5769_6e44_6576_0000 ^ ((infos[0].handle) << 16);
+        let mine = match &exported {
+            Some(share::Exported {
+                how: Some(Shareable::Fd(fd)),
+                ..
+            }) => Some(fd),
+            _ => None,
+        };
+        match fds::exchange(c.boot, c.paths, c.placements, tag, mine, deadline) {
+            Ok(f) => dev_fds = f,
+            Err(e) => {
+                release(&cw);
+                return Err(e);
+            }
+        }
+    }
     let built = (|| -> Result<Vec<PeerWin>> {
         let mut peers = Vec::with_capacity(n);
         for (r, i) in infos.iter().enumerate() {
+            if let Some((how, ipc, alloc_len, off)) = &i.dev {
+                let (data, keep) =
+                    device_reach(c, r, i.addr, *how, ipc, *alloc_len, *off, &mut dev_fds[r])?;
+                peers.push(PeerWin {
+                    len: i.len,
+                    addr: i.addr,
+                    slot: i.slot as usize,
+                    handle: i.handle,
+                    // Atomics on device memory are a read and a write by the driver.
+                    locked: true,
+                    data,
+                    _keep: keep,
+                });
+                continue;
+            }
             let (data, map, locked) = match c.paths[r] {
                 Path::SelfRank | Path::SameProcess => {
                     (Reach::Direct(i.addr), None, i.shared.is_none())
@@ -425,7 +514,7 @@ pub fn register(
                 handle: i.handle,
                 locked,
                 data,
-                _map: map,
+                _keep: map.map_or(Keep::Nothing, Keep::Host),
             });
         }
         Ok(peers)
@@ -435,6 +524,7 @@ pub fn register(
     // in its table, so a peer's first put over the network finds it.
     let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
     let published = built.ok().map(|peers| {
+        let has_device = peers.iter().any(|p| matches!(p.data, Reach::Device(_)));
         let w = Arc::new(Window {
             handle,
             comm: key(c),
@@ -443,6 +533,7 @@ pub fn register(
             peers,
             owned: owned.then_some(buff),
             cw: cw.clone(),
+            device: c.device.clone().filter(|_| has_device),
         });
         let mut all = WINDOWS.lock();
         if all.len() <= at {
@@ -474,12 +565,83 @@ pub fn register(
                     Reach::Direct(_) => "direct",
                     Reach::Cma { .. } => "cma",
                     Reach::Net { .. } => "net",
+                    Reach::Device(_) => "device",
                 }
             ))
             .collect::<Vec<_>>()
             .join(" ")
     );
     Ok(handle)
+}
+
+const DEV_NONE: u32 = 0;
+/// Device memory without a handle another process can map (VMM memory not from ncclMemAlloc).
+const DEV_UNSHARED: u32 = 1;
+const DEV_IPC: u32 = 2;
+const DEV_FD: u32 = 3;
+
+/// This rank's verdict on a window part at `buff`: None for host memory; for device memory,
+/// the allocation around it and how peers in other processes may map it.
+fn device_part(c: &Members, buff: usize) -> Result<Option<share::Exported>> {
+    let MemKind::Device(ordinal) = crate::cuda::classify(buff as *const std::ffi::c_void) else {
+        return Ok(None);
+    };
+    let Some(dev) = &c.device else {
+        return crate::invalid_usage!(
+            "buff is memory of GPU {ordinal}, but this communicator has no device path (it was made without a usable GPU on some rank; see the INFO lines of its init): register host memory, or make the communicator with every rank on a GPU"
+        );
+    };
+    if dev.ordinal != ordinal {
+        return crate::invalid_usage!(
+            "buff is memory of GPU {ordinal}, but this communicator's GPU is {}",
+            dev.ordinal
+        );
+    }
+    if c.paths.contains(&Path::Network) {
+        return crate::invalid_usage!(
+            "device-memory windows across hosts are not supported yet (this communicator has ranks on other hosts); windows on host memory work across hosts"
+        );
+    }
+    share::export(dev, buff as u64).map(Some)
+}
+
+/// How this rank reaches rank `r`'s device-memory part at `addr` (in r's process).
+#[allow(clippy::too_many_arguments)]
+fn device_reach(
+    c: &Members,
+    r: usize,
+    addr: usize,
+    how: u32,
+    ipc: &[u8; 64],
+    alloc_len: usize,
+    off: usize,
+    fd: &mut Option<std::os::fd::OwnedFd>,
+) -> Result<(Reach, Keep)> {
+    let Some(dev) = &c.device else {
+        return crate::invalid_usage!(
+            "rank {r}'s window part is device memory, but this rank's communicator has no device path"
+        );
+    };
+    let imported = match c.paths[r] {
+        // A thread of this process (or this rank): the address is valid here.
+        Path::SelfRank | Path::SameProcess => return Ok((Reach::Device(addr), Keep::Nothing)),
+        Path::Network => {
+            return crate::invalid_usage!(
+                "rank {r}'s window part is device memory on another host; device-memory windows across hosts are not supported yet"
+            )
+        }
+        Path::SameHost => match (how, fd.take()) {
+            (DEV_IPC, _) => share::import_ipc(dev, ipc)?,
+            (DEV_FD, Some(fd)) => share::import_fd(dev, &fd, alloc_len)?,
+            _ => {
+                return crate::invalid_usage!(
+                    "rank {r}'s window part is device memory that another process cannot map (virtual memory not from ncclMemAlloc); allocate window memory with cudaMalloc or ncclMemAlloc"
+                )
+            }
+        },
+    };
+    let at = imported.base() as usize + off;
+    Ok((Reach::Device(at), Keep::Device(imported)))
 }
 
 /// The window behind `handle`, which must belong to communicator `c`.
@@ -574,6 +736,34 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
     }
 }
 
+/// A local buffer in device memory goes only with a window part in device memory (the copy
+/// is the GPU's); host buffers go with either.
+pub fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
+    if let MemKind::Device(d) = crate::cuda::classify(buf as *const std::ffi::c_void) {
+        if !w.is_device(peer) {
+            return crate::invalid_usage!(
+                "{name} is memory of GPU {d}, but rank {peer}'s part of the window is host memory: use a host buffer, or register the window on device memory"
+            );
+        }
+    }
+    Ok(())
+}
+
+impl Window {
+    /// The GPU that copies into and out of this window's device-memory parts.
+    fn device_of(&self) -> Result<&Device> {
+        match &self.device {
+            Some(d) => Ok(d),
+            None => crate::internal_err!("a device-memory window without a device"),
+        }
+    }
+
+    /// Whether `peer`'s part is device memory (then this rank has the communicator's GPU).
+    pub fn is_device(&self, peer: usize) -> bool {
+        matches!(self.peers[peer].data, Reach::Device(_))
+    }
+}
+
 /// Refuses an operation into `peer`'s part of `w` once the peer has deregistered it (peers
 /// on this host; across hosts the target's server refuses it). Deregistration is local, as in
 /// NCCL, so this catches a program that deregisters too early instead of letting a put land
@@ -617,13 +807,16 @@ pub unsafe fn put(
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     check_range(&w.peers[peer], off, len, peer)?;
-    put_checked(&w, peer, off, src, len, signal)
+    check_local(src as usize, "localbuff", &w, peer)?;
+    put_checked(&w, peer, off, src, len, signal, None)
 }
 
-/// [`put`] on a window already looked up, with `peer` and the range checked.
+/// [`put`] on a window already looked up, with `peer` and the range checked. Into device
+/// memory with a `stream` (ncclPutSignal), the copy and then the signal are queued on it: the
+/// signal is counted once the copy is done. Otherwise the put is complete on return.
 ///
 /// # Safety
-/// `src` must be valid for `len` bytes of reads.
+/// `src` must be valid for `len` bytes of reads (until the stream reaches the copy, with one).
 pub unsafe fn put_checked(
     w: &Window,
     peer: usize,
@@ -631,11 +824,29 @@ pub unsafe fn put_checked(
     src: *const u8,
     len: usize,
     signal: bool,
+    stream: Option<Stream>,
 ) -> Result<()> {
     let p = &w.peers[peer];
     let cw = &*w.cw;
     check_live(cw, w, peer)?;
     match p.data {
+        Reach::Device(base) => {
+            let dev = w.device_of()?;
+            let (dst, src) = ((base + off) as u64, src as u64);
+            if let Some(s) = stream {
+                s.copy(dst, src, len)?;
+                if signal {
+                    let cw = w.cw.clone();
+                    s.host_fn(Box::new(move || {
+                        if let Err(e) = signal_to(&cw, peer) {
+                            crate::warn!("the signal of a put to rank {peer} was lost: {}", e.msg);
+                        }
+                    }))?;
+                }
+                return Ok(());
+            }
+            crate::cuda::copy_sync(dev, dst, src, len)?;
+        }
         Reach::Direct(base) => {
             if len > 0 {
                 // SAFETY: the destination lies inside the peer's registered window (checked
@@ -690,11 +901,19 @@ fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
     }
 }
 
-/// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it.
-pub fn signal(c: &Members, peer: i32) -> Result<()> {
+/// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it. On a
+/// communicator with a GPU it is queued on `stream`, behind the puts queued there before it.
+pub fn signal(c: &Members, peer: i32, stream: Option<Stream>) -> Result<()> {
     let peer = peer_index(c, peer)?;
     let cw = existing(c, "ncclSignal")?;
-    signal_to(&cw, peer)
+    match stream.filter(|_| c.device.is_some()) {
+        Some(s) => s.host_fn(Box::new(move || {
+            if let Err(e) = signal_to(&cw, peer) {
+                crate::warn!("a signal to rank {peer} was lost: {}", e.msg);
+            }
+        })),
+        None => signal_to(&cw, peer),
+    }
 }
 
 /// Reads `len` bytes at `off` of `peer`'s part of window `handle` into `dst`.
@@ -714,10 +933,14 @@ pub unsafe fn get(
     let p = &w.peers[peer];
     check_range(p, off, len, peer)?;
     check_live(&w.cw, &w, peer)?;
+    check_local(dst as usize, "localbuff", &w, peer)?;
     if len == 0 {
         return Ok(());
     }
     match p.data {
+        Reach::Device(base) => {
+            crate::cuda::copy_sync(w.device_of()?, dst as u64, (base + off) as u64, len)?
+        }
         // SAFETY: the source lies inside the peer's window; the caller guarantees dst holds len bytes.
         Reach::Direct(base) => unsafe { std::ptr::copy((base + off) as *const u8, dst, len) },
         // SAFETY: as above.
@@ -796,6 +1019,20 @@ pub(crate) fn atomic_at(
             }
             Ok(old)
         })?,
+        Reach::Device(base) => {
+            let dev = w.device_of()?;
+            ctl.locked(p.slot, deadline, || {
+                let mut old = 0u64;
+                let at = (base + off) as u64;
+                crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8)?;
+                crate::fault::point("window_atomic_locked");
+                let v = new(old);
+                if v != old {
+                    crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8)?;
+                }
+                Ok(old)
+            })?
+        }
         Reach::Net { .. } => crate::internal_err!("atomic on a remote window applied locally"),
     }
 }
@@ -854,6 +1091,10 @@ pub fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
         None => (0..c.nranks).collect(),
     };
     std::sync::atomic::fence(Ordering::SeqCst);
+    if let Some(dev) = &w.device {
+        // Puts into device memory queued on streams (ncclPutSignal) are done once the device is.
+        crate::cuda::synchronize(dev)?;
+    }
     let cw = w.cw.clone();
     for p in peers {
         if let Reach::Net { id } = w.peers[p].data {
@@ -874,9 +1115,36 @@ pub fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> 
     let peer = peer_index(c, peer)?;
     check_live(&w.cw, &w, peer)?;
     Ok(match w.peers[peer].data {
-        Reach::Direct(a) => Some(a),
+        Reach::Direct(a) | Reach::Device(a) => Some(a),
         _ => None,
     })
+}
+
+/// ncclGetPeerDevicePointer: the device address at which this rank's GPU reaches `offset` of
+/// `peer`'s part of window `handle` (a device-memory window; NCCL takes no communicator here).
+pub fn peer_device_ptr(handle: usize, offset: usize, peer: i32) -> Result<usize> {
+    let Some(w) = window_by_handle(handle) else {
+        return crate::invalid_arg!(
+            "window {handle:#x} is not a live window (never registered, or already deregistered)"
+        );
+    };
+    let peer = match usize::try_from(peer) {
+        Ok(p) if p < w.peers.len() => p,
+        _ => {
+            return crate::invalid_arg!(
+                "peer {peer} is out of range for a window of {} ranks",
+                w.peers.len()
+            )
+        }
+    };
+    check_range(&w.peers[peer], offset, 0, peer)?;
+    check_live(&w.cw, &w, peer)?;
+    match w.peers[peer].data {
+        Reach::Device(a) => Ok(a + offset),
+        _ => crate::invalid_usage!(
+            "rank {peer}'s part of window {handle:#x} is host memory, which has no device pointer (commWinPeerPtr gives host addresses)"
+        ),
+    }
 }
 
 /// `peer`'s signal pads of window `handle` (channels x nranks u32 words) where this rank maps

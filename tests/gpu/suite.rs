@@ -426,6 +426,132 @@ impl Rank {
         stream.destroy().map_err(|e| e.msg)
     }
 
+    /// Windows on device memory (cudaMalloc memory, then ncclMemAlloc memory): each rank puts
+    /// a pattern into the next rank's window with ncclPutSignal on its stream and waits for
+    /// the previous rank's signal on it; then gets, fetch-adds on rank 0's window and peer
+    /// device pointers. Checked byte by byte.
+    fn device_windows(&self) -> Result<(), String> {
+        let (me, n) = (self.rank, self.n);
+        let next = (me + 1) % n;
+        let prev = (me + n - 1) % n;
+        let len = (1usize << 20) + 13;
+        let size = len + 64;
+        let pat = |r: usize, i: usize| (r * 29 + i * 7 + i / 509 + 3) as u8;
+        for vmm in [false, true] {
+            let plain;
+            let mem = if vmm {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                nccl!(ncclMemAlloc(&mut p, size));
+                plain = None;
+                p as u64
+            } else {
+                let m = cuda::DeviceMem::new(&self.device, size).map_err(|e| e.msg)?;
+                let p = m.ptr;
+                plain = Some(m);
+                p
+            };
+            cuda::copy_to_device(&self.device, mem, &vec![0u8; size]).map_err(|e| e.msg)?;
+            let mut win: ncclWindow_t = std::ptr::null_mut();
+            nccl!(ncclCommWindowRegister(
+                self.comm,
+                mem as *mut c_void,
+                size,
+                &mut win,
+                NCCL_WIN_COLL_SYMMETRIC
+            ));
+            let src: Vec<u8> = (0..len).map(|i| pat(me, i)).collect();
+            cuda::copy_to_device(&self.device, self.a.ptr, &src).map_err(|e| e.msg)?;
+            let s = self.stream.0 as cudaStream_t;
+            nccl!(ncclPutSignal(
+                self.a.ptr as *const c_void,
+                len,
+                1,
+                next as i32,
+                win,
+                0,
+                0,
+                0,
+                0,
+                self.comm,
+                s
+            ));
+            let mut d = [ncclWaitSignalDesc_t {
+                opCnt: 1,
+                peer: prev as i32,
+                sigIdx: 0,
+                ctx: 0,
+            }];
+            nccl!(ncclWaitSignal(1, d.as_mut_ptr(), self.comm, s));
+            self.stream.synchronize().map_err(|e| e.msg)?;
+            let mut got = vec![0u8; len];
+            cuda::copy_from_device(&self.device, &mut got, mem).map_err(|e| e.msg)?;
+            if let Some(i) = (0..len).find(|&i| got[i] != pat(prev, i)) {
+                return Err(format!(
+                    "device window (vmm {vmm}): byte {i} from rank {prev} is {}, expected {}",
+                    got[i],
+                    pat(prev, i)
+                ));
+            }
+            // The next rank's window holds what this rank put: read it back with a get.
+            let mut back = vec![0u8; len];
+            nccl!(commWinGet(
+                back.as_mut_ptr() as *mut c_void,
+                len,
+                1,
+                next as i32,
+                win,
+                0,
+                self.comm
+            ));
+            if back != src {
+                return Err(format!(
+                    "device window (vmm {vmm}): get from rank {next} differs"
+                ));
+            }
+            for _ in 0..100 {
+                nccl!(commWinFetchAdd(
+                    1,
+                    std::ptr::null_mut(),
+                    5,
+                    0,
+                    win,
+                    len.next_multiple_of(8),
+                    self.comm
+                ));
+            }
+            let mut p: *mut c_void = std::ptr::null_mut();
+            nccl!(ncclGetPeerDevicePointer(win, 0, next as i32, &mut p));
+            if p.is_null() {
+                return Err(format!(
+                    "device window (vmm {vmm}): no device pointer for rank {next}"
+                ));
+            }
+            nccl!(commWinChannelBarrier(0, 60_000, win, self.comm));
+            if me == 0 {
+                let mut word = [0u8; 8];
+                cuda::copy_from_device(
+                    &self.device,
+                    &mut word,
+                    mem + len.next_multiple_of(8) as u64,
+                )
+                .map_err(|e| e.msg)?;
+                let v = u64::from_ne_bytes(word);
+                if v != 100 * n as u64 {
+                    return Err(format!(
+                        "device window (vmm {vmm}): counter {v} after {n} x 100 fetch-adds"
+                    ));
+                }
+            }
+            nccl!(commWinChannelBarrier(0, 60_000, win, self.comm));
+            nccl!(ncclCommWindowDeregister(self.comm, win));
+            if vmm {
+                nccl!(ncclMemFree(mem as *mut c_void));
+            }
+            drop(plain);
+        }
+        Ok(())
+    }
+
     /// Every collective x datatype x op; the largest sizes for float sums only.
     fn matrix(&self, max_bytes: usize, quick: bool) -> Result<usize, String> {
         let n = self.n;
@@ -504,6 +630,7 @@ fn worker(
     // which a graph cannot capture (the library refuses it).
     if std::env::var("COMM_HOSTID").is_err() {
         r.graph_replay()?;
+        r.device_windows()?;
     }
     drop(r);
     nccl!(ncclCommDestroy(comm));
