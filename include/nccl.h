@@ -114,59 +114,6 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
  */
 #define COMM_FEATURE_WINDOWS 2
 
-#define P2P 1
-
-#define ALL_REDUCE 2
-
-#define BROADCAST 3
-
-#define REDUCE 4
-
-#define ALL_GATHER 5
-
-#define REDUCE_SCATTER 6
-
-#define ALL_TO_ALL 7
-
-#define ALL_TO_ALL_V 8
-
-#define GATHER 9
-
-#define SCATTER 10
-
-#define BARRIER 11
-
-/*
- NCCL's window flags this version knows.
- */
-#define WIN_COLL_SYMMETRIC 1
-
-#define WIN_STRICT_ORDERING 2
-
-/*
- Windows one communicator may have registered at once (per rank).
- */
-#define MAX_WINDOWS 256
-
-#define OP_PUT 1
-
-#define OP_GET 2
-
-#define OP_FETCH_ADD 3
-
-#define OP_CAS 4
-
-#define OP_SIGNAL 5
-
-#define OP_PAD_CAS 6
-
-#define OP_FLUSH 7
-
-/*
- With OP_PUT: count one NCCL signal once the data is in place.
- */
-#define FLAG_SIGNAL 1
-
 typedef enum {
   ncclSuccess = 0,
   ncclUnhandledCudaError = 1,

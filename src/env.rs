@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 /// The value of `COMM_<name>`, else `NCCL_<name>`, ignoring empty values.
-pub fn var(name: &str) -> Option<String> {
+pub(crate) fn var(name: &str) -> Option<String> {
     ["COMM_", "NCCL_"].iter().find_map(|prefix| {
         std::env::var(format!("{prefix}{name}"))
             .ok()
@@ -13,7 +13,7 @@ pub fn var(name: &str) -> Option<String> {
 }
 
 /// A knob parsed as an integer; an unparsable value is logged and ignored.
-pub fn int(name: &str) -> Option<i64> {
+pub(crate) fn int(name: &str) -> Option<i64> {
     let raw = var(name)?;
     match raw.trim().parse::<i64>() {
         Ok(v) => Some(v),
@@ -25,7 +25,7 @@ pub fn int(name: &str) -> Option<i64> {
 }
 
 /// A knob read as a boolean: 1/true/yes/on are true, 0/false/no/off are false.
-pub fn flag(name: &str) -> Option<bool> {
+pub(crate) fn flag(name: &str) -> Option<bool> {
     let raw = var(name)?;
     match raw.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Some(true),
@@ -38,7 +38,7 @@ pub fn flag(name: &str) -> Option<bool> {
 }
 
 /// A knob holding a byte size, with optional K/M/G suffix (binary units).
-pub fn size(name: &str) -> Option<usize> {
+pub(crate) fn size(name: &str) -> Option<usize> {
     let raw = var(name)?;
     match parse_size(&raw) {
         Some(v) => Some(v),
@@ -50,7 +50,7 @@ pub fn size(name: &str) -> Option<usize> {
 }
 
 /// A knob holding seconds (fractions allowed). Zero or negative means "no limit" and gives None.
-pub fn seconds(name: &str) -> Option<Option<Duration>> {
+pub(crate) fn seconds(name: &str) -> Option<Option<Duration>> {
     let raw = var(name)?;
     match raw.trim().parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() => Some(Some(Duration::from_secs_f64(v))),
@@ -62,7 +62,7 @@ pub fn seconds(name: &str) -> Option<Option<Duration>> {
     }
 }
 
-pub fn parse_size(raw: &str) -> Option<usize> {
+pub(crate) fn parse_size(raw: &str) -> Option<usize> {
     let s = raw.trim();
     let (digits, mult) = match s.chars().last()? {
         'k' | 'K' => (&s[..s.len() - 1], 1usize << 10),
@@ -74,7 +74,7 @@ pub fn parse_size(raw: &str) -> Option<usize> {
 }
 
 /// A documented knob. `name` is read as COMM_<name> and, when `nccl` is set, NCCL_<name>.
-pub struct Knob {
+pub(crate) struct Knob {
     pub name: &'static str,
     pub nccl: bool,
     pub default: &'static str,
@@ -82,7 +82,7 @@ pub struct Knob {
 }
 
 /// Every knob the library reads (ncclParam* serves these, README documents them).
-pub const KNOBS: &[Knob] = &[
+pub(crate) const KNOBS: &[Knob] = &[
     Knob {
         name: "DEBUG",
         nccl: true,
@@ -343,7 +343,7 @@ pub const KNOBS: &[Knob] = &[
     },
 ];
 
-pub fn knob(key: &str) -> Option<&'static Knob> {
+pub(crate) fn knob(key: &str) -> Option<&'static Knob> {
     let bare = key
         .strip_prefix("COMM_")
         .or_else(|| key.strip_prefix("NCCL_"))?;
@@ -353,7 +353,7 @@ pub fn knob(key: &str) -> Option<&'static Knob> {
 }
 
 /// The value a knob has now: from the environment, else its default.
-pub fn knob_value(k: &Knob) -> String {
+pub(crate) fn knob_value(k: &Knob) -> String {
     var(k.name)
         .filter(|_| k.nccl || std::env::var(format!("COMM_{}", k.name)).is_ok())
         .unwrap_or_else(|| k.default.to_string())

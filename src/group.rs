@@ -11,21 +11,21 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 /// A communicator initialisation to run at the end of the group.
-pub struct InitJob {
+pub(crate) struct InitJob {
     pub entry: Arc<Entry>,
     pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
 impl InitJob {
     /// Runs the initialisation where ncclCommAbort on its handle can stop it.
-    pub fn execute(self) -> Result<Comm> {
+    pub(crate) fn execute(self) -> Result<Comm> {
         crate::bootstrap::abortable(&self.entry.abort, self.run)
     }
 }
 
 /// When a window operation queued in a group runs at its end.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// Window registrations: collective, so those of the group run concurrently, first (one
     /// thread may drive several communicators).
     Collective,
@@ -37,7 +37,7 @@ pub enum Phase {
 }
 
 /// A window operation to run at the end of the group.
-pub struct OneSided {
+pub(crate) struct OneSided {
     pub phase: Phase,
     /// Which communicator it belongs to (any value equal for the same one): collective
     /// operations of one communicator run one after the other, in order.
@@ -58,16 +58,16 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
-pub fn start() {
+pub(crate) fn start() {
     GROUP.with(|g| g.borrow_mut().depth += 1);
 }
 
-pub fn depth() -> u32 {
+pub(crate) fn depth() -> u32 {
     GROUP.with(|g| g.borrow().depth)
 }
 
 /// Remembers the first failed call of the group: the outermost end reports it and runs nothing.
-pub fn record_error(e: &Error) {
+pub(crate) fn record_error(e: &Error) {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 && g.error.is_none() {
@@ -115,7 +115,7 @@ fn close() -> Result<Outcome> {
 }
 
 /// ncclGroupEnd. Returns `InProgress` as an error kind when non-blocking inits are still running.
-pub fn end() -> Result<()> {
+pub(crate) fn end() -> Result<()> {
     match close()? {
         Outcome::Nested => Ok(()),
         Outcome::Run(calls, inits, one_sided) => {
@@ -140,7 +140,7 @@ pub fn end() -> Result<()> {
 
 /// ncclGroupSimulateEnd: closes the group like ncclGroupEnd, but estimates instead of running.
 /// Returns the estimated time in microseconds.
-pub fn simulate_end() -> Result<f32> {
+pub(crate) fn simulate_end() -> Result<f32> {
     match close()? {
         Outcome::Nested => Ok(0.0),
         Outcome::Run(calls, inits, _) => {
@@ -155,7 +155,7 @@ pub fn simulate_end() -> Result<f32> {
 }
 
 /// Queues a call in the current group, or runs it now outside of one.
-pub fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
+pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
@@ -239,18 +239,18 @@ fn defer<T>(item: T, list: fn(&mut Group) -> &mut Vec<T>) -> Option<T> {
 }
 
 /// Queues a one-sided operation in the current group; gives it back when there is no group.
-pub fn defer_one_sided(op: OneSided) -> Option<OneSided> {
+pub(crate) fn defer_one_sided(op: OneSided) -> Option<OneSided> {
     defer(op, |g| &mut g.one_sided)
 }
 
 /// Queues an init in the current group; gives it back when there is no group.
-pub fn defer_init(job: InitJob) -> Option<InitJob> {
+pub(crate) fn defer_init(job: InitJob) -> Option<InitJob> {
     defer(job, |g| &mut g.inits)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;
 /// when any is non-blocking the caller gets InProgress and polls ncclCommGetAsyncError.
-pub fn run_inits(inits: Vec<InitJob>) -> Result<()> {
+pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     if inits.is_empty() {
         return Ok(());
     }
@@ -341,7 +341,7 @@ fn shared_stream(uses: impl Iterator<Item = (u64, usize, usize)>) -> Option<(usi
 }
 
 /// Runs calls now: per communicator in issue order, all communicators in one executor pass.
-pub fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
+pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
     if calls.is_empty() {
         return Ok(());
     }

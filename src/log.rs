@@ -8,7 +8,7 @@ use std::cell::Cell;
 use std::io::Write;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
+pub(crate) enum Level {
     None = 0,
     Version = 1,
     Warn = 2,
@@ -16,7 +16,7 @@ pub enum Level {
     Trace = 4,
 }
 
-pub struct Logger {
+pub(crate) struct Logger {
     pub level: Level,
     host: String,
     sink: Mutex<Box<dyn Write + Send>>,
@@ -33,7 +33,7 @@ fn parse_level(s: &str) -> Level {
 }
 
 /// The host name as the kernel reports it (std has no call for it).
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".to_string())
@@ -72,9 +72,9 @@ thread_local! {
 }
 
 /// Tags log lines written by this thread with `rank` until the guard is dropped.
-pub struct RankScope(Option<i32>);
+pub(crate) struct RankScope(Option<i32>);
 
-pub fn rank_scope(rank: i32) -> RankScope {
+pub(crate) fn rank_scope(rank: i32) -> RankScope {
     RankScope(RANK.with(|r| r.replace(Some(rank))))
 }
 
@@ -84,7 +84,7 @@ impl Drop for RankScope {
     }
 }
 
-pub fn enabled(level: Level) -> bool {
+pub(crate) fn enabled(level: Level) -> bool {
     LOGGER.level >= level
 }
 
@@ -93,7 +93,7 @@ fn thread_id() -> i64 {
     unsafe { libc::syscall(libc::SYS_gettid) }
 }
 
-pub fn write(level: Level, msg: std::fmt::Arguments<'_>) {
+pub(crate) fn write(level: Level, msg: std::fmt::Arguments<'_>) {
     let tag = match level {
         Level::Warn => "WARN",
         Level::Info => "INFO",

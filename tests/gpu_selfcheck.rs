@@ -8,7 +8,7 @@ fn gpu_suite_reports_no_gpu_or_passes() {
         .output()
         .expect("run comm-gpu-suite");
     let text = String::from_utf8_lossy(&out.stdout);
-    if comm::cuda::device_count() == 0 {
+    if comm::testing::cuda::device_count() == 0 {
         assert_eq!(
             out.status.code(),
             Some(77),

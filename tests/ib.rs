@@ -11,7 +11,7 @@ mod common;
 
 use comm::ffi::types::*;
 use comm::ffi::*;
-use comm::transport::net::ib;
+use comm::testing::ib;
 use common::cases::*;
 use common::ibmodel::{Fabric, Faults, ModelProvider};
 use common::run::*;

@@ -11,7 +11,7 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 /// In place, the last step overwrites the input the peers may still be reading (a large
 /// message is read by the peer straight from the sender's buffer): that step would wait for
 /// every peer's read, a round trip per slice. A copy of the input in scratch is sent instead.
-pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
@@ -89,7 +89,7 @@ pub(super) fn fold_in_rank_order(
 /// Two-shot all-reduce: rank p gathers part p of every input and reduces it (in rank order, so
 /// the result does not depend on who computes it), then every rank gathers every reduced part.
 /// Each element crosses the links twice, as in a ring, but in two hops instead of 2(n-1).
-pub fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
     let (n, e) = (shape.nranks, shape.elem);
     if n == 1 {
         return all_reduce(count, shape);
@@ -168,7 +168,7 @@ pub fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
 }
 
 /// Every rank sends its block to the root, which places block i at offset i.
-pub fn gather(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn gather(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
     let mine = Operand::partial(Region::new(Buf::Send, 0, bytes));
@@ -204,7 +204,7 @@ pub fn gather(count: usize, root: usize, shape: &Shape) -> Schedule {
 }
 
 /// The root sends block i to rank i.
-pub fn scatter(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn scatter(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
     let out = Region::new(Buf::Recv, 0, bytes);

@@ -18,7 +18,7 @@
 use super::direct::fold_in_rank_order;
 use super::{interleave, partition, ring, Buf, Operand, Region, Schedule, Shape, Step};
 
-pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let layout = match shape.hosts.as_deref() {
         Some(l) if l.per_host().is_some_and(|per| per > 1) => l,
         // Nothing to gain (one rank per host, or one host) or uneven hosts: a ring, whose

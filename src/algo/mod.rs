@@ -6,18 +6,18 @@
 //! inputs are final (it derives that from the byte ranges each step reads and writes) and must
 //! keep, per peer, sends in list order and receives in list order.
 
-pub mod direct;
-pub mod hier;
-pub mod pairwise;
-pub mod ring;
-pub mod tree;
-pub mod tuner;
+pub(crate) mod direct;
+pub(crate) mod hier;
+pub(crate) mod pairwise;
+pub(crate) mod ring;
+pub(crate) mod tree;
+pub(crate) mod tuner;
 
-pub use tuner::Algorithm;
+pub(crate) use tuner::Algorithm;
 
 /// The buffers a schedule refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Buf {
+pub(crate) enum Buf {
     /// The caller's send buffer.
     Send,
     /// The caller's receive buffer.
@@ -28,14 +28,14 @@ pub enum Buf {
 
 /// `len` bytes at `offset` of a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Region {
+pub(crate) struct Region {
     pub buf: Buf,
     pub offset: usize,
     pub len: usize,
 }
 
 impl Region {
-    pub fn new(buf: Buf, offset: usize, len: usize) -> Region {
+    pub(crate) fn new(buf: Buf, offset: usize, len: usize) -> Region {
         Region { buf, offset, len }
     }
 }
@@ -43,20 +43,20 @@ impl Region {
 /// A source of data. `input` marks this rank's own contribution to a reduction, untouched so
 /// far: per-rank scaling (PreMulSum, floating-point Avg) applies to it exactly once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Operand {
+pub(crate) struct Operand {
     pub region: Region,
     pub input: bool,
 }
 
 impl Operand {
-    pub fn input(region: Region) -> Operand {
+    pub(crate) fn input(region: Region) -> Operand {
         Operand {
             region,
             input: true,
         }
     }
 
-    pub fn partial(region: Region) -> Operand {
+    pub(crate) fn partial(region: Region) -> Operand {
         Operand {
             region,
             input: false,
@@ -65,7 +65,7 @@ impl Operand {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     /// Make `src` available to `peer`; its next receive from this rank gets it.
     Send { peer: usize, src: Operand },
     /// Take the next message from `peer` into `dst`, first combining it with `reduce_with` when
@@ -87,7 +87,7 @@ pub enum Step {
 
 impl Step {
     /// Every region the step reads or writes.
-    pub fn regions(&self) -> impl Iterator<Item = Region> {
+    pub(crate) fn regions(&self) -> impl Iterator<Item = Region> {
         let (a, b, c) = match *self {
             Step::Send { src, .. } => (Some(src.region), None, None),
             Step::Recv {
@@ -100,7 +100,7 @@ impl Step {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     pub steps: Vec<Step>,
     /// Bytes of scratch space the steps use.
     pub scratch: usize,
@@ -145,7 +145,7 @@ impl Schedule {
 /// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
 /// elements; `elem` is the element size in bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Collective {
+pub(crate) enum Collective {
     AllReduce {
         count: usize,
     },
@@ -196,7 +196,7 @@ pub enum Collective {
 
 impl Collective {
     /// Whether data is combined (and the reduction op matters).
-    pub fn reduces(&self) -> bool {
+    pub(crate) fn reduces(&self) -> bool {
         matches!(
             self,
             Collective::AllReduce { .. }
@@ -206,7 +206,7 @@ impl Collective {
     }
 
     /// The message-tag kind of this operation.
-    pub fn kind(&self) -> u8 {
+    pub(crate) fn kind(&self) -> u8 {
         use crate::transport::kind;
         match self {
             Collective::AllReduce { .. } => kind::ALL_REDUCE,
@@ -222,7 +222,7 @@ impl Collective {
         }
     }
 
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         crate::transport::kind::name(self.kind())
     }
 }
@@ -230,7 +230,7 @@ impl Collective {
 /// Who runs the schedule: its rank, the rank count, the element size, and whether the caller's
 /// send and receive buffers overlap (some schedules then keep a copy of the input in scratch).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Shape {
+pub(crate) struct Shape {
     pub rank: usize,
     pub nranks: usize,
     pub elem: usize,
@@ -245,7 +245,7 @@ pub struct Shape {
 
 /// The ranks grouped by host, for schedules that keep most traffic on the links inside a host.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostLayout {
+pub(crate) struct HostLayout {
     /// The ranks of each host in rank order; hosts in the order of their first rank.
     pub members: Vec<Vec<usize>>,
     /// Each rank's host (an index into `members`) and its index among that host's ranks.
@@ -257,7 +257,7 @@ pub struct HostLayout {
 
 impl HostLayout {
     /// The layout of ranks whose hosts are `host_of`, or `None` when they share one host.
-    pub fn new<H: std::hash::Hash + Eq>(
+    pub(crate) fn new<H: std::hash::Hash + Eq>(
         host_of: &[H],
         direct_max: usize,
     ) -> Option<std::sync::Arc<HostLayout>> {
@@ -281,12 +281,12 @@ impl HostLayout {
         })
     }
 
-    pub fn hosts(&self) -> usize {
+    pub(crate) fn hosts(&self) -> usize {
         self.members.len()
     }
 
     /// The number of ranks on each host, when every host has the same number.
-    pub fn per_host(&self) -> Option<usize> {
+    pub(crate) fn per_host(&self) -> Option<usize> {
         let n = self.members[0].len();
         self.members.iter().all(|m| m.len() == n).then_some(n)
     }
@@ -295,7 +295,7 @@ impl HostLayout {
 /// A ring that visits the ranks in another order than their numbers: each host's ranks one
 /// after another, so that a ring crosses each host boundary once (see `RingOrder::by_host`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RingOrder {
+pub(crate) struct RingOrder {
     /// The rank at each position.
     at: std::sync::Arc<[usize]>,
     /// The position of each rank.
@@ -305,7 +305,7 @@ pub struct RingOrder {
 impl RingOrder {
     /// Ranks grouped by host (hosts in the order of their first rank, ranks in rank order inside
     /// one), or `None` when that is rank order already.
-    pub fn by_host<H: std::hash::Hash + Eq>(host_of: &[H]) -> Option<RingOrder> {
+    pub(crate) fn by_host<H: std::hash::Hash + Eq>(host_of: &[H]) -> Option<RingOrder> {
         // Each host's first rank, found in one pass: init runs this once per communicator,
         // and a search per comparison would be quadratic in the rank count.
         let mut first: std::collections::HashMap<&H, usize> = Default::default();
@@ -318,12 +318,13 @@ impl RingOrder {
     }
 
     /// The ranks in ring order.
-    pub fn ranks(&self) -> &[usize] {
+    #[cfg(test)]
+    pub(crate) fn ranks(&self) -> &[usize] {
         &self.at
     }
 
     /// The ring that visits `at[0], at[1], ...`; `None` for rank order.
-    pub fn new(at: Vec<usize>) -> Option<RingOrder> {
+    pub(crate) fn new(at: Vec<usize>) -> Option<RingOrder> {
         if at.iter().enumerate().all(|(i, &r)| i == r) {
             return None;
         }
@@ -348,31 +349,25 @@ impl Shape {
         self.ring.as_ref().map_or(pos, |o| o.at[pos])
     }
 
-    pub fn next(&self) -> usize {
+    pub(crate) fn next(&self) -> usize {
         self.rel(1)
     }
 
-    pub fn prev(&self) -> usize {
+    pub(crate) fn prev(&self) -> usize {
         self.rel(-1)
     }
 
     /// The rank `k` places further along the ring, for any signed k (`(rank + k) mod nranks`
     /// in rank order).
-    pub fn rel(&self, k: isize) -> usize {
+    pub(crate) fn rel(&self, k: isize) -> usize {
         let n = self.nranks as isize;
         self.rank_at((self.position() as isize + k).rem_euclid(n) as usize)
-    }
-
-    /// How many places along the ring this rank comes after `from`.
-    pub fn ring_distance(&self, from: usize) -> usize {
-        let from = self.ring.as_ref().map_or(from, |o| o.pos[from]);
-        (self.position() + self.nranks - from) % self.nranks
     }
 
     /// The order in which a chain from `root` visits the ranks: around the ring from the root,
     /// each host's ranks together and the root's host first (so that the chain enters every
     /// other host once and never comes back).
-    pub fn chain_from(&self, root: usize) -> Vec<usize> {
+    pub(crate) fn chain_from(&self, root: usize) -> Vec<usize> {
         let n = self.nranks;
         let start = self.ring.as_ref().map_or(root, |o| o.pos[root]);
         let order = (0..n).map(|k| self.rank_at((start + k) % n));
@@ -393,7 +388,7 @@ impl Shape {
     }
 
     /// Splits `[offset, offset + bytes)` into pipeline slices of whole elements.
-    pub fn slices(&self, buf: Buf, offset: usize, bytes: usize) -> Vec<Region> {
+    pub(crate) fn slices(&self, buf: Buf, offset: usize, bytes: usize) -> Vec<Region> {
         let per = (self.slice_bytes / self.elem).max(1) * self.elem;
         let mut out = Vec::with_capacity(bytes.div_ceil(per).max(1));
         let mut at = 0;
@@ -409,7 +404,7 @@ impl Shape {
 /// Appends sends and receives alternately, slice by slice: an executor that runs steps
 /// strictly in order (a GPU stream) with a few message slots per peer then never waits for a
 /// slot that only its own later receives could free.
-pub fn interleave(
+pub(crate) fn interleave(
     s: &mut Schedule,
     sends: impl Iterator<Item = Step>,
     recvs: impl Iterator<Item = Step>,
@@ -428,7 +423,7 @@ pub fn interleave(
 
 /// `count` elements cut into `parts` nearly equal pieces (the first `count % parts` one larger):
 /// `(start, len)` in elements.
-pub fn partition(count: usize, parts: usize) -> Vec<(usize, usize)> {
+pub(crate) fn partition(count: usize, parts: usize) -> Vec<(usize, usize)> {
     let base = count / parts;
     let extra = count % parts;
     let mut start = 0;
@@ -443,7 +438,7 @@ pub fn partition(count: usize, parts: usize) -> Vec<(usize, usize)> {
 }
 
 /// The schedule of `coll` for `shape` with `algo` (the tuner's choice or the caller's override).
-pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
+pub(crate) fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
     let e = shape.elem;
     match coll {
         Collective::AllReduce { count } => match algo {
@@ -503,7 +498,7 @@ pub fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Schedule {
 
 /// A send whose data is first copied to scratch, so that the caller's buffer is free as soon as
 /// the copy is made (see `group::stage_overwritten_sends`).
-pub fn staged_send(peer: usize, bytes: usize, shape: &Shape) -> Schedule {
+pub(crate) fn staged_send(peer: usize, bytes: usize, shape: &Shape) -> Schedule {
     let mut s = Schedule {
         scratch: bytes,
         ..Schedule::default()

@@ -6,7 +6,7 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 /// All-to-all with per-peer counts and displacements (elements). When the caller's buffers
 /// overlap, the input is first copied to scratch: otherwise a peer's block could be overwritten
 /// by what that same peer sends back before it has read it.
-pub fn all_to_all_v(
+pub(crate) fn all_to_all_v(
     send_counts: &[usize],
     send_displs: &[usize],
     recv_counts: &[usize],

@@ -6,7 +6,7 @@ use super::{interleave, partition, Buf, Operand, Region, Schedule, Shape, Step};
 
 /// Reduce-scatter around the ring, then all-gather around it. After the first phase rank r holds
 /// the final value of chunk r+1; the second phase passes the final chunks on.
-pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, e) = (shape.nranks, shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
@@ -55,7 +55,7 @@ pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
 }
 
 /// Each rank forwards its own block, then every block it receives, to the next rank.
-pub fn all_gather(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_gather(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     s.push(Step::Local {
@@ -92,7 +92,7 @@ pub fn all_gather(count: usize, shape: &Shape) -> Schedule {
 
 /// Partial sums travel around the ring through two alternating scratch chunks; the last hop
 /// lands each chunk, complete, in its owner's receive buffer.
-pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
@@ -137,7 +137,7 @@ pub fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
 }
 
 /// A pipelined chain from the root around the ring (see `Shape::chain_from`).
-pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     let chain = shape.chain_from(root);
@@ -179,7 +179,7 @@ pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
 
 /// A pipelined chain that ends at the root, each rank adding its input: the broadcast's chain
 /// run backwards.
-pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {

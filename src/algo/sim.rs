@@ -23,14 +23,14 @@ thread_local! {
 }
 
 /// Runs the checks in `f` with rank r on host `host_of[r]`.
-pub fn with_hosts(host_of: Vec<usize>, direct_max: usize, f: impl FnOnce()) {
+pub(crate) fn with_hosts(host_of: Vec<usize>, direct_max: usize, f: impl FnOnce()) {
     HOSTS.with(|h| *h.borrow_mut() = Some((host_of, direct_max)));
     f();
     HOSTS.with(|h| *h.borrow_mut() = None);
 }
 
 /// Runs the checks in `f` with rings that visit the ranks in `order`.
-pub fn with_ring(order: Vec<usize>, f: impl FnOnce()) {
+pub(crate) fn with_ring(order: Vec<usize>, f: impl FnOnce()) {
     RING.with(|r| *r.borrow_mut() = Some(order));
     f();
     RING.with(|r| *r.borrow_mut() = None);
@@ -198,7 +198,7 @@ fn scaled_sum(n: usize, i: usize) -> i64 {
     (0..n).map(|r| value(r, i) * (r as i64 + 2)).sum()
 }
 
-pub fn check_all_reduce(n: usize, count: usize, slice_elems: usize, algo: Algorithm) {
+pub(crate) fn check_all_reduce(n: usize, count: usize, slice_elems: usize, algo: Algorithm) {
     for in_place in [false, true] {
         let out = run(
             n,
@@ -229,7 +229,7 @@ pub fn check_all_reduce(n: usize, count: usize, slice_elems: usize, algo: Algori
     }
 }
 
-pub fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
+pub(crate) fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
     for in_place in [false, true] {
         let out = run(
             n,
@@ -260,7 +260,7 @@ pub fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
     }
 }
 
-pub fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize) {
+pub(crate) fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize) {
     for in_place in [false, true] {
         let out = run(
             n,
@@ -290,7 +290,13 @@ pub fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize) {
     }
 }
 
-pub fn check_broadcast(n: usize, count: usize, root: usize, slice_elems: usize, algo: Algorithm) {
+pub(crate) fn check_broadcast(
+    n: usize,
+    count: usize,
+    root: usize,
+    slice_elems: usize,
+    algo: Algorithm,
+) {
     let out = run(
         n,
         |_| Collective::Broadcast { count, root },
@@ -318,7 +324,13 @@ pub fn check_broadcast(n: usize, count: usize, root: usize, slice_elems: usize, 
     }
 }
 
-pub fn check_reduce(n: usize, count: usize, root: usize, slice_elems: usize, algo: Algorithm) {
+pub(crate) fn check_reduce(
+    n: usize,
+    count: usize,
+    root: usize,
+    slice_elems: usize,
+    algo: Algorithm,
+) {
     let out = run(
         n,
         |_| Collective::Reduce { count, root },
@@ -340,7 +352,7 @@ pub fn check_reduce(n: usize, count: usize, root: usize, slice_elems: usize, alg
     }
 }
 
-pub fn check_gather(n: usize, count: usize, root: usize, slice_elems: usize) {
+pub(crate) fn check_gather(n: usize, count: usize, root: usize, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::Gather { count, root },
@@ -362,7 +374,7 @@ pub fn check_gather(n: usize, count: usize, root: usize, slice_elems: usize) {
     }
 }
 
-pub fn check_scatter(n: usize, count: usize, root: usize, slice_elems: usize) {
+pub(crate) fn check_scatter(n: usize, count: usize, root: usize, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::Scatter { count, root },
@@ -382,7 +394,7 @@ pub fn check_scatter(n: usize, count: usize, root: usize, slice_elems: usize) {
     }
 }
 
-pub fn check_all_to_all(n: usize, count: usize, in_place: bool, slice_elems: usize) {
+pub(crate) fn check_all_to_all(n: usize, count: usize, in_place: bool, slice_elems: usize) {
     let out = run(
         n,
         |_| Collective::AlltoAll { count },

@@ -7,7 +7,7 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 /// Parent and children of `rank` in the binomial tree rooted at `root`: the node at relative
 /// position v receives from v minus its lowest set bit and sends to v + 2^k for every 2^k below
 /// that bit. Children come smallest subtree first.
-pub fn binomial(rank: usize, root: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+pub(crate) fn binomial(rank: usize, root: usize, n: usize) -> (Option<usize>, Vec<usize>) {
     let v = (rank + n - root) % n;
     let abs = |rel: usize| (rel + root) % n;
     let mut children = Vec::new();
@@ -30,7 +30,7 @@ pub fn binomial(rank: usize, root: usize, n: usize) -> (Option<usize>, Vec<usize
 /// host's first rank), and inside each host a binomial tree rooted at its leader. Each host but
 /// the root's then receives once across hosts, the least a broadcast can. Children come
 /// inside-host first, so that a reduction takes the nearer (sooner) contributions first.
-pub fn tree_of(shape: &Shape, root: usize) -> (Option<usize>, Vec<usize>) {
+pub(crate) fn tree_of(shape: &Shape, root: usize) -> (Option<usize>, Vec<usize>) {
     let Some(l) = shape.hosts.as_deref() else {
         return binomial(shape.rank, root, shape.nranks);
     };
@@ -124,7 +124,7 @@ fn broadcast_from(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, sr
     }
 }
 
-pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
     if shape.rank == root {
@@ -139,7 +139,7 @@ pub fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     s
 }
 
-pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
+pub(crate) fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
     let acc = if shape.rank == root {
@@ -154,7 +154,7 @@ pub fn reduce(count: usize, root: usize, shape: &Shape) -> Schedule {
 
 /// Reduce to rank 0, then broadcast from it: the result is computed once, so every rank gets
 /// the same bits.
-pub fn all_reduce(count: usize, shape: &Shape) -> Schedule {
+pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
     reduce_into(&mut s, bytes, 0, shape, Buf::Recv);

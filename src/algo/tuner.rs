@@ -7,7 +7,7 @@
 use super::{Collective, HostLayout};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algorithm {
+pub(crate) enum Algorithm {
     Ring,
     Tree,
     /// One-shot: every rank reads every input.
@@ -19,7 +19,7 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
             Algorithm::Tree => "tree",
@@ -32,7 +32,7 @@ impl Algorithm {
     /// NCCL_ALGO syntax: a comma-separated list, case-insensitive (`Ring`, `Tree`, plus our
     /// `Direct`, `TwoShot` and `Hier`); a leading `^` excludes the listed ones. Unknown names
     /// are ignored.
-    pub fn parse_list(spec: &str) -> Vec<Algorithm> {
+    pub(crate) fn parse_list(spec: &str) -> Vec<Algorithm> {
         let (exclude, list) = match spec.trim().strip_prefix('^') {
             Some(rest) => (true, rest),
             None => (false, spec.trim()),
@@ -65,7 +65,7 @@ impl Algorithm {
 
 /// What the tuner knows about the communicator.
 #[derive(Clone, Debug)]
-pub struct Tuner {
+pub(crate) struct Tuner {
     /// Algorithms allowed by COMM_ALGO / NCCL_ALGO (all when unset).
     pub allowed: Vec<Algorithm>,
     /// All-reduces up to this many bytes go one-shot (every rank reads every input).
@@ -78,7 +78,7 @@ pub struct Tuner {
 }
 
 impl Tuner {
-    pub fn from_env(nranks: usize, layout: Option<&HostLayout>) -> Tuner {
+    pub(crate) fn from_env(nranks: usize, layout: Option<&HostLayout>) -> Tuner {
         let allowed = crate::env::var("ALGO")
             .map(|s| Algorithm::parse_list(&s))
             .filter(|v| !v.is_empty())
@@ -109,7 +109,12 @@ impl Tuner {
 
     /// The choice for device buffers: one-shot for small all-reduces, two-shot for medium ones,
     /// the ring beyond (COMM_DEVICE_ONESHOT_MAX / COMM_DEVICE_TWOSHOT_MAX move the bounds).
-    pub fn choose_device(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
+    pub(crate) fn choose_device(
+        &self,
+        coll: &Collective,
+        bytes: usize,
+        nranks: usize,
+    ) -> Algorithm {
         let ok = |a: Algorithm| self.allowed.contains(&a);
         match coll {
             Collective::AllReduce { .. } if nranks > 1 => {
@@ -129,7 +134,7 @@ impl Tuner {
         }
     }
 
-    pub fn choose(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
+    pub(crate) fn choose(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
         let ok = |a: Algorithm| self.allowed.contains(&a);
         match coll {
             Collective::AllReduce { .. } => {

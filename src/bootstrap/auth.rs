@@ -45,12 +45,12 @@ const CLIENT_LABEL: &[u8] = b"comm-auth-v1 client proof";
 
 /// Authenticates the client end of `s` (blocking; bound the wait with the stream's own read timeout).
 /// Returns Err, and logs a WARN, on any mismatch, garbage or I/O failure.
-pub fn client<S: Read + Write>(s: &mut S, secret: &[u8; 32], context: &[u8]) -> Result<()> {
+pub(crate) fn client<S: Read + Write>(s: &mut S, secret: &[u8; 32], context: &[u8]) -> Result<()> {
     client_on(&mut IoWire(s), secret, context)
 }
 
 /// Authenticates the server end of `s`: the client must know `secret` and ask for exactly `context`.
-pub fn server<S: Read + Write>(s: &mut S, secret: &[u8; 32], context: &[u8]) -> Result<()> {
+pub(crate) fn server<S: Read + Write>(s: &mut S, secret: &[u8; 32], context: &[u8]) -> Result<()> {
     let lookup = |ctx: &[u8]| -> std::result::Result<[u8; 32], String> {
         if ctx == context {
             Ok(*secret)
@@ -276,7 +276,7 @@ pub(crate) struct ServerHandshake {
 }
 
 impl ServerHandshake {
-    pub fn new() -> ServerHandshake {
+    pub(crate) fn new() -> ServerHandshake {
         ServerHandshake {
             stage: Stage::Hello,
             cnonce: [0; 32],
@@ -287,7 +287,7 @@ impl ServerHandshake {
     }
 
     /// Exactly how many bytes the next message has.
-    pub fn need(&self) -> usize {
+    pub(crate) fn need(&self) -> usize {
         match self.stage {
             Stage::Hello => HELLO_HEAD,
             Stage::Context(n) => n,
@@ -297,13 +297,13 @@ impl ServerHandshake {
     }
 
     /// The context the client asked for; meaningful once the handshake is done.
-    pub fn context(&self) -> &[u8] {
+    pub(crate) fn context(&self) -> &[u8] {
         &self.ctx
     }
 
     /// Consumes one message of `need()` bytes. `lookup` maps the client's context to the secret it
     /// must prove, or to the reason it is refused.
-    pub fn on_message(&mut self, msg: &[u8], lookup: &Lookup<'_>) -> Step {
+    pub(crate) fn on_message(&mut self, msg: &[u8], lookup: &Lookup<'_>) -> Step {
         match self.stage {
             Stage::Hello => {
                 if &msg[..8] != MAGIC {

@@ -31,7 +31,7 @@ const SUM_AT: usize = UNIQUE_ID_BYTES - 8;
 
 /// What the 128-byte ncclUniqueId carries.
 #[derive(Clone, PartialEq, Eq)]
-pub struct UniqueId {
+pub(crate) struct UniqueId {
     /// Where the bootstrap root listens.
     pub root: std::net::SocketAddr,
     /// Proves membership of the job on every bootstrap and transport connection.
@@ -63,7 +63,7 @@ impl UniqueId {
         format!("{:02x}{:02x}{:02x}{:02x}", fp[0], fp[1], fp[2], fp[3])
     }
 
-    pub fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
+    pub(crate) fn to_bytes(&self) -> [u8; UNIQUE_ID_BYTES] {
         let mut b = [0u8; UNIQUE_ID_BYTES];
         b[..4].copy_from_slice(MAGIC);
         b[4] = VERSION;
@@ -79,7 +79,7 @@ impl UniqueId {
         b
     }
 
-    pub fn from_bytes(b: &[u8; UNIQUE_ID_BYTES]) -> Result<UniqueId> {
+    pub(crate) fn from_bytes(b: &[u8; UNIQUE_ID_BYTES]) -> Result<UniqueId> {
         if &b[..4] != MAGIC {
             return crate::invalid_arg!(
                 "unique id is not one of this library's (bad magic {:02x?}): it must come from ncclGetUniqueId and reach every rank unchanged",
@@ -118,7 +118,7 @@ impl UniqueId {
 }
 
 /// ncclGetUniqueId; see the module documentation of `bootstrap`.
-pub fn new_unique_id() -> Result<UniqueId> {
+pub(crate) fn new_unique_id() -> Result<UniqueId> {
     if let Some(spec) = crate::env::var("COMM_ID") {
         let secret = crate::env::var("SECRET");
         let id = id_from_comm_id(&spec, secret.as_deref())?;

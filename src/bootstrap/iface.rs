@@ -36,7 +36,7 @@ pub(crate) struct IfSpec {
 }
 
 impl IfSpec {
-    pub fn parse(spec: &str) -> IfSpec {
+    pub(crate) fn parse(spec: &str) -> IfSpec {
         let mut s = spec.trim();
         let exclude = s.starts_with('^');
         if exclude {
@@ -59,7 +59,7 @@ impl IfSpec {
         }
     }
 
-    pub fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         let listed = self.names.iter().any(|n| {
             if self.exact {
                 name == n
@@ -101,7 +101,7 @@ pub(crate) fn choose(
 }
 
 /// The address this host should listen on; see the `bootstrap` module documentation.
-pub fn local_ip() -> Result<IpAddr> {
+pub(crate) fn local_ip() -> Result<IpAddr> {
     let spec = crate::env::var("SOCKET_IFNAME");
     let family = match crate::env::var("SOCKET_FAMILY").as_deref().map(str::trim) {
         None => None,

@@ -49,7 +49,7 @@ pub(crate) struct PeerCtx {
 }
 
 impl PeerCtx {
-    pub fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(PEER_CTX_BYTES);
         b.extend_from_slice(PEER_CTX_LABEL);
         b.extend_from_slice(&self.tag.to_le_bytes());
@@ -60,7 +60,7 @@ impl PeerCtx {
         b
     }
 
-    pub fn decode(b: &[u8]) -> Option<PeerCtx> {
+    pub(super) fn decode(b: &[u8]) -> Option<PeerCtx> {
         if b.len() != PEER_CTX_BYTES || !b.starts_with(PEER_CTX_LABEL) {
             return None;
         }
@@ -138,7 +138,11 @@ pub(crate) enum Progress {
 }
 
 impl Handshaking {
-    pub fn new(stream: TcpStream, peer: SocketAddr, timeout: Option<Duration>) -> Handshaking {
+    pub(super) fn new(
+        stream: TcpStream,
+        peer: SocketAddr,
+        timeout: Option<Duration>,
+    ) -> Handshaking {
         Handshaking {
             stream,
             peer,
@@ -152,11 +156,11 @@ impl Handshaking {
         }
     }
 
-    pub fn stream(&self) -> &TcpStream {
+    pub(super) fn stream(&self) -> &TcpStream {
         &self.stream
     }
 
-    pub fn events(&self) -> i16 {
+    pub(super) fn events(&self) -> i16 {
         if self.out_off < self.out.len() {
             libc::POLLOUT
         } else {
@@ -164,15 +168,15 @@ impl Handshaking {
         }
     }
 
-    pub fn context(&self) -> &[u8] {
+    pub(super) fn context(&self) -> &[u8] {
         self.hs.context()
     }
 
-    pub fn into_stream(self) -> TcpStream {
+    pub(super) fn into_stream(self) -> TcpStream {
         self.stream
     }
 
-    pub fn progress(&mut self, lookup: &Lookup<'_>) -> Progress {
+    pub(super) fn progress(&mut self, lookup: &Lookup<'_>) -> Progress {
         loop {
             while self.out_off < self.out.len() {
                 match (&self.stream).write(&self.out[self.out_off..]) {
@@ -274,7 +278,7 @@ pub(crate) struct Listener {
 }
 
 impl Listener {
-    pub fn start(
+    pub(super) fn start(
         ip: IpAddr,
         me: Identity,
         handshake_timeout: Option<Duration>,
@@ -309,14 +313,14 @@ impl Listener {
         })
     }
 
-    pub fn addr(&self) -> SocketAddr {
+    pub(super) fn addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// The next authenticated connection whose context is `ctx`, waiting for it if needed.
     /// Every `PROBE_EVERY` of waiting, `alive` checks that the rank expected to connect still
     /// exists; its error ends the wait.
-    pub fn take(
+    pub(super) fn take(
         &self,
         ctx: &[u8],
         w: Waiter<'_>,

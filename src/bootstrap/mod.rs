@@ -20,7 +20,7 @@
 //! - `COMM_BOOTSTRAP_HANDSHAKE_TIMEOUT` (seconds, default 5): how long a root or listener keeps a
 //!   connection that has not completed its handshake.
 
-pub mod auth;
+pub(crate) mod auth;
 mod id;
 pub(crate) mod iface;
 mod listener;
@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-pub use id::{new_unique_id, UniqueId};
-pub use iface::local_ip;
+pub(crate) use id::{new_unique_id, UniqueId};
+pub(crate) use iface::local_ip;
 pub(crate) use net::{decode_addr, encode_addr};
 
 use crate::error::{ErrorKind, Result};
@@ -62,7 +62,7 @@ thread_local! {
 /// Runs `f`, a communicator's initialisation, so that every bootstrap and transport-setup wait
 /// inside it gives up soon after `abort` is set: ncclCommAbort on a handle whose non-blocking
 /// init is still running sets it, and must not wait for COMM_INIT_TIMEOUT.
-pub fn abortable<R>(abort: &Arc<AtomicBool>, f: impl FnOnce() -> R) -> R {
+pub(crate) fn abortable<R>(abort: &Arc<AtomicBool>, f: impl FnOnce() -> R) -> R {
     struct Restore(Option<Arc<AtomicBool>>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -89,7 +89,7 @@ pub(crate) fn init_aborted() -> bool {
 }
 
 /// COMM_INIT_TIMEOUT in seconds (0 or negative: wait forever; default 600 s).
-pub fn init_timeout() -> Option<Duration> {
+pub(crate) fn init_timeout() -> Option<Duration> {
     crate::env::seconds("INIT_TIMEOUT").unwrap_or(Some(DEFAULT_INIT_TIMEOUT))
 }
 
@@ -119,7 +119,7 @@ pub(crate) fn describe_ranks(ranks: &[usize]) -> String {
 }
 
 /// One rank's view of a communicator's bootstrap network.
-pub struct Bootstrap {
+pub(crate) struct Bootstrap {
     rank: usize,
     nranks: usize,
     tag: u64,
@@ -161,7 +161,7 @@ impl Bootstrap {
     /// With several ids (ncclCommInitRankScalable) rank r checks in with root r * ids.len() / nranks.
     /// Fails after `timeout` with ErrorKind::Timeout naming the ranks that never arrived, or Remote
     /// when the root or a peer vanished.
-    pub fn init(
+    pub(crate) fn init(
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
@@ -334,7 +334,12 @@ impl Bootstrap {
 
     /// A new bootstrap among `members` (ranks of self); member i becomes rank i. Every member
     /// calls it with the same list and `tag`; non-members take no part and may be dead.
-    pub fn sub(&self, members: &[usize], tag: u64, timeout: Option<Duration>) -> Result<Bootstrap> {
+    pub(crate) fn sub(
+        &self,
+        members: &[usize],
+        tag: u64,
+        timeout: Option<Duration>,
+    ) -> Result<Bootstrap> {
         if members.is_empty() {
             return crate::invalid_arg!("sub-communicator with no members");
         }
@@ -437,36 +442,36 @@ impl Bootstrap {
         Ok(child)
     }
 
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.rank
     }
 
-    pub fn nranks(&self) -> usize {
+    pub(crate) fn nranks(&self) -> usize {
         self.nranks
     }
 
     /// The address this rank's bootstrap listens on: the interface the transports use too.
-    pub fn listen_ip(&self) -> IpAddr {
+    pub(crate) fn listen_ip(&self) -> IpAddr {
         self.listener.addr().ip()
     }
 
     /// The transports reuse it to authenticate their own connections.
-    pub fn secret(&self) -> &[u8; 32] {
+    pub(crate) fn secret(&self) -> &[u8; 32] {
         &self.secret
     }
 
     /// Every rank's contribution, indexed by rank (contributions may differ in length).
-    pub fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    pub(crate) fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let w = Waiter::new(None, &self.abort);
         self.ring.lock().allgather(mine, ring::ALLGATHER, w)
     }
 
-    pub fn barrier(&self) -> Result<()> {
+    pub(crate) fn barrier(&self) -> Result<()> {
         self.barrier_until(None)
     }
 
     /// A barrier that fails once `deadline` has passed.
-    pub fn barrier_until(&self, deadline: Option<Instant>) -> Result<()> {
+    pub(crate) fn barrier_until(&self, deadline: Option<Instant>) -> Result<()> {
         let w = Waiter::new(deadline, &self.abort);
         self.ring
             .lock()
@@ -475,7 +480,7 @@ impl Bootstrap {
     }
 
     /// Rank `root`'s bytes, delivered to everyone.
-    pub fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         if root >= self.nranks {
             return crate::invalid_arg!(
                 "broadcast root {root} is out of range for a communicator of {} ranks",
@@ -487,7 +492,7 @@ impl Bootstrap {
     }
 
     /// Setting the flag makes any call blocked in this bootstrap return an error within ~100 ms.
-    pub fn abort_handle(&self) -> Arc<AtomicBool> {
+    pub(crate) fn abort_handle(&self) -> Arc<AtomicBool> {
         self.abort.clone()
     }
 }

@@ -70,12 +70,12 @@ pub(crate) struct Waiter<'a> {
 }
 
 impl<'a> Waiter<'a> {
-    pub fn new(deadline: Option<Instant>, abort: &'a AtomicBool) -> Waiter<'a> {
+    pub(crate) fn new(deadline: Option<Instant>, abort: &'a AtomicBool) -> Waiter<'a> {
         Waiter { deadline, abort }
     }
 
     /// Err once aborted or past the deadline; `what` completes "waiting for ...".
-    pub fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
+    pub(crate) fn check(&self, what: impl FnOnce() -> String) -> Result<()> {
         if self.abort.load(Ordering::Acquire) || super::init_aborted() {
             return Err(aborted(&what()));
         }
@@ -86,7 +86,7 @@ impl<'a> Waiter<'a> {
     }
 
     /// How long the next poll may sleep.
-    pub fn slice(&self) -> Duration {
+    pub(crate) fn slice(&self) -> Duration {
         match self.deadline {
             None => SLICE,
             Some(d) => d.saturating_duration_since(Instant::now()).min(SLICE),
@@ -209,7 +209,7 @@ pub(crate) struct Header {
 }
 
 impl Header {
-    pub fn new(kind: u8, arg: u32, seq: u64, len: usize) -> Header {
+    pub(super) fn new(kind: u8, arg: u32, seq: u64, len: usize) -> Header {
         Header {
             kind,
             arg,
@@ -218,7 +218,7 @@ impl Header {
         }
     }
 
-    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+    pub(super) fn encode(&self) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[..2].copy_from_slice(&FRAME_MAGIC);
         b[2] = self.kind;
@@ -228,7 +228,7 @@ impl Header {
         b
     }
 
-    pub fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
+    pub(super) fn decode(b: &[u8; HEADER_BYTES]) -> Option<Header> {
         if b[..2] != FRAME_MAGIC || b[3] != 0 {
             return None;
         }
@@ -252,7 +252,7 @@ pub(crate) struct FrameReader {
 }
 
 impl FrameReader {
-    pub fn new(limit: u64) -> FrameReader {
+    pub(super) fn new(limit: u64) -> FrameReader {
         FrameReader {
             head: [0; HEADER_BYTES],
             got: 0,
@@ -263,7 +263,7 @@ impl FrameReader {
     }
 
     /// Reads what is available; Ok(true) once the whole frame is in.
-    pub fn progress(&mut self, s: &TcpStream, who: &str) -> Result<bool> {
+    pub(super) fn progress(&mut self, s: &TcpStream, who: &str) -> Result<bool> {
         loop {
             let dst: &mut [u8] = match self.header {
                 None => &mut self.head[self.got..],
@@ -301,7 +301,7 @@ impl FrameReader {
     }
 
     /// The frame, once `progress` said it is complete.
-    pub fn into_frame(self) -> (Header, Vec<u8>) {
+    pub(super) fn into_frame(self) -> (Header, Vec<u8>) {
         let header = self
             .header
             .expect("into_frame before the frame was complete");
@@ -318,7 +318,7 @@ pub(crate) struct FrameWriter<'a> {
 }
 
 impl<'a> FrameWriter<'a> {
-    pub fn new(h: Header, body: &'a [u8]) -> FrameWriter<'a> {
+    pub(super) fn new(h: Header, body: &'a [u8]) -> FrameWriter<'a> {
         let mut small = h.encode().to_vec();
         let big = if body.len() <= 4096 {
             small.extend_from_slice(body);
@@ -330,12 +330,12 @@ impl<'a> FrameWriter<'a> {
     }
 
     /// Some bytes are on the wire but not all: the stream is in the middle of this frame.
-    pub fn started(&self) -> bool {
+    pub(super) fn started(&self) -> bool {
         self.off > 0
     }
 
     /// Writes what the socket takes; Ok(true) once everything is sent.
-    pub fn progress(&mut self, s: &TcpStream, who: &str) -> Result<bool> {
+    pub(super) fn progress(&mut self, s: &TcpStream, who: &str) -> Result<bool> {
         let total = self.small.len() + self.big.len();
         while self.off < total {
             let chunk = if self.off < self.small.len() {
@@ -445,23 +445,23 @@ pub(crate) fn loopback_like(ip: IpAddr) -> IpAddr {
 pub(crate) struct Enc(pub Vec<u8>);
 
 impl Enc {
-    pub fn u8(&mut self, v: u8) -> &mut Enc {
+    pub(super) fn u8(&mut self, v: u8) -> &mut Enc {
         self.0.push(v);
         self
     }
-    pub fn u32(&mut self, v: u32) -> &mut Enc {
+    pub(super) fn u32(&mut self, v: u32) -> &mut Enc {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub fn u64(&mut self, v: u64) -> &mut Enc {
+    pub(super) fn u64(&mut self, v: u64) -> &mut Enc {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub fn addr(&mut self, a: &SocketAddr) -> &mut Enc {
+    pub(super) fn addr(&mut self, a: &SocketAddr) -> &mut Enc {
         self.0.extend_from_slice(&encode_addr(a));
         self
     }
-    pub fn text(&mut self, s: &str) -> &mut Enc {
+    pub(super) fn text(&mut self, s: &str) -> &mut Enc {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes());
         self
@@ -473,7 +473,7 @@ pub(crate) struct Dec<'a> {
 }
 
 impl<'a> Dec<'a> {
-    pub fn new(b: &'a [u8]) -> Dec<'a> {
+    pub(super) fn new(b: &'a [u8]) -> Dec<'a> {
         Dec { b }
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
@@ -484,26 +484,26 @@ impl<'a> Dec<'a> {
         self.b = rest;
         Ok(head)
     }
-    pub fn u8(&mut self) -> Result<u8> {
+    pub(super) fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
-    pub fn u32(&mut self) -> Result<u32> {
+    pub(super) fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
     }
-    pub fn u64(&mut self) -> Result<u64> {
+    pub(super) fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
     }
-    pub fn addr(&mut self) -> Result<SocketAddr> {
+    pub(super) fn addr(&mut self) -> Result<SocketAddr> {
         match decode_addr(self.take(ADDR_BYTES)?) {
             Some(a) => Ok(a),
             None => crate::internal_err!("malformed address in bootstrap message"),
         }
     }
-    pub fn text(&mut self) -> Result<String> {
+    pub(super) fn text(&mut self) -> Result<String> {
         let n = self.u32()? as usize;
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
-    pub fn finish(&self) -> Result<()> {
+    pub(super) fn finish(&self) -> Result<()> {
         if self.b.is_empty() {
             Ok(())
         } else {

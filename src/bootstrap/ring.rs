@@ -70,11 +70,11 @@ struct Expect {
 }
 
 impl Ring {
-    pub fn solo() -> Ring {
+    pub(super) fn solo() -> Ring {
         Ring::new(0, 1, None, None)
     }
 
-    pub fn new(
+    pub(super) fn new(
         rank: usize,
         nranks: usize,
         next: Option<TcpStream>,
@@ -117,7 +117,12 @@ impl Ring {
     }
 
     /// Every rank's contribution, indexed by rank.
-    pub fn allgather(&mut self, mine: &[u8], kind: u8, w: Waiter<'_>) -> Result<Vec<Vec<u8>>> {
+    pub(super) fn allgather(
+        &mut self,
+        mine: &[u8],
+        kind: u8,
+        w: Waiter<'_>,
+    ) -> Result<Vec<Vec<u8>>> {
         if mine.len() as u64 > MAX_FRAME {
             return crate::invalid_arg!(
                 "bootstrap allgather contribution of {} bytes exceeds the limit of {MAX_FRAME}",
@@ -147,7 +152,7 @@ impl Ring {
     }
 
     /// `root`'s bytes, delivered to everyone.
-    pub fn broadcast(&mut self, root: usize, data: &[u8], w: Waiter<'_>) -> Result<Vec<u8>> {
+    pub(super) fn broadcast(&mut self, root: usize, data: &[u8], w: Waiter<'_>) -> Result<Vec<u8>> {
         if data.len() as u64 > MAX_FRAME {
             return crate::invalid_arg!(
                 "bootstrap broadcast of {} bytes exceeds the limit of {MAX_FRAME}",

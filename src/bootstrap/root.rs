@@ -96,7 +96,7 @@ pub(crate) struct CheckIn {
 }
 
 impl CheckIn {
-    pub fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut e = Enc::default();
         e.u32(self.rank)
             .u32(self.nranks)
@@ -107,7 +107,7 @@ impl CheckIn {
         e.0
     }
 
-    pub fn decode(b: &[u8]) -> Result<CheckIn> {
+    pub(super) fn decode(b: &[u8]) -> Result<CheckIn> {
         let mut d = Dec::new(b);
         let c = CheckIn {
             rank: d.u32()?,
@@ -138,7 +138,7 @@ pub(crate) struct Ready {
 }
 
 impl Ready {
-    pub fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut e = Enc::default();
         e.addr(&self.next);
         match &self.prev {
@@ -148,7 +148,7 @@ impl Ready {
         e.0
     }
 
-    pub fn decode(b: &[u8]) -> Result<Ready> {
+    pub(super) fn decode(b: &[u8]) -> Result<Ready> {
         let mut d = Dec::new(b);
         let next = d.addr()?;
         let prev = match d.u8()? {
@@ -199,7 +199,7 @@ pub(crate) struct SessionHandle {
 #[cfg_attr(not(test), allow(dead_code))]
 impl SessionHandle {
     /// Whether the service has dropped the session (completed, timed out, abandoned or expired).
-    pub fn ended(&self) -> bool {
+    pub(super) fn ended(&self) -> bool {
         self.ended.load(Ordering::Acquire)
     }
 }
@@ -236,7 +236,7 @@ static GLOBAL: std::sync::Mutex<Option<(u32, &'static RootService)>> = std::sync
 
 impl RootService {
     /// This process's service, started on first use.
-    pub fn global() -> Result<&'static RootService> {
+    pub(super) fn global() -> Result<&'static RootService> {
         let mut global = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
         let pid = std::process::id();
         match *global {
@@ -252,7 +252,7 @@ impl RootService {
 
     /// A service of its own (tests use one to choose timeouts); dropping it stops it, closing every
     /// connection it holds.
-    pub fn start(handshake_timeout: Option<Duration>) -> Result<RootService> {
+    pub(super) fn start(handshake_timeout: Option<Duration>) -> Result<RootService> {
         let (wake, woken) = UnixStream::pair()
             .and_then(|(a, b)| {
                 a.set_nonblocking(true)?;
@@ -288,7 +288,7 @@ impl RootService {
     }
 
     /// A fresh id, served through this service's listener on `ip` (every id for `ip` shares it).
-    pub fn new_id(
+    pub(super) fn new_id(
         &self,
         ip: IpAddr,
         init_timeout: Option<Duration>,
@@ -304,7 +304,7 @@ impl RootService {
     }
 
     /// Serves `id` on a listener of its own, closed when the session ends (NCCL_COMM_ID mode).
-    pub fn serve_at(
+    pub(super) fn serve_at(
         &self,
         listener: TcpListener,
         id: &UniqueId,
@@ -315,7 +315,7 @@ impl RootService {
 
     /// Sessions not yet ended.
     #[cfg_attr(not(test), allow(dead_code))]
-    pub fn live_sessions(&self) -> usize {
+    pub(super) fn live_sessions(&self) -> usize {
         self.live.load(Ordering::Acquire)
     }
 
@@ -1169,7 +1169,12 @@ pub(crate) struct RootSession {
 
 impl RootSession {
     /// Connects (retrying while the root is not up yet), authenticates and checks in.
-    pub fn open(id: &UniqueId, kind: u8, me: &CheckIn, w: Waiter<'_>) -> Result<RootSession> {
+    pub(super) fn open(
+        id: &UniqueId,
+        kind: u8,
+        me: &CheckIn,
+        w: Waiter<'_>,
+    ) -> Result<RootSession> {
         let who = format!("the bootstrap root {}", id.root);
         let stream = net::connect(id.root, w, true, &who)?;
         let mut wire = TcpWire {
@@ -1197,7 +1202,7 @@ impl RootSession {
 
     /// Waits for the root's go-ahead and returns its payload. When our own deadline passes first we
     /// ask the root who is missing, so that the error names them.
-    pub fn wait_ready(&self, w: Waiter<'_>, started: Instant) -> Result<Vec<u8>> {
+    pub(super) fn wait_ready(&self, w: Waiter<'_>, started: Instant) -> Result<Vec<u8>> {
         let who = format!("the bootstrap root {}", self.root);
         match net::recv_frame(&self.stream, ROOT_FRAME_LIMIT, w, &who) {
             Ok((h, body)) => self.answer(h, &body),

@@ -7,7 +7,7 @@ pub(crate) const UNDEF_INT: i32 = i32::MIN;
 
 /// The settings this library acts on, after defaults and environment overrides.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Config {
+pub(crate) struct Config {
     pub blocking: bool,
     pub comm_name: Option<String>,
     pub split_share: bool,
@@ -64,7 +64,7 @@ impl Default for RawConfig {
     }
 }
 
-pub const fn version(x: u32, y: u32, z: u32) -> u32 {
+pub(crate) const fn version(x: u32, y: u32, z: u32) -> u32 {
     if x <= 2 && y <= 8 {
         x * 1000 + y * 100 + z
     } else {
@@ -84,7 +84,7 @@ fn bool_field(name: &str, v: i32) -> Result<Option<bool>> {
 impl Config {
     /// Applies defaults and environment overrides (`COMM_COMM_BLOCKING` / `NCCL_COMM_BLOCKING`
     /// like NCCL) to what the caller set.
-    pub fn resolve(raw: RawConfig) -> Result<Config> {
+    pub(crate) fn resolve(raw: RawConfig) -> Result<Config> {
         let blocking = match bool_field("blocking", raw.blocking)? {
             Some(b) => b,
             None => crate::env::flag("COMM_BLOCKING").unwrap_or(true),
@@ -119,10 +119,6 @@ impl Config {
             shrink_share: bool_field("shrinkShare", raw.shrink_share)?.unwrap_or(false),
             raw,
         })
-    }
-
-    pub fn default_config() -> Result<Config> {
-        Config::resolve(RawConfig::default())
     }
 }
 

@@ -1,10 +1,10 @@
 //! The communicator: lifecycle (init, split, shrink, grow, finalize, destroy, abort), its
 //! configuration and state, and turning validated calls into executable operations.
 
-pub mod config;
-pub mod ops;
-pub mod registry;
-pub mod staged;
+pub(crate) mod config;
+pub(crate) mod ops;
+pub(crate) mod registry;
+pub(crate) mod staged;
 
 use crate::algo::tuner::Tuner;
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -28,7 +28,7 @@ const DESTROY_WAIT: Duration = Duration::from_secs(30);
 /// Lifecycle states (NCCL: finalize, then destroy; abort or revoke at any time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Life {
+pub(crate) enum Life {
     Active = 0,
     Finalized = 1,
     Revoked = 2,
@@ -36,7 +36,7 @@ pub enum Life {
     Failed = 4,
 }
 
-pub struct Comm {
+pub(crate) struct Comm {
     pub rank: usize,
     pub nranks: usize,
     /// Identifies this communicator among all communicators of the job (same on every rank).
@@ -82,10 +82,10 @@ pub struct Comm {
 }
 
 /// Where the message of a communicator's last failure is kept (see `Comm::last_error`).
-pub type LastError = Arc<Mutex<Option<String>>>;
+pub(crate) type LastError = Arc<Mutex<Option<String>>>;
 
 /// Records that `func` failed with `e` in `slot`, in the form ncclGetLastError reports.
-pub fn note_error(slot: &LastError, func: &str, e: &Error) -> String {
+pub(crate) fn note_error(slot: &LastError, func: &str, e: &Error) -> String {
     let msg = format!("{func}: {}", e.msg);
     *slot.lock() = Some(msg.clone());
     msg
@@ -104,7 +104,7 @@ fn op_timeout() -> Option<Duration> {
 
 impl Comm {
     /// ncclCommInitRank and friends: rendezvous through the root(s) of `ids`, then connect.
-    pub fn init(
+    pub(crate) fn init(
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
@@ -256,7 +256,7 @@ impl Comm {
         })
     }
 
-    pub fn life(&self) -> Life {
+    pub(crate) fn life(&self) -> Life {
         match self.life.load(Ordering::SeqCst) {
             0 => Life::Active,
             1 => Life::Finalized,
@@ -272,12 +272,12 @@ impl Comm {
 
     /// Whether new operations may be issued; the error says why not.
     /// Whether some peer is on another host, where device programs cannot map its memory.
-    pub fn spans_hosts(&self) -> bool {
+    pub(crate) fn spans_hosts(&self) -> bool {
         self.hosts.is_some()
     }
 
     /// What windows need of this communicator (they never see the communicator itself).
-    pub fn window_members(&self) -> crate::window::Members<'_> {
+    pub(crate) fn window_members(&self) -> crate::window::Members<'_> {
         crate::window::Members {
             rank: self.rank,
             nranks: self.nranks,
@@ -293,7 +293,7 @@ impl Comm {
         }
     }
 
-    pub fn check_usable(&self) -> Result<()> {
+    pub(crate) fn check_usable(&self) -> Result<()> {
         match self.life() {
             Life::Active => Ok(()),
             Life::Finalized => crate::invalid_usage!(
@@ -320,7 +320,7 @@ impl Comm {
 
     /// Records a failure that leaves the communicator unusable (a dead peer, a timeout, ranks
     /// that disagree about the operation). Validation errors do not come here.
-    pub fn fail(&self, e: &Error) {
+    pub(crate) fn fail(&self, e: &Error) {
         let mut slot = self.async_error.lock();
         if slot.is_none() {
             *slot = Some(e.clone());
@@ -339,7 +339,7 @@ impl Comm {
         }
     }
 
-    pub fn finalize(&self) -> Result<()> {
+    pub(crate) fn finalize(&self) -> Result<()> {
         match self.life() {
             Life::Active => {
                 self.set_life(Life::Finalized);
@@ -352,7 +352,7 @@ impl Comm {
     }
 
     /// Local teardown: peers still waiting on this rank get an error instead of hanging.
-    pub fn destroy(&self) {
+    pub(crate) fn destroy(&self) {
         crate::fault::point("destroy");
         for l in &self.wiring.links {
             l.close(Closing::Destroyed, None);
@@ -360,7 +360,7 @@ impl Comm {
     }
 
     /// Stops any operation in progress (from any thread) and tells the peers.
-    pub fn abort(&self) {
+    pub(crate) fn abort(&self) {
         self.set_life(Life::Aborted);
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.boot.abort_handle().store(true, Ordering::SeqCst);
@@ -371,7 +371,7 @@ impl Comm {
     }
 
     /// ncclCommRevoke: in-flight operations stop; only destroy, split and shrink remain.
-    pub fn revoke(&self) {
+    pub(crate) fn revoke(&self) {
         self.set_life(Life::Revoked);
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.wiring.doorbell.ring();
@@ -383,7 +383,12 @@ impl Comm {
     }
 
     /// ncclCommSplit. Collective over this communicator; `None` for NCCL_SPLIT_NOCOLOR.
-    pub fn split(&self, color: i32, key: i32, config: Option<Config>) -> Result<Option<Comm>> {
+    pub(crate) fn split(
+        &self,
+        color: i32,
+        key: i32,
+        config: Option<Config>,
+    ) -> Result<Option<Comm>> {
         if self.life() == Life::Aborted || self.life() == Life::Failed {
             self.check_usable()?;
         }
@@ -428,7 +433,7 @@ impl Comm {
 
     /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the
     /// excluded ranks (they may be dead).
-    pub fn shrink(
+    pub(crate) fn shrink(
         &self,
         exclude: &[usize],
         config: Option<Config>,
@@ -452,7 +457,7 @@ impl Comm {
 
     /// ncclCommGrow for an existing rank: whoever holds the id shares it, then every rank (old
     /// and new) rendezvous through it. Existing ranks keep their numbers.
-    pub fn grow(
+    pub(crate) fn grow(
         &self,
         nranks: usize,
         id: Option<&UniqueId>,

@@ -19,7 +19,7 @@ pub(crate) const FIRST_DYNAMIC_OP: i32 = 5;
 
 /// Where a PreMulSum scalar is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScalarSrc {
+pub(crate) enum ScalarSrc {
     /// Read when the op was created (ncclScalarHostImmediate).
     Value(Scale),
     /// Read when the collective runs (ncclScalarDevice; on host memory, a host address).
@@ -28,7 +28,7 @@ pub enum ScalarSrc {
 
 /// A reduction as named by an `ncclRedOp_t`, resolved against one communicator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OpChoice {
+pub(crate) enum OpChoice {
     Plain(ReduceOp),
     Avg,
     PreMulSum(ScalarSrc),
@@ -42,7 +42,7 @@ struct CustomOp {
 
 /// The custom ops of one communicator.
 #[derive(Default)]
-pub struct CustomOps {
+pub(crate) struct CustomOps {
     ops: Mutex<HashMap<i32, CustomOp>>,
 }
 
@@ -52,7 +52,7 @@ static OP_OWNER: Lazy<Mutex<HashMap<i32, u64>>> = Lazy::new(|| Mutex::new(HashMa
 
 /// What a schedule depends on: calls with equal keys get the same (cached) schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ScheduleKey {
+pub(crate) struct ScheduleKey {
     coll: Collective,
     elem: usize,
     in_place: bool,
@@ -62,11 +62,11 @@ pub struct ScheduleKey {
 }
 
 /// A communicator's schedules, by what they depend on.
-pub type ScheduleCache = Mutex<rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>>;
+pub(crate) type ScheduleCache = Mutex<rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>>;
 
 /// A validated call, waiting for its turn (the end of the group).
 #[derive(Clone, Debug)]
-pub struct Call {
+pub(crate) struct Call {
     pub coll: Collective,
     pub send: *const u8,
     pub recv: *mut u8,
@@ -87,7 +87,7 @@ pub struct Call {
 // thread that runs the group, which the caller guarantees keeps the buffers alive.
 unsafe impl Send for Call {}
 
-pub fn parse_dtype(raw: i32) -> Result<DataType> {
+pub(crate) fn parse_dtype(raw: i32) -> Result<DataType> {
     DataType::from_raw(raw).map_or_else(
         || crate::invalid_arg!("datatype {raw} is not a valid ncclDataType_t (0..=11)"),
         Ok,
@@ -140,7 +140,7 @@ fn check_ptr(name: &str, p: usize, bytes: usize) -> Result<()> {
 }
 
 impl Comm {
-    pub fn create_premulsum(&self, dtype: DataType, scalar: ScalarSrc) -> Result<i32> {
+    pub(crate) fn create_premulsum(&self, dtype: DataType, scalar: ScalarSrc) -> Result<i32> {
         self.check_usable()?;
         let op = NEXT_OP.fetch_add(1, Ordering::SeqCst);
         if op <= 0 {
@@ -154,7 +154,7 @@ impl Comm {
         Ok(op)
     }
 
-    pub fn destroy_op(&self, op: i32) -> Result<()> {
+    pub(crate) fn destroy_op(&self, op: i32) -> Result<()> {
         use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BXOR};
         if (0..FIRST_DYNAMIC_OP).contains(&op) || (COMM_OP_BAND..=COMM_OP_BXOR).contains(&op) {
             return crate::invalid_arg!(
@@ -181,7 +181,7 @@ impl Comm {
     }
 
     /// Resolves an `ncclRedOp_t` value for `dtype` on this communicator.
-    pub fn resolve_op(&self, op: i32, dtype: DataType) -> Result<OpChoice> {
+    pub(crate) fn resolve_op(&self, op: i32, dtype: DataType) -> Result<OpChoice> {
         let choice = match op {
             0 => OpChoice::Plain(ReduceOp::Sum),
             1 => OpChoice::Plain(ReduceOp::Prod),
@@ -208,7 +208,7 @@ impl Comm {
     }
 
     /// Validates one call against NCCL's rules for this rank.
-    pub fn check_call(
+    pub(crate) fn check_call(
         &self,
         coll: Collective,
         send: *const u8,
@@ -442,7 +442,7 @@ impl Comm {
 
     /// Turns a validated call into an operation, numbering it. Called in issue order when the
     /// group runs, identically on every rank.
-    pub fn prepare(&self, call: &Call) -> Result<HostOp> {
+    pub(crate) fn prepare(&self, call: &Call) -> Result<HostOp> {
         let seq = match call.coll {
             Collective::Send { .. } | Collective::Recv { .. } => 0,
             _ => self.seq.fetch_add(1, Ordering::SeqCst),
@@ -451,7 +451,7 @@ impl Comm {
     }
 
     /// Turns a group's validated device calls into one program on their stream.
-    pub fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
+    pub(crate) fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
         use crate::cuda::Stream;
         use crate::exec::device::{DeviceOp, Links, OpBuffers};
         let world = self.device.as_ref().ok_or_else(|| {
@@ -736,7 +736,7 @@ impl Comm {
     /// ncclGroupSimulateEnd's estimate for one call, in microseconds: a latency per message on
     /// this rank's busiest path plus its bytes at shared-memory copy speed. Rough, but it orders
     /// algorithms and sizes the way the executor will see them.
-    pub fn estimate_us(&self, call: &Call) -> f32 {
+    pub(crate) fn estimate_us(&self, call: &Call) -> f32 {
         // Inside a host (shared memory): a message's latency and the copy bandwidth.
         const LATENCY_US: f32 = 1.5;
         const BYTES_PER_US: f32 = 8_000.0;

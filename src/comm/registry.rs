@@ -11,13 +11,13 @@ use std::sync::Arc;
 const BASE: usize = 0x6c00_0000_0000;
 const STRIDE: usize = 0x40;
 
-pub enum State {
+pub(crate) enum State {
     Initializing,
     Ready(Arc<Comm>),
     Failed(Error),
 }
 
-pub struct Entry {
+pub(crate) struct Entry {
     state: Mutex<State>,
     settled: Condvar,
     pub blocking: bool,
@@ -28,7 +28,7 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn new(blocking: bool) -> Arc<Entry> {
+    pub(crate) fn new(blocking: bool) -> Arc<Entry> {
         Arc::new(Entry {
             state: Mutex::new(State::Initializing),
             settled: Condvar::new(),
@@ -38,7 +38,7 @@ impl Entry {
         })
     }
 
-    pub fn ready_now(comm: Comm) -> Arc<Entry> {
+    pub(crate) fn ready_now(comm: Comm) -> Arc<Entry> {
         let blocking = comm.config.blocking;
         Arc::new(Entry {
             last_error: comm.last_error.clone(),
@@ -49,7 +49,7 @@ impl Entry {
         })
     }
 
-    pub fn settle(&self, result: Result<Comm>) {
+    pub(crate) fn settle(&self, result: Result<Comm>) {
         let mut st = self.state.lock();
         *st = match result {
             Ok(mut c) => {
@@ -65,7 +65,7 @@ impl Entry {
     }
 
     /// The communicator, if its initialisation has finished successfully.
-    pub fn comm(&self) -> Result<Arc<Comm>> {
+    pub(crate) fn comm(&self) -> Result<Arc<Comm>> {
         match &*self.state.lock() {
             State::Ready(c) => Ok(c.clone()),
             State::Initializing => crate::invalid_usage!(
@@ -79,7 +79,7 @@ impl Entry {
     }
 
     /// Blocks until initialisation settles.
-    pub fn wait(&self) -> Result<Arc<Comm>> {
+    pub(crate) fn wait(&self) -> Result<Arc<Comm>> {
         self.wait_settled();
         self.comm()
     }
@@ -93,7 +93,7 @@ impl Entry {
 
     /// Blocks until initialisation settles and returns how it ended: the init's own error
     /// (a timeout stays a timeout), not the error of using a communicator that failed.
-    pub fn init_outcome(&self) -> Result<Arc<Comm>> {
+    pub(crate) fn init_outcome(&self) -> Result<Arc<Comm>> {
         self.wait_settled();
         match &*self.state.lock() {
             State::Failed(e) => Err(e.clone()),
@@ -103,7 +103,7 @@ impl Entry {
     }
 
     /// ncclCommGetAsyncError's view: in progress, failed, or the communicator's own state.
-    pub fn async_state(&self) -> Result<()> {
+    pub(crate) fn async_state(&self) -> Result<()> {
         match &*self.state.lock() {
             State::Initializing => Err(Error::new(
                 ErrorKind::InProgress,
@@ -116,13 +116,6 @@ impl Entry {
             },
         }
     }
-
-    pub fn peek(&self) -> Option<Arc<Comm>> {
-        match &*self.state.lock() {
-            State::Ready(c) => Some(c.clone()),
-            _ => None,
-        }
-    }
 }
 
 /// Entries by handle number (`(handle - BASE) / STRIDE - 1`): a lookup is an index, no hash.
@@ -133,7 +126,7 @@ fn slot(h: usize) -> Option<usize> {
     (h > BASE && (h - BASE) % STRIDE == 0).then(|| (h - BASE) / STRIDE - 1)
 }
 
-pub fn insert(e: Arc<Entry>) -> usize {
+pub(crate) fn insert(e: Arc<Entry>) -> usize {
     let mut table = TABLE.write();
     let n = ISSUED.fetch_add(1, Ordering::SeqCst);
     if table.len() <= n {
@@ -155,13 +148,13 @@ fn unknown(h: usize) -> Error {
     Error::new(ErrorKind::InvalidArgument, msg)
 }
 
-pub fn lookup(h: usize) -> Result<Arc<Entry>> {
+pub(crate) fn lookup(h: usize) -> Result<Arc<Entry>> {
     slot(h)
         .and_then(|i| TABLE.read().get(i).cloned().flatten())
         .ok_or_else(|| unknown(h))
 }
 
-pub fn remove(h: usize) -> Result<Arc<Entry>> {
+pub(crate) fn remove(h: usize) -> Result<Arc<Entry>> {
     slot(h)
         .and_then(|i| TABLE.write().get_mut(i).and_then(Option::take))
         .ok_or_else(|| unknown(h))

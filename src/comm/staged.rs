@@ -25,7 +25,7 @@ struct Copy {
 }
 
 /// Calls moved to host memory, and what to copy back once they ran.
-pub struct Staged {
+pub(crate) struct Staged {
     device: Arc<Device>,
     copies: Vec<Copy>,
     /// The calls, rewritten to the host copies.
@@ -35,7 +35,7 @@ pub struct Staged {
 impl Staged {
     /// Drains the calls' streams and copies their inputs (and their receive buffers, whose
     /// bytes the call may leave alone) to host memory.
-    pub fn take(comm: &Comm, calls: &[Call]) -> Result<Staged> {
+    pub(crate) fn take(comm: &Comm, calls: &[Call]) -> Result<Staged> {
         let world = comm.device.as_ref().ok_or_else(|| {
             crate::error::Error::new(
                 crate::error::ErrorKind::Internal,
@@ -121,7 +121,7 @@ impl Staged {
     }
 
     /// Copies the results back to the device buffers.
-    pub fn put_back(self) -> Result<()> {
+    pub(crate) fn put_back(self) -> Result<()> {
         let _bound = self.device.bind()?;
         for c in &self.copies {
             let (off, len) = c.back;

@@ -17,7 +17,7 @@ use crate::reduce::{DataType, ReduceOp};
 pub(crate) const MAX_SOURCES: usize = 16;
 
 /// `comm_fill_u32(unsigned *dst, unsigned value, unsigned long long count)`: `dst[i] = value`.
-pub const FILL_U32: &str = "comm_fill_u32";
+pub(crate) const FILL_U32: &str = "comm_fill_u32";
 
 /// Threads per block the reduce kernels are written for (any block size is correct).
 pub(crate) const BLOCK_THREADS: u32 = 256;
@@ -27,14 +27,14 @@ pub(crate) const BLOCK_THREADS: u32 = 256;
 pub(crate) const BYTES_PER_THREAD: usize = 32;
 
 /// Elements of `dtype` a thread handles per round of a reduce kernel's main loop.
-pub fn elems_per_thread(dtype: DataType) -> usize {
+pub(crate) fn elems_per_thread(dtype: DataType) -> usize {
     BYTES_PER_THREAD / dtype.size()
 }
 
 /// Blocks of [`BLOCK_THREADS`] for a reduce of `count` elements on a GPU with `sms`
 /// multiprocessors: enough for one round per thread, at most four blocks per SM (the kernels loop
 /// over the rest). Zero elements still get one block, which returns at once.
-pub fn launch_grid(dtype: DataType, count: u64, sms: u32) -> u32 {
+pub(crate) fn launch_grid(dtype: DataType, count: u64, sms: u32) -> u32 {
     let per_block = BLOCK_THREADS as u64 * elems_per_thread(dtype) as u64;
     let wanted = count.div_ceil(per_block).max(1);
     wanted.min(4 * u64::from(sms.max(1))) as u32
@@ -121,16 +121,16 @@ static IMAGE: &Aligned<[u8]> = &Aligned(*include_bytes!(env!("COMM_FATBIN")));
 static IMAGE: &Aligned<[u8]> = &Aligned([]);
 
 /// The kernels' fatbin, for `cuModuleLoadData`; empty in a build without nvcc.
-pub static FATBIN: &[u8] = &IMAGE.0;
+pub(crate) static FATBIN: &[u8] = &IMAGE.0;
 
 /// The kernel for a reduction, or None for a bitwise op on a floating-point type (which the
 /// library rejects before it gets here).
-pub fn reduce_kernel_name(dtype: DataType, op: ReduceOp) -> Option<&'static str> {
+pub(crate) fn reduce_kernel_name(dtype: DataType, op: ReduceOp) -> Option<&'static str> {
     REDUCE_KERNELS[dtype as usize][op_index(op)]
 }
 
 /// Every reduce kernel's name.
-pub fn reduce_kernel_names() -> impl Iterator<Item = &'static str> {
+pub(crate) fn reduce_kernel_names() -> impl Iterator<Item = &'static str> {
     REDUCE_KERNELS.iter().flatten().flatten().copied()
 }
 

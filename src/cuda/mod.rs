@@ -5,8 +5,8 @@
 //! cudarc panics when it cannot load libcuda; every path here first checks that the library is
 //! present, so a process without CUDA simply sees "no devices" and stays on host memory.
 
-pub mod kernels;
-pub mod share;
+pub(crate) mod kernels;
+pub(crate) mod share;
 
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::sys as cu;
@@ -80,7 +80,7 @@ pub fn device_count() -> i32 {
 }
 
 /// Turns a driver result into an error that names the call.
-pub fn check(r: cu::CUresult, what: &str) -> Result<()> {
+pub(crate) fn check(r: cu::CUresult, what: &str) -> Result<()> {
     if r == cu::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
@@ -103,7 +103,7 @@ pub fn check(r: cu::CUresult, what: &str) -> Result<()> {
 
 /// The CUDA device of the calling thread: the current context's, device 0 when the thread has
 /// none yet (as cudaGetDevice answers), -1 without devices.
-pub fn current_device() -> i32 {
+pub(crate) fn current_device() -> i32 {
     if driver().is_none() {
         return -1;
     }
@@ -122,7 +122,7 @@ pub fn current_device() -> i32 {
 
 /// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemKind {
+pub(crate) enum MemKind {
     Host,
     /// Memory of CUDA device `n` (including managed memory).
     Device(i32),
@@ -130,7 +130,7 @@ pub enum MemKind {
 
 /// Classifies a pointer: device memory when the driver says so, host memory otherwise
 /// (including every pointer when there is no driver).
-pub fn classify(ptr: *const c_void) -> MemKind {
+pub(crate) fn classify(ptr: *const c_void) -> MemKind {
     if ptr.is_null() || driver().is_none() {
         return MemKind::Host;
     }
@@ -166,7 +166,7 @@ pub fn classify(ptr: *const c_void) -> MemKind {
 /// Whether kernels on `device` may read device memory at `ptr` through its address in this
 /// process: memory of `device` itself, or of another GPU when it is not a VMM mapping (peer
 /// access covers cuMemAlloc memory) or the VMM mapping grants `device` access.
-pub fn readable_from(device: &Device, ptr: u64) -> bool {
+pub(crate) fn readable_from(device: &Device, ptr: u64) -> bool {
     match classify(ptr as *const c_void) {
         MemKind::Device(o) if o == device.ordinal => return true,
         MemKind::Device(_) => {}
@@ -383,13 +383,13 @@ impl Drop for DeviceMem {
 }
 
 /// Another process's allocation mapped into this one through its IPC handle.
-pub struct PeerMem {
+pub(crate) struct PeerMem {
     pub ptr: u64,
     device: Arc<Device>,
 }
 
 impl PeerMem {
-    pub fn open(device: &Arc<Device>, handle: &[u8; 64]) -> Result<PeerMem> {
+    pub(crate) fn open(device: &Arc<Device>, handle: &[u8; 64]) -> Result<PeerMem> {
         let _b = device.bind()?;
         // SAFETY: CUipcMemHandle is 64 plain bytes.
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
@@ -426,7 +426,7 @@ impl Drop for PeerMem {
 
 /// Lets `device`'s context reach memory of `peer` (ranks that are threads of one process on
 /// different GPUs). Already enabled is fine.
-pub fn enable_peer_access(device: &Arc<Device>, peer: &Arc<Device>) -> Result<()> {
+pub(crate) fn enable_peer_access(device: &Arc<Device>, peer: &Arc<Device>) -> Result<()> {
     if device.ordinal == peer.ordinal {
         return Ok(());
     }
@@ -580,7 +580,7 @@ impl Stream {
 
 /// Copies `len` bytes between any two addresses the driver knows (host, this device, a
 /// mapped peer), synchronously.
-pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
+pub(crate) fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
@@ -590,7 +590,7 @@ pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> 
 }
 
 /// Waits until every operation on `device` is done.
-pub fn synchronize(device: &Device) -> Result<()> {
+pub(crate) fn synchronize(device: &Device) -> Result<()> {
     let _b = device.bind()?;
     // SAFETY: a context is bound.
     check(unsafe { cu::cuCtxSynchronize() }, "cuCtxSynchronize")
@@ -645,7 +645,7 @@ static VMM: Mutex<Vec<(u64, u64, usize, i32)>> = Mutex::new(Vec::new());
 /// ncclMemAlloc: device memory from the virtual memory management API (cuMemCreate), on the
 /// calling thread's device, shareable through POSIX file descriptors, rounded up to the
 /// recommended granularity.
-pub fn vmm_alloc(size: usize) -> Result<u64> {
+pub(crate) fn vmm_alloc(size: usize) -> Result<u64> {
     let ordinal = current_device();
     if ordinal < 0 {
         return crate::invalid_usage!(
@@ -753,7 +753,7 @@ fn map_allocation(
 }
 
 /// ncclMemFree of memory from `vmm_alloc`.
-pub fn vmm_free(ptr: u64) -> Result<()> {
+pub(crate) fn vmm_free(ptr: u64) -> Result<()> {
     let entry = {
         let mut all = VMM.lock();
         match all.iter().position(|e| e.0 == ptr) {
@@ -852,13 +852,13 @@ impl Drop for Graph {
 /// scratch, mapping a peer's newly registered buffer, querying events) until dropped, as NCCL
 /// does while it enqueues: an application capturing on some stream must not have its capture
 /// invalidated by the library's own bookkeeping. Nothing of it is captured either way.
-pub struct RelaxedCapture {
+pub(crate) struct RelaxedCapture {
     /// The mode to put back (None when the exchange failed and nothing changed).
     previous: Option<cu::CUstreamCaptureMode>,
 }
 
 impl RelaxedCapture {
-    pub fn enter() -> RelaxedCapture {
+    pub(crate) fn enter() -> RelaxedCapture {
         let mut mode = cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: mode is a valid in/out value; the call only changes this thread's mode.
         let r = unsafe { cu::cuThreadExchangeStreamCaptureMode(&mut mode) };
@@ -882,7 +882,7 @@ impl Drop for RelaxedCapture {
 }
 
 /// A CUDA event used to order a communicator's work across streams.
-pub struct Event {
+pub(crate) struct Event {
     raw: cu::CUevent,
     device: Arc<Device>,
 }
@@ -891,7 +891,7 @@ pub struct Event {
 unsafe impl Send for Event {}
 
 impl Event {
-    pub fn new(device: &Arc<Device>) -> Result<Event> {
+    pub(crate) fn new(device: &Arc<Device>) -> Result<Event> {
         let _b = device.bind()?;
         let mut raw: cu::CUevent = std::ptr::null_mut();
         // SAFETY: raw is a valid out-pointer; timing is not needed.
@@ -907,7 +907,7 @@ impl Event {
         })
     }
 
-    pub fn record(&self, stream: Stream) -> Result<()> {
+    pub(crate) fn record(&self, stream: Stream) -> Result<()> {
         // SAFETY: both handles are valid.
         check(
             unsafe { cu::cuEventRecord(self.raw, stream.raw()) },
@@ -918,7 +918,7 @@ impl Event {
     /// Whether the work recorded in this event is known to be done. An error answers no: it
     /// may only mean the query was refused (another thread capturing in global mode), and
     /// what the work reads must then stay mapped.
-    pub fn done(&self) -> bool {
+    pub(crate) fn done(&self) -> bool {
         // SAFETY: the event is valid.
         let r = unsafe { cu::cuEventQuery(self.raw) };
         r == cu::CUresult::CUDA_SUCCESS
@@ -926,7 +926,7 @@ impl Event {
 
     /// Waits on the host, polling, for the work recorded in this event: true once it is done,
     /// false at `deadline` (or on an error, when nothing says it is done).
-    pub fn wait_until(&self, deadline: std::time::Instant) -> bool {
+    pub(crate) fn wait_until(&self, deadline: std::time::Instant) -> bool {
         loop {
             // SAFETY: the event is valid.
             match unsafe { cu::cuEventQuery(self.raw) } {
@@ -940,7 +940,7 @@ impl Event {
     }
 
     /// Makes `stream` wait for the work recorded in this event.
-    pub fn wait_on(&self, stream: Stream) -> Result<()> {
+    pub(crate) fn wait_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: both handles are valid.
         check(
             unsafe { cu::cuStreamWaitEvent(stream.raw(), self.raw, 0) },

@@ -13,13 +13,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 /// How a peer in another process can map an allocation.
-pub enum Shareable {
+pub(crate) enum Shareable {
     Ipc([u8; 64]),
     Fd(OwnedFd),
 }
 
 /// The allocation that holds a registered buffer.
-pub struct Exported {
+pub(crate) struct Exported {
     pub alloc_base: u64,
     pub alloc_len: usize,
     /// None: only peers in this process can reach it (by address).
@@ -27,7 +27,7 @@ pub struct Exported {
 }
 
 /// Finds the allocation around device address `ptr` and a handle for it.
-pub fn export(device: &Arc<Device>, ptr: u64) -> Result<Exported> {
+pub(crate) fn export(device: &Arc<Device>, ptr: u64) -> Result<Exported> {
     let _b = device.bind()?;
     let vmm = VMM
         .lock()
@@ -89,14 +89,14 @@ pub fn export(device: &Arc<Device>, ptr: u64) -> Result<Exported> {
 }
 
 /// A peer's allocation mapped into this process.
-pub enum Imported {
+pub(crate) enum Imported {
     Ipc(PeerMem),
     Vmm(VmmMapping),
 }
 
 impl Imported {
     /// Where the allocation starts here.
-    pub fn base(&self) -> u64 {
+    pub(crate) fn base(&self) -> u64 {
         match self {
             Imported::Ipc(m) => m.ptr,
             Imported::Vmm(m) => m.ptr,
@@ -105,12 +105,12 @@ impl Imported {
 }
 
 /// Maps an allocation exported with a legacy IPC handle.
-pub fn import_ipc(device: &Arc<Device>, handle: &[u8; 64]) -> Result<Imported> {
+pub(crate) fn import_ipc(device: &Arc<Device>, handle: &[u8; 64]) -> Result<Imported> {
     PeerMem::open(device, handle).map(Imported::Ipc)
 }
 
 /// A VMM allocation imported from a file descriptor and mapped for this device.
-pub struct VmmMapping {
+pub(crate) struct VmmMapping {
     ptr: u64,
     len: usize,
     handle: cu::CUmemGenericAllocationHandle,
@@ -118,7 +118,7 @@ pub struct VmmMapping {
 }
 
 /// Maps `len` bytes of the VMM allocation behind `fd` (a descriptor of this process).
-pub fn import_fd(device: &Arc<Device>, fd: &OwnedFd, len: usize) -> Result<Imported> {
+pub(crate) fn import_fd(device: &Arc<Device>, fd: &OwnedFd, len: usize) -> Result<Imported> {
     let _b = device.bind()?;
     let mut handle: cu::CUmemGenericAllocationHandle = 0;
     // SAFETY: a POSIX fd handle is passed as the descriptor's value in the pointer argument.

@@ -31,7 +31,7 @@ fn find(wiring: &Wiring, tag: u64, first: usize, start: usize) -> Result<Option<
 
 /// Waits until a point-to-point message whose first slice is `first` bytes has begun to arrive
 /// from some peer; returns the peer.
-pub fn wait_any_source(wiring: &Wiring, tag: u64, first: usize) -> Result<usize> {
+pub(crate) fn wait_any_source(wiring: &Wiring, tag: u64, first: usize) -> Result<usize> {
     let start = NEXT_START.fetch_add(1, Ordering::Relaxed);
     let began = Instant::now();
     let mut warned = false;

@@ -42,7 +42,7 @@ pub(crate) const SLOTS: usize = 2;
 /// A place in device memory, named so that any rank's program can be checked on the CPU and
 /// resolved by the backend to an address (local or peer-mapped).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Loc {
+pub(crate) enum Loc {
     /// A buffer of operation `op` of the program (the caller's, or this program's scratch).
     Buf { op: usize, buf: Buf, offset: usize },
     /// Byte `offset` of slot `slot` that rank `owner` keeps for its messages to rank `to`.
@@ -61,7 +61,7 @@ pub enum Loc {
 /// A 64-bit descriptor cell in rank `owner`'s area: where the message `from` sent it through
 /// slot `slot` can be read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Desc {
+pub(crate) struct Desc {
     pub owner: usize,
     pub from: usize,
     pub slot: usize,
@@ -69,14 +69,14 @@ pub struct Desc {
 
 impl Desc {
     /// Index of the cell among its owner's descriptor cells.
-    pub fn index(&self, slots: usize) -> usize {
+    pub(crate) fn index(&self, slots: usize) -> usize {
         self.from * slots + self.slot
     }
 }
 
 /// A 32-bit flag in some rank's signal area.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flag {
+pub(crate) enum Flag {
     /// In `owner`'s area: raised by `from` when its slot `slot` for `owner` holds a message.
     Full {
         owner: usize,
@@ -93,14 +93,14 @@ pub enum Flag {
 
 impl Flag {
     /// The rank whose memory holds the flag.
-    pub fn owner(&self) -> usize {
+    pub(crate) fn owner(&self) -> usize {
         match *self {
             Flag::Full { owner, .. } | Flag::Empty { owner, .. } => owner,
         }
     }
 
     /// Index of the flag in its owner's signal area of `nranks` ranks with `slots` slots.
-    pub fn index(&self, nranks: usize, slots: usize) -> usize {
+    pub(crate) fn index(&self, nranks: usize, slots: usize) -> usize {
         match *self {
             Flag::Full { from, slot, .. } => from * slots + slot,
             Flag::Empty { to, slot, .. } => nranks * slots + to * slots + slot,
@@ -109,13 +109,13 @@ impl Flag {
 }
 
 /// Flags in each rank's signal area.
-pub fn flag_count(nranks: usize, slots: usize) -> usize {
+pub(crate) fn flag_count(nranks: usize, slots: usize) -> usize {
     2 * nranks * slots
 }
 
 /// A multiplier: known when the program is built, or read from device memory when it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Factor {
+pub(crate) enum Factor {
     Value(Scale),
     /// A value of the datatype at this device address of the rank (ncclScalarDevice).
     At(u64),
@@ -123,13 +123,13 @@ pub enum Factor {
 
 /// One source of a reduction, with the multiplier applied to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Source {
+pub(crate) struct Source {
     pub loc: Loc,
     pub scale: Option<Factor>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub enum DevOp {
+pub(crate) enum DevOp {
     /// A plain copy of `len` bytes.
     Copy { dst: Loc, src: Loc, len: usize },
     /// `dst = srcs[0] (+) srcs[1] (+) ...` over `count` elements, each source scaled first when it
@@ -156,7 +156,7 @@ pub enum DevOp {
 }
 
 /// How the messages of one program travel between this rank and each peer.
-pub struct Links<'a> {
+pub(crate) struct Links<'a> {
     /// Per peer: every message to it carries a descriptor (the peer reads through them).
     pub describe_to: Vec<bool>,
     /// Per peer: every message from it is read through its descriptor.
@@ -168,7 +168,7 @@ pub struct Links<'a> {
 
 impl Links<'static> {
     /// Every message staged through the slots: no registered buffers anywhere.
-    pub fn staged(nranks: usize) -> Links<'static> {
+    pub(crate) fn staged(nranks: usize) -> Links<'static> {
         Links {
             describe_to: vec![false; nranks],
             described_from: vec![false; nranks],
@@ -178,7 +178,7 @@ impl Links<'static> {
 }
 
 /// One operation of a group, ready to compile.
-pub struct DeviceOp {
+pub(crate) struct DeviceOp {
     pub coll: Collective,
     pub schedule: std::sync::Arc<Schedule>,
     pub reduction: Option<Reduction>,
@@ -189,7 +189,7 @@ pub struct DeviceOp {
 /// `nranks`. Messages must fit a slot (the caller slices schedules with
 /// `slice_bytes <= slot_bytes`).
 #[allow(clippy::too_many_arguments)]
-pub fn compile(
+pub(crate) fn compile(
     ops: &[DeviceOp],
     bufs: &[OpBuffers],
     rank: usize,
@@ -539,14 +539,14 @@ fn order(ops: &[DeviceOp]) -> Vec<(usize, usize)> {
 
 /// The device addresses of one operation's buffers.
 #[derive(Clone, Copy, Debug)]
-pub struct OpBuffers {
+pub(crate) struct OpBuffers {
     pub send: u64,
     pub recv: u64,
     pub scratch: u64,
 }
 
 impl OpBuffers {
-    pub fn base(&self, buf: Buf) -> u64 {
+    pub(crate) fn base(&self, buf: Buf) -> u64 {
         match buf {
             Buf::Send => self.send,
             Buf::Recv => self.recv,
@@ -557,7 +557,7 @@ impl OpBuffers {
 
 /// Enqueues a compiled program on `stream`. Nothing waits on the host: the program's own flag
 /// waits hold the stream until the peers' programs have done their part.
-pub fn enqueue(
+pub(crate) fn enqueue(
     prog: &[DevOp],
     world: &crate::transport::p2p::DeviceWorld,
     bufs: &[OpBuffers],
@@ -671,15 +671,6 @@ pub fn enqueue(
         }
     }
     Ok(())
-}
-
-/// Whether a reduction op can run on the device: bitwise ops only on integer types (checked
-/// before), everything else always.
-pub fn supported(reducer: &Reducer) -> bool {
-    !matches!(
-        reducer.op,
-        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor
-    ) || !reducer.dtype.is_float()
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 /// How a reducing operation combines values.
 #[derive(Clone, Copy, Debug)]
-pub struct Reduction {
+pub(crate) struct Reduction {
     pub reducer: Reducer,
     /// Applied once to this rank's own input (PreMulSum's scalar, 1/n for a float average).
     pub input_scale: Option<Scale>,
@@ -33,7 +33,7 @@ pub struct Reduction {
 }
 
 /// One operation of one communicator, with its buffers.
-pub struct HostOp {
+pub(crate) struct HostOp {
     pub schedule: Arc<Schedule>,
     pub send: *const u8,
     pub recv: *mut u8,
@@ -42,7 +42,7 @@ pub struct HostOp {
 }
 
 /// What the executor needs from a communicator.
-pub struct Wiring {
+pub(crate) struct Wiring {
     pub rank: usize,
     /// One transport per peer, this rank's own loopback included.
     pub links: Vec<Arc<dyn Link>>,
@@ -166,7 +166,7 @@ type Aliasing = Option<isize>;
 
 /// The executor's tables, kept between calls so that their memory is reused.
 #[derive(Default)]
-pub struct ExecCache {
+pub(crate) struct ExecCache {
     /// Hazards of single-operation runs, by schedule (its address: the Arc is kept alive in
     /// the value) and aliasing. Repeated calls of one shape skip the quadratic analysis.
     hazards: rustc_hash::FxHashMap<(usize, Aliasing), (Arc<Schedule>, Arc<Hazards>)>,
@@ -763,7 +763,7 @@ fn aliasing(op: &HostOp) -> Aliasing {
 
 /// Reads a PreMulSum scalar that lives at a host address (ncclScalarDevice residence used with
 /// host memory): the value in force when the collective runs.
-pub fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale {
+pub(crate) fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale {
     let mut bytes = [0u8; 8];
     // SAFETY: ncclRedOpCreatePreMulSum checked the address is not NULL, and the caller promises
     // it stays valid for a scalar of `dtype` while the op exists.
@@ -772,7 +772,7 @@ pub fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale {
 }
 
 /// Runs every communicator's operations to completion (or the first error).
-pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
+pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     let mut guards = Vec::with_capacity(jobs.len());
     let mut execs = Vec::with_capacity(jobs.len());
     for (wiring, ops) in jobs {
@@ -788,7 +788,7 @@ pub fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
 }
 
 /// Runs one operation of one communicator (a call outside any group).
-pub fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
+pub(crate) fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
     let mut cache = wiring.cache.lock();
     let mut ops = std::mem::take(&mut cache.ops);
     ops.clear();

@@ -1,6 +1,6 @@
 //! Executors carry schedules out: `host` with the CPU on host memory, `device` as a program
 //! of stream operations for device memory.
 
-pub mod anysource;
-pub mod device;
-pub mod host;
+pub(crate) mod anysource;
+pub(crate) mod device;
+pub(crate) mod host;

@@ -900,26 +900,28 @@ fn f32_to_fp8<const MAN: u32, const BIAS: u32>(x: f32, max: f32, max_code: u32) 
 /// f32 to fp8 E4M3 with round-to-nearest-even; beyond ±448 (infinities included) saturates to
 /// ±448, NaN gives NaN.
 #[inline]
-pub fn f32_to_fp8e4m3(x: f32) -> u8 {
+pub(crate) fn f32_to_fp8e4m3(x: f32) -> u8 {
     f32_to_fp8::<3, 7>(x, 448.0, 0x7e)
 }
 
 /// fp8 E4M3 to f32 (exact).
+#[cfg(test)]
 #[inline]
-pub fn fp8e4m3_to_f32(v: u8) -> f32 {
+pub(crate) fn fp8e4m3_to_f32(v: u8) -> f32 {
     E4M3_TO_F32[usize::from(v)]
 }
 
 /// f32 to fp8 E5M2 with round-to-nearest-even; beyond ±57344 (infinities included) saturates
 /// to ±57344, NaN gives NaN.
 #[inline]
-pub fn f32_to_fp8e5m2(x: f32) -> u8 {
+pub(crate) fn f32_to_fp8e5m2(x: f32) -> u8 {
     f32_to_fp8::<2, 15>(x, 57344.0, 0x7b)
 }
 
 /// fp8 E5M2 to f32 (exact; the infinity encodings give infinities).
+#[cfg(test)]
 #[inline]
-pub fn fp8e5m2_to_f32(v: u8) -> f32 {
+pub(crate) fn fp8e5m2_to_f32(v: u8) -> f32 {
     E5M2_TO_F32[usize::from(v)]
 }
 

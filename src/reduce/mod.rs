@@ -7,7 +7,9 @@
 
 mod kernels;
 
-pub use kernels::{f32_to_fp8e4m3, f32_to_fp8e5m2, fp8e4m3_to_f32, fp8e5m2_to_f32};
+// The float8 conversions, for the device kernels' test that checks against them.
+#[cfg(test)]
+pub(crate) use kernels::{f32_to_fp8e4m3, f32_to_fp8e5m2};
 
 /// The twelve NCCL datatypes, numbered as in `ncclDataType_t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,7 +93,7 @@ impl DataType {
 /// The element-wise combining functions. Avg and PreMulSum are not here: they are Sum plus a
 /// [`Scale`] on each rank's input (floats) or a final [`Reducer::divide_in_place`] (integers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
+pub(crate) enum ReduceOp {
     Sum,
     Prod,
     Max,
@@ -103,7 +105,7 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
             ReduceOp::Prod => "prod",
@@ -119,41 +121,48 @@ impl ReduceOp {
 /// A multiplier held in the encoding of the datatype it applies to (little-endian, first
 /// `dtype.size()` bytes used), as `ncclRedOpCreatePreMulSum` receives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Scale(pub [u8; 8]);
+pub(crate) struct Scale(pub [u8; 8]);
 
 impl Scale {
     /// Reads a scalar of `dtype` from its native-endian bytes (`bytes.len() >= dtype.size()`).
-    pub fn from_bytes(dtype: DataType, bytes: &[u8]) -> Scale {
+    pub(crate) fn from_bytes(dtype: DataType, bytes: &[u8]) -> Scale {
         let mut v = [0u8; 8];
         v[..dtype.size()].copy_from_slice(&bytes[..dtype.size()]);
         Scale(v)
     }
 
     /// `1/n` in `dtype` (floats only): the multiplier that turns a sum into an average.
-    pub fn reciprocal(dtype: DataType, n: usize) -> Scale {
+    pub(crate) fn reciprocal(dtype: DataType, n: usize) -> Scale {
         kernels::reciprocal(dtype, n)
     }
 }
 
 /// An element-wise reduction of one datatype and op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Reducer {
+pub(crate) struct Reducer {
     pub dtype: DataType,
     pub op: ReduceOp,
 }
 
 impl Reducer {
-    pub fn new(dtype: DataType, op: ReduceOp) -> Reducer {
+    pub(crate) fn new(dtype: DataType, op: ReduceOp) -> Reducer {
         Reducer { dtype, op }
     }
 
     /// `dst[i] = op(sa * a[i], sb * b[i])`. A scale is only given with `ReduceOp::Sum`.
-    pub fn reduce(&self, dst: &mut [u8], a: &[u8], sa: Option<Scale>, b: &[u8], sb: Option<Scale>) {
+    pub(crate) fn reduce(
+        &self,
+        dst: &mut [u8],
+        a: &[u8],
+        sa: Option<Scale>,
+        b: &[u8],
+        sb: Option<Scale>,
+    ) {
         kernels::reduce(*self, dst, a, sa, b, sb)
     }
 
     /// `acc[i] = op(sacc * acc[i], sb * b[i])`.
-    pub fn reduce_in_place(
+    pub(crate) fn reduce_in_place(
         &self,
         acc: &mut [u8],
         sacc: Option<Scale>,
@@ -164,17 +173,17 @@ impl Reducer {
     }
 
     /// `dst[i] = s * src[i]`.
-    pub fn scale(&self, dst: &mut [u8], src: &[u8], s: Scale) {
+    pub(crate) fn scale(&self, dst: &mut [u8], src: &[u8], s: Scale) {
         kernels::scale(self.dtype, dst, src, s)
     }
 
     /// `buf[i] = s * buf[i]`.
-    pub fn scale_in_place(&self, buf: &mut [u8], s: Scale) {
+    pub(crate) fn scale_in_place(&self, buf: &mut [u8], s: Scale) {
         kernels::scale_in_place(self.dtype, buf, s)
     }
 
     /// `buf[i] = buf[i] / n`: the end of an integer average (truncating toward zero).
-    pub fn divide_in_place(&self, buf: &mut [u8], n: usize) {
+    pub(crate) fn divide_in_place(&self, buf: &mut [u8], n: usize) {
         kernels::divide_in_place(self.dtype, buf, n)
     }
 }

@@ -5,7 +5,7 @@ use std::hash::{Hash, Hasher};
 
 /// What a rank tells its peers about where it runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
+pub(crate) struct Placement {
     /// Equal for processes that can share memory: same kernel boot, same hostname, same network
     /// and PID namespaces (or the same COMM_HOSTID).
     pub host_hash: u64,
@@ -18,7 +18,7 @@ pub struct Placement {
 
 /// How a rank reaches one peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Path {
+pub(crate) enum Path {
     /// The peer is this rank.
     SelfRank,
     /// A thread of this same process: direct pointers.
@@ -61,7 +61,7 @@ static THIS_PROCESS: Mutex<Option<Placement>> = Mutex::new(None);
 
 /// Where this process runs. Recomputed in a child after fork(), which must not pass for its
 /// parent.
-pub fn this_process() -> Placement {
+pub(crate) fn this_process() -> Placement {
     let mut slot = THIS_PROCESS.lock();
     match &*slot {
         Some(p) if p.pid == std::process::id() => p.clone(),
@@ -74,7 +74,7 @@ pub fn this_process() -> Placement {
 }
 
 impl Placement {
-    pub fn path_to(&self, peer: &Placement, is_self: bool) -> Path {
+    pub(crate) fn path_to(&self, peer: &Placement, is_self: bool) -> Path {
         if is_self {
             Path::SelfRank
         } else if peer.host_hash != self.host_hash {
@@ -86,7 +86,7 @@ impl Placement {
         }
     }
 
-    pub fn encode(&self, out: &mut Vec<u8>) {
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.host_hash.to_le_bytes());
         out.extend_from_slice(&self.process_token.to_le_bytes());
         out.extend_from_slice(&self.pid.to_le_bytes());
@@ -94,7 +94,7 @@ impl Placement {
         out.extend_from_slice(self.hostname.as_bytes());
     }
 
-    pub fn decode(r: &mut crate::wire::Reader<'_>) -> crate::error::Result<Placement> {
+    pub(crate) fn decode(r: &mut crate::wire::Reader<'_>) -> crate::error::Result<Placement> {
         Ok(Placement {
             host_hash: r.u64()?,
             process_token: r.u64()?,
@@ -105,7 +105,7 @@ impl Placement {
 }
 
 /// CPUs this process may run on: more local ranks than this means waits must yield the core.
-pub fn usable_cpus() -> usize {
+pub(crate) fn usable_cpus() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)

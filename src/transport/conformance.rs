@@ -22,8 +22,9 @@ enum Kind {
     Ib(usize),
 }
 
-/// The tests' verbs model, which names this crate `comm` as the integration tests do.
-#[allow(dead_code)]
+/// The tests' verbs model, which names this crate `comm` as the integration tests do. Its items
+/// are `pub` for the integration tests that share the file.
+#[allow(dead_code, unreachable_pub)]
 mod ibmodel {
     use crate as comm;
     include!("../../tests/common/ibmodel.rs");

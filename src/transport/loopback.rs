@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use std::collections::VecDeque;
 
 #[derive(Default)]
-pub struct Loopback {
+pub(crate) struct Loopback {
     /// Posted sends not yet consumed, and how many have been consumed in total.
     state: Mutex<(VecDeque<OutMsgSend>, u64, u64)>,
 }

@@ -12,12 +12,12 @@
 
 #[cfg(test)]
 mod conformance;
-pub mod loopback;
-pub mod net;
-pub mod os;
-pub mod p2p;
-pub mod reg;
-pub mod shm;
+pub(crate) mod loopback;
+pub(crate) mod net;
+pub(crate) mod os;
+pub(crate) mod p2p;
+pub(crate) mod reg;
+pub(crate) mod shm;
 
 use crate::bootstrap::Bootstrap;
 use crate::error::Result;
@@ -28,7 +28,7 @@ use std::time::Instant;
 
 /// Every link of one communicator, made by the transports that reach its peers, and the
 /// doorbell its executor sleeps on.
-pub struct Links {
+pub(crate) struct Links {
     /// One per rank, this rank's own loopback included.
     pub links: Vec<Arc<dyn Link>>,
     pub doorbell: Arc<dyn Doorbell>,
@@ -42,7 +42,7 @@ pub struct Links {
 /// reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE), the network for the rest.
 /// Collective: every rank derives the same plan from the placements, so each transport's setup
 /// runs on all ranks or on none.
-pub fn establish(
+pub(crate) fn establish(
     boot: &Bootstrap,
     placements: &[Placement],
     comm_tag: u64,
@@ -139,7 +139,7 @@ pub(crate) fn establish_with(
 
 /// An outgoing message. `src` stays valid and unmodified until the send reports `Complete`.
 #[derive(Clone, Copy, Debug)]
-pub struct OutMsg {
+pub(crate) struct OutMsg {
     pub src: *const u8,
     pub len: usize,
     /// A multiplier the receiver applies to these bytes (a rank's raw input under PreMulSum or a
@@ -150,13 +150,13 @@ pub struct OutMsg {
 
 /// What the receiver expects next on a channel.
 #[derive(Clone, Copy, Debug)]
-pub struct InExpect {
+pub(crate) struct InExpect {
     pub len: usize,
     pub tag: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SendState {
+pub(crate) enum SendState {
     /// Not all bytes have been handed to the transport yet.
     Pending,
     /// Every byte is handed over (the next message on the channel may start), but the peer may
@@ -168,7 +168,7 @@ pub enum SendState {
 
 /// Per-message progress of a send, kept by the caller between calls.
 #[derive(Clone, Debug, Default)]
-pub struct SendCursor {
+pub(crate) struct SendCursor {
     pub sent: usize,
     pub started: bool,
     /// The FIFO position whose release means the peer finished reading `src`.
@@ -177,7 +177,7 @@ pub struct SendCursor {
 
 /// Per-message progress of a receive, kept by the caller between calls.
 #[derive(Clone, Debug, Default)]
-pub struct RecvCursor {
+pub(crate) struct RecvCursor {
     pub received: usize,
     pub started: bool,
     /// A descriptor being pulled: (source address in the sender, total length, scale).
@@ -186,7 +186,7 @@ pub struct RecvCursor {
 
 /// Where received bytes go. The executor implements it: a plain copy, or a reduction into the
 /// destination.
-pub trait Sink {
+pub(crate) trait Sink {
     /// The destination, when the bytes can be written there as they are (no combining).
     fn direct(&mut self) -> Option<*mut u8>;
     /// Bytes `[offset, offset + data.len())` of the message.
@@ -197,14 +197,14 @@ pub trait Sink {
 
 /// Whether a call moved anything; the executor sleeps only after a pass where nothing moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Progress<T> {
+pub(crate) struct Progress<T> {
     pub state: T,
     pub moved: bool,
 }
 
 /// One peer's channel pair (this rank -> peer and back), made by a transport. A link keeps
 /// its own in-flight state; the cursors only say which message and how far it got.
-pub trait Link: Send + Sync {
+pub(crate) trait Link: Send + Sync {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>>;
     /// Returns `state == true` once the whole message has been delivered to the sink.
     fn recv(
@@ -239,7 +239,7 @@ pub trait Link: Send + Sync {
 
 /// How a rank's end of its links went away, as its peers will report it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Closing {
+pub(crate) enum Closing {
     Destroyed = 1,
     Aborted = 2,
     /// The communicator failed (a lost peer, ranks that disagree): it can only be destroyed.
@@ -249,7 +249,7 @@ pub enum Closing {
 }
 
 impl Closing {
-    pub fn from_code(c: u32) -> Option<Closing> {
+    pub(crate) fn from_code(c: u32) -> Option<Closing> {
         match c {
             1 => Some(Closing::Destroyed),
             2 => Some(Closing::Aborted),
@@ -260,7 +260,7 @@ impl Closing {
     }
 
     /// "rank 4 aborted its communicator after it lost rank 3 while this rank still needs it".
-    pub fn describe(self, rank: usize, lost: Option<usize>) -> String {
+    pub(crate) fn describe(self, rank: usize, lost: Option<usize>) -> String {
         let after = lost
             .map(|l| format!(" after it lost rank {l}"))
             .unwrap_or_default();
@@ -278,7 +278,7 @@ impl Closing {
     }
 
     /// The kind of error a peer reports when this end closed this way.
-    pub fn kind(self) -> crate::error::ErrorKind {
+    pub(crate) fn kind(self) -> crate::error::ErrorKind {
         match self {
             Closing::TimedOut => crate::error::ErrorKind::Timeout,
             _ => crate::error::ErrorKind::Remote,
@@ -290,7 +290,7 @@ impl Closing {
 /// shm peers through the futex word in this rank's segment, network links from their
 /// progress thread. The protocol: `prepare_sleep`, one more look for work, then `sleep` or
 /// `cancel_sleep`; a `ring` after `prepare_sleep` always wakes the sleeper.
-pub trait Doorbell: Send + Sync {
+pub(crate) trait Doorbell: Send + Sync {
     fn ring(&self);
     fn prepare_sleep(&self) -> u32;
     fn cancel_sleep(&self);
@@ -299,7 +299,7 @@ pub trait Doorbell: Send + Sync {
 
 /// A doorbell in this process's memory, for ranks without a shared-memory segment.
 #[derive(Default)]
-pub struct LocalDoorbell {
+pub(crate) struct LocalDoorbell {
     word: std::sync::atomic::AtomicU32,
     sleepers: std::sync::atomic::AtomicU32,
 }
@@ -333,33 +333,33 @@ impl Doorbell for LocalDoorbell {
 }
 
 /// Message tags: the kind of operation in the top byte, the communicator's operation count below.
-pub fn tag(kind: u8, seq: u64) -> u64 {
+pub(crate) fn tag(kind: u8, seq: u64) -> u64 {
     ((kind as u64) << 56) | (seq & ((1 << 56) - 1))
 }
 
-pub fn tag_kind(tag: u64) -> u8 {
+pub(crate) fn tag_kind(tag: u64) -> u8 {
     (tag >> 56) as u8
 }
 
-pub fn tag_seq(tag: u64) -> u64 {
+pub(crate) fn tag_seq(tag: u64) -> u64 {
     tag & ((1 << 56) - 1)
 }
 
 /// The kinds of operation a message can belong to (the top byte of its tag).
-pub mod kind {
-    pub const P2P: u8 = 1;
-    pub const ALL_REDUCE: u8 = 2;
-    pub const BROADCAST: u8 = 3;
-    pub const REDUCE: u8 = 4;
-    pub const ALL_GATHER: u8 = 5;
-    pub const REDUCE_SCATTER: u8 = 6;
-    pub const ALL_TO_ALL: u8 = 7;
-    pub const ALL_TO_ALL_V: u8 = 8;
-    pub const GATHER: u8 = 9;
-    pub const SCATTER: u8 = 10;
-    pub const BARRIER: u8 = 11;
+pub(crate) mod kind {
+    pub(crate) const P2P: u8 = 1;
+    pub(crate) const ALL_REDUCE: u8 = 2;
+    pub(crate) const BROADCAST: u8 = 3;
+    pub(crate) const REDUCE: u8 = 4;
+    pub(crate) const ALL_GATHER: u8 = 5;
+    pub(crate) const REDUCE_SCATTER: u8 = 6;
+    pub(crate) const ALL_TO_ALL: u8 = 7;
+    pub(crate) const ALL_TO_ALL_V: u8 = 8;
+    pub(crate) const GATHER: u8 = 9;
+    pub(crate) const SCATTER: u8 = 10;
+    pub(crate) const BARRIER: u8 = 11;
 
-    pub fn name(k: u8) -> &'static str {
+    pub(crate) fn name(k: u8) -> &'static str {
         match k {
             P2P => "Send/Recv",
             ALL_REDUCE => "AllReduce",
@@ -378,7 +378,7 @@ pub mod kind {
 }
 
 /// "AllReduce #12" or "Send/Recv".
-pub fn describe_tag(tag: u64) -> String {
+pub(crate) fn describe_tag(tag: u64) -> String {
     let k = tag_kind(tag);
     if k == kind::P2P {
         kind::name(k).to_string()

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 /// An anonymous shared-memory file of `len` bytes, zero-filled; pages cost nothing until touched.
-pub fn memfd(name: &str, len: usize) -> Result<OwnedFd> {
+pub(crate) fn memfd(name: &str, len: usize) -> Result<OwnedFd> {
     let cname = std::ffi::CString::new(name).expect("memfd name has no NUL");
     // SAFETY: cname is a valid C string; flags are plain constants.
     let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
@@ -29,7 +29,7 @@ pub fn memfd(name: &str, len: usize) -> Result<OwnedFd> {
 }
 
 /// A shared read-write mapping of a whole file, unmapped on drop.
-pub struct Mapping {
+pub(crate) struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
@@ -41,7 +41,7 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    pub fn map(fd: RawFd, len: usize) -> Result<Mapping> {
+    pub(crate) fn map(fd: RawFd, len: usize) -> Result<Mapping> {
         // SAFETY: a fresh shared mapping chosen by the kernel; fd refers to a file of at least len bytes.
         let ptr = unsafe {
             libc::mmap(
@@ -64,16 +64,12 @@ impl Mapping {
         })
     }
 
-    pub fn ptr(&self) -> *mut u8 {
+    pub(crate) fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 
@@ -89,7 +85,7 @@ impl Drop for Mapping {
 /// Private anonymous memory, 2 MiB-aligned and backed by transparent huge pages where the
 /// kernel allows: the kernel pins such memory in far fewer steps when process_vm_readv copies
 /// into or out of it.
-pub struct HugeMem {
+pub(crate) struct HugeMem {
     base: *mut u8,
     len: usize,
     ptr: *mut u8,
@@ -101,7 +97,7 @@ unsafe impl Send for HugeMem {}
 const HUGE_PAGE: usize = 2 << 20;
 
 impl HugeMem {
-    pub fn new(len: usize) -> Result<HugeMem> {
+    pub(crate) fn new(len: usize) -> Result<HugeMem> {
         let total = len.next_multiple_of(HUGE_PAGE) + HUGE_PAGE;
         // SAFETY: a fresh private anonymous mapping chosen by the kernel.
         let base = unsafe {
@@ -133,13 +129,8 @@ impl HugeMem {
         })
     }
 
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
-    }
-
-    /// Bytes usable from `as_mut_ptr`.
-    pub fn capacity(&self) -> usize {
-        self.len - HUGE_PAGE
     }
 }
 
@@ -155,7 +146,7 @@ impl Drop for HugeMem {
 /// for pages not faulted in yet, MADV_COLLAPSE (Linux 6.1+) for those already there. Contents
 /// are unchanged; failure (older kernel, no free huge pages) only means the optimisation does
 /// not apply. Regions already done are remembered.
-pub fn collapse_to_huge_pages(ptr: usize, len: usize) {
+pub(crate) fn collapse_to_huge_pages(ptr: usize, len: usize) {
     use std::collections::HashSet;
     static DONE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
     const MADV_COLLAPSE: i32 = 25;
@@ -195,7 +186,7 @@ pub fn collapse_to_huge_pages(ptr: usize, len: usize) {
 
 /// Sleeps while `word` holds `expected`, at most `timeout`. Works across processes because the
 /// word lives in a MAP_SHARED mapping (no FUTEX_PRIVATE_FLAG).
-pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -212,7 +203,7 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
-pub fn futex_wake_all(word: &AtomicU32) {
+pub(crate) fn futex_wake_all(word: &AtomicU32) {
     // SAFETY: as in futex_wait; FUTEX_WAKE does not touch the word's value.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
@@ -220,13 +211,13 @@ pub fn futex_wake_all(word: &AtomicU32) {
 }
 
 /// A handle on another process that says when it has exited, immune to pid reuse.
-pub struct ProcessWatch {
+pub(crate) struct ProcessWatch {
     pid: u32,
     pidfd: Option<OwnedFd>,
 }
 
 impl ProcessWatch {
-    pub fn new(pid: u32) -> ProcessWatch {
+    pub(crate) fn new(pid: u32) -> ProcessWatch {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
         let pidfd = if fd >= 0 {
@@ -238,7 +229,7 @@ impl ProcessWatch {
         ProcessWatch { pid, pidfd }
     }
 
-    pub fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         match &self.pidfd {
             Some(fd) => {
                 let mut p = libc::pollfd {
@@ -263,7 +254,12 @@ impl ProcessWatch {
 ///
 /// # Safety
 /// `local` must be valid for `len` bytes of writes.
-pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> io::Result<()> {
+pub(crate) unsafe fn cma_read(
+    pid: u32,
+    local: *mut u8,
+    remote: usize,
+    len: usize,
+) -> io::Result<()> {
     cma_copy(pid, local, remote, len, false)
 }
 
@@ -271,7 +267,12 @@ pub unsafe fn cma_read(pid: u32, local: *mut u8, remote: usize, len: usize) -> i
 ///
 /// # Safety
 /// `local` must be valid for `len` bytes of reads.
-pub unsafe fn cma_write(pid: u32, local: *const u8, remote: usize, len: usize) -> io::Result<()> {
+pub(crate) unsafe fn cma_write(
+    pid: u32,
+    local: *const u8,
+    remote: usize,
+    len: usize,
+) -> io::Result<()> {
     cma_copy(pid, local.cast_mut(), remote, len, true)
 }
 
@@ -318,7 +319,7 @@ unsafe fn cma_copy(
 }
 
 /// Sends one file descriptor (and one byte, so the message is not empty) over a unix socket.
-pub fn send_fd(sock: &UnixStream, fd: RawFd) -> Result<()> {
+pub(crate) fn send_fd(sock: &UnixStream, fd: RawFd) -> Result<()> {
     let mut byte = [0x5au8];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
@@ -350,7 +351,7 @@ pub fn send_fd(sock: &UnixStream, fd: RawFd) -> Result<()> {
 }
 
 /// Receives one file descriptor sent by [`send_fd`].
-pub fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
+pub(crate) fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
     let mut byte = [0u8];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
@@ -390,7 +391,7 @@ pub fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
 /// Duplicates a descriptor of this process (a same-process peer's segment).
 /// A duplicate of descriptor `fd` of process `pid` (pidfd_getfd: Linux 5.6 or later, and the
 /// same permission as ptrace, which process_vm_readv needs too).
-pub fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
+pub(crate) fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a descriptor or -1.
     let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if pidfd < 0 {
@@ -408,7 +409,7 @@ pub fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
 }
 
-pub fn dup(fd: RawFd) -> Result<OwnedFd> {
+pub(crate) fn dup(fd: RawFd) -> Result<OwnedFd> {
     // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor or -1; fd is checked by the kernel.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if new < 0 {

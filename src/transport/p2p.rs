@@ -59,7 +59,7 @@ impl Mapped {
 }
 
 /// One rank's view of the device memory of its communicator.
-pub struct DeviceWorld {
+pub(crate) struct DeviceWorld {
     pub device: Arc<Device>,
     pub nranks: usize,
     pub slot_bytes: usize,
@@ -77,7 +77,7 @@ impl DeviceWorld {
     /// Sets up the device areas of every rank. Collective over the bootstrap: either every rank
     /// gets a world, or (when any rank has no usable GPU or cannot map a peer) every rank gets
     /// None and the communicator stays on host memory, with the reason logged.
-    pub fn connect(
+    pub(crate) fn connect(
         boot: &Bootstrap,
         ordinal: Option<i32>,
         paths: &[Path],
@@ -232,7 +232,7 @@ impl DeviceWorld {
     /// is freed only after every rank has closed its mappings, which a bootstrap barrier
     /// (bounded by `deadline`) shows. Where that cannot be shown, or our own programs may
     /// still run, the memory is left allocated, with a warning: a leak, not a fault.
-    pub fn retire(mut self, boot: &Bootstrap, quiet: bool, deadline: Instant) {
+    pub(crate) fn retire(mut self, boot: &Bootstrap, quiet: bool, deadline: Instant) {
         if !quiet {
             crate::warn!(
                 "device work of this communicator is still pending at destroy (a peer gone, or the communicator aborted); its device memory stays allocated"
@@ -265,7 +265,7 @@ impl DeviceWorld {
     }
 
     /// The address of a slot location in whichever rank's area holds it.
-    pub fn slot_addr(&self, loc: Loc) -> Result<u64> {
+    pub(crate) fn slot_addr(&self, loc: Loc) -> Result<u64> {
         match loc {
             Loc::Slot {
                 owner,
@@ -280,16 +280,16 @@ impl DeviceWorld {
     }
 
     /// The address of a descriptor cell in whichever rank's area holds it.
-    pub fn desc_addr(&self, desc: Desc) -> Result<u64> {
+    pub(crate) fn desc_addr(&self, desc: Desc) -> Result<u64> {
         Ok(self.base(desc.owner)? + (descs_offset(self.nranks) + desc.index(SLOTS) * 8) as u64)
     }
 
-    pub fn flag_addr(&self, flag: Flag) -> Result<u64> {
+    pub(crate) fn flag_addr(&self, flag: Flag) -> Result<u64> {
         Ok(self.base(flag.owner())? + (flag.index(self.nranks, SLOTS) * 4) as u64)
     }
 
     /// At least `len` bytes of device scratch, valid until the communicator is destroyed.
-    pub fn scratch(&self, len: usize) -> Result<u64> {
+    pub(crate) fn scratch(&self, len: usize) -> Result<u64> {
         let mut blocks = self.scratch.lock();
         if let Some(last) = blocks.last() {
             if last.len >= len {

@@ -58,7 +58,7 @@ fn ack_off(nranks: usize, sender: usize, index: usize) -> usize {
 }
 
 /// Bytes of the registry area of a segment for `nranks` ranks.
-pub fn area_bytes(nranks: usize) -> usize {
+pub(crate) fn area_bytes(nranks: usize) -> usize {
     ack_off(nranks, nranks, 0).next_multiple_of(4096)
 }
 
@@ -283,7 +283,7 @@ struct State {
 }
 
 /// The registered-buffer state of one rank of a communicator.
-pub struct Registry {
+pub(crate) struct Registry {
     me: usize,
     nranks: usize,
     state: Mutex<State>,
@@ -291,7 +291,7 @@ pub struct Registry {
 
 /// What one program may do: the descriptor modes per peer, and where peers read this rank's
 /// registered bytes.
-pub struct Plan {
+pub(crate) struct Plan {
     pub describe_to: Vec<bool>,
     pub described_from: Vec<bool>,
     /// (generation, start, len, allocation base, index) of every live export.
@@ -299,7 +299,7 @@ pub struct Plan {
 }
 
 impl Registry {
-    pub fn new(me: usize, nranks: usize) -> Registry {
+    pub(crate) fn new(me: usize, nranks: usize) -> Registry {
         Registry {
             me,
             nranks,
@@ -329,7 +329,7 @@ impl Registry {
 
     /// Publishes device buffer `[ptr, ptr + len)` for peers to read in place. None when the
     /// table is full (the buffer is still registered, but staged).
-    pub fn export(
+    pub(crate) fn export(
         &self,
         shm: &ShmWorld,
         device: &Arc<Device>,
@@ -407,7 +407,7 @@ impl Registry {
 
     /// Withdraws an export. Programs enqueued before keep reading it; the peers let go of
     /// their mappings once those are done.
-    pub fn unexport(&self, shm: &ShmWorld, index: usize) {
+    pub(crate) fn unexport(&self, shm: &ShmWorld, index: usize) {
         let mut st = self.state.lock();
         if let Some(e) = st.exports[index].take() {
             // Dead first, then the descriptor closes (when `e` drops): a peer that duplicated
@@ -419,7 +419,7 @@ impl Registry {
     /// Brings this rank's view of the peers' tables up to date and plans one program that
     /// sends to the peers marked in `sends_to` and receives from those in `recvs_from`.
     /// Counts the program: call it once per enqueued program, in enqueue order.
-    pub fn plan(
+    pub(crate) fn plan(
         &self,
         shm: &ShmWorld,
         device: Option<&Arc<Device>>,
@@ -578,7 +578,7 @@ impl Registry {
 
     /// After a program was enqueued on `stream`: lets go of retired mappings nothing reads any
     /// more.
-    pub fn after_enqueue(&self, device: &Arc<Device>, stream: Stream) -> Result<()> {
+    pub(crate) fn after_enqueue(&self, device: &Arc<Device>, stream: Stream) -> Result<()> {
         // An event recorded during graph capture becomes part of the graph and says nothing
         // about when work runs; retire on the next eager program instead.
         if stream.capturing() {
@@ -599,7 +599,8 @@ impl Registry {
     }
 
     /// Whether this rank maps anything of its peers (which must outlive the device work).
-    pub fn holds_mappings(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn holds_mappings(&self) -> bool {
         let st = self.state.lock();
         !st.retiring.is_empty() || st.imports.iter().flatten().any(|m| m.is_some())
     }
@@ -608,7 +609,7 @@ impl Registry {
 impl Plan {
     /// Where `peer` reads `len` bytes of this rank's memory at `addr` in place, if it mapped the
     /// registered buffer that holds them.
-    pub fn peer_view(
+    pub(crate) fn peer_view(
         &self,
         shm: &ShmWorld,
         me: usize,

@@ -106,7 +106,7 @@ struct SlotHeader {
 }
 
 /// One rank's segment, mapped into this process.
-pub struct Segment {
+pub(crate) struct Segment {
     map: Mapping,
     geo: Geometry,
     /// Held by the owner so same-process peers can duplicate it while the communicator lives.
@@ -301,7 +301,7 @@ enum Access {
 }
 
 /// One peer reached through shared memory.
-pub struct ShmPeer {
+pub(crate) struct ShmPeer {
     me: usize,
     peer: usize,
     /// Our segment: the FIFO this peer sends us, and our doorbell.
@@ -317,11 +317,6 @@ pub struct ShmPeer {
 }
 
 impl ShmPeer {
-    /// Wakes the peer, e.g. so it notices that this end closed.
-    pub fn ring_peer(&self) {
-        self.remote.ring();
-    }
-
     fn read_header(&self, seq: u64) -> SlotHeader {
         // SAFETY: the header lies inside our segment after the slot's number; the sender wrote
         // it before publishing that number with Release, which we read with Acquire.
@@ -711,7 +706,7 @@ impl Announce {
 }
 
 /// The shm side of a communicator: our segment and a transport per local peer.
-pub struct ShmWorld {
+pub(crate) struct ShmWorld {
     pub local: Arc<Segment>,
     pub peers: Vec<Option<Arc<ShmPeer>>>,
 }
@@ -721,7 +716,7 @@ fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {
 }
 
 /// Builds the shm transports of one rank. Collective over the communicator's bootstrap.
-pub fn connect(
+pub(crate) fn connect(
     boot: &Bootstrap,
     paths: &[Path],
     placements: &[Placement],

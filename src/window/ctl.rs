@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Windows one communicator may have registered at once (per rank).
-pub const MAX_WINDOWS: usize = 256;
+pub(super) const MAX_WINDOWS: usize = 256;
 
 const BELL: usize = 0;
 const SLEEPERS: usize = 4;
@@ -22,7 +22,7 @@ const SLOT_LOCK: usize = 0;
 const SLOT_LIVE: usize = 8;
 const SLOT_PADS: usize = 64;
 
-pub struct Ctl {
+pub(crate) struct Ctl {
     map: Mapping,
     nranks: usize,
     channels: usize,
@@ -38,7 +38,7 @@ fn slot_bytes(nranks: usize, channels: usize) -> usize {
 
 impl Ctl {
     /// A fresh, zeroed control segment and its descriptor (to share with the peers).
-    pub fn create(nranks: usize, channels: usize) -> Result<(Ctl, OwnedFd)> {
+    pub(crate) fn create(nranks: usize, channels: usize) -> Result<(Ctl, OwnedFd)> {
         let len = slots_at(nranks) + MAX_WINDOWS * slot_bytes(nranks, channels);
         let fd = os::memfd("comm-window-ctl", len)?;
         let ctl = Ctl::open(&fd, nranks, channels)?;
@@ -46,7 +46,7 @@ impl Ctl {
     }
 
     /// Maps a peer's control segment.
-    pub fn open(fd: &OwnedFd, nranks: usize, channels: usize) -> Result<Ctl> {
+    pub(crate) fn open(fd: &OwnedFd, nranks: usize, channels: usize) -> Result<Ctl> {
         let len = slots_at(nranks) + MAX_WINDOWS * slot_bytes(nranks, channels);
         Ok(Ctl {
             map: Mapping::map(fd.as_raw_fd(), len)?,
@@ -69,7 +69,7 @@ impl Ctl {
     }
 
     /// How many NCCL signals rank `from` has sent this rank.
-    pub fn counter(&self, from: usize) -> &AtomicU64 {
+    pub(crate) fn counter(&self, from: usize) -> &AtomicU64 {
         self.word64(COUNTERS + 8 * from)
     }
 
@@ -78,12 +78,12 @@ impl Ctl {
     }
 
     /// The signal pad word of window slot `slot` for `channel` and `peer`.
-    pub fn pad(&self, slot: usize, channel: usize, peer: usize) -> &AtomicU32 {
+    pub(crate) fn pad(&self, slot: usize, channel: usize, peer: usize) -> &AtomicU32 {
         self.word32(self.slot(slot) + SLOT_PADS + 4 * (channel * self.nranks + peer))
     }
 
     /// The signal pads of window slot `slot`: `channels * nranks` words, as PyTorch lays them out.
-    pub fn pads_ptr(&self, slot: usize) -> *mut u8 {
+    pub(crate) fn pads_ptr(&self, slot: usize) -> *mut u8 {
         // SAFETY: the slot lies inside the mapping.
         unsafe { self.map.ptr().add(self.slot(slot) + SLOT_PADS) }
     }
@@ -91,12 +91,12 @@ impl Ctl {
     /// The handle of the window registered in slot `slot` of this rank, 0 when none is: a peer
     /// checks it before reaching into the window, so that an operation into memory the target
     /// has deregistered (and perhaps freed and reused) is refused instead of corrupting it.
-    pub fn live(&self, slot: usize) -> &AtomicU64 {
+    pub(crate) fn live(&self, slot: usize) -> &AtomicU64 {
         self.word64(self.slot(slot) + SLOT_LIVE)
     }
 
     /// Clears a window slot for a new window.
-    pub fn reset_slot(&self, slot: usize) {
+    pub(crate) fn reset_slot(&self, slot: usize) {
         self.word32(self.slot(slot) + SLOT_LOCK)
             .store(0, Ordering::SeqCst);
         self.live(slot).store(0, Ordering::SeqCst);
@@ -111,7 +111,7 @@ impl Ctl {
     /// holder's pid: a waiter that finds the holder's process gone takes the lock over (the
     /// holder died between its read and its write of one word, or after both), and one that
     /// waits past `deadline` gives up with ncclTimeout.
-    pub fn locked<T>(
+    pub(crate) fn locked<T>(
         &self,
         slot: usize,
         deadline: Option<Instant>,
@@ -156,7 +156,7 @@ impl Ctl {
     /// Wakes this rank's waiters after a signal or a pad changed.
     /// Callers changed the word a waiter looks at (SeqCst) first: a waiter that registered
     /// as a sleeper before that change is woken, one that registers after it sees the change.
-    pub fn ring(&self) {
+    pub(crate) fn ring(&self) {
         if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
             self.word32(BELL).fetch_add(1, Ordering::SeqCst);
             os::futex_wake_all(self.word32(BELL));
@@ -166,7 +166,7 @@ impl Ctl {
     /// Sleeps until the bell rings or `slice` passes, unless `ready` holds on a last look
     /// (then returns true: `ready` may consume what it found). The protocol makes a ring
     /// between the last look and the sleep wake the sleeper.
-    pub fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
+    pub(crate) fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
         let sleepers = self.word32(SLEEPERS);
         sleepers.fetch_add(1, Ordering::SeqCst);
         let seen = self.word32(BELL).load(Ordering::SeqCst);

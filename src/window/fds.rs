@@ -17,7 +17,7 @@ use std::time::Instant;
 /// Collective over `boot`: every rank offers `fd` (or nothing) and gets, per rank, the
 /// descriptor that rank offered when it is on this host (itself included). `tag` keeps
 /// concurrent exchanges apart.
-pub fn exchange(
+pub(super) fn exchange(
     boot: &Bootstrap,
     paths: &[Path],
     placements: &[Placement],

@@ -18,7 +18,7 @@
 mod ctl;
 mod fds;
 mod remote;
-pub mod shared;
+pub(crate) mod shared;
 
 use crate::bootstrap::Bootstrap;
 use crate::cuda::share::{self, Imported, Shareable};
@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 /// What windows need of a communicator: its members, how to reach them, and its limits.
 /// The communicator lends it (`Comm::window_members`); windows never see the communicator.
-pub struct Members<'a> {
+pub(crate) struct Members<'a> {
     pub rank: usize,
     pub nranks: usize,
     /// The communicator's tag, the same on every rank.
@@ -59,11 +59,11 @@ pub struct Members<'a> {
 }
 
 /// NCCL's window flags this version knows.
-pub const WIN_COLL_SYMMETRIC: i32 = 0x01;
-pub const WIN_STRICT_ORDERING: i32 = 0x02;
+pub(crate) const WIN_COLL_SYMMETRIC: i32 = 0x01;
+pub(crate) const WIN_STRICT_ORDERING: i32 = 0x02;
 
 /// How this rank reaches one rank's part of a window.
-pub enum Reach {
+pub(crate) enum Reach {
     /// Loads and stores at this address.
     Direct(usize),
     /// process_vm_writev / readv into process `pid` at `addr`.
@@ -83,7 +83,7 @@ enum Keep {
 }
 
 /// One rank's part of a window, as seen from this rank.
-pub struct PeerWin {
+pub(crate) struct PeerWin {
     pub len: usize,
     /// Its address in its own process (for alignment checks).
     pub addr: usize,
@@ -97,7 +97,7 @@ pub struct PeerWin {
     _keep: Keep,
 }
 
-pub struct Window {
+pub(crate) struct Window {
     pub handle: usize,
     /// (communicator tag, rank) of the communicator it was registered on.
     pub comm: (u64, usize),
@@ -113,7 +113,7 @@ pub struct Window {
 }
 
 /// A communicator's state for windows, made at its first window registration.
-pub struct CommWindows {
+pub(crate) struct CommWindows {
     rank: usize,
     channels: usize,
     /// Control segments: ours, and those of the peers on this host.
@@ -312,7 +312,7 @@ impl CommWindows {
 /// ncclCommWindowRegister (and commWindowAllocate with `owned`): collective. `precheck` is
 /// this rank's verdict on its arguments; every rank learns every verdict, so bad arguments on
 /// one rank fail the call everywhere instead of leaving the others waiting.
-pub fn register(
+pub(crate) fn register(
     c: &Members,
     buff: usize,
     size: usize,
@@ -645,7 +645,7 @@ fn device_reach(
 }
 
 /// The window behind `handle`, which must belong to communicator `c`.
-pub fn lookup(c: &Members, handle: usize) -> Result<Arc<Window>> {
+pub(crate) fn lookup(c: &Members, handle: usize) -> Result<Arc<Window>> {
     match window_by_handle(handle) {
         Some(w) if w.comm == key(c) => Ok(w),
         Some(_) => crate::invalid_arg!(
@@ -658,7 +658,7 @@ pub fn lookup(c: &Members, handle: usize) -> Result<Arc<Window>> {
 }
 
 /// ncclCommWindowDeregister: local. Memory allocated with the window is freed.
-pub fn deregister(c: &Members, handle: usize) -> Result<()> {
+pub(crate) fn deregister(c: &Members, handle: usize) -> Result<()> {
     let w = lookup(c, handle)?;
     if let Some(n) = handle_number(handle) {
         WINDOWS.lock()[n] = None;
@@ -674,7 +674,7 @@ pub fn deregister(c: &Members, handle: usize) -> Result<()> {
 
 /// The communicator is going away (destroy, abort): its windows go with it, memory allocated
 /// with them is freed, its listener stops and its connections close.
-pub fn forget(c: &Members) {
+pub(crate) fn forget(c: &Members) {
     let k = key(c);
     COMMS.lock().retain(|e| e.0 != k);
     let gone: Vec<Arc<Window>> = WINDOWS
@@ -691,7 +691,7 @@ pub fn forget(c: &Members) {
 }
 
 /// This rank's own address of the window.
-pub fn user_ptr(c: &Members, handle: usize) -> Result<usize> {
+pub(crate) fn user_ptr(c: &Members, handle: usize) -> Result<usize> {
     let w = lookup(c, handle)?;
     Ok(w.peers[c.rank].addr)
 }
@@ -707,13 +707,13 @@ fn peer_index(c: &Members, peer: i32) -> Result<usize> {
 }
 
 /// Checks a peer number: the rank it names.
-pub fn check_peer(c: &Members, peer: i32) -> Result<usize> {
+pub(crate) fn check_peer(c: &Members, peer: i32) -> Result<usize> {
     peer_index(c, peer)
 }
 
 /// Checks an access of `len` bytes at `off` of `peer`'s part of window `handle`.
 /// Returns the window and the peer's rank.
-pub fn check_access(
+pub(crate) fn check_access(
     c: &Members,
     handle: usize,
     peer: i32,
@@ -738,7 +738,7 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
 
 /// A local buffer in device memory goes only with a window part in device memory (the copy
 /// is the GPU's); host buffers go with either.
-pub fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
+pub(crate) fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
     if let MemKind::Device(d) = crate::cuda::classify(buf as *const std::ffi::c_void) {
         if !w.is_device(peer) {
             return crate::invalid_usage!(
@@ -759,7 +759,7 @@ impl Window {
     }
 
     /// Whether `peer`'s part is device memory (then this rank has the communicator's GPU).
-    pub fn is_device(&self, peer: usize) -> bool {
+    pub(crate) fn is_device(&self, peer: usize) -> bool {
         matches!(self.peers[peer].data, Reach::Device(_))
     }
 }
@@ -795,7 +795,7 @@ fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads.
-pub unsafe fn put(
+pub(crate) unsafe fn put(
     c: &Members,
     handle: usize,
     peer: i32,
@@ -817,7 +817,7 @@ pub unsafe fn put(
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads (until the stream reaches the copy, with one).
-pub unsafe fn put_checked(
+pub(crate) unsafe fn put_checked(
     w: &Window,
     peer: usize,
     off: usize,
@@ -903,7 +903,7 @@ fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
 
 /// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it. On a
 /// communicator with a GPU it is queued on `stream`, behind the puts queued there before it.
-pub fn signal(c: &Members, peer: i32, stream: Option<Stream>) -> Result<()> {
+pub(crate) fn signal(c: &Members, peer: i32, stream: Option<Stream>) -> Result<()> {
     let peer = peer_index(c, peer)?;
     let cw = existing(c, "ncclSignal")?;
     match stream.filter(|_| c.device.is_some()) {
@@ -920,7 +920,7 @@ pub fn signal(c: &Members, peer: i32, stream: Option<Stream>) -> Result<()> {
 ///
 /// # Safety
 /// `dst` must be valid for `len` bytes of writes.
-pub unsafe fn get(
+pub(crate) unsafe fn get(
     c: &Members,
     handle: usize,
     peer: i32,
@@ -1038,7 +1038,7 @@ pub(crate) fn atomic_at(
 }
 
 /// 8-byte fetch-add (`cas` None) or compare-and-swap on `peer`'s window at `off`; the old value.
-pub fn atomic(
+pub(crate) fn atomic(
     c: &Members,
     handle: usize,
     peer: i32,
@@ -1084,7 +1084,7 @@ pub fn atomic(
 }
 
 /// Returns once every earlier put from this rank to `peer` (every peer when None) has landed.
-pub fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
+pub(crate) fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
     let w = lookup(c, handle)?;
     let peers = match peer {
         Some(p) => vec![peer_index(c, p)?],
@@ -1110,7 +1110,7 @@ pub fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()> {
 }
 
 /// The address at which this rank reaches `peer`'s window with loads and stores, if it can.
-pub fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> {
+pub(crate) fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     check_live(&w.cw, &w, peer)?;
@@ -1122,7 +1122,7 @@ pub fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<usize>> 
 
 /// ncclGetPeerDevicePointer: the device address at which this rank's GPU reaches `offset` of
 /// `peer`'s part of window `handle` (a device-memory window; NCCL takes no communicator here).
-pub fn peer_device_ptr(handle: usize, offset: usize, peer: i32) -> Result<usize> {
+pub(crate) fn peer_device_ptr(handle: usize, offset: usize, peer: i32) -> Result<usize> {
     let Some(w) = window_by_handle(handle) else {
         return crate::invalid_arg!(
             "window {handle:#x} is not a live window (never registered, or already deregistered)"
@@ -1149,7 +1149,7 @@ pub fn peer_device_ptr(handle: usize, offset: usize, peer: i32) -> Result<usize>
 
 /// `peer`'s signal pads of window `handle` (channels x nranks u32 words) where this rank maps
 /// them, and the number of channels.
-pub fn signal_pads(c: &Members, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
+pub(crate) fn signal_pads(c: &Members, handle: usize, peer: i32) -> Result<(Option<usize>, usize)> {
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     let cw = w.cw.clone();
@@ -1236,7 +1236,10 @@ fn peer_lost(c: &Members, cw: &CommWindows, peer: usize) -> Option<String> {
 
 /// ncclWaitSignal: for each (peer, opCnt), waits until `peer` has sent `opCnt` more signals
 /// than earlier waits consumed, and consumes them.
-pub fn wait_signals(c: &Members, descs: impl IntoIterator<Item = (usize, u64)>) -> Result<()> {
+pub(crate) fn wait_signals(
+    c: &Members,
+    descs: impl IntoIterator<Item = (usize, u64)>,
+) -> Result<()> {
     let cw = existing(c, "ncclWaitSignal")?;
     for (peer, n) in descs {
         let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
@@ -1279,7 +1282,7 @@ fn pad_deadline(c: &Members, timeout_ms: u64) -> Option<Instant> {
 
 /// PyTorch's put_signal: sets this rank's pad word for `channel` at `dst` from 0 to 1, waiting
 /// while it is still 1 from the previous signal.
-pub fn channel_signal(
+pub(crate) fn channel_signal(
     c: &Members,
     handle: usize,
     dst: i32,
@@ -1361,7 +1364,7 @@ fn channel_signal_to(
 }
 
 /// PyTorch's wait_signal: waits until `src` has signalled this rank on `channel`, and clears it.
-pub fn channel_wait(
+pub(crate) fn channel_wait(
     c: &Members,
     handle: usize,
     src: i32,
@@ -1396,7 +1399,12 @@ fn channel_wait_from(
 }
 
 /// PyTorch's barrier: signal every peer on `channel`, then wait for every peer's signal.
-pub fn channel_barrier(c: &Members, handle: usize, channel: i32, timeout_ms: u64) -> Result<()> {
+pub(crate) fn channel_barrier(
+    c: &Members,
+    handle: usize,
+    channel: i32,
+    timeout_ms: u64,
+) -> Result<()> {
     let w = lookup(c, handle)?;
     let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;

@@ -16,21 +16,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub const OP_PUT: u32 = 1;
-pub const OP_GET: u32 = 2;
-pub const OP_FETCH_ADD: u32 = 3;
-pub const OP_CAS: u32 = 4;
-pub const OP_SIGNAL: u32 = 5;
-pub const OP_PAD_CAS: u32 = 6;
-pub const OP_FLUSH: u32 = 7;
+pub(super) const OP_PUT: u32 = 1;
+pub(super) const OP_GET: u32 = 2;
+pub(super) const OP_FETCH_ADD: u32 = 3;
+pub(super) const OP_CAS: u32 = 4;
+pub(super) const OP_SIGNAL: u32 = 5;
+pub(super) const OP_PAD_CAS: u32 = 6;
+pub(super) const OP_FLUSH: u32 = 7;
 /// With OP_PUT: count one NCCL signal once the data is in place.
-pub const FLAG_SIGNAL: u32 = 1;
+pub(super) const FLAG_SIGNAL: u32 = 1;
 
 const FRAME: usize = 48;
 
 /// One request: `win` is the target's window handle; for OP_PAD_CAS `off` is the channel.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Frame {
+pub(super) struct Frame {
     pub op: u32,
     pub flags: u32,
     pub win: u64,
@@ -74,7 +74,7 @@ fn context(tag: u64, from: usize, to: usize) -> Vec<u8> {
 
 /// The network side of a rank's windows: its listener's address, and its connections to the
 /// targets on other hosts.
-pub struct NetSide {
+pub(super) struct NetSide {
     pub rank: usize,
     pub tag: u64,
     secret: [u8; 32],
@@ -87,7 +87,7 @@ pub struct NetSide {
 
 /// Starts listening on `ip` for peers' connections to this rank (tag `tag`), applying their
 /// operations to this rank's windows and control segment `ctl`, until `stop` is set.
-pub fn listen(
+pub(super) fn listen(
     ip: std::net::IpAddr,
     tag: u64,
     rank: usize,
@@ -301,7 +301,7 @@ fn apply(
 }
 
 impl NetSide {
-    pub fn new(
+    pub(super) fn new(
         rank: usize,
         tag: u64,
         secret: [u8; 32],
@@ -345,7 +345,7 @@ impl NetSide {
     /// Whether `peer`'s process is gone, judged by this rank's connection to its windows (one
     /// is opened if needed): the target never speaks unasked, so a readable connection means
     /// it closed. False while another thread uses the connection.
-    pub fn peer_gone(&self, peer: usize) -> bool {
+    pub(super) fn peer_gone(&self, peer: usize) -> bool {
         let Some(mut slot) = self.conns[peer].try_lock() else {
             return false;
         };
@@ -372,7 +372,7 @@ impl NetSide {
 
     /// Sends `f` (and `payload`) to `peer`; with `answer`, reads the reply into `data` and
     /// returns its value. A broken connection is ncclRemoteError and is dropped.
-    pub fn call(
+    pub(super) fn call(
         &self,
         peer: usize,
         f: &Frame,

@@ -17,7 +17,7 @@ struct Alloc {
 static ALLOCS: Lazy<Mutex<BTreeMap<usize, Alloc>>> = Lazy::new(|| Mutex::new(BTreeMap::new()));
 
 /// `size` bytes (rounded up to whole pages; at least one), zero-filled, page aligned.
-pub fn alloc(size: usize) -> Result<*mut u8> {
+pub(crate) fn alloc(size: usize) -> Result<*mut u8> {
     let len = size.max(1).next_multiple_of(4096);
     let fd = os::memfd("comm-window", len)?;
     let map = Mapping::map(fd.as_raw_fd(), len)?;
@@ -27,13 +27,13 @@ pub fn alloc(size: usize) -> Result<*mut u8> {
 }
 
 /// Frees an allocation made by [`alloc`]; false when `ptr` is not the start of one.
-pub fn free(ptr: *mut u8) -> bool {
+pub(crate) fn free(ptr: *mut u8) -> bool {
     ALLOCS.lock().remove(&(ptr as usize)).is_some()
 }
 
 /// The allocation that holds all of `[ptr, ptr+len)`: a duplicate of its descriptor, the
 /// allocation's length, and the offset of `ptr` in it.
-pub fn find(ptr: usize, len: usize) -> Option<(OwnedFd, usize, usize)> {
+pub(crate) fn find(ptr: usize, len: usize) -> Option<(OwnedFd, usize, usize)> {
     let allocs = ALLOCS.lock();
     let (&base, a) = allocs.range(..=ptr).next_back()?;
     let end = base + a.map.len();

@@ -1,5 +1,5 @@
 // An in-process software model of the verbs the InfiniBand transport uses
-// (`comm::transport::net::ib::verbs`), for ranks that are threads of one process. RC
+// (`comm::testing::ib`), for ranks that are threads of one process. RC
 // semantics as the transport relies on them: work requests of a queue pair take effect in
 // order; a write with immediate lands its bytes before the target's receive completion and
 // waits for a posted receive (an unlimited RNR retry); atomics are atomic; remote accesses
@@ -14,7 +14,7 @@
 // delayed operation is applied later by the fabric's thread, still in posting order.
 
 use comm::error::{Error, ErrorKind, Result};
-use comm::transport::net::ib::verbs::*;
+use comm::testing::ib::*;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

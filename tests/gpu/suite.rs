@@ -17,9 +17,9 @@ mod values;
 mod cases;
 
 use cases::*;
-use comm::cuda::{self, Device};
 use comm::ffi::types::*;
 use comm::ffi::*;
+use comm::testing::cuda::{self, Device};
 use std::os::raw::c_void;
 use std::process::{Command, Stdio};
 use std::sync::Arc;

@@ -25,7 +25,7 @@
 //! messages are cut across them (see `socket`). NCCL runs SOCKET_NTHREADS helper threads per
 //! connection; this transport starts none, so that knob only multiplies the socket count.
 
-pub mod ib;
+pub(crate) mod ib;
 mod socket;
 
 use crate::bootstrap::{auth, Bootstrap};
@@ -271,7 +271,7 @@ impl Doorbell for Waker {
 }
 
 /// The network side of one communicator: its links and the thread that wakes the executor.
-pub struct NetWorld {
+pub(crate) struct NetWorld {
     pub(crate) links: Vec<Option<Arc<dyn Link>>>,
     /// The speed of the interface the connections use, in bytes per microsecond (10 Gbit/s
     /// where the kernel does not say), for estimates.

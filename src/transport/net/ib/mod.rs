@@ -12,7 +12,7 @@
 
 mod libverbs;
 mod link;
-pub mod verbs;
+pub(crate) mod verbs;
 
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, ErrorKind, Result};

@@ -1,0 +1,16 @@
+//! Internals that tests outside the crate (tests/, the GPU suite) drive directly; not an
+//! interface of the library, and hidden from its documentation.
+
+/// The InfiniBand verbs interface, for a software model of a fabric, and the hook that
+/// installs one.
+pub mod ib {
+    pub use crate::transport::net::ib::set_provider;
+    pub use crate::transport::net::ib::verbs::*;
+}
+
+/// The CUDA driver layer, for the device-memory suite.
+pub mod cuda {
+    pub use crate::cuda::{
+        copy_from_device, copy_to_device, device_count, Device, DeviceMem, Graph, Stream,
+    };
+}
