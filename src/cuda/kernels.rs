@@ -88,8 +88,10 @@ impl Default for ReduceArgs {
     }
 }
 
-/// The C layout as build.rs measured it from kernels/comm_kernels.cuh.
+/// The C layout as build.rs measured it from kernels/comm_kernels.cuh (its constants are
+/// `pub` for the check below).
 #[cfg(comm_kernels)]
+#[allow(unreachable_pub)]
 mod c_layout {
     include!(env!("COMM_REDUCE_ARGS_LAYOUT"));
 }
