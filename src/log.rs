@@ -40,11 +40,12 @@ pub(crate) fn hostname() -> String {
 }
 
 static LOGGER: Lazy<Logger> = Lazy::new(|| {
-    let level = crate::env::var("DEBUG")
+    let level = crate::env::DEBUG
+        .text()
         .map(|v| parse_level(&v))
         .unwrap_or(Level::None);
     let host = hostname();
-    let sink: Box<dyn Write + Send> = match crate::env::var("DEBUG_FILE") {
+    let sink: Box<dyn Write + Send> = match crate::env::DEBUG_FILE.text() {
         Some(pattern) if level > Level::None => {
             let path = pattern
                 .replace("%h", &host)

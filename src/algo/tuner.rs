@@ -79,7 +79,8 @@ pub(crate) struct Tuner {
 
 impl Tuner {
     pub(crate) fn from_env(nranks: usize, layout: Option<&HostLayout>) -> Tuner {
-        let allowed = crate::env::var("ALGO")
+        let allowed = crate::env::ALGO
+            .text()
             .map(|s| Algorithm::parse_list(&s))
             .filter(|v| !v.is_empty())
             .unwrap_or_else(|| {
@@ -92,12 +93,14 @@ impl Tuner {
             });
         // One-shot sends n-1 copies of the input from every rank: worth it only while the
         // message is tiny compared to what the ring's 2(n-1) latency hops cost.
-        let direct_max = crate::env::size("DIRECT_MAX_BYTES").unwrap_or(match nranks {
-            0..=2 => 64 << 10,
-            3..=4 => 32 << 10,
-            _ => 8 << 10,
-        });
-        let tree_max = crate::env::size("TREE_MAX_BYTES").unwrap_or(256 << 10);
+        let direct_max = crate::env::DIRECT_MAX_BYTES
+            .size_if_set()
+            .unwrap_or(match nranks {
+                0..=2 => 64 << 10,
+                3..=4 => 32 << 10,
+                _ => 8 << 10,
+            });
+        let tree_max = crate::env::TREE_MAX_BYTES.size();
         Tuner {
             allowed,
             direct_max,
@@ -118,8 +121,8 @@ impl Tuner {
         let ok = |a: Algorithm| self.allowed.contains(&a);
         match coll {
             Collective::AllReduce { .. } if nranks > 1 => {
-                let one = crate::env::size("DEVICE_ONESHOT_MAX").unwrap_or(256 << 10);
-                let two = crate::env::size("DEVICE_TWOSHOT_MAX").unwrap_or(64 << 20);
+                let one = crate::env::DEVICE_ONESHOT_MAX.size();
+                let two = crate::env::DEVICE_TWOSHOT_MAX.size();
                 if ok(Algorithm::Direct) && bytes <= one {
                     Algorithm::Direct
                 } else if ok(Algorithm::TwoShot) && bytes <= two {

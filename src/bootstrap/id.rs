@@ -119,8 +119,8 @@ impl UniqueId {
 
 /// ncclGetUniqueId; see the module documentation of `bootstrap`.
 pub(crate) fn new_unique_id() -> Result<UniqueId> {
-    if let Some(spec) = crate::env::var("COMM_ID") {
-        let secret = crate::env::var("SECRET");
+    if let Some(spec) = crate::env::COMM_ID.text() {
+        let secret = crate::env::SECRET.text();
         let id = id_from_comm_id(&spec, secret.as_deref())?;
         crate::info!(
             "bootstrap: NCCL_COMM_ID={spec}: root {} is started by rank 0 at init",

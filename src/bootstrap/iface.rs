@@ -102,8 +102,8 @@ pub(crate) fn choose(
 
 /// The address this host should listen on; see the `bootstrap` module documentation.
 pub(crate) fn local_ip() -> Result<IpAddr> {
-    let spec = crate::env::var("SOCKET_IFNAME");
-    let family = match crate::env::var("SOCKET_FAMILY").as_deref().map(str::trim) {
+    let spec = crate::env::SOCKET_IFNAME.text();
+    let family = match crate::env::SOCKET_FAMILY.text().as_deref().map(str::trim) {
         None => None,
         Some("AF_INET") | Some("inet") | Some("4") => Some(Family::V4),
         Some("AF_INET6") | Some("inet6") | Some("6") => Some(Family::V6),

@@ -50,9 +50,6 @@ use root::{CheckIn, RootSession};
 
 pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
-const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(600);
-const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-
 thread_local! {
     /// The abort flag of the communicator whose initialisation runs on this thread.
     static INIT_ABORT: std::cell::RefCell<Option<Arc<AtomicBool>>> =
@@ -90,12 +87,12 @@ pub(crate) fn init_aborted() -> bool {
 
 /// COMM_INIT_TIMEOUT in seconds (0 or negative: wait forever; default 600 s).
 pub(crate) fn init_timeout() -> Option<Duration> {
-    crate::env::seconds("INIT_TIMEOUT").unwrap_or(Some(DEFAULT_INIT_TIMEOUT))
+    crate::env::INIT_TIMEOUT.seconds()
 }
 
 /// COMM_BOOTSTRAP_HANDSHAKE_TIMEOUT in seconds (0 or negative: no limit; default 5 s).
 pub(crate) fn handshake_timeout() -> Option<Duration> {
-    crate::env::seconds("BOOTSTRAP_HANDSHAKE_TIMEOUT").unwrap_or(Some(DEFAULT_HANDSHAKE_TIMEOUT))
+    crate::env::BOOTSTRAP_HANDSHAKE_TIMEOUT.seconds()
 }
 
 /// "rank 3" or "ranks 3, 5-7" for an ascending list.

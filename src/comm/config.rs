@@ -87,7 +87,7 @@ impl Config {
     pub(crate) fn resolve(raw: RawConfig) -> Result<Config> {
         let blocking = match bool_field("blocking", raw.blocking)? {
             Some(b) => b,
-            None => crate::env::flag("COMM_BLOCKING").unwrap_or(true),
+            None => crate::env::COMM_BLOCKING.flag(),
         };
         if raw.cta_policy != UNDEF_INT && !(0..=2).contains(&raw.cta_policy) {
             return crate::invalid_arg!(

@@ -99,7 +99,7 @@ fn hash_tag(parts: impl Hash) -> u64 {
 
 /// How long waits may last, from COMM_TIMEOUT (seconds; unset or 0 = no limit).
 fn op_timeout() -> Option<Duration> {
-    crate::env::seconds("TIMEOUT").flatten()
+    crate::env::TIMEOUT.seconds()
 }
 
 impl Comm {
@@ -157,11 +157,9 @@ impl Comm {
         // in one hop instead of two; between more, it moves more bytes.
         let layout = crate::algo::HostLayout::new(
             &host_of,
-            crate::env::size("HIER_DIRECT_MAX_BYTES").unwrap_or(if nhosts == 2 {
-                usize::MAX
-            } else {
-                64 << 10
-            }),
+            crate::env::HIER_DIRECT_MAX_BYTES
+                .size_if_set()
+                .unwrap_or(if nhosts == 2 { usize::MAX } else { 64 << 10 }),
         );
         let crate::transport::Links {
             links,
@@ -175,10 +173,9 @@ impl Comm {
             &paths,
             &placements,
         )?;
-        let registry = (shm_world.is_some()
-            && device_world.is_some()
-            && crate::env::flag("LOCAL_REGISTER") != Some(false))
-        .then(|| crate::transport::reg::Registry::new(rank, nranks));
+        let registry =
+            (shm_world.is_some() && device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
+                .then(|| crate::transport::reg::Registry::new(rank, nranks));
         let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
         // With more ranks than cores, spinning steals the core from the rank we wait for:
         // yield it instead, then sleep.
@@ -191,24 +188,29 @@ impl Comm {
             (false, true) => 1000,
             (false, false) => 50,
         };
-        let spin_us = crate::env::int("SPIN_US").unwrap_or(spin_default);
-        let yield_us = crate::env::int("YIELD_US").unwrap_or(if oversubscribed { 200 } else { 0 });
-        let huge_pages_from = if crate::env::flag("SHM_HUGEPAGES") == Some(false) {
+        let spin_us = crate::env::SPIN_US.int_if_set().unwrap_or(spin_default);
+        let yield_us = crate::env::YIELD_US
+            .int_if_set()
+            .unwrap_or(if oversubscribed { 200 } else { 0 });
+        let huge_pages_from = if !crate::env::SHM_HUGEPAGES.flag() {
             None
         } else {
             links
                 .iter()
                 .any(|l| l.prefers_huge_pages())
-                .then(|| crate::env::size("SHM_HUGEPAGES_FROM").unwrap_or(4 << 20))
+                .then(|| crate::env::SHM_HUGEPAGES_FROM.size())
         };
         let wiring = Wiring {
             rank,
             doorbell,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: op_timeout(),
-            warn_after: crate::env::seconds("WARN_AFTER")
+            // 0 (no limit) gives the default, as the warning cannot be turned off.
+            warn_after: crate::env::WARN_AFTER
+                .seconds_if_set()
                 .flatten()
-                .unwrap_or(Duration::from_secs(60)),
+                .or_else(|| crate::env::WARN_AFTER.default_seconds())
+                .expect("COMM_WARN_AFTER declares a limit"),
             cache: Mutex::new(Default::default()),
             spin: Duration::from_micros(spin_us.max(0) as u64),
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
@@ -229,11 +231,12 @@ impl Comm {
             nranks,
             tag,
             tuner: Tuner::from_env(nranks, layout.as_deref()),
-            ring: (crate::env::flag("RING_BY_HOST") != Some(false))
+            ring: crate::env::RING_BY_HOST
+                .flag()
                 .then(|| crate::algo::RingOrder::by_host(&host_of))
                 .flatten(),
             hosts: layout,
-            slice_bytes: crate::env::size("SLICE_BYTES").unwrap_or(512 << 10).max(64),
+            slice_bytes: crate::env::SLICE_BYTES.size().max(64),
             config,
             boot,
             placements,

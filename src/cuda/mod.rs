@@ -26,7 +26,7 @@ static DRIVER: OnceCell<Option<Driver>> = OnceCell::new();
 fn driver() -> Option<&'static Driver> {
     DRIVER
         .get_or_init(|| {
-            if crate::env::flag("DEVICE") == Some(false) {
+            if !crate::env::DEVICE.flag() {
                 crate::info!("COMM_DEVICE=0: device memory support is off");
                 return None;
             }

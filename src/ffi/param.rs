@@ -2,7 +2,7 @@
 
 use super::types::*;
 use super::{guard, input_cstr, out, write_out};
-use crate::env::{knob, knob_value, Knob, KNOBS};
+use crate::env::{knob, Knob, KNOBS};
 use crate::error::Result;
 use once_cell::sync::Lazy;
 use parking_lot::Mutex;
@@ -10,15 +10,12 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::os::raw::{c_char, c_int};
 
-/// Handles point at entries of KNOBS; string values are interned so returned pointers live on.
+/// Handles point at the knobs' declarations; string values are interned so returned pointers
+/// live on.
 static INTERNED: Lazy<Mutex<HashMap<String, &'static CStr>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
-static KEYS: Lazy<Vec<CString>> = Lazy::new(|| {
-    KNOBS
-        .iter()
-        .map(|k| CString::new(format!("COMM_{}", k.name)).unwrap())
-        .collect()
-});
+static KEYS: Lazy<Vec<CString>> =
+    Lazy::new(|| KNOBS.iter().map(|k| CString::new(k.env).unwrap()).collect());
 static KEY_PTRS: Lazy<Vec<usize>> =
     Lazy::new(|| KEYS.iter().map(|k| k.as_ptr() as usize).collect());
 
@@ -51,27 +48,29 @@ unsafe fn key_of(key: *const c_char) -> Result<&'static Knob> {
 }
 
 fn knob_of(h: ncclParamHandle_t) -> Result<&'static Knob> {
-    let base = KNOBS.as_ptr() as usize;
-    let at = h as usize;
-    let size = std::mem::size_of::<Knob>();
-    if at < base || at >= base + std::mem::size_of_val(KNOBS) || (at - base) % size != 0 {
-        return crate::invalid_arg!("{h:p} is not a parameter handle from ncclParamBind");
-    }
-    Ok(&KNOBS[(at - base) / size])
+    let at = h as *const Knob;
+    KNOBS
+        .iter()
+        .copied()
+        .find(|k| std::ptr::eq(*k, at))
+        .map_or_else(
+            || crate::invalid_arg!("{h:p} is not a parameter handle from ncclParamBind"),
+            Ok,
+        )
 }
 
 fn integer<T: TryFrom<i128>>(h: ncclParamHandle_t, ty: &str) -> Result<T> {
     let k = knob_of(h)?;
-    let v = knob_value(k);
+    let v = k.shown_value();
     let n: i128 = match crate::env::parse_size(&v) {
         Some(n) => n as i128,
         None => v.trim().parse::<i128>().map_or_else(
-            |_| crate::invalid_arg!("COMM_{} = {v:?} is not an integer", k.name),
+            |_| crate::invalid_arg!("{} = {v:?} is not an integer", k.env),
             Ok,
         )?,
     };
     T::try_from(n).map_or_else(
-        |_| crate::invalid_arg!("COMM_{} = {n} does not fit in {ty}", k.name),
+        |_| crate::invalid_arg!("{} = {n} does not fit in {ty}", k.env),
         Ok,
     )
 }
@@ -177,7 +176,7 @@ pub unsafe extern "C" fn ncclParamGetStr(
 ) -> ncclResult_t {
     guard("ncclParamGetStr", || {
         out(out_s, "out")?;
-        let v = intern(knob_value(knob_of(h)?)).as_ptr();
+        let v = intern(knob_of(h)?.shown_value()).as_ptr();
         // SAFETY: `out_s` is the C caller's out-parameter.
         unsafe { write_out(out_s, "out", v) }
     })
@@ -193,7 +192,7 @@ pub unsafe extern "C" fn ncclParamGet(
     len: *mut c_int,
 ) -> ncclResult_t {
     guard("ncclParamGet", || {
-        let v = knob_value(knob_of(h)?);
+        let v = knob_of(h)?.shown_value();
         let bytes = v.as_bytes();
         if !len.is_null() {
             // SAFETY: `len` is the C caller's out-parameter (optional: it was not NULL).
@@ -222,7 +221,7 @@ pub unsafe extern "C" fn ncclParamGetParameter(
     guard("ncclParamGetParameter", || {
         out(value, "value")?;
         // SAFETY: `key` is the C caller's string.
-        let v = knob_value(unsafe { key_of(key) }?);
+        let v = unsafe { key_of(key) }?.shown_value();
         if !valueLen.is_null() {
             // SAFETY: `valueLen` is the C caller's out-parameter (optional: it was not NULL).
             unsafe { write_out(valueLen, "valueLen", v.len() as c_int) }?;
@@ -251,6 +250,31 @@ pub unsafe extern "C" fn ncclParamGetAllParameterKeys(
 #[no_mangle]
 pub extern "C" fn ncclParamDumpAll() {
     for k in KNOBS {
-        println!("COMM_{}={}    # {}", k.name, knob_value(k), k.doc);
+        println!("{}={}    # {}", k.env, k.shown_value(), k.doc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys are the declared names, a knob's NCCL name only where it declares one; values come
+    /// from the declarations' defaults; a handle must be one ncclParamBind gave.
+    #[test]
+    fn parameters_are_the_declared_knobs() {
+        let ok = ncclResult_t::ncclSuccess;
+        let mut h: ncclParamHandle_t = std::ptr::null_mut();
+        // SAFETY: NUL-terminated keys and valid out-pointers.
+        unsafe {
+            assert_eq!(ncclParamBind(&mut h, c"COMM_TREE_MAX_BYTES".as_ptr()), ok);
+            let mut v = 0i64;
+            assert_eq!(ncclParamGetI64(h, &mut v), ok);
+            assert_eq!(v, 256 << 10);
+            assert_ne!(ncclParamBind(&mut h, c"NCCL_TREE_MAX_BYTES".as_ptr()), ok);
+            assert_eq!(ncclParamBind(&mut h, c"NCCL_IB_RETRY_CNT".as_ptr()), ok);
+            assert_eq!(ncclParamGetI64(h, &mut v), ok);
+            assert_eq!(v, 7);
+            assert_ne!(ncclParamGetI64(0x10 as ncclParamHandle_t, &mut v), ok);
+        }
     }
 }

@@ -43,7 +43,7 @@ fn identify() -> Placement {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     // COMM_HOSTID / NCCL_HOSTID replaces the host's identity: processes that give the same one
     // share memory, processes that give different ones talk over the network.
-    match crate::env::var("HOSTID") {
+    match crate::env::HOSTID.text() {
         Some(id) => ("hostid", id).hash(&mut h),
         None => (hostname.as_str(), boot_id.trim(), netns.as_str()).hash(&mut h),
     }

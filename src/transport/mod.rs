@@ -48,7 +48,7 @@ pub(crate) fn establish(
     comm_tag: u64,
     deadline: Option<Instant>,
 ) -> Result<Links> {
-    let shm_on = crate::env::flag("SHM_DISABLE") != Some(true);
+    let shm_on = !crate::env::SHM_DISABLE.flag();
     establish_with(boot, placements, comm_tag, deadline, shm_on)
 }
 

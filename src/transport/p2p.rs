@@ -116,10 +116,10 @@ impl DeviceWorld {
         // Streams of one context share the GPU's hardware queues; a program waiting for a flag
         // holds up whatever shares its queue, so ranks of one process on one GPU need a queue
         // each (CUDA hands out CUDA_DEVICE_MAX_CONNECTIONS of them, 8 by default).
-        let queues = std::env::var("CUDA_DEVICE_MAX_CONNECTIONS")
-            .ok()
+        let queues = crate::env::CUDA_DEVICE_MAX_CONNECTIONS
+            .set_value()
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(8);
+            .unwrap_or_else(|| crate::env::CUDA_DEVICE_MAX_CONNECTIONS.default_int() as usize);
         if local > queues {
             crate::warn!(
                 "{local} ranks of this communicator are threads of this process on GPU {}, but CUDA_DEVICE_MAX_CONNECTIONS allows {queues} hardware queues: their streams may share queues and wait for each other; raise it (up to 32) before CUDA starts",
@@ -140,8 +140,8 @@ impl DeviceWorld {
 
     fn allocate(nranks: usize, ordinal: i32) -> Result<(Arc<Device>, Arc<DeviceMem>, usize)> {
         let device = Device::get(ordinal)?;
-        let slot_bytes = crate::env::size("DEVICE_SLOT_BYTES")
-            .unwrap_or(8 << 20)
+        let slot_bytes = crate::env::DEVICE_SLOT_BYTES
+            .size()
             .next_multiple_of(256)
             .max(4096);
         let area_len = control_bytes(nranks) + nranks * SLOTS * slot_bytes;

@@ -60,12 +60,14 @@ struct Geometry {
 
 impl Geometry {
     fn from_env(nranks: usize) -> Geometry {
-        let nslots = crate::env::int("SHM_SLOTS")
+        let nslots = crate::env::SHM_SLOTS
+            .int_if_set()
             .filter(|&v| (2..=1024).contains(&v))
-            .unwrap_or(16) as usize;
-        let slot_bytes = crate::env::size("SHM_SLOT_BYTES")
+            .unwrap_or_else(|| crate::env::SHM_SLOTS.default_int()) as usize;
+        let slot_bytes = crate::env::SHM_SLOT_BYTES
+            .size_if_set()
             .filter(|&v| (4096..=(64 << 20)).contains(&v))
-            .unwrap_or(64 << 10);
+            .unwrap_or_else(|| crate::env::SHM_SLOT_BYTES.default_size());
         Geometry {
             nranks,
             nslots,
@@ -800,8 +802,8 @@ pub(crate) fn connect(
     });
     let server = server.transpose()?;
 
-    let disable_pull = crate::env::flag("SHM_PULL") == Some(false);
-    let pull_threshold = crate::env::size("SHM_PULL_THRESHOLD").unwrap_or(32 << 10);
+    let disable_pull = !crate::env::SHM_PULL.flag();
+    let pull_threshold = crate::env::SHM_PULL_THRESHOLD.size();
     let fetched = (|| -> Result<Vec<Option<Arc<ShmPeer>>>> {
         let mut peers: Vec<Option<Arc<ShmPeer>>> = (0..nranks).map(|_| None).collect();
         // A peer that died fails its own fetch, but the fetches from the living go on: each of

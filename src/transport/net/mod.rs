@@ -54,10 +54,6 @@ const MAX_PENDING: usize = 256;
 /// NCCL's cap on sockets per peer (NSOCKS_PERTHREAD x SOCKET_NTHREADS).
 pub(crate) const MAX_SOCKETS: usize = 64;
 
-/// Sockets per peer when the environment does not say: one, since 2 and 4 measured no faster
-/// between network namespaces (bench/RESULTS.md, "Sockets per peer across network namespaces").
-const DEFAULT_SOCKETS: usize = 1;
-
 /// The hello a connecting rank sends before authenticating: communicator tag, its rank and the
 /// index of this socket among its sockets to the peer.
 const HELLO: usize = 16;
@@ -77,12 +73,9 @@ fn sockets_per_peer() -> usize {
     if let Some(n) = SOCKETS_FOR_TEST.with(|c| c.get()) {
         return n.clamp(1, MAX_SOCKETS);
     }
-    let per_thread = crate::env::int("NSOCKS_PERTHREAD");
-    let threads = crate::env::int("SOCKET_NTHREADS");
-    if per_thread.is_none() && threads.is_none() {
-        return DEFAULT_SOCKETS;
-    }
-    let n = per_thread.unwrap_or(1).max(1) * threads.unwrap_or(1).max(1);
+    let per_thread = crate::env::NSOCKS_PERTHREAD.int();
+    let threads = crate::env::SOCKET_NTHREADS.int();
+    let n = per_thread.max(1) * threads.max(1);
     if n > MAX_SOCKETS as i64 {
         crate::warn!(
             "NSOCKS_PERTHREAD x SOCKET_NTHREADS = {n} sockets per peer; using {MAX_SOCKETS}"
@@ -101,7 +94,7 @@ enum Net {
 
 /// Which network transport to use, from COMM_NET / NCCL_NET.
 fn chosen() -> Result<Net> {
-    match crate::env::var("NET").as_deref() {
+    match crate::env::NET.text().as_deref() {
         None | Some("") => Ok(Net::Auto),
         Some(n) if n.eq_ignore_ascii_case("socket") => Ok(Net::Socket),
         Some(n) if n.eq_ignore_ascii_case("ib") => Ok(Net::Ib),

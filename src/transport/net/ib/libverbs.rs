@@ -254,10 +254,6 @@ unsafe fn at<T: Copy>(base: P, off: usize) -> T {
     unsafe { std::ptr::read_unaligned((base as *const u8).add(off) as *const T) }
 }
 
-fn env_int(name: &str, default: i64) -> i64 {
-    crate::env::int(name).unwrap_or(default)
-}
-
 /// NCCL_IB_HCA: which devices and ports may be used.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct HcaSpec {
@@ -484,7 +480,7 @@ impl Qp for HwQp {
             .u32_at(20, remote.psn)
             .u32_at(28, remote.qpn)
             .u16_at(80, remote.lid)
-            .u8_at(82, env_int("IB_SL", 0) as u8)
+            .u8_at(82, crate::env::IB_SL.int() as u8)
             .u8_at(86, d.port)
             .u8_at(127, 16) // max_dest_rd_atomic
             .u8_at(128, 12); // min_rnr_timer
@@ -492,7 +488,7 @@ impl Qp for HwQp {
             rtr.0[56..72].copy_from_slice(&remote.gid);
             rtr.u8_at(76, d.gid_index as u8)
                 .u8_at(77, 255)
-                .u8_at(78, env_int("IB_TC", 0) as u8)
+                .u8_at(78, crate::env::IB_TC.int() as u8)
                 .u8_at(85, 1);
         }
         self.modify(
@@ -510,8 +506,8 @@ impl Qp for HwQp {
         rts.u32_at(0, QPS_RTS)
             .u32_at(24, self.psn)
             .u8_at(126, 16) // max_rd_atomic
-            .u8_at(130, env_int("IB_TIMEOUT", 20) as u8)
-            .u8_at(131, env_int("IB_RETRY_CNT", 7) as u8)
+            .u8_at(130, crate::env::IB_TIMEOUT.int() as u8)
+            .u8_at(131, crate::env::IB_RETRY_CNT.int() as u8)
             .u8_at(132, 7); // rnr_retry: unlimited
         self.modify(
             &mut rts,
@@ -815,7 +811,8 @@ fn open_port(
     ) as u8;
     let lid = u16::from_ne_bytes(attr[PORT_LID..PORT_LID + 2].try_into().unwrap());
     let roce = attr[PORT_LINK_LAYER] == LINK_LAYER_ETHERNET;
-    let gid_index = crate::env::var("IB_GID_INDEX")
+    let gid_index = crate::env::IB_GID_INDEX
+        .set_value()
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| if roce { roce_gid_index(name, port) } else { 0 });
     let mut gid = [0u8; 16];
@@ -857,7 +854,7 @@ impl Provider for Library {
             Ok(s) => s,
             Err(why) => return Ok(Err(why)),
         };
-        let spec = HcaSpec::parse(&crate::env::var("IB_HCA").unwrap_or_default());
+        let spec = HcaSpec::parse(&crate::env::IB_HCA.value());
         let mut n: c_int = 0;
         // SAFETY: the out-pointer is valid; the list is freed below.
         let list = unsafe { (s.get_device_list)(&mut n) };

@@ -62,10 +62,7 @@ pub(super) fn probe() -> std::result::Result<Arc<dyn Device>, String> {
 
 /// Bytes of one slot: its header and up to `COMM_IB_SLOT_BYTES` (default 256 KiB) of data.
 fn slot_bytes() -> usize {
-    crate::env::size("IB_SLOT_BYTES")
-        .unwrap_or(256 << 10)
-        .clamp(4 << 10, 16 << 20)
-        + HEADER
+    crate::env::IB_SLOT_BYTES.size().clamp(4 << 10, 16 << 20) + HEADER
 }
 
 /// One link per rank (`None` where the network does not carry the traffic).
@@ -191,7 +188,5 @@ fn qps_per_connection() -> usize {
     if let Some(n) = QPS_FOR_TEST.with(|c| c.get()) {
         return n;
     }
-    crate::env::int("IB_QPS_PER_CONNECTION")
-        .unwrap_or(1)
-        .clamp(1, 16) as usize
+    crate::env::IB_QPS_PER_CONNECTION.int().clamp(1, 16) as usize
 }
