@@ -75,6 +75,8 @@ knobs! {
         "1: ranks of one host talk over the network transport instead of shared memory";
     NET: Text "COMM_NET" or "NCCL_NET" = "",
         "network transport between hosts: socket or ib (unset: ib where every rank has a device, else socket)";
+    IB_DISABLE: Flag "COMM_IB_DISABLE" or "NCCL_IB_DISABLE" = "0",
+        "1: never use InfiniBand, the network transport is TCP sockets";
     IB_HCA: Text "COMM_IB_HCA" or "NCCL_IB_HCA" = "",
         "InfiniBand devices and ports to use: mlx5_0:1,mlx5_1 (prefixes; ^ excludes, = exact)";
     IB_GID_INDEX: Int "COMM_IB_GID_INDEX" or "NCCL_IB_GID_INDEX" = "",

@@ -37,6 +37,7 @@ fn with_model<T>(fabric: Option<Arc<Fabric>>, net: &str, f: impl FnOnce() -> T) 
     ib::set_provider(None);
     std::env::remove_var("COMM_NET");
     std::env::remove_var("COMM_TIMEOUT");
+    std::env::remove_var("NCCL_IB_DISABLE");
     match r {
         Ok(v) => v,
         Err(e) => std::panic::resume_unwind(e),
@@ -111,6 +112,34 @@ fn picked_automatically_where_every_rank_has_a_device() {
         });
     });
     assert!(fabric.writes() > 0, "no RDMA writes: sockets were used");
+}
+
+/// NCCL_IB_DISABLE=1 keeps the network transport on sockets although every rank has a device;
+/// with COMM_NET=ib it is refused and says why.
+#[test]
+fn ib_disable_falls_back_to_sockets() {
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric.clone()), "", || {
+        // Set under the lock with_model holds (which removes it), so no other test sees it.
+        std::env::set_var("NCCL_IB_DISABLE", "1");
+        with_threads(3, Duration::from_secs(120), |c, rank, n| {
+            let ctx = Ctx { comm: c, rank, n };
+            run_case(&ctx, Coll::AllReduce, FLOAT, SUM, 100_003, false)
+        });
+    });
+    assert_eq!(fabric.writes(), 0, "RDMA writes with NCCL_IB_DISABLE=1");
+    with_model(Some(fabric.clone()), "ib", || {
+        std::env::set_var("NCCL_IB_DISABLE", "1");
+        let mut comms = [std::ptr::null_mut(); 2];
+        let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) };
+        let msg = last_error();
+        assert_eq!(r, ncclResult_t::ncclInvalidUsage, "{msg}");
+        assert!(
+            msg.contains("COMM_NET=ib") && msg.contains("COMM_IB_DISABLE=1"),
+            "{msg}"
+        );
+    });
+    assert_eq!(fabric.writes(), 0, "RDMA writes with NCCL_IB_DISABLE=1");
 }
 
 /// Every operation takes effect 200 us after it was posted: results are still right.

@@ -325,6 +325,8 @@ pub(crate) fn connect(
         (2u8, None, String::new())
     } else if want == Net::Socket {
         (0, None, "COMM_NET=socket".to_string())
+    } else if crate::env::IB_DISABLE.flag() {
+        (0, None, "COMM_IB_DISABLE=1".to_string())
     } else {
         match ib::probe() {
             Ok(d) => (1, Some(d), String::new()),
