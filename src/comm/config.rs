@@ -18,7 +18,7 @@ pub(crate) struct Config {
 
 /// Every 2.30 field as an int (pointer fields as owned strings), UNDEF_INT where unset.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RawConfig {
+pub(crate) struct RawConfig {
     pub blocking: i32,
     pub cga_cluster_size: i32,
     pub min_ctas: i32,

@@ -38,7 +38,7 @@ fn initializer(version: u32) -> ncclConfig_t {
 /// # Safety
 /// `ptr` is null or points to at least `size_of::<usize>()` readable bytes, followed by as many
 /// as the struct's own `size` field says.
-pub unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
+pub(crate) unsafe fn read_raw(ptr: *const ncclConfig_t) -> Result<Option<RawConfig>> {
     if ptr.is_null() {
         return Ok(None);
     }

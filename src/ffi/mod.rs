@@ -12,7 +12,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 pub mod coll;
-pub mod config;
+pub(crate) mod config;
 pub mod init;
 pub mod mem;
 pub mod param;
