@@ -248,16 +248,6 @@ impl Knob {
     }
 }
 
-/// An integer knob by its name without the `COMM_` prefix, set in the environment; for callers
-/// not yet reading their knob through its declaration.
-pub(crate) fn int(name: &str) -> Option<i64> {
-    let knob = KNOBS
-        .iter()
-        .find(|k| k.env.strip_prefix("COMM_") == Some(name));
-    debug_assert!(knob.is_some(), "COMM_{name} is not declared in env.rs");
-    knob?.int_if_set()
-}
-
 /// The knob a C caller names, by its variable or its NCCL name.
 pub(crate) fn knob(key: &str) -> Option<&'static Knob> {
     KNOBS

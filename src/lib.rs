@@ -26,9 +26,6 @@ pub(crate) mod group;
 pub(crate) mod reduce;
 pub(crate) mod topo;
 pub(crate) mod transport;
-// Dead today, left for the ongoing window rework to remove (then drop this allow):
-// WIN_COLL_SYMMETRIC and WIN_STRICT_ORDERING (ffi checks NCCL_WIN_*).
-#[allow(dead_code)]
 pub(crate) mod window;
 
 #[doc(hidden)]

@@ -58,10 +58,6 @@ pub(crate) struct Members<'a> {
     pub device: Option<Arc<Device>>,
 }
 
-/// NCCL's window flags this version knows.
-pub(crate) const WIN_COLL_SYMMETRIC: i32 = 0x01;
-pub(crate) const WIN_STRICT_ORDERING: i32 = 0x02;
-
 /// How this rank reaches one rank's part of a window.
 pub(crate) enum Reach {
     /// Loads and stores at this address.
@@ -199,8 +195,7 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
     }
     let (me, n) = (c.rank, c.nranks);
     let channels = {
-        let mine =
-            (crate::env::int("WIN_CHANNELS").unwrap_or(32).clamp(1, 4096) as u32).to_le_bytes();
+        let mine = (crate::env::WIN_CHANNELS.int().clamp(1, 4096) as u32).to_le_bytes();
         let b = c.boot.broadcast(0, &mine)?;
         u32::from_le_bytes(b[..4].try_into().unwrap_or(32u32.to_le_bytes())) as usize
     };
