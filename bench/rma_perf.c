@@ -9,6 +9,11 @@
  *             from commWindowAllocate, against MPI_Put + MPI_Win_flush + a zero-byte
  *             MPI_Send / MPI_Recv as the notification (window from MPI_Win_allocate, inside
  *             MPI_Win_lock_all). Reported: one-way time (round trip / 2).
+ *   floor     the same exchange with no library at all, as the hardware's floor for it: the
+ *             8-byte value stored straight into the peer's window (through commWinPeerPtr),
+ *             then a counter on another cache line of it raised with an atomic add, the peer
+ *             spinning on its counter and then reading the value. This is what any put +
+ *             signal whose data lands in the target's window before the target looks must do.
  *   fetch_add rank 0 adds to a word of rank 1's window and waits for the old value, while
  *             rank 1 sits in MPI_Barrier: commWinFetchAdd against MPI_Fetch_and_op +
  *             MPI_Win_flush in a passive-target epoch (MPI_Win_lock_all). Reported: time per op.
@@ -103,6 +108,33 @@ static double mpi_signal(void) {
       MPI_Put(&v, 1, MPI_UINT64_T, peer, 0, 1, MPI_UINT64_T, mwin);
       MPI_Win_flush(peer, mwin);
       MPI_Send(NULL, 0, MPI_BYTE, peer, 0, MPI_COMM_WORLD);
+    }
+  }
+  return (now() - t) / (2.0 * iters);
+}
+
+/* Window words of the floor exchange: the value, and the counter on its own cache lines. */
+#define FLOOR_DATA 128
+#define FLOOR_COUNT 256
+static volatile uint64_t* cpeer;
+
+static double floor_signal(uint64_t base) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double t = now();
+  for (int i = 0; i < iters; i++) {
+    uint64_t v = base + (uint64_t)i + 1;
+    if (me == 0) {
+      cpeer[FLOOR_DATA / 8] = v;
+      __atomic_fetch_add(&cpeer[FLOOR_COUNT / 8], 1, __ATOMIC_SEQ_CST);
+      while (__atomic_load_n(&cmem[FLOOR_COUNT / 8], __ATOMIC_ACQUIRE) < v) {
+      }
+      CHECK(cmem[FLOOR_DATA / 8] == v, "floor: round %d saw %llu\n", i, (unsigned long long)cmem[FLOOR_DATA / 8]);
+    } else {
+      while (__atomic_load_n(&cmem[FLOOR_COUNT / 8], __ATOMIC_ACQUIRE) < v) {
+      }
+      CHECK(cmem[FLOOR_DATA / 8] == v, "floor: round %d saw %llu\n", i, (unsigned long long)cmem[FLOOR_DATA / 8]);
+      cpeer[FLOOR_DATA / 8] = v;
+      __atomic_fetch_add(&cpeer[FLOOR_COUNT / 8], 1, __ATOMIC_SEQ_CST);
     }
   }
   return (now() - t) / (2.0 * iters);
@@ -209,6 +241,10 @@ int main(int argc, char** argv) {
   void* p;
   NC(commWindowAllocate(comm, 4096, NCCL_WIN_COLL_SYMMETRIC, &p, &cwin));
   cmem = p;
+  void* pp = NULL;
+  NC(commWinPeerPtr(comm, cwin, 1 - me, &pp));
+  CHECK(pp != NULL, "no direct pointer to the peer's window\n");
+  cpeer = pp;
   void* pb;
   NC(commWindowAllocate(comm, BIG, NCCL_WIN_COLL_SYMMETRIC, &pb, &cbig));
   MPI_Win_allocate(4096, 1, MPI_INFO_NULL, MPI_COMM_WORLD, &p, &mwin);
@@ -221,15 +257,19 @@ int main(int argc, char** argv) {
   char* dst = malloc(BIG);
   memset(dst, 1, BIG);
 
-  double cs[ROUNDS_MAX], ms[ROUNDS_MAX], cf[ROUNDS_MAX], mf[ROUNDS_MAX], cb[ROUNDS_MAX], bb[ROUNDS_MAX],
+  double fs[ROUNDS_MAX], cs[ROUNDS_MAX], ms[ROUNDS_MAX], cf[ROUNDS_MAX], mf[ROUNDS_MAX], cb[ROUNDS_MAX], bb[ROUNDS_MAX],
       mb[ROUNDS_MAX];
   comm_signal();
   mpi_signal();
-  uint64_t cbase = 0, mbase = 0;
+  uint64_t cbase = 0, mbase = 0, fbase = 0;
+  floor_signal(fbase);
+  fbase += iters;
   int reps = 8;
   for (int r = 0; r < rounds; r++) {
     cs[r] = comm_signal();
     ms[r] = mpi_signal();
+    fs[r] = floor_signal(fbase);
+    fbase += iters;
     cf[r] = comm_fetch_add(cbase);
     cbase += iters;
     mf[r] = mpi_fetch_add(mbase);
@@ -239,9 +279,9 @@ int main(int argc, char** argv) {
     bb[r] = big(BIG_MEMCPY, src, dst, reps, mark);
     mb[r] = big(BIG_MPI, src, dst, reps, mark);
     if (me == 0)
-      printf("round %d: signal comm %.3f us mpi %.3f us | fetch_add comm %.3f us mpi %.3f us | put 64M comm %.2f GB/s "
+      printf("round %d: signal comm %.3f us mpi %.3f us floor %.3f us | fetch_add comm %.3f us mpi %.3f us | put 64M comm %.2f GB/s "
              "memcpy %.2f GB/s mpi %.2f GB/s\n",
-             r, cs[r] * 1e6, ms[r] * 1e6, cf[r] * 1e6, mf[r] * 1e6, cb[r], bb[r], mb[r]);
+             r, cs[r] * 1e6, ms[r] * 1e6, fs[r] * 1e6, cf[r] * 1e6, mf[r] * 1e6, cb[r], bb[r], mb[r]);
   }
   /* The big window's last put left `mark` everywhere at rank 1 (checked through a get). */
   if (me == 0) {
@@ -256,6 +296,10 @@ int main(int argc, char** argv) {
     printf("%-34s %12s %12s %8s\n", "measurement", "comm", "reference", "ratio");
     printf("%-34s %9.3f us %9.3f us %8.2f  (comm / MPI_Put+flush+notify)\n", "8 B put + signal + wait, one way", s1 * 1e6,
            s2 * 1e6, s1 / s2);
+    double s3 = median(fs, rounds);
+    printf("%-34s %9.3f us %9.3f us %8.2f  (floor / MPI_Put+flush+notify)\n", "  the same with no library (floor)", s3 * 1e6,
+           s2 * 1e6, s3 / s2);
+    printf("%-34s %9.3f us %9.3f us %8.2f  (comm / floor)\n", "  comm against the floor", s1 * 1e6, s3 * 1e6, s1 / s3);
     printf("%-34s %9.3f us %9.3f us %8.2f  (comm / MPI_Fetch_and_op+flush)\n", "fetch-add round trip", f1 * 1e6, f2 * 1e6,
            f1 / f2);
     printf("%-34s %7.2f GB/s %7.2f GB/s %8.2f  (comm / single-core memcpy)\n", "64 MiB put", b1, b2, b1 / b2);
@@ -265,6 +309,8 @@ int main(int argc, char** argv) {
     printf("\nbest rounds (least time, most bandwidth):\n");
     printf("%-34s %9.3f us %9.3f us %8.2f\n", "8 B put + signal + wait, one way", best(cs, rounds, 1) * 1e6,
            best(ms, rounds, 1) * 1e6, best(cs, rounds, 1) / best(ms, rounds, 1));
+    printf("%-34s %9.3f us %9.3f us %8.2f\n", "  floor vs MPI", best(fs, rounds, 1) * 1e6, best(ms, rounds, 1) * 1e6,
+           best(fs, rounds, 1) / best(ms, rounds, 1));
     printf("%-34s %9.3f us %9.3f us %8.2f\n", "fetch-add round trip", best(cf, rounds, 1) * 1e6, best(mf, rounds, 1) * 1e6,
            best(cf, rounds, 1) / best(mf, rounds, 1));
     printf("%-34s %7.2f GB/s %7.2f GB/s %8.2f\n", "64 MiB put vs memcpy", best(cb, rounds, 0), best(bb, rounds, 0),
