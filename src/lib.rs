@@ -14,6 +14,7 @@ pub mod error;
 pub(crate) mod log;
 pub(crate) mod env;
 pub(crate) mod wire;
+pub(crate) mod tag;
 
 pub(crate) mod algo;
 pub(crate) mod bootstrap;

@@ -207,7 +207,7 @@ impl Collective {
 
     /// The message-tag kind of this operation.
     pub(crate) fn kind(&self) -> u8 {
-        use crate::transport::kind;
+        use crate::tag::kind;
         match self {
             Collective::AllReduce { .. } => kind::ALL_REDUCE,
             Collective::Broadcast { .. } => kind::BROADCAST,
@@ -223,7 +223,7 @@ impl Collective {
     }
 
     pub(crate) fn name(&self) -> &'static str {
-        crate::transport::kind::name(self.kind())
+        crate::tag::kind::name(self.kind())
     }
 }
 

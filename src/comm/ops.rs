@@ -7,7 +7,7 @@ use crate::algo::{self, Collective, Shape};
 use crate::error::Result;
 use crate::exec::host::{HostOp, Reduction};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
-use crate::transport::{kind, tag};
+use crate::tag::{kind, tag};
 use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::HashMap;

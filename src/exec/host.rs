@@ -10,8 +10,9 @@
 use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
+use crate::tag::describe_tag;
 use crate::transport::{
-    describe_tag, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -1102,7 +1103,7 @@ mod tests {
                 schedule: Arc::new(schedule),
                 send: dst.as_ptr(),
                 recv: dst.as_mut_ptr(),
-                tag: crate::transport::tag(crate::transport::kind::ALL_REDUCE, 1),
+                tag: crate::tag::tag(crate::tag::kind::ALL_REDUCE, 1),
                 reduction: None,
             },
         )

@@ -373,7 +373,7 @@ pub unsafe extern "C" fn commRecvAny(
         let bytes = count * call.dtype.size();
         let elem = call.dtype.size();
         let first = bytes.min((c.slice_bytes / elem).max(1) * elem);
-        let p2p = crate::transport::tag(crate::transport::kind::P2P, 0);
+        let p2p = crate::tag::tag(crate::tag::kind::P2P, 0);
         let peer = crate::exec::anysource::wait_any_source(&c.wiring, p2p, first)?;
         submit(
             c,

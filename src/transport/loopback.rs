@@ -67,9 +67,9 @@ impl Link for Loopback {
             return crate::invalid_usage!(
                 "this rank sent itself {} bytes for {} but receives {} bytes for {}",
                 msg.len,
-                super::describe_tag(msg.tag),
+                crate::tag::describe_tag(msg.tag),
                 expect.len,
-                super::describe_tag(expect.tag)
+                crate::tag::describe_tag(expect.tag)
             );
         }
         match sink.direct() {

@@ -422,9 +422,9 @@ impl ShmPeer {
                 "rank {} sent {} bytes for {} while this rank expects {} bytes for {}: the ranks called different operations or passed different counts/datatypes",
                 self.peer,
                 h.msg_len,
-                super::describe_tag(h.tag),
+                crate::tag::describe_tag(h.tag),
                 expect.len,
-                super::describe_tag(expect.tag)
+                crate::tag::describe_tag(expect.tag)
             ),
         )
     }

@@ -431,10 +431,10 @@ impl Link for SocketLink {
                     "rank {} sent {} bytes for {} where rank {} expects {} bytes for {}: the ranks called different operations or used different counts",
                     self.peer,
                     h.len,
-                    crate::transport::describe_tag(h.tag),
+                    crate::tag::describe_tag(h.tag),
                     self.me,
                     expect.len,
-                    crate::transport::describe_tag(expect.tag)
+                    crate::tag::describe_tag(expect.tag)
                 ),
             ));
         }

@@ -480,9 +480,9 @@ impl Link for IbLink {
                         format!(
                             "rank {} sent {} ({} bytes) while this rank expected {} ({} bytes): the ranks called different operations",
                             self.peer,
-                            crate::transport::describe_tag(h.tag),
+                            crate::tag::describe_tag(h.tag),
                             h.msg_len,
-                            crate::transport::describe_tag(expect.tag),
+                            crate::tag::describe_tag(expect.tag),
                             expect.len
                         ),
                     ));
