@@ -13,8 +13,8 @@ pub mod error;
 #[macro_use]
 pub(crate) mod log;
 pub(crate) mod env;
-pub(crate) mod wire;
 pub(crate) mod tag;
+pub(crate) mod wire;
 
 pub(crate) mod algo;
 pub(crate) mod bootstrap;

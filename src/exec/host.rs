@@ -11,9 +11,7 @@ use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
 use crate::tag::describe_tag;
-use crate::transport::{
-    Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
-};
+use crate::transport::{Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};

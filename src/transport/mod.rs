@@ -83,7 +83,12 @@ pub(crate) fn establish_with(
         .collect();
     let shm_world = if any_shm {
         Some(shm::connect(
-            boot, &shm_paths, placements, comm_tag, deadline,
+            boot,
+            &shm_paths,
+            placements,
+            comm_tag,
+            reg::area_bytes(n),
+            deadline,
         )?)
     } else {
         None
@@ -331,4 +336,3 @@ impl Doorbell for LocalDoorbell {
         self.cancel_sleep();
     }
 }
-

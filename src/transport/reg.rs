@@ -651,8 +651,15 @@ mod tests {
                         let paths: Vec<Path> =
                             (0..n).map(|q| me.path_to(&placements[q], q == r)).collect();
                         let deadline = Some(Instant::now() + Duration::from_secs(20));
-                        let w = super::super::shm::connect(&boot, &paths, &placements, 7, deadline)
-                            .expect("shm");
+                        let w = super::super::shm::connect(
+                            &boot,
+                            &paths,
+                            &placements,
+                            7,
+                            area_bytes(n),
+                            deadline,
+                        )
+                        .expect("shm");
                         (w, paths, placements)
                     })
                 })

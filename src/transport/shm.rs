@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d34; // "commshm4": the segment layout's version
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d35; // "commshm5": the segment layout's version
 const LINE: usize = 128;
 const CTL_BASE: usize = 4 * LINE;
 const CTL_STRIDE: usize = 3 * LINE;
@@ -56,10 +56,13 @@ struct Geometry {
     nranks: usize,
     nslots: usize,
     slot_bytes: usize,
+    /// Bytes at the end for the registry of registered buffers (`transport::reg` lays them
+    /// out; the segment only reserves them).
+    registry_bytes: usize,
 }
 
 impl Geometry {
-    fn from_env(nranks: usize) -> Geometry {
+    fn from_env(nranks: usize, registry_bytes: usize) -> Geometry {
         let nslots = crate::env::SHM_SLOTS
             .int_if_set()
             .filter(|&v| (2..=1024).contains(&v))
@@ -72,6 +75,7 @@ impl Geometry {
             nranks,
             nslots,
             slot_bytes: slot_bytes.next_multiple_of(LINE),
+            registry_bytes,
         }
     }
 
@@ -89,7 +93,7 @@ impl Geometry {
     }
 
     fn total(&self) -> usize {
-        self.registry_base() + super::reg::area_bytes(self.nranks)
+        self.registry_base() + self.registry_bytes
     }
 }
 
@@ -132,6 +136,7 @@ impl Segment {
             (p.add(16) as *mut u64).write(geo.slot_bytes as u64);
             (p.add(24) as *mut u32).write(std::process::id());
             (p.add(32) as *mut u64).write(nonce);
+            (p.add(40) as *mut u64).write(geo.registry_bytes as u64);
         }
         seg.atomic_u64(0).store(SEG_MAGIC, Ordering::Release);
         Ok(seg)
@@ -159,6 +164,7 @@ impl Segment {
                     nranks: (p.add(8) as *const u32).read() as usize,
                     nslots: (p.add(12) as *const u32).read() as usize,
                     slot_bytes: (p.add(16) as *const u64).read() as usize,
+                    registry_bytes: (p.add(40) as *const u64).read() as usize,
                 },
                 (p.add(32) as *const u64).read(),
             )
@@ -723,11 +729,12 @@ pub(crate) fn connect(
     paths: &[Path],
     placements: &[Placement],
     comm_tag: u64,
+    registry_bytes: usize,
     deadline: Option<Instant>,
 ) -> Result<ShmWorld> {
     let me = boot.rank();
     let nranks = boot.nranks();
-    let geo = Geometry::from_env(nranks);
+    let geo = Geometry::from_env(nranks, registry_bytes);
     let mut nonce_bytes = [0u8; 8];
     getrandom::getrandom(&mut nonce_bytes)
         .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
