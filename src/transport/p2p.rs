@@ -8,12 +8,69 @@
 use crate::bootstrap::Bootstrap;
 use crate::cuda::{self, Device, DeviceMem, PeerMem};
 use crate::error::Result;
-use crate::exec::device::{flag_count, Desc, Flag, Loc, SLOTS};
 use crate::topo::{Path, Placement};
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
+
+/// Message slots per peer and direction.
+pub(crate) const SLOTS: usize = 2;
+
+/// A 64-bit descriptor cell in rank `owner`'s area: where the message `from` sent it through
+/// slot `slot` can be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub owner: usize,
+    pub from: usize,
+    pub slot: usize,
+}
+
+impl Desc {
+    /// Index of the cell among its owner's descriptor cells.
+    pub(crate) fn index(&self, slots: usize) -> usize {
+        self.from * slots + self.slot
+    }
+}
+
+/// A 32-bit flag in some rank's signal area.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flag {
+    /// In `owner`'s area: raised by `from` when its slot `slot` for `owner` holds a message.
+    Full {
+        owner: usize,
+        from: usize,
+        slot: usize,
+    },
+    /// In `owner`'s area: raised by `to` when it has read `owner`'s slot `slot` for it.
+    Empty {
+        owner: usize,
+        to: usize,
+        slot: usize,
+    },
+}
+
+impl Flag {
+    /// The rank whose memory holds the flag.
+    pub(crate) fn owner(&self) -> usize {
+        match *self {
+            Flag::Full { owner, .. } | Flag::Empty { owner, .. } => owner,
+        }
+    }
+
+    /// Index of the flag in its owner's signal area of `nranks` ranks with `slots` slots.
+    pub(crate) fn index(&self, nranks: usize, slots: usize) -> usize {
+        match *self {
+            Flag::Full { from, slot, .. } => from * slots + slot,
+            Flag::Empty { to, slot, .. } => nranks * slots + to * slots + slot,
+        }
+    }
+}
+
+/// Flags in each rank's signal area.
+pub(crate) fn flag_count(nranks: usize, slots: usize) -> usize {
+    2 * nranks * slots
+}
 
 /// The device areas of this process's ranks, by address, so that a rank that is a thread of
 /// this process holds its peers' areas: an area is freed only once no rank here may still run a
@@ -264,19 +321,17 @@ impl DeviceWorld {
         }
     }
 
-    /// The address of a slot location in whichever rank's area holds it.
-    pub(crate) fn slot_addr(&self, loc: Loc) -> Result<u64> {
-        match loc {
-            Loc::Slot {
-                owner,
-                to,
-                slot,
-                offset,
-            } => Ok(self.base(owner)?
-                + (control_bytes(self.nranks) + (to * SLOTS + slot) * self.slot_bytes + offset)
-                    as u64),
-            Loc::Buf { .. } | Loc::Message { .. } => crate::internal_err!("{loc:?} is not a slot"),
-        }
+    /// The address of byte `offset` of slot `slot` that rank `owner` keeps for its messages
+    /// to rank `to`.
+    pub(crate) fn slot_addr(
+        &self,
+        owner: usize,
+        to: usize,
+        slot: usize,
+        offset: usize,
+    ) -> Result<u64> {
+        Ok(self.base(owner)?
+            + (control_bytes(self.nranks) + (to * SLOTS + slot) * self.slot_bytes + offset) as u64)
     }
 
     /// The address of a descriptor cell in whichever rank's area holds it.

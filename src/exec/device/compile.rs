@@ -1,0 +1,390 @@
+//! Compiling a group's schedules into one device program.
+
+use super::program::{DevOp, Factor, Loc, Source};
+use super::OpBuffers;
+use crate::algo::{Buf, Collective, Operand, Region, Schedule, Step};
+use crate::error::Result;
+use crate::exec::host::Reduction;
+use crate::transport::p2p::{Desc, Flag};
+
+/// How the messages of one program travel between this rank and each peer.
+pub(crate) struct Links<'a> {
+    /// Per peer: every message to it carries a descriptor (the peer reads through them).
+    pub describe_to: Vec<bool>,
+    /// Per peer: every message from it is read through its descriptor.
+    pub described_from: Vec<bool>,
+    /// Where `peer` reads `len` bytes of this rank's memory at `addr` in place (registered
+    /// memory the peer has mapped), if it can.
+    pub peer_view: &'a dyn Fn(usize, u64, usize) -> Option<u64>,
+}
+
+impl Links<'static> {
+    /// Every message staged through the slots: no registered buffers anywhere.
+    pub(crate) fn staged(nranks: usize) -> Links<'static> {
+        Links {
+            describe_to: vec![false; nranks],
+            described_from: vec![false; nranks],
+            peer_view: &|_, _, _| None,
+        }
+    }
+}
+
+/// One operation of a group, ready to compile.
+pub(crate) struct DeviceOp {
+    pub coll: Collective,
+    pub schedule: std::sync::Arc<Schedule>,
+    pub reduction: Option<Reduction>,
+    pub elem: usize,
+}
+
+/// Compiles a group's operations, whose buffers are `bufs`, into one program for `rank` of
+/// `nranks`. Messages must fit a slot (the caller slices schedules with
+/// `slice_bytes <= slot_bytes`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn compile(
+    ops: &[DeviceOp],
+    bufs: &[OpBuffers],
+    rank: usize,
+    nranks: usize,
+    slots: usize,
+    slot_bytes: usize,
+    links: &Links,
+) -> Result<Vec<DevOp>> {
+    let steps = order(ops);
+    let addr = |op: usize, r: Region| bufs[op].base(r.buf) + r.offset as u64;
+    let overwritten = if links.describe_to.iter().any(|&d| d) {
+        overwritten_later(ops, &steps, &addr)
+    } else {
+        Vec::new()
+    };
+    let mut prog = Vec::new();
+    let mut sent = vec![0usize; nranks];
+    let mut received = vec![0usize; nranks];
+    // Per peer and slot: whether the last message through it is read in place.
+    let mut read_in_place = vec![vec![false; slots]; nranks];
+    for (k, &(op, i)) in steps.iter().enumerate() {
+        let o = &ops[op];
+        let step = o.schedule.steps[i];
+        let loc = |r: Region| Loc::Buf {
+            op,
+            buf: r.buf,
+            offset: r.offset,
+        };
+        let input_scale = o.reduction.and_then(|r| {
+            r.input_scale_at
+                .map(Factor::At)
+                .or(r.input_scale.map(Factor::Value))
+        });
+        let source = |x: Operand| Source {
+            loc: loc(x.region),
+            scale: if x.input { input_scale } else { None },
+        };
+        let divide = |last: bool| {
+            if last {
+                o.reduction.and_then(|r| r.divide_by)
+            } else {
+                None
+            }
+        };
+        match step {
+            Step::Send { peer, src } => {
+                let len = src.region.len;
+                if len > slot_bytes {
+                    return crate::internal_err!(
+                        "a {len}-byte message does not fit a {slot_bytes}-byte device slot"
+                    );
+                }
+                let slot = sent[peer] % slots;
+                sent[peer] += 1;
+                let empty = Flag::Empty {
+                    owner: rank,
+                    to: peer,
+                    slot,
+                };
+                prog.push(DevOp::Wait {
+                    flag: empty,
+                    value: 1,
+                });
+                prog.push(DevOp::Set {
+                    flag: empty,
+                    value: 0,
+                });
+                let s = source(src);
+                // In place: the receiver reads the caller's (registered) bytes, so they must be
+                // final (unscaled) and stay as they are until the end of the program.
+                let direct = if links.describe_to[peer]
+                    && s.scale.is_none()
+                    && src.region.buf != Buf::Scratch
+                    && !overwritten[k]
+                {
+                    (links.peer_view)(peer, addr(op, src.region), len).map(|at| (s.loc, at))
+                } else {
+                    None
+                };
+                if direct.is_none() {
+                    let dst = Loc::Slot {
+                        owner: rank,
+                        to: peer,
+                        slot,
+                        offset: 0,
+                    };
+                    match (s.scale, o.reduction) {
+                        (Some(_), Some(red)) => prog.push(DevOp::Reduce {
+                            dst,
+                            srcs: vec![s],
+                            count: len / o.elem,
+                            reducer: red.reducer,
+                            divide_by: None,
+                        }),
+                        _ => prog.push(DevOp::Copy {
+                            dst,
+                            src: s.loc,
+                            len,
+                        }),
+                    }
+                }
+                if links.describe_to[peer] {
+                    prog.push(DevOp::Describe {
+                        desc: Desc {
+                            owner: peer,
+                            from: rank,
+                            slot,
+                        },
+                        len,
+                        direct,
+                    });
+                }
+                read_in_place[peer][slot] = direct.is_some();
+                prog.push(DevOp::Set {
+                    flag: Flag::Full {
+                        owner: peer,
+                        from: rank,
+                        slot,
+                    },
+                    value: 1,
+                });
+            }
+            Step::Recv {
+                peer,
+                dst,
+                reduce_with,
+                last,
+            } => {
+                if dst.len > slot_bytes {
+                    return crate::internal_err!(
+                        "a {}-byte message does not fit a {slot_bytes}-byte device slot",
+                        dst.len
+                    );
+                }
+                let slot = received[peer] % slots;
+                received[peer] += 1;
+                let full = Flag::Full {
+                    owner: rank,
+                    from: peer,
+                    slot,
+                };
+                prog.push(DevOp::Wait {
+                    flag: full,
+                    value: 1,
+                });
+                prog.push(DevOp::Set {
+                    flag: full,
+                    value: 0,
+                });
+                let msg = Source {
+                    loc: if links.described_from[peer] {
+                        Loc::Message {
+                            from: peer,
+                            to: rank,
+                            slot,
+                        }
+                    } else {
+                        Loc::Slot {
+                            owner: peer,
+                            to: rank,
+                            slot,
+                            offset: 0,
+                        }
+                    },
+                    scale: None,
+                };
+                let divide_by = divide(last);
+                match (reduce_with, o.reduction) {
+                    (Some(w), Some(red)) => prog.push(DevOp::Reduce {
+                        dst: loc(dst),
+                        srcs: vec![source(w), msg],
+                        count: dst.len / o.elem,
+                        reducer: red.reducer,
+                        divide_by,
+                    }),
+                    (None, Some(red)) if divide_by.is_some() => prog.push(DevOp::Reduce {
+                        dst: loc(dst),
+                        srcs: vec![msg],
+                        count: dst.len / o.elem,
+                        reducer: red.reducer,
+                        divide_by,
+                    }),
+                    (Some(_), None) => {
+                        return crate::internal_err!("a reducing receive without a reduction")
+                    }
+                    _ => prog.push(DevOp::Copy {
+                        dst: loc(dst),
+                        src: msg.loc,
+                        len: dst.len,
+                    }),
+                }
+                prog.push(DevOp::Set {
+                    flag: Flag::Empty {
+                        owner: peer,
+                        to: rank,
+                        slot,
+                    },
+                    value: 1,
+                });
+            }
+            Step::Local { dst, a, b, last } => {
+                let a = source(a);
+                let divide_by = divide(last);
+                match (b, o.reduction) {
+                    (Some(b), Some(red)) => prog.push(DevOp::Reduce {
+                        dst: loc(dst),
+                        srcs: vec![a, source(b)],
+                        count: dst.len / o.elem,
+                        reducer: red.reducer,
+                        divide_by,
+                    }),
+                    (None, Some(red)) if a.scale.is_some() || divide_by.is_some() => {
+                        prog.push(DevOp::Reduce {
+                            dst: loc(dst),
+                            srcs: vec![a],
+                            count: dst.len / o.elem,
+                            reducer: red.reducer,
+                            divide_by,
+                        })
+                    }
+                    (Some(_), None) => {
+                        return crate::internal_err!("a local reduction without a reduction")
+                    }
+                    _ => {
+                        if a.loc != loc(dst) {
+                            prog.push(DevOp::Copy {
+                                dst: loc(dst),
+                                src: a.loc,
+                                len: dst.len,
+                            })
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // The program is done only once every peer has read what it reads in place.
+    for (peer, per_slot) in read_in_place.iter().enumerate() {
+        for (slot, _) in per_slot.iter().enumerate().filter(|(_, &r)| r) {
+            prog.push(DevOp::Wait {
+                flag: Flag::Empty {
+                    owner: rank,
+                    to: peer,
+                    slot,
+                },
+                value: 1,
+            });
+        }
+    }
+    Ok(prog)
+}
+
+/// For each step of `steps` (program order): whether a later step writes any byte it sends.
+fn overwritten_later(
+    ops: &[DeviceOp],
+    steps: &[(usize, usize)],
+    addr: &dyn Fn(usize, Region) -> u64,
+) -> Vec<bool> {
+    let mut later = Intervals::default();
+    let mut out = vec![false; steps.len()];
+    for (k, &(op, i)) in steps.iter().enumerate().rev() {
+        match ops[op].schedule.steps[i] {
+            Step::Send { src, .. } => {
+                out[k] = later.overlaps(addr(op, src.region), src.region.len as u64)
+            }
+            Step::Recv { dst, .. } | Step::Local { dst, .. } => {
+                later.insert(addr(op, dst), dst.len as u64)
+            }
+        }
+    }
+    out
+}
+
+/// A union of byte ranges, kept as disjoint `start -> end` entries.
+#[derive(Default)]
+pub(super) struct Intervals(pub(super) std::collections::BTreeMap<u64, u64>);
+
+impl Intervals {
+    pub(super) fn insert(&mut self, start: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let (mut lo, mut hi) = (start, start + len);
+        // Absorb every range that touches [lo, hi).
+        while let Some((&s, &e)) = self.0.range(..=hi).next_back() {
+            if e < lo {
+                break;
+            }
+            self.0.remove(&s);
+            lo = lo.min(s);
+            hi = hi.max(e);
+        }
+        self.0.insert(lo, hi);
+    }
+
+    pub(super) fn overlaps(&self, start: u64, len: u64) -> bool {
+        len > 0
+            && self
+                .0
+                .range(..start + len)
+                .next_back()
+                .is_some_and(|(_, &e)| e > start)
+    }
+}
+
+/// The order in which a group's steps run on the stream: collectives one after another in
+/// call order; consecutive point-to-point calls interleaved slice by slice, so that a send to a
+/// peer and a receive from it (in either order, in any sizes) both move along.
+fn order(ops: &[DeviceOp]) -> Vec<(usize, usize)> {
+    let is_p2p = |o: &DeviceOp| matches!(o.coll, Collective::Send { .. } | Collective::Recv { .. });
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < ops.len() {
+        if !is_p2p(&ops[i]) {
+            out.extend((0..ops[i].schedule.steps.len()).map(|k| (i, k)));
+            i += 1;
+            continue;
+        }
+        let mut j = i;
+        while j < ops.len() && is_p2p(&ops[j]) {
+            j += 1;
+        }
+        let mut cursor = vec![0usize; j - i];
+        loop {
+            let mut any = false;
+            for (k, c) in cursor.iter_mut().enumerate() {
+                let op = i + k;
+                let steps = &ops[op].schedule.steps;
+                // A staged send's first step (its copy aside) goes with its first slice.
+                while *c < steps.len() {
+                    out.push((op, *c));
+                    *c += 1;
+                    any = true;
+                    if !matches!(steps[*c - 1], Step::Local { .. }) {
+                        break;
+                    }
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        i = j;
+    }
+    out
+}
