@@ -29,6 +29,107 @@ impl Links<'static> {
     }
 }
 
+/// The slot protocol between this rank and its peers, one channel per peer and direction. A
+/// sender *acquires* its next slot to a peer (waits until the peer released it, and takes it),
+/// fills it and *publishes* it; the receiver *consumes* the next slot from that peer (waits
+/// until it is published, and takes it), reads it and *releases* it. Message k of a channel
+/// uses slot k mod `slots`, counted from 0 in every program, and every flag ends a program as
+/// it began (Empty raised, Full lowered), so programs can be replayed.
+struct SlotChannels {
+    rank: usize,
+    slots: usize,
+    sent: Vec<usize>,
+    received: Vec<usize>,
+}
+
+impl SlotChannels {
+    fn new(rank: usize, nranks: usize, slots: usize) -> SlotChannels {
+        SlotChannels {
+            rank,
+            slots,
+            sent: vec![0; nranks],
+            received: vec![0; nranks],
+        }
+    }
+
+    /// The slot of the next message to `peer`, once `peer` has read the last one in it.
+    fn acquire(&mut self, prog: &mut Vec<DevOp>, peer: usize) -> usize {
+        let slot = self.sent[peer] % self.slots;
+        self.sent[peer] += 1;
+        let empty = self.empty_to(peer, slot);
+        prog.push(DevOp::Wait {
+            flag: empty,
+            value: 1,
+        });
+        prog.push(DevOp::Set {
+            flag: empty,
+            value: 0,
+        });
+        slot
+    }
+
+    /// Tells `peer` that `slot` holds its message (after everything before is visible).
+    fn publish(&self, prog: &mut Vec<DevOp>, peer: usize, slot: usize) {
+        prog.push(DevOp::Set {
+            flag: Flag::Full {
+                owner: peer,
+                from: self.rank,
+                slot,
+            },
+            value: 1,
+        });
+    }
+
+    /// The slot of the next message from `peer`, once `peer` has published it.
+    fn consume(&mut self, prog: &mut Vec<DevOp>, peer: usize) -> usize {
+        let slot = self.received[peer] % self.slots;
+        self.received[peer] += 1;
+        let full = Flag::Full {
+            owner: self.rank,
+            from: peer,
+            slot,
+        };
+        prog.push(DevOp::Wait {
+            flag: full,
+            value: 1,
+        });
+        prog.push(DevOp::Set {
+            flag: full,
+            value: 0,
+        });
+        slot
+    }
+
+    /// Tells `peer` that this rank has read its message in `slot`.
+    fn release(&self, prog: &mut Vec<DevOp>, peer: usize, slot: usize) {
+        prog.push(DevOp::Set {
+            flag: Flag::Empty {
+                owner: peer,
+                to: self.rank,
+                slot,
+            },
+            value: 1,
+        });
+    }
+
+    /// Waits until `peer` has released `slot` without taking it (the end of a program whose
+    /// message there is read in place from the caller's buffer).
+    fn await_release(&self, prog: &mut Vec<DevOp>, peer: usize, slot: usize) {
+        prog.push(DevOp::Wait {
+            flag: self.empty_to(peer, slot),
+            value: 1,
+        });
+    }
+
+    fn empty_to(&self, peer: usize, slot: usize) -> Flag {
+        Flag::Empty {
+            owner: self.rank,
+            to: peer,
+            slot,
+        }
+    }
+}
+
 /// One operation of a group, ready to compile.
 pub(crate) struct DeviceOp {
     pub coll: Collective,
@@ -58,8 +159,7 @@ pub(crate) fn compile(
         Vec::new()
     };
     let mut prog = Vec::new();
-    let mut sent = vec![0usize; nranks];
-    let mut received = vec![0usize; nranks];
+    let mut chan = SlotChannels::new(rank, nranks, slots);
     // Per peer and slot: whether the last message through it is read in place.
     let mut read_in_place = vec![vec![false; slots]; nranks];
     for (k, &(op, i)) in steps.iter().enumerate() {
@@ -94,21 +194,7 @@ pub(crate) fn compile(
                         "a {len}-byte message does not fit a {slot_bytes}-byte device slot"
                     );
                 }
-                let slot = sent[peer] % slots;
-                sent[peer] += 1;
-                let empty = Flag::Empty {
-                    owner: rank,
-                    to: peer,
-                    slot,
-                };
-                prog.push(DevOp::Wait {
-                    flag: empty,
-                    value: 1,
-                });
-                prog.push(DevOp::Set {
-                    flag: empty,
-                    value: 0,
-                });
+                let slot = chan.acquire(&mut prog, peer);
                 let s = source(src);
                 // In place: the receiver reads the caller's (registered) bytes, so they must be
                 // final (unscaled) and stay as they are until the end of the program.
@@ -155,14 +241,7 @@ pub(crate) fn compile(
                     });
                 }
                 read_in_place[peer][slot] = direct.is_some();
-                prog.push(DevOp::Set {
-                    flag: Flag::Full {
-                        owner: peer,
-                        from: rank,
-                        slot,
-                    },
-                    value: 1,
-                });
+                chan.publish(&mut prog, peer, slot);
             }
             Step::Recv {
                 peer,
@@ -176,21 +255,7 @@ pub(crate) fn compile(
                         dst.len
                     );
                 }
-                let slot = received[peer] % slots;
-                received[peer] += 1;
-                let full = Flag::Full {
-                    owner: rank,
-                    from: peer,
-                    slot,
-                };
-                prog.push(DevOp::Wait {
-                    flag: full,
-                    value: 1,
-                });
-                prog.push(DevOp::Set {
-                    flag: full,
-                    value: 0,
-                });
+                let slot = chan.consume(&mut prog, peer);
                 let msg = Source {
                     loc: if links.described_from[peer] {
                         Loc::Message {
@@ -233,14 +298,7 @@ pub(crate) fn compile(
                         len: dst.len,
                     }),
                 }
-                prog.push(DevOp::Set {
-                    flag: Flag::Empty {
-                        owner: peer,
-                        to: rank,
-                        slot,
-                    },
-                    value: 1,
-                });
+                chan.release(&mut prog, peer, slot);
             }
             Step::Local { dst, a, b, last } => {
                 let a = source(a);
@@ -281,14 +339,7 @@ pub(crate) fn compile(
     // The program is done only once every peer has read what it reads in place.
     for (peer, per_slot) in read_in_place.iter().enumerate() {
         for (slot, _) in per_slot.iter().enumerate().filter(|(_, &r)| r) {
-            prog.push(DevOp::Wait {
-                flag: Flag::Empty {
-                    owner: rank,
-                    to: peer,
-                    slot,
-                },
-                value: 1,
-            });
+            chan.await_release(&mut prog, peer, slot);
         }
     }
     Ok(prog)
