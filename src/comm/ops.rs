@@ -100,19 +100,6 @@ fn scalar_on_device(p: usize) -> bool {
     crate::cuda::classify(p as *const std::ffi::c_void) != crate::cuda::MemKind::Host
 }
 
-/// The peers a group's device operations send to and receive from.
-fn peers_of(ops: &[crate::exec::device::DeviceOp], nranks: usize) -> (Vec<bool>, Vec<bool>) {
-    let (mut to, mut from) = (vec![false; nranks], vec![false; nranks]);
-    for step in ops.iter().flat_map(|o| o.schedule.steps.iter()) {
-        match *step {
-            crate::algo::Step::Send { peer, .. } => to[peer] = true,
-            crate::algo::Step::Recv { peer, .. } => from[peer] = true,
-            crate::algo::Step::Local { .. } => {}
-        }
-    }
-    (to, from)
-}
-
 fn bytes_of(count: usize, times: usize, dtype: DataType, what: &str) -> Result<usize> {
     count
         .checked_mul(times)
@@ -453,7 +440,7 @@ impl Comm {
     /// Turns a group's validated device calls into one program on their stream.
     pub(crate) fn enqueue_device(&self, calls: &[Call]) -> Result<()> {
         use crate::cuda::Stream;
-        use crate::exec::device::{DeviceOp, Links, OpBuffers};
+        use crate::exec::device::{Described, DeviceOp, GroupStreams, Links, OpBuffers};
         let world = self.device.as_ref().ok_or_else(|| {
             crate::error::Error::new(
                 crate::error::ErrorKind::Internal,
@@ -461,33 +448,12 @@ impl Comm {
             )
         })?;
         let _relaxed = crate::cuda::RelaxedCapture::enter();
-        // The group's program runs on the first call's stream; the other streams of the group
-        // join it before and wait for it after, as NCCL does with the streams of a group.
-        let mut streams: Vec<Stream> = Vec::new();
-        for c in calls {
-            let s = Stream(c.stream as *mut std::ffi::c_void);
-            if !streams.contains(&s) {
-                streams.push(s);
-            }
-        }
-        // The legacy default stream is one queue for the whole context: a program there would
-        // wait for flags that another rank's program, queued behind it, is to set.
-        let legacy = |s: &Stream| s.0.is_null() || s.0 as usize == crate::cuda::STREAM_LEGACY;
-        if world.gpu_shared_in_process && streams.iter().any(legacy) {
-            return crate::invalid_usage!(
-                "stream is the legacy default stream (0), but other ranks of this communicator are threads of this process on the same GPU and would queue behind this rank on it: give each rank a stream of its own (cudaStreamCreateWithFlags with cudaStreamNonBlocking)"
-            );
-        }
-        let stream = streams[0];
-        let others = &streams[1..];
-        if !others.is_empty() {
-            let _bound = world.device.bind()?;
-            for s in others {
-                let joined = crate::cuda::Event::new(&world.device)?;
-                joined.record(*s)?;
-                joined.wait_on(stream)?;
-            }
-        }
+        let streams = GroupStreams::join(
+            world,
+            calls
+                .iter()
+                .map(|c| Stream(c.stream as *mut std::ffi::c_void)),
+        )?;
         let mut ops = Vec::with_capacity(calls.len());
         let mut offsets = Vec::with_capacity(calls.len());
         let mut scratch = 0usize;
@@ -520,50 +486,30 @@ impl Comm {
                 scratch: scratch_base + *off as u64,
             })
             .collect();
-        // With registered buffers about, the pairs agree per program whether messages carry
-        // descriptors; that counts the program, so from here on it must reach the stream or
-        // the communicator is unusable.
-        let plan = match (&self.registry, &self.shm) {
-            (Some(reg), Some(shm)) => {
-                let (sends_to, recvs_from) = peers_of(&ops, self.nranks);
-                Some((
-                    shm,
-                    reg.plan(
-                        shm,
-                        Some(&world.device),
-                        &self.paths,
-                        &self.placements,
-                        &sends_to,
-                        &recvs_from,
-                    ),
-                ))
-            }
+        let described = match (&self.registry, &self.shm) {
+            (Some(reg), Some(shm)) => Some(Described::agree(
+                reg,
+                shm,
+                world,
+                &self.paths,
+                &self.placements,
+                &ops,
+                self.rank,
+                self.nranks,
+            )),
             _ => None,
         };
         let view = |peer: usize, addr: u64, len: usize| {
-            plan.as_ref()
-                .and_then(|(shm, p)| p.peer_view(shm, self.rank, peer, addr, len))
+            described.as_ref().and_then(|d| d.view(peer, addr, len))
         };
-        let links = match &plan {
-            Some((_, p)) => Links {
-                describe_to: p.describe_to.clone(),
-                described_from: p.described_from.clone(),
-                peer_view: &view,
-            },
+        let links = match &described {
+            Some(d) => d.links(&view),
             None => Links::staged(self.nranks),
         };
-        let counted = plan.is_some();
+        let counted = described.is_some();
         let enqueued = self
-            .enqueue_program(&ops, &bufs, &links, world, stream)
-            .and_then(|()| {
-                if others.is_empty() {
-                    return Ok(());
-                }
-                let _bound = world.device.bind()?;
-                let done = crate::cuda::Event::new(&world.device)?;
-                done.record(stream)?;
-                others.iter().try_for_each(|s| done.wait_on(*s))
-            });
+            .enqueue_program(&ops, &bufs, &links, world, streams.main)
+            .and_then(|()| streams.release(world));
         if let Err(e) = &enqueued {
             if counted {
                 self.fail(e);

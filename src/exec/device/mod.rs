@@ -33,6 +33,7 @@
 
 mod compile;
 mod enqueue;
+mod group;
 mod program;
 #[cfg(test)]
 mod tests;
@@ -40,3 +41,4 @@ mod tests;
 pub(crate) use crate::transport::p2p::SLOTS;
 pub(crate) use compile::{compile, DeviceOp, Links};
 pub(crate) use enqueue::{enqueue, OpBuffers};
+pub(crate) use group::{Described, GroupStreams};
