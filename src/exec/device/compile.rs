@@ -56,15 +56,7 @@ impl SlotChannels {
     fn acquire(&mut self, prog: &mut Vec<DevOp>, peer: usize) -> usize {
         let slot = self.sent[peer] % self.slots;
         self.sent[peer] += 1;
-        let empty = self.empty_to(peer, slot);
-        prog.push(DevOp::Wait {
-            flag: empty,
-            value: 1,
-        });
-        prog.push(DevOp::Set {
-            flag: empty,
-            value: 0,
-        });
+        take(prog, self.empty_to(peer, slot));
         slot
     }
 
@@ -84,19 +76,14 @@ impl SlotChannels {
     fn consume(&mut self, prog: &mut Vec<DevOp>, peer: usize) -> usize {
         let slot = self.received[peer] % self.slots;
         self.received[peer] += 1;
-        let full = Flag::Full {
-            owner: self.rank,
-            from: peer,
-            slot,
-        };
-        prog.push(DevOp::Wait {
-            flag: full,
-            value: 1,
-        });
-        prog.push(DevOp::Set {
-            flag: full,
-            value: 0,
-        });
+        take(
+            prog,
+            Flag::Full {
+                owner: self.rank,
+                from: peer,
+                slot,
+            },
+        );
         slot
     }
 
@@ -128,6 +115,12 @@ impl SlotChannels {
             slot,
         }
     }
+}
+
+/// Waits until `flag` is raised, then lowers it.
+fn take(prog: &mut Vec<DevOp>, flag: Flag) {
+    prog.push(DevOp::Wait { flag, value: 1 });
+    prog.push(DevOp::Set { flag, value: 0 });
 }
 
 /// One operation of a group, ready to compile.
