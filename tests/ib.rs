@@ -275,3 +275,168 @@ fn the_verbs_library_is_opened_at_run_time() {
         assert!(!text.contains("libibverbs"), "{text}");
     }
 }
+
+/// Buffers registered with ncclCommRegister are sent from where they are: pieces of them go
+/// as plain RDMA writes from the user's memory (the model checks their keys), results stay
+/// right, and after ncclCommDeregister they are copied again. A buffer registered only in part
+/// is sent right too.
+#[test]
+fn registered_buffers_are_sent_without_a_copy() {
+    let fabric = Fabric::new(Faults::default());
+    let f = fabric.clone();
+    with_model(Some(fabric.clone()), "ib", move || {
+        let f = f.clone();
+        with_threads(3, Duration::from_secs(300), move |c, rank, n| {
+            let count = (3 << 20) / 4 + 7;
+            let value = |r: usize, i: usize| ((r * 7 + i % 1013) % 251) as f32;
+            let send: Vec<f32> = (0..count).map(|i| value(rank, i)).collect();
+            let mut recv = vec![0f32; count * n];
+            let sync = || -> Result<(), String> {
+                let mut x = [0f32];
+                nccl!(ncclAllReduce(
+                    x.as_ptr() as *const c_void,
+                    x.as_mut_ptr() as *mut c_void,
+                    1,
+                    FLOAT,
+                    SUM,
+                    c,
+                    S
+                ));
+                Ok(())
+            };
+            let mut run = |what: &str| -> Result<(), String> {
+                nccl!(ncclAllReduce(
+                    send.as_ptr() as *const c_void,
+                    recv.as_mut_ptr() as *mut c_void,
+                    count,
+                    FLOAT,
+                    SUM,
+                    c,
+                    S
+                ));
+                for i in 0..count {
+                    let want: f32 = (0..n).map(|r| value(r, i)).sum();
+                    if recv[i] != want {
+                        return Err(format!(
+                            "{what}: all-reduce element {i} is {}, expected {want}",
+                            recv[i]
+                        ));
+                    }
+                }
+                nccl!(ncclAllGather(
+                    send.as_ptr() as *const c_void,
+                    recv.as_mut_ptr() as *mut c_void,
+                    count,
+                    FLOAT,
+                    c,
+                    S
+                ));
+                for r in 0..n {
+                    for i in 0..count {
+                        if recv[r * count + i] != value(r, i) {
+                            return Err(format!(
+                                "{what}: all-gather element {i} of rank {r} is {}",
+                                recv[r * count + i]
+                            ));
+                        }
+                    }
+                }
+                Ok(())
+            };
+            // Registered whole, then only its first half.
+            for part in [count * 4, count * 2] {
+                let mut h: *mut c_void = std::ptr::null_mut();
+                nccl!(ncclCommRegister(
+                    c,
+                    send.as_ptr() as *mut c_void,
+                    part,
+                    &mut h
+                ));
+                run("registered")?;
+                sync()?;
+                nccl!(ncclCommDeregister(c, h));
+            }
+            sync()?;
+            let before = f.plain_writes();
+            if before == 0 {
+                return Err("no piece was written straight from a registered buffer".into());
+            }
+            sync()?;
+            run("deregistered")?;
+            sync()?;
+            let after = f.plain_writes();
+            if after != before {
+                return Err(format!(
+                    "{} pieces were written from a deregistered buffer",
+                    after - before
+                ));
+            }
+            Ok(())
+        });
+    });
+}
+
+/// A send from a registered buffer returns only once the RDMA writes that read it are done:
+/// with every operation delayed 2 ms, rank 0 overwrites its buffer the moment ncclSend
+/// returns, and rank 1 must still receive what was there before.
+#[test]
+fn a_send_from_a_registered_buffer_returns_after_its_writes() {
+    let fabric = Fabric::new(Faults {
+        delay: Some(Duration::from_millis(2)),
+        ..Faults::default()
+    });
+    let f = fabric.clone();
+    with_model(Some(fabric), "ib", move || {
+        with_threads(2, Duration::from_secs(60), |c, rank, _n| {
+            let count = (1 << 20) + 3;
+            let value = |round: usize, i: usize| ((round * 31 + i % 509) % 241) as f32;
+            let mut buf: Vec<f32> = vec![0f32; count];
+            let mut h: *mut c_void = std::ptr::null_mut();
+            nccl!(ncclCommRegister(
+                c,
+                buf.as_mut_ptr() as *mut c_void,
+                count * 4,
+                &mut h
+            ));
+            for round in 0..4 {
+                if rank == 0 {
+                    buf.iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v = value(round, i));
+                    nccl!(ncclSend(
+                        buf.as_ptr() as *const c_void,
+                        count,
+                        FLOAT,
+                        1,
+                        c,
+                        S
+                    ));
+                    // From the end: the last pieces posted are the likeliest still in flight.
+                    buf.iter_mut().rev().for_each(|v| *v = -1.0);
+                } else {
+                    nccl!(ncclRecv(
+                        buf.as_mut_ptr() as *mut c_void,
+                        count,
+                        FLOAT,
+                        0,
+                        c,
+                        S
+                    ));
+                    if let Some(i) = (0..count).find(|&i| buf[i] != value(round, i)) {
+                        return Err(format!(
+                            "round {round}: element {i} is {}, expected {}",
+                            buf[i],
+                            value(round, i)
+                        ));
+                    }
+                }
+            }
+            nccl!(ncclCommDeregister(c, h));
+            Ok(())
+        });
+    });
+    assert!(
+        f.plain_writes() > 0,
+        "no piece was written straight from the registered buffer"
+    );
+}

@@ -73,6 +73,8 @@ struct Registration {
     comm: usize,
     /// The communicator's registry entry, for device memory published to the peers.
     entry: Option<usize>,
+    /// The InfiniBand registration the network links send from.
+    net: Option<u64>,
 }
 
 static REGISTRATIONS: Lazy<Mutex<HashMap<usize, Registration>>> =
@@ -110,7 +112,22 @@ pub unsafe extern "C" fn ncclCommRegister(
                     ),
                 }
             }
-            _ => crate::info!("registered {size} bytes at {buff:p} (host memory: nothing to pin)"),
+            _ => {}
+        }
+        // Host memory, with peers over InfiniBand: the links send from it without a copy.
+        let mut net = None;
+        if crate::cuda::classify(buff) == crate::cuda::MemKind::Host && size > 0 {
+            if let Some(w) = &c.net {
+                net = w.register(buff.cast(), size)?;
+            }
+            match net {
+                Some(_) => crate::info!(
+                    "registered {size} bytes at {buff:p} with the InfiniBand device: sends from it skip the copy"
+                ),
+                None => crate::info!(
+                    "registered {size} bytes at {buff:p} (host memory, no InfiniBand peers: nothing to pin)"
+                ),
+            }
         }
         let h = 0x5e60_0000_0000 + 0x40 * NEXT_REG.fetch_add(1, Ordering::SeqCst);
         REGISTRATIONS.lock().insert(
@@ -118,6 +135,7 @@ pub unsafe extern "C" fn ncclCommRegister(
             Registration {
                 comm: comm as usize,
                 entry,
+                net,
             },
         );
         // SAFETY: `handle` is the C caller's out-parameter.
@@ -133,6 +151,9 @@ pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_voi
             Some(r) if r.comm == comm as usize => {
                 if let (Some(i), Some(shm), Some(reg)) = (r.entry, &c.shm, &c.registry) {
                     reg.unexport(shm, i);
+                }
+                if let (Some(id), Some(w)) = (r.net, &c.net) {
+                    w.deregister(id);
                 }
                 regs.remove(&(handle as usize));
                 Ok(())

@@ -58,6 +58,8 @@ struct State {
     next_qpn: u32,
     next_key: u32,
     writes: u64,
+    /// Of those, plain writes (no immediate value).
+    plain_writes: u64,
     /// Delayed operations: when, on which queue pair, what.
     later: VecDeque<(Instant, u32, SendWr)>,
     faults: Faults,
@@ -80,6 +82,7 @@ impl Fabric {
                 next_qpn: 0x100,
                 next_key: 0x1000,
                 writes: 0,
+                plain_writes: 0,
                 later: VecDeque::new(),
                 faults,
             }),
@@ -100,6 +103,12 @@ impl Fabric {
     /// Writes with data so far, over the whole fabric.
     pub fn writes(&self) -> u64 {
         self.state.lock().unwrap().writes
+    }
+
+    /// Writes with data but no immediate value so far (the transport's pieces sent straight
+    /// from registered user memory).
+    pub fn plain_writes(&self) -> u64 {
+        self.state.lock().unwrap().plain_writes
     }
 
     fn deliver_later(fabric: std::sync::Weak<Fabric>) {
@@ -198,6 +207,9 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
     let data = matches!(wr.op, Op::Write | Op::WriteImm(_)) && wr.local.len > 0;
     if data {
         st.writes += 1;
+        if matches!(wr.op, Op::Write) {
+            st.plain_writes += 1;
+        }
         if let Some((n, status)) = st.faults.fail_write.clone() {
             if st.writes == n {
                 complete(st, Some(status));

@@ -272,7 +272,24 @@ pub(crate) struct NetWorld {
     waker: Option<Arc<Waker>>,
     thread: Option<std::thread::JoinHandle<()>>,
     /// The InfiniBand device the links use, kept open while they exist.
-    _ib: Option<ib::IbWorld>,
+    ib: Option<ib::IbWorld>,
+}
+
+impl NetWorld {
+    /// Registers user memory with the InfiniBand device, where the links use one, so that
+    /// they send from it without a copy (ncclCommRegister). None over sockets.
+    pub(crate) fn register(&self, addr: *mut u8, len: usize) -> Result<Option<u64>> {
+        self.ib
+            .as_ref()
+            .map(|ib| ib.register(addr, len))
+            .transpose()
+    }
+
+    pub(crate) fn deregister(&self, id: u64) {
+        if let Some(ib) = &self.ib {
+            ib.deregister(id);
+        }
+    }
 }
 
 impl Drop for NetWorld {
@@ -383,7 +400,7 @@ pub(crate) fn connect(
             bytes_per_us: 12_500.0,
             waker: None,
             thread: None,
-            _ib: world,
+            ib: world,
         }));
     }
     if peers.is_empty() {
@@ -475,7 +492,7 @@ pub(crate) fn connect(
         bytes_per_us: crate::bootstrap::iface::speed_of(boot.listen_ip()).unwrap_or(1250.0),
         waker: Some(waker),
         thread,
-        _ib: None,
+        ib: None,
     }))
 }
 

@@ -40,6 +40,9 @@ const CLOSE: u32 = 1 << 30;
 pub(super) const RECVS: u32 = 4 * SLOTS as u32;
 /// Work-request ids of data pieces carry this bit (and the piece's number).
 const DATA_WR: u64 = 1 << 63;
+/// Pieces at least this long are written straight from the caller's buffer when it lies in
+/// memory registered with ncclCommRegister (a second work request beats a copy from here on).
+const ZERO_COPY_MIN: usize = 16 << 10;
 
 /// Page-aligned memory that stays where it is while registered.
 pub(super) struct Buffer {
@@ -151,6 +154,8 @@ pub(super) struct IbLink {
     staging: Buffer,
     ring_mr: Arc<dyn Mr>,
     staging_mr: Arc<dyn Mr>,
+    /// User buffers registered with the device, sent from without a copy.
+    regs: Arc<super::Registered>,
     /// The peer's ring for this side's pieces, set when the connection is made.
     remote: Mutex<Option<Remote>>,
     state: Mutex<State>,
@@ -169,6 +174,7 @@ impl IbLink {
         staging: Buffer,
         ring_mr: Arc<dyn Mr>,
         staging_mr: Arc<dyn Mr>,
+        regs: Arc<super::Registered>,
     ) -> IbLink {
         IbLink {
             me,
@@ -179,6 +185,7 @@ impl IbLink {
             staging,
             ring_mr,
             staging_mr,
+            regs,
             remote: Mutex::new(None),
             state: Mutex::new(State {
                 written: vec![0; qps.len()],
@@ -402,6 +409,20 @@ impl Link for IbLink {
         let Some(remote) = *self.remote.lock() else {
             return crate::internal_err!("InfiniBand link to rank {} not connected", self.peer);
         };
+        // Pieces written from the caller's buffer: it is free once the last of them is written.
+        if let Some(last) = cur.await_release.filter(|_| cur.sent == msg.len) {
+            let done = self.was_written(&st, last) || {
+                moved |= self.idle(&mut st)?;
+                self.was_written(&st, last)
+            };
+            let state = if done {
+                cur.await_release = None;
+                SendState::Complete
+            } else {
+                SendState::Posted
+            };
+            return Ok(Progress { state, moved });
+        }
         while cur.sent < msg.len || !cur.started {
             let s = st.posted;
             let room = s - st.credit < SLOTS as u64
@@ -423,33 +444,71 @@ impl Link for IbLink {
                 scale: msg.scale.map(|s| s.0),
             }
             .write(at);
-            // SAFETY: `src` holds `len` bytes; the slot has room for HEADER + n.
-            unsafe { std::ptr::copy_nonoverlapping(msg.src.add(cur.sent), at.add(HEADER), n) };
+            // SAFETY: `src` holds `len` bytes, so the piece is inside it.
+            let piece = unsafe { msg.src.add(cur.sent) };
+            let in_slot = remote.addr + (s % SLOTS as u64) * self.slot as u64;
+            let q = (s % self.nq()) as usize;
+            let direct = (n >= ZERO_COPY_MIN)
+                .then(|| self.regs.lkey(piece as u64, n))
+                .flatten();
+            let carried = match direct {
+                Some(lkey) => {
+                    // The payload from where it is, then the header with the immediate value:
+                    // the queue pair places the first before the peer sees the second complete.
+                    let payload = SendWr {
+                        wr_id: DATA_WR | s,
+                        op: Op::Write,
+                        local: Local {
+                            addr: piece as u64,
+                            len: n as u32,
+                            lkey,
+                        },
+                        remote: Remote {
+                            addr: in_slot + HEADER as u64,
+                            rkey: remote.rkey,
+                        },
+                        signaled: false,
+                    };
+                    self.post(&mut st, q, &payload)?;
+                    cur.await_release = Some(s);
+                    0
+                }
+                None => {
+                    // SAFETY: the slot has room for HEADER + n, and `piece` holds n bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(piece, at.add(HEADER), n) };
+                    n
+                }
+            };
             let wr = SendWr {
                 wr_id: DATA_WR | s,
                 op: Op::WriteImm(0),
                 local: Local {
                     addr: at as u64,
-                    len: (HEADER + n) as u32,
+                    len: (HEADER + carried) as u32,
                     lkey: self.staging_mr.lkey(),
                 },
                 remote: Remote {
-                    addr: remote.addr + (s % SLOTS as u64) * self.slot as u64,
+                    addr: in_slot,
                     rkey: remote.rkey,
                 },
                 signaled: true,
             };
-            self.post(&mut st, (s % self.nq()) as usize, &wr)?;
+            self.post(&mut st, q, &wr)?;
             st.posted += 1;
             cur.sent += n;
             cur.started = true;
             moved = true;
         }
-        // Every byte was copied to staging: the caller's buffer is free once all are posted.
-        let state = if cur.started && cur.sent == msg.len {
-            SendState::Complete
-        } else {
-            SendState::Pending
+        // Every byte copied to staging: the caller's buffer is free once all are posted; some
+        // written from it: once those writes are done.
+        let state = match (cur.started && cur.sent == msg.len, cur.await_release) {
+            (false, _) => SendState::Pending,
+            (true, None) => SendState::Complete,
+            (true, Some(last)) if self.was_written(&st, last) => {
+                cur.await_release = None;
+                SendState::Complete
+            }
+            (true, Some(_)) => SendState::Posted,
         };
         Ok(Progress { state, moved })
     }

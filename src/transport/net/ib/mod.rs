@@ -20,7 +20,7 @@ use crate::transport::{Doorbell, Link};
 use link::{Buffer, IbLink, HEADER, RECVS, SLOTS};
 use parking_lot::Mutex;
 use std::sync::Arc;
-use verbs::{Device, Provider, QpAddr, Remote};
+use verbs::{Device, Mr, Provider, QpAddr, Remote};
 
 static PROVIDER: Mutex<Option<Arc<dyn Provider>>> = Mutex::new(None);
 
@@ -71,6 +71,73 @@ type NetLinks = Vec<Option<Arc<dyn Link>>>;
 /// Keeps the device (and through the links, the queue pairs and registrations) alive.
 pub(crate) struct IbWorld {
     _device: Arc<dyn Device>,
+    regs: Arc<Registered>,
+}
+
+impl IbWorld {
+    /// Registers `len` bytes at `addr` (ncclCommRegister): the links send pieces of it
+    /// straight from there. Returns the registration's number, for `deregister`.
+    pub(crate) fn register(&self, addr: *mut u8, len: usize) -> Result<u64> {
+        self.regs.register(addr, len)
+    }
+
+    pub(crate) fn deregister(&self, id: u64) {
+        self.regs.deregister(id)
+    }
+}
+
+/// The user buffers registered with the device (ncclCommRegister), which the links send from
+/// without copying. Only what the user registered is used this way: the user promises those
+/// pages stay valid until ncclCommDeregister, which ordinary memory never promises (a freed
+/// and reused range would keep its old pinned pages under a cached registration).
+struct Registration {
+    id: u64,
+    start: u64,
+    end: u64,
+    mr: Arc<dyn Mr>,
+}
+
+pub(super) struct Registered {
+    device: Arc<dyn Device>,
+    regs: Mutex<Vec<Registration>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Registered {
+    fn new(device: Arc<dyn Device>) -> Registered {
+        Registered {
+            device,
+            regs: Mutex::new(Vec::new()),
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    fn register(&self, addr: *mut u8, len: usize) -> Result<u64> {
+        let mr = self.device.register(addr, len)?;
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start = addr as u64;
+        self.regs.lock().push(Registration {
+            id,
+            start,
+            end: start + len as u64,
+            mr,
+        });
+        Ok(id)
+    }
+
+    fn deregister(&self, id: u64) {
+        self.regs.lock().retain(|r| r.id != id);
+    }
+
+    /// The local key of a registration that covers `len` bytes at `addr`, if one does.
+    pub(super) fn lkey(&self, addr: u64, len: usize) -> Option<u32> {
+        let end = addr.checked_add(len as u64)?;
+        self.regs
+            .lock()
+            .iter()
+            .find(|r| r.start <= addr && end <= r.end)
+            .map(|r| r.mr.lkey())
+    }
 }
 
 /// Connects this rank to `peers` over `device`. Collective over the bootstrap: every rank
@@ -90,6 +157,9 @@ pub(super) fn connect(
         None if peers.is_empty() => None,
         None => return crate::internal_err!("InfiniBand chosen without a device"),
     };
+    let regs = device
+        .as_ref()
+        .map(|d| Arc::new(Registered::new(d.clone())));
     for &p in peers {
         let device = device.as_ref().expect("checked");
         let ring = Buffer::new(SLOTS * slot)?;
@@ -112,6 +182,7 @@ pub(super) fn connect(
             staging,
             ring_mr,
             staging_mr,
+            regs.clone().expect("a device"),
         )));
     }
     // For every rank: how many queue pairs connect us (0: it is no peer), their addresses,
@@ -152,7 +223,10 @@ pub(super) fn connect(
         .into_iter()
         .map(|l| l.map(|l| l as Arc<dyn Link>))
         .collect();
-    Ok((links, device.map(|d| IbWorld { _device: d })))
+    let world = device
+        .zip(regs)
+        .map(|(d, regs)| IbWorld { _device: d, regs });
+    Ok((links, world))
 }
 
 /// Rank `of`'s entry in a published table: its queue pairs' addresses and its ring.
