@@ -314,12 +314,11 @@ fn registered_buffers_are_sent_without_a_copy() {
                     c,
                     S
                 ));
-                for i in 0..count {
+                for (i, got) in recv[..count].iter().enumerate() {
                     let want: f32 = (0..n).map(|r| value(r, i)).sum();
-                    if recv[i] != want {
+                    if *got != want {
                         return Err(format!(
-                            "{what}: all-reduce element {i} is {}, expected {want}",
-                            recv[i]
+                            "{what}: all-reduce element {i} is {got}, expected {want}"
                         ));
                     }
                 }
