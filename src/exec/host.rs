@@ -1147,10 +1147,13 @@ mod tests {
     use crate::reduce::{DataType, ReduceOp};
     use crate::transport::{Closing, LocalDoorbell};
 
-    /// One direction of an in-memory channel: whole messages, each with its tag and scale.
+    /// A message in flight: its bytes, tag and scale.
+    type Message = (Vec<u8>, u64, Option<Scale>);
+
+    /// One direction of an in-memory channel: whole messages, in order.
     #[derive(Default)]
     struct Channel {
-        msgs: Mutex<VecDeque<(Vec<u8>, u64, Option<Scale>)>>,
+        msgs: Mutex<VecDeque<Message>>,
     }
 
     /// A link between two ranks of this process. A send copies the message into the channel at

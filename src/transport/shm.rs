@@ -1326,8 +1326,7 @@ mod tests {
                     &mut RecvCursor::default(),
                     &mut Collect::new(21, false),
                 )
-                .err()
-                .expect("a mismatch is refused");
+                .expect_err("a mismatch is refused");
             assert_eq!(e.kind, ErrorKind::InvalidUsage);
             assert!(
                 e.msg.contains("rank 0 sent 20 bytes")
