@@ -12,8 +12,20 @@ use common::values::*;
 use common::*;
 use std::time::Duration;
 
+/// A scenario's body: it runs on a communicator of every rank, processes or threads, with the
+/// launch argument (the matrix's level).
+type Body = fn(&Ctx, &str) -> Result<(), String>;
+
+/// Every scenario by name: the process tests launch one, the thread tests call one.
+const SCENARIOS: &[(&str, Body)] = &[("matrix", matrix_at_level), ("large", large)];
+
+/// The collective x datatype x op matrix: "full" or the small set.
+fn matrix_at_level(ctx: &Ctx, level: &str) -> Result<(), String> {
+    matrix(ctx, level == "full")
+}
+
 /// Large float sums: 64 MiB all-reduce / reduce-scatter / all-gather / broadcast.
-fn large(ctx: &Ctx) -> Result<(), String> {
+fn large(ctx: &Ctx, _level: &str) -> Result<(), String> {
     let count = (64 << 20) / 4;
     run_case(ctx, Coll::AllReduce, 7, SUM, count, false)?;
     run_case(ctx, Coll::AllReduce, 7, SUM, count, true)?;
@@ -23,12 +35,8 @@ fn large(ctx: &Ctx) -> Result<(), String> {
 }
 
 fn scenario(comm: ncclComm_t, rank: usize, n: usize, name: &str, arg: &str) -> Result<(), String> {
-    let ctx = Ctx { comm, rank, n };
-    match name {
-        "matrix" => matrix(&ctx, arg == "full"),
-        "large" => large(&ctx),
-        other => Err(format!("unknown scenario {other}")),
-    }
+    let body = find_scenario(SCENARIOS, name)?;
+    body(&Ctx { comm, rank, n }, arg)
 }
 
 #[test]
@@ -41,6 +49,11 @@ fn worker() {
             Ok(())
         })());
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 fn processes(n: usize, scenario_name: &str, level: &str, minutes: u64) {

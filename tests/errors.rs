@@ -382,190 +382,197 @@ fn bad_arguments_leave_the_communicator_usable_threads() {
     with_threads(3, Duration::from_secs(120), bad_arguments);
 }
 
-/// Scenarios run by rank processes.
-fn scenario(w: &Worker) -> Result<(), String> {
-    match w.scenario.as_str() {
-        "bad_arguments" => {
-            let c = init_rank(w)?;
-            bad_arguments(c, w.rank, w.nranks)?;
-            nccl!(ncclCommDestroy(c));
-            Ok(())
-        }
-        // Rank 1 dies in the middle; the others must get an error, not hang.
-        "dead_peer" => {
-            let c = init_rank(w)?;
-            still_works(c, w.nranks, w.rank)?;
-            if w.rank == 1 {
-                std::process::exit(3);
-            }
-            let mut big = vec![1f32; 1 << 20];
-            let t = Instant::now();
-            let r = unsafe {
-                ncclAllReduce(
-                    big.as_ptr() as *const c_void,
-                    big.as_mut_ptr() as *mut c_void,
-                    1 << 20,
-                    FLOAT,
-                    SUM,
-                    c,
-                    S,
-                )
-            };
-            if r != ncclResult_t::ncclRemoteError {
-                return Err(format!(
-                    "all-reduce with a dead peer returned {r:?}: {}",
-                    last_error()
-                ));
-            }
-            let msg = last_error();
-            // Either this rank saw rank 1 die, or it saw a survivor abort after seeing it.
-            let other = if w.rank == 0 { "rank 2" } else { "rank 0" };
-            if !(msg.contains("rank 1") || (msg.contains(other) && msg.contains("aborted"))) {
-                return Err(format!(
-                    "error names neither the dead rank nor the aborting one: {msg}"
-                ));
-            }
-            let mut state = ncclResult_t::ncclSuccess;
-            nccl!(ncclCommGetAsyncError(c, &mut state));
-            if state != ncclResult_t::ncclRemoteError {
-                return Err(format!("async error after a dead peer is {state:?}"));
-            }
-            println!("detected in {:?}: {msg}", t.elapsed());
-            nccl!(ncclCommAbort(c));
-            Ok(())
-        }
-        // Rank 1 calls a different collective: both sides must say so.
-        "mismatch" => {
-            let c = init_rank(w)?;
-            let send = vec![1f32; 100];
-            let mut recv = vec![0f32; 100 * w.nranks];
-            let r = unsafe {
-                if w.rank == 0 {
-                    ncclAllReduce(
-                        send.as_ptr() as *const c_void,
-                        recv.as_mut_ptr() as *mut c_void,
-                        100,
-                        FLOAT,
-                        SUM,
-                        c,
-                        S,
-                    )
-                } else {
-                    ncclAllGather(
-                        send.as_ptr() as *const c_void,
-                        recv.as_mut_ptr() as *mut c_void,
-                        100,
-                        FLOAT,
-                        c,
-                        S,
-                    )
-                }
-            };
-            let msg = last_error();
-            if r == OK {
-                return Err("mismatched collectives succeeded".into());
-            }
-            if !(msg.contains("AllReduce") && msg.contains("AllGather")) {
-                return Err(format!(
-                    "mismatch message does not name both collectives: {msg}"
-                ));
-            }
-            nccl!(ncclCommAbort(c));
-            Ok(())
-        }
-        // Rank 1 never joins the collective: rank 0 times out naming it.
-        "absent_peer" => {
-            let c = init_rank(w)?;
-            if w.rank == 1 {
-                std::thread::sleep(Duration::from_secs(6));
-                nccl!(ncclCommDestroy(c));
-                return Ok(());
-            }
-            let send = [1f32; 16];
-            let mut recv = vec![0f32; 16];
-            let r = unsafe {
-                ncclAllReduce(
-                    send.as_ptr() as *const c_void,
-                    recv.as_mut_ptr() as *mut c_void,
-                    16,
-                    FLOAT,
-                    SUM,
-                    c,
-                    S,
-                )
-            };
-            let msg = last_error();
-            if r != ncclResult_t::ncclTimeout || !msg.contains("rank 1") {
-                return Err(format!("absent peer: {r:?} {msg}"));
-            }
-            nccl!(ncclCommAbort(c));
-            Ok(())
-        }
-        // One rank never arrives at init: the others fail after COMM_INIT_TIMEOUT naming it.
-        "missing_at_init" => {
-            let mut c: ncclComm_t = std::ptr::null_mut();
-            let t = Instant::now();
-            let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
-            let msg = last_error();
-            if r == OK {
-                return Err("init succeeded with a rank missing".into());
-            }
-            if r != ncclResult_t::ncclTimeout
-                || !msg.contains("rank 3")
-                || !msg.contains("never arrived")
-                || t.elapsed() > Duration::from_secs(20)
-            {
-                return Err(format!(
-                    "init with rank 3 missing: {r:?} after {:?}: {msg}",
-                    t.elapsed()
-                ));
-            }
-            Ok(())
-        }
-        // ncclCommAbort from another thread unblocks a call stuck on a peer that never comes.
-        "abort_unblocks" => {
-            let c = init_rank(w)?;
-            if w.rank == 1 {
-                std::thread::sleep(Duration::from_secs(4));
-                nccl!(ncclCommDestroy(c));
-                return Ok(());
-            }
-            let handle = c as usize;
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(500));
-                unsafe { ncclCommAbort(handle as ncclComm_t) };
-            });
-            let send = [1f32; 16];
-            let mut recv = vec![0f32; 16];
-            let t = Instant::now();
-            let r = unsafe {
-                ncclAllReduce(
-                    send.as_ptr() as *const c_void,
-                    recv.as_mut_ptr() as *mut c_void,
-                    16,
-                    FLOAT,
-                    SUM,
-                    c,
-                    S,
-                )
-            };
-            if r == OK || t.elapsed() > Duration::from_secs(3) {
-                return Err(format!(
-                    "abort did not unblock: {r:?} after {:?}",
-                    t.elapsed()
-                ));
-            }
-            Ok(())
-        }
-        other => Err(format!("unknown scenario {other}")),
+/// Every scenario a rank process runs, by the name its launcher gives.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("bad_arguments", |w| on_comm(w, bad_arguments)),
+    ("dead_peer", dead_peer),
+    ("mismatch", mismatch),
+    ("absent_peer", absent_peer),
+    ("missing_at_init", missing_at_init),
+    ("abort_unblocks", abort_unblocks),
+];
+
+/// Rank 1 dies in the middle; the others must get an error, not hang.
+fn dead_peer(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    still_works(c, w.nranks, w.rank)?;
+    if w.rank == 1 {
+        std::process::exit(3);
     }
+    let mut big = vec![1f32; 1 << 20];
+    let t = Instant::now();
+    let r = unsafe {
+        ncclAllReduce(
+            big.as_ptr() as *const c_void,
+            big.as_mut_ptr() as *mut c_void,
+            1 << 20,
+            FLOAT,
+            SUM,
+            c,
+            S,
+        )
+    };
+    if r != ncclResult_t::ncclRemoteError {
+        return Err(format!(
+            "all-reduce with a dead peer returned {r:?}: {}",
+            last_error()
+        ));
+    }
+    let msg = last_error();
+    // Either this rank saw rank 1 die, or it saw a survivor abort after seeing it.
+    let other = if w.rank == 0 { "rank 2" } else { "rank 0" };
+    if !(msg.contains("rank 1") || (msg.contains(other) && msg.contains("aborted"))) {
+        return Err(format!(
+            "error names neither the dead rank nor the aborting one: {msg}"
+        ));
+    }
+    let mut state = ncclResult_t::ncclSuccess;
+    nccl!(ncclCommGetAsyncError(c, &mut state));
+    if state != ncclResult_t::ncclRemoteError {
+        return Err(format!("async error after a dead peer is {state:?}"));
+    }
+    println!("detected in {:?}: {msg}", t.elapsed());
+    nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// Rank 1 calls a different collective: both sides must say so.
+fn mismatch(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    let send = vec![1f32; 100];
+    let mut recv = vec![0f32; 100 * w.nranks];
+    let r = unsafe {
+        if w.rank == 0 {
+            ncclAllReduce(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                100,
+                FLOAT,
+                SUM,
+                c,
+                S,
+            )
+        } else {
+            ncclAllGather(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                100,
+                FLOAT,
+                c,
+                S,
+            )
+        }
+    };
+    let msg = last_error();
+    if r == OK {
+        return Err("mismatched collectives succeeded".into());
+    }
+    if !(msg.contains("AllReduce") && msg.contains("AllGather")) {
+        return Err(format!(
+            "mismatch message does not name both collectives: {msg}"
+        ));
+    }
+    nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// Rank 1 never joins the collective: rank 0 times out naming it.
+fn absent_peer(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    if w.rank == 1 {
+        std::thread::sleep(Duration::from_secs(6));
+        nccl!(ncclCommDestroy(c));
+        return Ok(());
+    }
+    let send = [1f32; 16];
+    let mut recv = vec![0f32; 16];
+    let r = unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            16,
+            FLOAT,
+            SUM,
+            c,
+            S,
+        )
+    };
+    let msg = last_error();
+    if r != ncclResult_t::ncclTimeout || !msg.contains("rank 1") {
+        return Err(format!("absent peer: {r:?} {msg}"));
+    }
+    nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// One rank never arrives at init: the others fail after COMM_INIT_TIMEOUT naming it.
+fn missing_at_init(w: &Worker) -> Result<(), String> {
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let t = Instant::now();
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    let msg = last_error();
+    if r == OK {
+        return Err("init succeeded with a rank missing".into());
+    }
+    if r != ncclResult_t::ncclTimeout
+        || !msg.contains("rank 3")
+        || !msg.contains("never arrived")
+        || t.elapsed() > Duration::from_secs(20)
+    {
+        return Err(format!(
+            "init with rank 3 missing: {r:?} after {:?}: {msg}",
+            t.elapsed()
+        ));
+    }
+    Ok(())
+}
+
+/// ncclCommAbort from another thread unblocks a call stuck on a peer that never comes.
+fn abort_unblocks(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    if w.rank == 1 {
+        std::thread::sleep(Duration::from_secs(4));
+        nccl!(ncclCommDestroy(c));
+        return Ok(());
+    }
+    let handle = c as usize;
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        unsafe { ncclCommAbort(handle as ncclComm_t) };
+    });
+    let send = [1f32; 16];
+    let mut recv = vec![0f32; 16];
+    let t = Instant::now();
+    let r = unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            16,
+            FLOAT,
+            SUM,
+            c,
+            S,
+        )
+    };
+    if r == OK || t.elapsed() > Duration::from_secs(3) {
+        return Err(format!(
+            "abort did not unblock: {r:?} after {:?}",
+            t.elapsed()
+        ));
+    }
+    Ok(())
 }
 
 #[test]
 fn worker() {
     if let Some(w) = worker_env() {
-        finish(scenario(&w));
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 #[test]

@@ -376,101 +376,103 @@ fn registration(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     sum_check(comm, 1.0, n as f32, 17)
 }
 
-fn scenario(w: &Worker) -> Result<(), String> {
-    match w.scenario.as_str() {
-        "split" | "shrink" | "queries" | "sendrecv" | "simulate" | "sendrecv_in_place"
-        | "registration" => {
-            let c = init_rank(w)?;
-            match w.scenario.as_str() {
-                "split" => split(c, w.rank, w.nranks)?,
-                "registration" => registration(c, w.rank, w.nranks)?,
-                "shrink" => shrink(c, w.rank, w.nranks)?,
-                "queries" => queries(c, w.rank, w.nranks)?,
-                "simulate" => simulate(c, w.rank, w.nranks)?,
-                "sendrecv_in_place" => sendrecv_in_place(c, w.rank, w.nranks)?,
-                _ => sendrecv_orders(c, w.rank, w.nranks)?,
-            }
-            nccl!(ncclCommDestroy(c));
-            Ok(())
-        }
-        // The last rank dies; the survivors shrink it away and carry on.
-        "shrink_dead" => {
-            let c = init_rank(w)?;
-            sum_check(c, 1.0, w.nranks as f32, 8)?;
-            if w.rank == w.nranks - 1 {
-                std::process::exit(0);
-            }
-            std::thread::sleep(Duration::from_millis(300));
-            let mut exclude = [(w.nranks - 1) as i32];
-            let mut child: ncclComm_t = std::ptr::null_mut();
-            nccl!(ncclCommShrink(
-                c,
-                exclude.as_mut_ptr(),
-                1,
-                &mut child,
-                std::ptr::null_mut(),
-                NCCL_SHRINK_ABORT
-            ));
-            sum_check(child, 2.0, 2.0 * (w.nranks - 1) as f32, 4097)?;
-            nccl!(ncclCommDestroy(child));
-            nccl!(ncclCommAbort(c));
-            Ok(())
-        }
-        "nonblocking" => {
-            let mut cfg = config(0, c"nonblocking-test");
-            let mut c: ncclComm_t = std::ptr::null_mut();
-            let r = unsafe {
-                ncclCommInitRankConfig(&mut c, w.nranks as i32, w.id, w.rank as i32, &mut cfg)
-            };
-            if r != ncclResult_t::ncclInProgress && r != OK {
-                return Err(format!(
-                    "non-blocking init returned {r:?}: {}",
-                    last_error()
-                ));
-            }
-            let t = Instant::now();
-            loop {
-                let mut state = ncclResult_t::ncclInternalError;
-                nccl!(ncclCommGetAsyncError(c, &mut state));
-                match state {
-                    ncclResult_t::ncclSuccess => break,
-                    ncclResult_t::ncclInProgress if t.elapsed() < Duration::from_secs(30) => {
-                        std::thread::sleep(Duration::from_millis(1))
-                    }
-                    other => return Err(format!("non-blocking init ended with {other:?}")),
-                }
-            }
-            sum_check(c, 3.0, 3.0 * w.nranks as f32, 10)?;
-            nccl!(ncclCommFinalize(c));
-            nccl!(ncclCommDestroy(c));
-            Ok(())
-        }
-        // Two unique ids spread the rendezvous (ncclCommInitRankScalable); rank 0 made both.
-        "scalable" => {
-            let ids: Vec<ncclUniqueId> = w.arg.split(',').map(id_from_hex).collect();
-            let mut ids = ids;
-            let mut c: ncclComm_t = std::ptr::null_mut();
-            nccl!(ncclCommInitRankScalable(
-                &mut c,
-                w.nranks as i32,
-                w.rank as i32,
-                ids.len() as i32,
-                ids.as_mut_ptr(),
-                std::ptr::null_mut()
-            ));
-            sum_check(c, 1.0, w.nranks as f32, 3)?;
-            nccl!(ncclCommDestroy(c));
-            Ok(())
-        }
-        other => Err(format!("unknown scenario {other}")),
+/// Every scenario a rank process runs, by the name its launcher gives. Most are the bodies the
+/// thread tests run too, on a communicator of their own; the rest set up their communicator
+/// themselves.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("queries", |w| on_comm(w, queries)),
+    ("registration", |w| on_comm(w, registration)),
+    ("split", |w| on_comm(w, split)),
+    ("shrink", |w| on_comm(w, shrink)),
+    ("sendrecv", |w| on_comm(w, sendrecv_orders)),
+    ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
+    ("simulate", |w| on_comm(w, simulate)),
+    ("shrink_dead", shrink_dead),
+    ("nonblocking", nonblocking),
+    ("scalable", scalable),
+];
+
+/// The last rank dies; the survivors shrink it away and carry on.
+fn shrink_dead(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    sum_check(c, 1.0, w.nranks as f32, 8)?;
+    if w.rank == w.nranks - 1 {
+        std::process::exit(0);
     }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut exclude = [(w.nranks - 1) as i32];
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommShrink(
+        c,
+        exclude.as_mut_ptr(),
+        1,
+        &mut child,
+        std::ptr::null_mut(),
+        NCCL_SHRINK_ABORT
+    ));
+    sum_check(child, 2.0, 2.0 * (w.nranks - 1) as f32, 4097)?;
+    nccl!(ncclCommDestroy(child));
+    nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// Non-blocking init: the communicator reports progress until it is ready, then works.
+fn nonblocking(w: &Worker) -> Result<(), String> {
+    let mut cfg = config(0, c"nonblocking-test");
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let r =
+        unsafe { ncclCommInitRankConfig(&mut c, w.nranks as i32, w.id, w.rank as i32, &mut cfg) };
+    if r != ncclResult_t::ncclInProgress && r != OK {
+        return Err(format!(
+            "non-blocking init returned {r:?}: {}",
+            last_error()
+        ));
+    }
+    let t = Instant::now();
+    loop {
+        let mut state = ncclResult_t::ncclInternalError;
+        nccl!(ncclCommGetAsyncError(c, &mut state));
+        match state {
+            ncclResult_t::ncclSuccess => break,
+            ncclResult_t::ncclInProgress if t.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            other => return Err(format!("non-blocking init ended with {other:?}")),
+        }
+    }
+    sum_check(c, 3.0, 3.0 * w.nranks as f32, 10)?;
+    nccl!(ncclCommFinalize(c));
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+/// Two unique ids spread the rendezvous (ncclCommInitRankScalable); rank 0 made both.
+fn scalable(w: &Worker) -> Result<(), String> {
+    let mut ids: Vec<ncclUniqueId> = w.arg.split(',').map(id_from_hex).collect();
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRankScalable(
+        &mut c,
+        w.nranks as i32,
+        w.rank as i32,
+        ids.len() as i32,
+        ids.as_mut_ptr(),
+        std::ptr::null_mut()
+    ));
+    sum_check(c, 1.0, w.nranks as f32, 3)?;
+    nccl!(ncclCommDestroy(c));
+    Ok(())
 }
 
 #[test]
 fn worker() {
     if let Some(w) = worker_env() {
-        finish(scenario(&w));
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 fn procs(scenario: &str, n: usize, env: &[(&str, &str)]) {

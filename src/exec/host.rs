@@ -1139,4 +1139,712 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         assert_eq!(dst, vec![0u8; 16]);
     }
+
+    // ---------------------------------------------------------------------------------------
+    // The executor over an in-memory mesh: ranks are threads, links hand messages across.
+
+    use crate::algo::{ring, Operand, Shape};
+    use crate::reduce::{DataType, ReduceOp};
+    use crate::transport::{Closing, LocalDoorbell};
+
+    /// A message in flight: its bytes, tag and scale.
+    type Message = (Vec<u8>, u64, Option<Scale>);
+
+    /// One direction of an in-memory channel: whole messages, in order.
+    #[derive(Default)]
+    struct Channel {
+        msgs: Mutex<VecDeque<Message>>,
+    }
+
+    /// A link between two ranks of this process. A send copies the message into the channel at
+    /// once (so it completes in one call); a receive hands it to the sink in pieces of at most
+    /// `piece` bytes per call, so that one message spans several passes of the executor.
+    struct MemLink {
+        out: Arc<Channel>,
+        inbox: Arc<Channel>,
+        /// The receiving rank's doorbell, rung on every send.
+        peer_bell: Arc<LocalDoorbell>,
+        piece: usize,
+        /// How this end was closed, if it was.
+        closed: Mutex<Option<(Closing, Option<usize>)>>,
+    }
+
+    impl Link for MemLink {
+        fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
+            // SAFETY: the executor keeps `src` valid for `len` bytes until the send completes.
+            let data = unsafe { std::slice::from_raw_parts(msg.src, msg.len) }.to_vec();
+            self.out.msgs.lock().push_back((data, msg.tag, msg.scale));
+            cur.started = true;
+            cur.sent = msg.len;
+            self.peer_bell.ring();
+            Ok(Progress {
+                state: SendState::Complete,
+                moved: true,
+            })
+        }
+
+        fn recv(
+            &self,
+            expect: &InExpect,
+            cur: &mut RecvCursor,
+            sink: &mut dyn Sink,
+        ) -> Result<Progress<bool>> {
+            let mut q = self.inbox.msgs.lock();
+            let Some((data, tag, scale)) = q.front() else {
+                return Ok(Progress {
+                    state: false,
+                    moved: false,
+                });
+            };
+            if data.len() != expect.len || *tag != expect.tag {
+                return crate::invalid_usage!(
+                    "{} bytes tagged {tag:#x} arrived where {} bytes tagged {:#x} were expected",
+                    data.len(),
+                    expect.len,
+                    expect.tag
+                );
+            }
+            let end = data.len().min(cur.received + self.piece);
+            sink.put(cur.received, &data[cur.received..end], *scale)?;
+            cur.started = true;
+            cur.received = end;
+            let done = end == data.len();
+            if done {
+                q.pop_front();
+            }
+            Ok(Progress {
+                state: done,
+                moved: true,
+            })
+        }
+
+        fn check_peer(&self) -> Result<()> {
+            Ok(())
+        }
+
+        fn describe(&self) -> String {
+            "test/memory".into()
+        }
+
+        fn close(&self, how: Closing, lost: Option<usize>) {
+            *self.closed.lock() = Some((how, lost));
+        }
+    }
+
+    /// `n` ranks joined by memory links (loopback to themselves); `mem[a][b]` is rank a's link
+    /// to rank b.
+    struct Mesh {
+        wirings: Vec<Wiring>,
+        mem: Vec<Vec<Option<Arc<MemLink>>>>,
+    }
+
+    fn mesh(n: usize, piece: usize, timeout: Duration) -> Mesh {
+        let bells: Vec<Arc<LocalDoorbell>> = (0..n).map(|_| Arc::default()).collect();
+        let chans: Vec<Vec<Arc<Channel>>> = (0..n)
+            .map(|_| (0..n).map(|_| Arc::default()).collect())
+            .collect();
+        let mem: Vec<Vec<Option<Arc<MemLink>>>> = (0..n)
+            .map(|a| {
+                (0..n)
+                    .map(|b| {
+                        (a != b).then(|| {
+                            Arc::new(MemLink {
+                                out: chans[a][b].clone(),
+                                inbox: chans[b][a].clone(),
+                                peer_bell: bells[b].clone(),
+                                piece,
+                                closed: Mutex::new(None),
+                            })
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        let wirings = (0..n)
+            .map(|a| Wiring {
+                rank: a,
+                links: (0..n)
+                    .map(|b| match &mem[a][b] {
+                        Some(l) => l.clone() as Arc<dyn Link>,
+                        None => Arc::new(Loopback::default()) as Arc<dyn Link>,
+                    })
+                    .collect(),
+                doorbell: bells[a].clone(),
+                abort: Arc::new(AtomicBool::new(false)),
+                timeout: Some(timeout),
+                warn_after: Duration::from_secs(60),
+                cache: Mutex::new(Default::default()),
+                spin: Duration::ZERO,
+                yield_for: Duration::ZERO,
+                huge_pages_from: None,
+            })
+            .collect();
+        Mesh { wirings, mem }
+    }
+
+    /// Runs `body(rank, wiring)` for every rank of `wirings`, each on a thread of its own.
+    fn on_threads<T: Send>(
+        wirings: &[Wiring],
+        body: impl Fn(usize, &Wiring) -> T + Sync,
+    ) -> Vec<T> {
+        let body = &body;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = wirings
+                .iter()
+                .enumerate()
+                .map(|(r, w)| s.spawn(move || body(r, w)))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn shape(rank: usize, nranks: usize, elem: usize, in_place: bool, slice_bytes: usize) -> Shape {
+        Shape {
+            rank,
+            nranks,
+            elem,
+            in_place,
+            slice_bytes,
+            ring: None,
+            hosts: None,
+        }
+    }
+
+    fn plain(dtype: DataType) -> Reduction {
+        Reduction {
+            reducer: Reducer::new(dtype, ReduceOp::Sum),
+            input_scale: None,
+            input_scale_at: None,
+            divide_by: None,
+        }
+    }
+
+    const ALL_REDUCE_TAG: u64 = 0x0200_0000_0000_0001;
+
+    /// This rank's part of a ring all-reduce of `input` (4-byte elements, 64-byte slices): the
+    /// bytes of the result.
+    fn ring_all_reduce(
+        w: &Wiring,
+        nranks: usize,
+        input: &[u8],
+        in_place: bool,
+        reduction: Reduction,
+    ) -> Result<Vec<u8>> {
+        let count = input.len() / 4;
+        let schedule = ring::all_reduce(count, &shape(w.rank, nranks, 4, in_place, 64));
+        let mut send = input.to_vec();
+        let mut recv = vec![0u8; input.len()];
+        let sp = send.as_mut_ptr();
+        let rp = if in_place { sp } else { recv.as_mut_ptr() };
+        run_one(
+            w,
+            HostOp {
+                schedule: Arc::new(schedule),
+                send: sp,
+                recv: rp,
+                tag: ALL_REDUCE_TAG,
+                reduction: Some(reduction),
+            },
+        )?;
+        Ok(if in_place { send } else { recv })
+    }
+
+    fn i32s(v: impl IntoIterator<Item = i32>) -> Vec<u8> {
+        v.into_iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    fn as_i32s(b: &[u8]) -> Vec<i32> {
+        b.chunks_exact(4)
+            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    fn f32s(v: impl IntoIterator<Item = f32>) -> Vec<u8> {
+        v.into_iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    fn as_f32s(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    /// Rank r's i-th input: distinct per rank and element, some negative.
+    fn value(rank: usize, i: usize) -> i32 {
+        (rank as i32 + 1) * 1000 + (i % 97) as i32 - 40
+    }
+
+    /// Three ranks, a count the rank count does not divide, 64-byte slices and messages that
+    /// arrive in 24-byte pieces: every element is the sum of the three inputs, out of place
+    /// and in place.
+    #[test]
+    fn a_ring_all_reduce_over_three_ranks_sums_every_element() {
+        let (n, count) = (3, 1001);
+        for in_place in [false, true] {
+            let m = mesh(n, 24, Duration::from_secs(20));
+            let out = on_threads(&m.wirings, |r, w| {
+                let input = i32s((0..count).map(|i| value(r, i)));
+                ring_all_reduce(w, n, &input, in_place, plain(DataType::Int32))
+            });
+            for (r, res) in out.into_iter().enumerate() {
+                let got = as_i32s(&res.unwrap_or_else(|e| panic!("rank {r}: {}", e.msg)));
+                assert_eq!(got.len(), count);
+                for (i, &g) in got.iter().enumerate() {
+                    let want: i32 = (0..n).map(|q| value(q, i)).sum();
+                    assert_eq!(g, want, "rank {r} element {i} (in place: {in_place})");
+                }
+            }
+        }
+    }
+
+    /// An integer average divides the sum once, at the step that makes final values
+    /// (truncating toward zero).
+    #[test]
+    fn an_integer_average_divides_once_at_the_end() {
+        let (n, count) = (3, 257);
+        let m = mesh(n, 1 << 20, Duration::from_secs(20));
+        let out = on_threads(&m.wirings, |r, w| {
+            let input = i32s((0..count).map(|i| value(r, i) * if i % 2 == 0 { 1 } else { -1 }));
+            let reduction = Reduction {
+                divide_by: Some(n),
+                ..plain(DataType::Int32)
+            };
+            ring_all_reduce(w, n, &input, false, reduction)
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let got = as_i32s(&res.unwrap());
+            for (i, &g) in got.iter().enumerate() {
+                let sign = if i % 2 == 0 { 1 } else { -1 };
+                let sum: i32 = (0..n).map(|q| value(q, i) * sign).sum();
+                assert_eq!(g, sum / n as i32, "rank {r} element {i}");
+            }
+        }
+    }
+
+    /// A PreMulSum scalar multiplies each rank's own input exactly once, however many hops
+    /// the partial sums make.
+    #[test]
+    fn an_input_scale_applies_once_per_input() {
+        let (n, count) = (3, 300);
+        let m = mesh(n, 1 << 20, Duration::from_secs(20));
+        let half = Scale::from_bytes(DataType::Float32, &0.5f32.to_ne_bytes());
+        let out = on_threads(&m.wirings, |r, w| {
+            let input = f32s((0..count).map(|i| value(r, i) as f32));
+            let reduction = Reduction {
+                input_scale: Some(half),
+                ..plain(DataType::Float32)
+            };
+            ring_all_reduce(w, n, &input, false, reduction)
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let got = as_f32s(&res.unwrap());
+            for (i, &g) in got.iter().enumerate() {
+                let want: f32 = (0..n).map(|q| value(q, i) as f32 * 0.5).sum();
+                assert_eq!(g, want, "rank {r} element {i}");
+            }
+        }
+    }
+
+    /// One thread drives both ranks of a pair in one `run` (a group over two communicators):
+    /// neither waits for the other.
+    #[test]
+    fn one_thread_drives_two_ranks_to_completion() {
+        let (n, count) = (2, 4099);
+        let m = mesh(n, 1000, Duration::from_secs(20));
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| i32s((0..count).map(|i| value(r, i))))
+            .collect();
+        let mut outs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; count * 4]).collect();
+        let schedules: Vec<Arc<Schedule>> = (0..n)
+            .map(|r| Arc::new(ring::all_reduce(count, &shape(r, n, 4, false, 256))))
+            .collect();
+        let jobs: Vec<(&Wiring, Vec<HostOp>)> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(r, out)| {
+                let op = HostOp {
+                    schedule: schedules[r].clone(),
+                    send: inputs[r].as_ptr(),
+                    recv: out.as_mut_ptr(),
+                    tag: ALL_REDUCE_TAG,
+                    reduction: Some(plain(DataType::Int32)),
+                };
+                (&m.wirings[r], vec![op])
+            })
+            .collect();
+        run(jobs).expect("both ranks complete");
+        for (r, out) in outs.iter().enumerate() {
+            for (i, g) in as_i32s(out).into_iter().enumerate() {
+                assert_eq!(g, value(0, i) + value(1, i), "rank {r} element {i}");
+            }
+        }
+    }
+
+    /// Rank 0 receives 8 bytes from rank 1 into recv[0..8], and copies send[0..8] to
+    /// recv[8..16]. Out of place the two steps are independent; in place (send is recv) the
+    /// copy reads what the receive writes, so it must wait for it. Rank 1 sends late, so a
+    /// copy that did not wait would copy the old bytes.
+    fn receive_then_copy() -> Schedule {
+        let mut s = Schedule::default();
+        s.steps.push(Step::Recv {
+            peer: 1,
+            dst: Region::new(Buf::Recv, 0, 8),
+            reduce_with: None,
+            last: false,
+        });
+        s.steps.push(Step::Local {
+            dst: Region::new(Buf::Recv, 8, 8),
+            a: Operand::partial(Region::new(Buf::Send, 0, 8)),
+            b: None,
+            last: false,
+        });
+        s.send_extent = 8;
+        s.recv_extent = 16;
+        s
+    }
+
+    fn send_8_bytes_late(w: &Wiring, data: &[u8; 8]) -> Result<()> {
+        std::thread::sleep(Duration::from_millis(100));
+        let mut s = Schedule::default();
+        s.steps.push(Step::Send {
+            peer: 0,
+            src: Operand::partial(Region::new(Buf::Send, 0, 8)),
+        });
+        s.send_extent = 8;
+        run_one(
+            w,
+            HostOp {
+                schedule: Arc::new(s),
+                send: data.as_ptr(),
+                recv: std::ptr::null_mut(),
+                tag: ALL_REDUCE_TAG,
+                reduction: None,
+            },
+        )
+    }
+
+    /// The hazards of one schedule are cached per aliasing: the in-place call after an
+    /// out-of-place one of the same schedule does not reuse the out-of-place hazards.
+    #[test]
+    fn a_step_waits_for_the_receive_it_reads_and_the_cache_tells_aliasings_apart() {
+        let m = mesh(2, 1 << 20, Duration::from_secs(20));
+        let schedule = Arc::new(receive_then_copy());
+        let incoming: [u8; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+        for in_place in [false, true] {
+            let out = on_threads(&m.wirings, |r, w| {
+                if r == 1 {
+                    return send_8_bytes_late(w, &incoming).map(|_| Vec::new());
+                }
+                let mut send = vec![9u8; if in_place { 16 } else { 8 }];
+                let mut recv = vec![0u8; 16];
+                let sp = send.as_mut_ptr();
+                let rp = if in_place { sp } else { recv.as_mut_ptr() };
+                run_one(
+                    w,
+                    HostOp {
+                        schedule: schedule.clone(),
+                        send: sp,
+                        recv: rp,
+                        tag: ALL_REDUCE_TAG,
+                        reduction: None,
+                    },
+                )?;
+                Ok(if in_place { send } else { recv })
+            });
+            let mut it = out.into_iter();
+            let got = it.next().unwrap().expect("rank 0");
+            it.next().unwrap().expect("rank 1");
+            assert_eq!(got[..8], incoming, "in place: {in_place}");
+            let copied: &[u8] = if in_place { &incoming } else { &[9; 8] };
+            assert_eq!(&got[8..], copied, "in place: {in_place}");
+        }
+        assert_eq!(m.wirings[0].cache.lock().hazards.len(), 2);
+    }
+
+    /// Scratch space stays allocated between calls (rounded up to 64 bytes per operation),
+    /// grows when a call needs more, and carries nothing from one call into the next.
+    #[test]
+    fn scratch_is_reused_from_call_to_call() {
+        let m = mesh(1, 1 << 20, Duration::from_secs(20));
+        let w = &m.wirings[0];
+        let through_scratch = |bytes: usize| -> Arc<Schedule> {
+            let mut s = Schedule {
+                scratch: bytes,
+                send_extent: bytes,
+                recv_extent: bytes,
+                ..Schedule::default()
+            };
+            s.steps.push(Step::Local {
+                dst: Region::new(Buf::Scratch, 0, bytes),
+                a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+                b: None,
+                last: false,
+            });
+            s.steps.push(Step::Local {
+                dst: Region::new(Buf::Recv, 0, bytes),
+                a: Operand::partial(Region::new(Buf::Scratch, 0, bytes)),
+                b: None,
+                last: false,
+            });
+            Arc::new(s)
+        };
+        let copy = |schedule: &Arc<Schedule>, seed: u8| -> (Vec<u8>, Vec<u8>) {
+            let len = schedule.scratch;
+            let send: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_add(seed)).collect();
+            let mut recv = vec![0u8; len];
+            run_one(
+                w,
+                HostOp {
+                    schedule: schedule.clone(),
+                    send: send.as_ptr(),
+                    recv: recv.as_mut_ptr(),
+                    tag: ALL_REDUCE_TAG,
+                    reduction: None,
+                },
+            )
+            .unwrap();
+            (send, recv)
+        };
+        let small = through_scratch(1000);
+        let (send, recv) = copy(&small, 1);
+        assert_eq!(recv, send);
+        let (len, at) = {
+            let c = w.cache.lock();
+            (c.scratch.len(), c.scratch.as_ptr())
+        };
+        assert_eq!(len, 1024, "1000 bytes of scratch, rounded up to 64");
+        let (send, recv) = copy(&small, 77);
+        assert_eq!(recv, send, "the second call copies its own input");
+        assert_eq!(
+            w.cache.lock().scratch.as_ptr(),
+            at,
+            "the same scratch again"
+        );
+        let large = through_scratch(5000);
+        let (send, recv) = copy(&large, 5);
+        assert_eq!(recv, send);
+        assert_eq!(w.cache.lock().scratch.len(), 5056);
+        copy(&small, 3);
+        assert_eq!(
+            w.cache.lock().scratch.len(),
+            5056,
+            "scratch does not shrink"
+        );
+    }
+
+    /// A receive that never comes times out after the configured time: the error names the
+    /// rank and the receive, suspects that rank, and the peers are told this rank gave up.
+    #[test]
+    fn a_receive_that_never_comes_times_out_naming_the_peer() {
+        let m = mesh(2, 1 << 20, Duration::from_millis(300));
+        let mut dst = vec![0u8; 64];
+        let t = Instant::now();
+        let mut s = Schedule::default();
+        s.steps.push(Step::Recv {
+            peer: 1,
+            dst: Region::new(Buf::Recv, 0, 64),
+            reduce_with: None,
+            last: false,
+        });
+        s.recv_extent = 64;
+        let e = run_one(
+            &m.wirings[0],
+            HostOp {
+                schedule: Arc::new(s),
+                send: dst.as_ptr(),
+                recv: dst.as_mut_ptr(),
+                tag: ALL_REDUCE_TAG,
+                reduction: None,
+            },
+        )
+        .expect_err("nobody sends");
+        let took = t.elapsed();
+        assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.msg);
+        assert!(
+            e.msg.contains("rank 0 timed out") && e.msg.contains("receive of 64 bytes from rank 1"),
+            "{}",
+            e.msg
+        );
+        assert_eq!(e.lost, Some(1));
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        let closed = *m.mem[0][1].as_ref().unwrap().closed.lock();
+        assert_eq!(closed, Some((Closing::TimedOut, Some(1))));
+    }
+
+    /// Setting the abort flag from another thread ends a call stuck on a peer.
+    #[test]
+    fn the_abort_flag_ends_a_stuck_call() {
+        let m = mesh(2, 1 << 20, Duration::from_secs(60));
+        let w = &m.wirings[0];
+        let mut dst = vec![0u8; 8];
+        let mut s = Schedule::default();
+        s.steps.push(Step::Recv {
+            peer: 1,
+            dst: Region::new(Buf::Recv, 0, 8),
+            reduce_with: None,
+            last: false,
+        });
+        s.recv_extent = 8;
+        let t = Instant::now();
+        let e = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                w.abort.store(true, Ordering::SeqCst);
+            });
+            run_one(
+                w,
+                HostOp {
+                    schedule: Arc::new(s),
+                    send: dst.as_ptr(),
+                    recv: dst.as_mut_ptr(),
+                    tag: ALL_REDUCE_TAG,
+                    reduction: None,
+                },
+            )
+        })
+        .expect_err("aborted");
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        assert!(e.msg.contains("aborted"), "{}", e.msg);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    /// A schedule that names a rank the communicator does not have is refused before anything
+    /// moves.
+    #[test]
+    fn a_schedule_naming_a_missing_rank_is_refused() {
+        let m = mesh(2, 1 << 20, Duration::from_secs(20));
+        let data = [0u8; 8];
+        let mut s = Schedule::default();
+        s.steps.push(Step::Send {
+            peer: 5,
+            src: Operand::partial(Region::new(Buf::Send, 0, 8)),
+        });
+        s.send_extent = 8;
+        let e = run_one(
+            &m.wirings[0],
+            HostOp {
+                schedule: Arc::new(s),
+                send: data.as_ptr(),
+                recv: std::ptr::null_mut(),
+                tag: ALL_REDUCE_TAG,
+                reduction: None,
+            },
+        )
+        .expect_err("rank 5 of 2");
+        assert_eq!(e.kind, ErrorKind::Internal);
+        assert!(e.msg.contains("rank 5 of 2"), "{}", e.msg);
+        assert!(m.mem[0][1].as_ref().unwrap().out.msgs.lock().is_empty());
+    }
+
+    fn xstep(action: Action) -> XStep {
+        XStep {
+            action,
+            op: 0,
+            waiting_on: 0,
+            first_dependent: 0,
+            dependents: 0,
+            done: false,
+            send: SendCursor::default(),
+            recv: RecvCursor::default(),
+        }
+    }
+
+    /// Which steps wait for which: write after read, read after write and write after write
+    /// make a step wait; disjoint and merely adjacent ranges do not.
+    #[test]
+    fn hazards_follow_the_byte_ranges() {
+        let at = |a: usize| Src {
+            ptr: (0x1000 + a) as *const u8,
+            scale: None,
+        };
+        let dst = |a: usize| (0x1000 + a) as *mut u8;
+        let steps: Vec<XStep> = [
+            // 0: reads [0, 8).
+            Action::Send {
+                peer: 1,
+                src: at(0),
+                len: 8,
+            },
+            // 1: writes [8, 16).
+            Action::Recv {
+                peer: 1,
+                dst: dst(8),
+                len: 8,
+                with: None,
+                last: false,
+            },
+            // 2: writes [0, 8), which 0 reads.
+            Action::Local {
+                dst: dst(0),
+                len: 8,
+                a: at(16),
+                b: None,
+                last: false,
+            },
+            // 3: reads [8, 16), which 1 writes; writes [24, 32).
+            Action::Local {
+                dst: dst(24),
+                len: 8,
+                a: at(8),
+                b: None,
+                last: false,
+            },
+            // 4: writes [8, 16) again (after 1), which 3 reads.
+            Action::Recv {
+                peer: 1,
+                dst: dst(8),
+                len: 8,
+                with: None,
+                last: false,
+            },
+            // 5: reads [32, 40): touches nothing written.
+            Action::Send {
+                peer: 1,
+                src: at(32),
+                len: 8,
+            },
+            // 6: writes [40, 48), next to 5's range; reads [16, 24), which 2 read too.
+            Action::Local {
+                dst: dst(40),
+                len: 8,
+                a: at(16),
+                b: Some(at(16)),
+                last: false,
+            },
+        ]
+        .into_iter()
+        .map(xstep)
+        .collect();
+        let h = Hazards::compute(&steps);
+        assert_eq!(h.waiting_on, vec![0, 0, 1, 1, 2, 0, 0]);
+        let dependents = |j: usize| -> Vec<u32> {
+            let (f, c) = (h.first[j] as usize, h.count[j] as usize);
+            h.edges[f..f + c].to_vec()
+        };
+        assert_eq!(dependents(0), vec![2]);
+        assert_eq!(dependents(1), vec![3, 4]);
+        assert_eq!(dependents(2), Vec::<u32>::new());
+        assert_eq!(dependents(3), vec![4]);
+        for j in 4..7 {
+            assert_eq!(dependents(j), Vec::<u32>::new(), "step {j}");
+        }
+    }
+
+    #[test]
+    fn overlaps_is_half_open() {
+        assert!(overlaps(Some((0, 8)), Some((7, 9))));
+        assert!(!overlaps(Some((0, 8)), Some((8, 16))));
+        assert!(!overlaps(Some((8, 16)), Some((0, 8))));
+        assert!(overlaps(Some((0, 16)), Some((4, 5))));
+        assert!(!overlaps(None, Some((0, 8))));
+    }
+
+    #[test]
+    fn repeated_waits_are_counted() {
+        let parts = ["a", "b", "b", "c", "b"].map(String::from).to_vec();
+        assert_eq!(count_repeats(parts), "a, b (x3), c");
+        assert_eq!(count_repeats(vec!["x".into()]), "x");
+        assert_eq!(count_repeats(Vec::new()), "");
+    }
 }

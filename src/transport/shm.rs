@@ -1037,3 +1037,555 @@ pub(crate) fn fetch_segment(
     auth::client(&mut s, secret, &auth_context(comm_tag, me, peer))?;
     os::recv_fd(&s)
 }
+
+#[cfg(test)]
+mod tests {
+    //! The FIFO protocol between two ends built by hand in this process (no bootstrap): small
+    //! rings to make wrap-around and back-pressure happen, both the eager and the pull path,
+    //! closing, the doorbell, and the checks on opening a peer's segment.
+
+    use super::*;
+    use crate::error::ErrorKind;
+
+    const TAG: u64 = 0x0200_0000_0000_0005;
+
+    /// Rank 0's link to rank 1 and rank 1's link to rank 0, over two fresh segments.
+    /// `pull`: whether each receiver may pull from the other; `access`: how it reads.
+    fn pair(
+        nslots: usize,
+        slot_bytes: usize,
+        pull: bool,
+        pull_threshold: usize,
+        access: Access,
+    ) -> (ShmPeer, ShmPeer) {
+        let geo = Geometry {
+            nranks: 2,
+            nslots,
+            slot_bytes,
+            registry_bytes: 4096,
+        };
+        let s0 = Arc::new(Segment::create(0, geo, 0x1111).expect("segment 0"));
+        let s1 = Arc::new(Segment::create(1, geo, 0x2222).expect("segment 1"));
+        // Whether a receiver may pull lives in its own segment, in the sender's control block.
+        s0.pull_ok(1).store(pull as u32, Ordering::Release);
+        s1.pull_ok(0).store(pull as u32, Ordering::Release);
+        let link = |me: usize, local: &Arc<Segment>, remote: &Arc<Segment>| ShmPeer {
+            me,
+            peer: 1 - me,
+            local: local.clone(),
+            remote: remote.clone(),
+            access,
+            watch: None,
+            pull_threshold,
+            scratch: Mutex::new(None),
+            tail_seen: AtomicU64::new(0),
+        };
+        (link(0, &s0, &s1), link(1, &s1, &s0))
+    }
+
+    /// Where received bytes land: written by the link itself (`direct`) or handed over.
+    struct Collect {
+        buf: Vec<u8>,
+        direct: bool,
+        /// (offset, length) of every piece, in order.
+        pieces: Vec<(usize, usize)>,
+        scales: Vec<Option<Scale>>,
+    }
+
+    impl Collect {
+        fn new(len: usize, direct: bool) -> Collect {
+            Collect {
+                buf: vec![0; len],
+                direct,
+                pieces: Vec::new(),
+                scales: Vec::new(),
+            }
+        }
+    }
+
+    impl Sink for Collect {
+        fn direct(&mut self) -> Option<*mut u8> {
+            self.direct.then_some(self.buf.as_mut_ptr())
+        }
+
+        fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()> {
+            self.buf[offset..offset + data.len()].copy_from_slice(data);
+            self.pieces.push((offset, data.len()));
+            self.scales.push(scale);
+            Ok(())
+        }
+
+        fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {
+            self.pieces.push((offset, len));
+            self.scales.push(scale);
+            Ok(())
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 8) as u8)
+            .collect()
+    }
+
+    fn out(data: &[u8], tag: u64, scale: Option<Scale>) -> OutMsg {
+        OutMsg {
+            src: data.as_ptr(),
+            len: data.len(),
+            scale,
+            tag,
+        }
+    }
+
+    /// Sends `msgs` (data, tag, scale) on `tx` while `rx` receives them, both driven from this
+    /// thread as an executor drives them: sends start in order, a posted send is polled until
+    /// its buffer is free, and the receiver takes what has arrived. Returns each message's sink.
+    fn exchange(
+        tx: &ShmPeer,
+        rx: &ShmPeer,
+        msgs: &[(Vec<u8>, u64, Option<Scale>)],
+        direct: bool,
+    ) -> Vec<Collect> {
+        let mut cursors = vec![SendCursor::default(); msgs.len()];
+        let mut complete = vec![false; msgs.len()];
+        let mut next = 0;
+        let mut got: Vec<Collect> = Vec::new();
+        let mut cur = RecvCursor::default();
+        let mut sink = msgs.first().map(|m| Collect::new(m.0.len(), direct));
+        for _ in 0..1_000_000 {
+            if got.len() == msgs.len() && complete.iter().all(|&c| c) {
+                return got;
+            }
+            for i in 0..msgs.len() {
+                if complete[i] || i > next {
+                    continue;
+                }
+                let (data, tag, scale) = &msgs[i];
+                match tx
+                    .send(&out(data, *tag, *scale), &mut cursors[i])
+                    .unwrap()
+                    .state
+                {
+                    SendState::Pending => break,
+                    SendState::Posted => next = next.max(i + 1),
+                    SendState::Complete => {
+                        complete[i] = true;
+                        next = next.max(i + 1);
+                    }
+                }
+            }
+            if let Some(s) = sink.as_mut() {
+                let (data, tag, _) = &msgs[got.len()];
+                let expect = InExpect {
+                    len: data.len(),
+                    tag: *tag,
+                };
+                if rx.recv(&expect, &mut cur, s).unwrap().state {
+                    got.push(sink.take().unwrap());
+                    cur = RecvCursor::default();
+                    sink = msgs.get(got.len()).map(|m| Collect::new(m.0.len(), direct));
+                }
+            }
+        }
+        panic!(
+            "stalled: {} of {} received, sends complete {complete:?}",
+            got.len(),
+            msgs.len()
+        );
+    }
+
+    /// Messages that each cut into at most `slot_bytes` pieces, in order, cover every byte.
+    fn assert_eager(got: &Collect, data: &[u8], slot_bytes: usize, what: &str) {
+        assert_eq!(got.buf, data, "{what}");
+        let mut at = 0;
+        for &(off, len) in &got.pieces {
+            assert_eq!(off, at, "{what}: pieces {:?}", got.pieces);
+            assert!(len <= slot_bytes, "{what}: a piece of {len} bytes");
+            at += len;
+        }
+        assert_eq!(at, data.len(), "{what}");
+    }
+
+    /// Messages of every size through a ring of two 4 KiB slots: each takes one slot per
+    /// 4 KiB (a zero-length message one slot), the ring wraps around dozens of times, and
+    /// without permission to pull even messages above the pull threshold go through slots.
+    #[test]
+    fn eager_messages_wrap_around_a_two_slot_ring() {
+        let slot = 4096;
+        let (a, b) = pair(2, slot, false, 1024, Access::Direct);
+        let lengths = [0, 1, slot, slot + 1, 3 * slot + 5, 50_000, 0, 7];
+        let msgs: Vec<_> = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (pattern(l, i as u8), TAG + i as u64, None))
+            .collect();
+        for direct in [false, true] {
+            let head_before = b.local.head(0).load(Ordering::Relaxed);
+            let got = exchange(&a, &b, &msgs, direct);
+            for (i, (g, m)) in got.iter().zip(&msgs).enumerate() {
+                assert_eager(
+                    g,
+                    &m.0,
+                    slot,
+                    &format!("message {i} of {} bytes", m.0.len()),
+                );
+            }
+            let slots: u64 = lengths
+                .iter()
+                .map(|&l| l.div_ceil(slot).max(1) as u64)
+                .sum();
+            let head = b.local.head(0).load(Ordering::Relaxed);
+            assert_eq!(head - head_before, slots, "slots used");
+            assert_eq!(
+                b.local.tail(0).load(Ordering::Relaxed),
+                head,
+                "all released"
+            );
+        }
+        // The other direction is a FIFO of its own.
+        let got = exchange(&b, &a, &msgs[..3], true);
+        assert_eq!(got[2].buf, msgs[2].0);
+        assert_eq!(a.local.head(1).load(Ordering::Relaxed), 3);
+        assert_eq!(a.describe(), "shm/direct");
+    }
+
+    /// A sender fills the free slots and waits; each receive frees them again.
+    #[test]
+    fn a_full_ring_holds_the_sender_back() {
+        let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+        let data = pattern(20_000, 3);
+        let msg = out(&data, TAG, None);
+        let mut sc = SendCursor::default();
+        let p = a.send(&msg, &mut sc).unwrap();
+        assert_eq!(
+            (p.state, p.moved, sc.sent),
+            (SendState::Pending, true, 8192)
+        );
+        let p = a.send(&msg, &mut sc).unwrap();
+        assert_eq!(
+            (p.state, p.moved, sc.sent),
+            (SendState::Pending, false, 8192)
+        );
+        let mut rc = RecvCursor::default();
+        let mut sink = Collect::new(data.len(), false);
+        let expect = InExpect {
+            len: data.len(),
+            tag: TAG,
+        };
+        for (sent, state) in [(16384, SendState::Pending), (20_000, SendState::Complete)] {
+            let before = rc.received;
+            let p = b.recv(&expect, &mut rc, &mut sink).unwrap();
+            assert_eq!((p.state, p.moved), (false, true));
+            assert_eq!(rc.received, before + 8192);
+            let p = a.send(&msg, &mut sc).unwrap();
+            assert_eq!((p.state, sc.sent), (state, sent));
+        }
+        let p = b.recv(&expect, &mut rc, &mut sink).unwrap();
+        assert!(p.state);
+        assert_eq!(sink.buf, data);
+        // Nothing more is there.
+        let p = b
+            .recv(&expect, &mut RecvCursor::default(), &mut sink)
+            .unwrap();
+        assert_eq!((p.state, p.moved), (false, false));
+    }
+
+    /// Two messages in the FIFO at once stay two: a receive takes exactly the first, `peek`
+    /// shows the next, and a receive that expects another length or tag is refused without
+    /// consuming it.
+    #[test]
+    fn messages_keep_their_boundaries() {
+        let (a, b) = pair(8, 4096, false, usize::MAX, Access::Direct);
+        assert_eq!(b.peek().unwrap(), None);
+        let (m1, m2) = (pattern(10, 1), pattern(20, 2));
+        for (m, tag) in [(&m1, TAG), (&m2, TAG + 1)] {
+            let p = a
+                .send(&out(m, tag, None), &mut SendCursor::default())
+                .unwrap();
+            assert_eq!(p.state, SendState::Complete);
+        }
+        assert_eq!(b.peek().unwrap(), Some((10, TAG)));
+        let mut sink = Collect::new(10, false);
+        let expect = InExpect { len: 10, tag: TAG };
+        let p = b
+            .recv(&expect, &mut RecvCursor::default(), &mut sink)
+            .unwrap();
+        assert!(p.state);
+        assert_eq!(sink.buf, m1);
+        assert_eq!(b.peek().unwrap(), Some((20, TAG + 1)));
+        for wrong in [
+            InExpect {
+                len: 21,
+                tag: TAG + 1,
+            },
+            InExpect { len: 20, tag: TAG },
+        ] {
+            let e = b
+                .recv(
+                    &wrong,
+                    &mut RecvCursor::default(),
+                    &mut Collect::new(21, false),
+                )
+                .expect_err("a mismatch is refused");
+            assert_eq!(e.kind, ErrorKind::InvalidUsage);
+            assert!(
+                e.msg.contains("rank 0 sent 20 bytes")
+                    && e.msg.contains(&format!("expects {} bytes", wrong.len)),
+                "{}",
+                e.msg
+            );
+        }
+        let mut sink = Collect::new(20, true);
+        let expect = InExpect {
+            len: 20,
+            tag: TAG + 1,
+        };
+        assert!(
+            b.recv(&expect, &mut RecvCursor::default(), &mut sink)
+                .unwrap()
+                .state
+        );
+        assert_eq!(sink.buf, m2);
+        assert_eq!(b.peek().unwrap(), None);
+    }
+
+    /// A message at or above the threshold travels as one descriptor; the receiver copies it
+    /// out of the sender's buffer at most PULL_BUDGET bytes per call, and the sender's buffer
+    /// is free (Complete) only once the receiver released the descriptor.
+    #[test]
+    fn large_messages_are_pulled_in_budgeted_pieces_and_released() {
+        let threshold = 32 << 10;
+        let (a, b) = pair(4, 4096, true, threshold, Access::Direct);
+        let data = pattern(2 * PULL_BUDGET + 12_345, 9);
+        let msg = out(&data, TAG, None);
+        let mut sc = SendCursor::default();
+        let p = a.send(&msg, &mut sc).unwrap();
+        assert_eq!((p.state, p.moved), (SendState::Posted, true));
+        assert_eq!(sc.await_release, Some(0));
+        assert_eq!(b.local.head(0).load(Ordering::Relaxed), 1, "one slot");
+        assert_eq!(b.peek().unwrap(), Some((data.len(), TAG)));
+        let p = a.send(&msg, &mut sc).unwrap();
+        assert_eq!((p.state, p.moved), (SendState::Posted, false));
+        let mut rc = RecvCursor::default();
+        let mut sink = Collect::new(data.len(), true);
+        let expect = InExpect {
+            len: data.len(),
+            tag: TAG,
+        };
+        for k in 1..=2 {
+            let p = b.recv(&expect, &mut rc, &mut sink).unwrap();
+            assert_eq!((p.state, p.moved), (false, true));
+            assert_eq!(rc.received, k * PULL_BUDGET);
+            assert_eq!(a.send(&msg, &mut sc).unwrap().state, SendState::Posted);
+        }
+        assert!(b.recv(&expect, &mut rc, &mut sink).unwrap().state);
+        assert_eq!(sink.buf, data);
+        assert_eq!(
+            sink.pieces,
+            vec![
+                (0, PULL_BUDGET),
+                (PULL_BUDGET, PULL_BUDGET),
+                (2 * PULL_BUDGET, 12_345)
+            ]
+        );
+        let p = a.send(&msg, &mut sc).unwrap();
+        assert_eq!((p.state, p.moved), (SendState::Complete, true));
+
+        // Exactly the threshold is pulled (one slot, one piece through `put`); one byte less
+        // goes eagerly, a slot per 4 KiB.
+        let at = pattern(threshold, 1);
+        let below = pattern(threshold - 1, 2);
+        let msgs = [(at.clone(), TAG, None), (below.clone(), TAG + 1, None)];
+        let got = exchange(&a, &b, &msgs[..1], false);
+        assert_eq!(got[0].buf, at);
+        assert_eq!(got[0].pieces, vec![(0, threshold)]);
+        assert_eq!(b.local.head(0).load(Ordering::Relaxed), 2);
+        let got = exchange(&a, &b, &msgs[1..], false);
+        assert_eager(&got[0], &below, 4096, "below the threshold");
+        assert_eq!(b.local.head(0).load(Ordering::Relaxed), 2 + 8);
+    }
+
+    /// Pulling with process_vm_readv (from this very process) into a sink that combines:
+    /// the bytes come through the scratch buffer in PULL_PIECE pieces.
+    #[test]
+    fn a_cma_pull_into_a_combining_sink_goes_piece_by_piece() {
+        let (a, b) = pair(4, 4096, true, 32 << 10, Access::Cma(std::process::id()));
+        if !probe_cma(std::process::id(), a.local.base_addr()) {
+            eprintln!("process_vm_readv is not permitted here; the CMA pull is not tested");
+            return;
+        }
+        let data = pattern(2 * PULL_PIECE + 100, 4);
+        let got = exchange(&a, &b, &[(data.clone(), TAG, None)], false);
+        assert_eq!(got[0].buf, data);
+        assert_eq!(
+            got[0].pieces,
+            vec![
+                (0, PULL_PIECE),
+                (PULL_PIECE, PULL_PIECE),
+                (2 * PULL_PIECE, 100)
+            ]
+        );
+        assert_eq!(
+            b.local.head(0).load(Ordering::Relaxed),
+            1,
+            "pulled, not eager"
+        );
+        assert!(a.prefers_huge_pages());
+        assert_eq!(a.describe(), "shm/cma");
+        // The probe reads the segment's first word: another address does not pass.
+        assert!(!probe_cma(std::process::id(), a.local.base_addr() + 64));
+    }
+
+    /// A sender's multiplier reaches the receiver with every piece, eager or pulled.
+    #[test]
+    fn a_scale_travels_with_the_message() {
+        let (a, b) = pair(2, 4096, true, 32 << 10, Access::Direct);
+        let s = Some(Scale([1, 2, 3, 4, 5, 6, 7, 8]));
+        let msgs = [
+            (pattern(10_000, 1), TAG, s),
+            (pattern(100_000, 2), TAG + 1, s),
+            (pattern(100, 3), TAG + 2, None),
+        ];
+        for direct in [false, true] {
+            let got = exchange(&a, &b, &msgs, direct);
+            for (g, m) in got.iter().zip(&msgs) {
+                assert_eq!(g.buf, m.0);
+                assert!(!g.scales.is_empty());
+                assert!(g.scales.iter().all(|&x| x == m.2), "{:?}", g.scales);
+            }
+        }
+    }
+
+    /// Closing one end is what the other end's peer check reports: how it closed and which
+    /// rank it had lost, the worst way it closed winning. Bytes sent before still arrive.
+    #[test]
+    fn a_closed_end_is_reported_with_how_and_whom_it_lost() {
+        let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
+        assert!(b.check_peer().is_ok());
+        let data = pattern(100, 5);
+        a.send(&out(&data, TAG, None), &mut SendCursor::default())
+            .unwrap();
+        a.close(Closing::Aborted, Some(5));
+        let e = b.check_peer().expect_err("rank 0 aborted");
+        assert_eq!(e.kind, ErrorKind::Remote);
+        assert!(
+            e.msg
+                .contains("rank 0 aborted its communicator after it lost rank 5"),
+            "{}",
+            e.msg
+        );
+        assert_eq!(e.lost, Some(5));
+        // The loss is noted for this rank's own peers too.
+        assert_eq!(b.local.first_lost().load(Ordering::SeqCst), 6);
+        // Destroying after aborting is still an abort.
+        a.close(Closing::Destroyed, None);
+        assert!(b.check_peer().unwrap_err().msg.contains("aborted"));
+        let mut sink = Collect::new(100, false);
+        let expect = InExpect { len: 100, tag: TAG };
+        assert!(
+            b.recv(&expect, &mut RecvCursor::default(), &mut sink)
+                .unwrap()
+                .state
+        );
+        assert_eq!(sink.buf, data);
+
+        let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
+        a.close(Closing::TimedOut, Some(1));
+        let e = b.check_peer().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Timeout);
+        assert!(
+            e.msg.contains("rank 0 timed out waiting for rank 1"),
+            "{}",
+            e.msg
+        );
+
+        let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
+        b.close(Closing::Destroyed, None);
+        let e = a.check_peer().unwrap_err();
+        assert!(
+            e.msg.contains("rank 1 destroyed its communicator"),
+            "{}",
+            e.msg
+        );
+        assert_eq!(e.lost, Some(1));
+    }
+
+    /// A ring wakes the owner asleep on its doorbell, and so does a peer's send; a ring
+    /// with nobody asleep leaves the doorbell word alone.
+    #[test]
+    fn the_doorbell_wakes_a_sleeping_owner() {
+        let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
+        let seg = b.local.clone();
+        let word = seg.doorbell().load(Ordering::SeqCst);
+        seg.ring();
+        assert_eq!(seg.doorbell().load(Ordering::SeqCst), word);
+        let data = [7u8; 8];
+        let wakers: [&dyn Fn(); 2] = [&|| seg.ring(), &|| {
+            a.send(&out(&data, TAG, None), &mut SendCursor::default())
+                .unwrap();
+        }];
+        for wake in wakers {
+            let took = std::thread::scope(|s| {
+                let sleeper = s.spawn(|| {
+                    let seen = seg.prepare_sleep();
+                    let t = Instant::now();
+                    seg.sleep(seen, Duration::from_secs(10));
+                    t.elapsed()
+                });
+                while seg.sleepers().load(Ordering::SeqCst) == 0 {
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                wake();
+                sleeper.join().unwrap()
+            });
+            assert!(took < Duration::from_secs(5), "slept {took:?}");
+            assert_eq!(seg.sleepers().load(Ordering::SeqCst), 0);
+        }
+    }
+
+    /// A peer's segment is used only when it is what the peer announced: the nonce, the rank
+    /// count and the size must match.
+    #[test]
+    fn a_segment_opens_only_as_announced() {
+        let geo = Geometry {
+            nranks: 2,
+            nslots: 4,
+            slot_bytes: 4096,
+            registry_bytes: 4096,
+        };
+        let seg = Segment::create(0, geo, 0xabc).unwrap();
+        let fd = || os::dup(seg.fd.as_ref().unwrap().as_raw_fd()).unwrap();
+        let opened = Segment::open(fd(), 0xabc, 2).expect("as announced");
+        assert_eq!(opened.geo, geo);
+        assert_eq!(opened.map.len(), geo.total());
+        assert!(opened.fd.is_none());
+        for (nonce, nranks) in [(0xabd, 2), (0xabc, 3)] {
+            let e = Segment::open(fd(), nonce, nranks).err().expect("refused");
+            assert_eq!(e.kind, ErrorKind::Remote);
+            assert!(e.msg.contains("does not match"), "{}", e.msg);
+        }
+        let small = os::memfd("comm-shm-test", 100).unwrap();
+        let e = Segment::open(small, 0xabc, 2).err().expect("too small");
+        assert!(e.msg.contains("only 100 bytes"), "{}", e.msg);
+    }
+
+    /// The areas of a segment follow one another without overlapping, page-aligned.
+    #[test]
+    fn segment_areas_do_not_overlap() {
+        for (nranks, nslots, slot_bytes) in [(1, 2, 4096), (2, 16, 65536), (9, 3, 4224)] {
+            let g = Geometry {
+                nranks,
+                nslots,
+                slot_bytes,
+                registry_bytes: 4096,
+            };
+            assert!(g.slots_base() >= CTL_BASE + nranks * CTL_STRIDE);
+            assert_eq!(g.slots_base() % 4096, 0);
+            assert!(g.registry_base() >= g.slots_base() + nranks * nslots * g.slot_stride());
+            assert_eq!(g.registry_base() % 4096, 0);
+            assert_eq!(g.total(), g.registry_base() + 4096);
+            assert_eq!(g.slot_stride() % 64, 0);
+        }
+    }
+}

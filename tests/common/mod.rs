@@ -299,6 +299,45 @@ pub fn finish(result: Result<(), String>) -> ! {
     }
 }
 
+/// A rank process's scenario: what the rank does once launched, Err when a check failed.
+pub type Scenario = fn(&Worker) -> Result<(), String>;
+
+/// The entry of `table` called `name`. Test files list their scenarios as (name, body) pairs,
+/// so adding one is adding an entry; a name missing from the table is an error that lists the
+/// ones there are (a launcher and its table that drifted apart).
+pub fn find_scenario<F: Copy>(table: &[(&str, F)], name: &str) -> Result<F, String> {
+    match table.iter().find(|(n, _)| *n == name) {
+        Some((_, f)) => Ok(*f),
+        None => Err(format!(
+            "unknown scenario {name:?}; this test binary has {}",
+            table.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
+/// Runs `body` (comm, rank, nranks) on a fresh communicator of every launched rank, then
+/// destroys it: the scenario of a body that the thread tests run as well.
+pub fn on_comm(
+    w: &Worker,
+    body: fn(ncclComm_t, usize, usize) -> Result<(), String>,
+) -> Result<(), String> {
+    let c = init_rank(w)?;
+    body(c, w.rank, w.nranks)?;
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+/// Panics unless every name of a scenario table is distinct (a duplicate would shadow the
+/// later entry without a word).
+pub fn assert_distinct_names<F>(table: &[(&str, F)]) {
+    for (i, (a, _)) in table.iter().enumerate() {
+        assert!(
+            table[..i].iter().all(|(b, _)| a != b),
+            "scenario {a:?} is listed twice"
+        );
+    }
+}
+
 /// Runs `body` on `n` ranks that are threads of this process (ncclCommInitAll), with a timeout.
 pub fn with_threads(
     n: usize,
