@@ -214,6 +214,7 @@ impl Comm {
             cache: Mutex::new(Default::default()),
             spin: Duration::from_micros(spin_us.max(0) as u64),
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
+            spread: !oversubscribed,
             links,
             huge_pages_from,
         };

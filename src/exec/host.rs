@@ -61,6 +61,10 @@ pub(crate) struct Wiring {
     /// than cores the rank we wait for is often runnable, and yielding hands it our core
     /// without a futex round trip.
     pub yield_for: Duration,
+    /// This host's ranks fit its CPUs: a peer found waiting for this rank's CPU got there by
+    /// an accident of scheduling, and this rank moves off that CPU (see `crowded`). With more
+    /// ranks than CPUs sharing is the rule, and yielding serves better.
+    pub spread: bool,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
     pub huge_pages_from: Option<usize>,
@@ -834,8 +838,62 @@ fn grace(timeout: Duration) -> Duration {
     (timeout / 2).min(Duration::from_secs(1))
 }
 
+/// Whether a peer on this host is stuck behind this rank on its CPU (see `drive`): then this
+/// rank moves to another CPU it may use where no peer polls, and the answer is false; or, where
+/// there is none, true (the caller sleeps and so gives the peer the core). Also tells the peers
+/// where this rank polls.
+fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> bool {
+    if !execs.iter().all(|e| e.wiring.spread) {
+        return false;
+    }
+    // SAFETY: sched_getcpu has no preconditions (the vDSO answers it).
+    let cpu = unsafe { libc::sched_getcpu() };
+    let Ok(cpu) = u32::try_from(cpu) else {
+        return false;
+    };
+    let mut crowded = false;
+    let mut polling: Vec<u32> = Vec::new();
+    for e in execs {
+        e.wiring.doorbell.set_running_on(Some(cpu));
+        let me = e.wiring.rank;
+        for (p, l) in e.wiring.links.iter().enumerate() {
+            if let Some(c) = l.peer_running_on().filter(|_| p != me) {
+                crowded |= c == cpu;
+                polling.push(c);
+            }
+        }
+    }
+    if !crowded {
+        return false;
+    }
+    // Wake-ups pull a woken rank onto its waker's CPU, so ranks that sleep now and then end up
+    // sharing one CPU while another is free; moving costs a few microseconds, so not too often.
+    if last_move.is_some_and(|t| now - t < Duration::from_micros(500)) {
+        return true;
+    }
+    *last_move = Some(now);
+    match crate::transport::os::move_off_cpu(cpu, &polling) {
+        Some(to) => {
+            for e in execs {
+                e.wiring.doorbell.set_running_on(Some(to));
+            }
+            false
+        }
+        None => true,
+    }
+}
+
 /// Progresses every communicator's steps until all are done or one fails.
 fn drive(execs: &mut [Exec]) -> Result<()> {
+    let r = drive_steps(execs);
+    // No longer polling: peers must not read this rank's last CPU as a sign it waits there.
+    for e in execs.iter() {
+        e.wiring.doorbell.set_running_on(None);
+    }
+    r
+}
+
+fn drive_steps(execs: &mut [Exec]) -> Result<()> {
     let single_doorbell = match &*execs {
         [only] => Some(only.wiring.doorbell.clone()),
         _ => None,
@@ -844,6 +902,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
     let mut idle_since: Option<Instant> = None;
     let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
+    let mut last_move: Option<Instant> = None;
     let mut warned = false;
     // Once this rank has given up: until when it listens, its own error, and which
     // communicator gave up.
@@ -897,10 +956,14 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
         let now = Instant::now();
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
-        if idle < execs[0].wiring.spin {
+        // A peer whose progress loop last ran on the CPU this rank runs on now is not running:
+        // it waits for this core. Spinning or yielding (the core may go to some other task)
+        // only delays it; sleeping hands it the core at once.
+        let crowded = crowded(execs, &mut last_move, now);
+        if idle < execs[0].wiring.spin && !crowded {
             continue;
         }
-        if idle < execs[0].wiring.spin + execs[0].wiring.yield_for {
+        if idle < execs[0].wiring.spin + execs[0].wiring.yield_for && !crowded {
             std::thread::yield_now();
             spins = spins.wrapping_add(63);
             continue;
@@ -992,6 +1055,7 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
             Some(d) => {
                 // Announce the sleep, then look once more: a peer that published before it saw
                 // the announcement is caught by this pass, one that published after rings.
+                d.set_running_on(None);
                 let seen = d.prepare_sleep();
                 match pass_all(execs) {
                     Ok((false, false)) => d.sleep(seen, Duration::from_millis(20)),
@@ -1082,6 +1146,7 @@ mod tests {
             cache: Mutex::new(Default::default()),
             spin: Duration::ZERO,
             yield_for: Duration::ZERO,
+            spread: false,
             huge_pages_from: None,
         }
     }
@@ -1276,6 +1341,7 @@ mod tests {
                 cache: Mutex::new(Default::default()),
                 spin: Duration::ZERO,
                 yield_for: Duration::ZERO,
+                spread: false,
                 huge_pages_from: None,
             })
             .collect();

@@ -220,6 +220,11 @@ pub(crate) trait Link: Send + Sync {
     ) -> Result<Progress<bool>>;
     /// Err when the peer can no longer take part: it exited, aborted or destroyed its end.
     fn check_peer(&self) -> Result<()>;
+    /// The CPU the peer's progress loop last said it runs on, where the transport can tell
+    /// (shared memory); None when it cannot or the peer is not polling.
+    fn peer_running_on(&self) -> Option<u32> {
+        None
+    }
     /// The length and tag of the next message on the channel once it has begun to arrive,
     /// without taking anything off the channel; None while nothing has. Called only between
     /// messages (no receive on the channel in progress). A receive from any source uses it to
@@ -300,6 +305,12 @@ pub(crate) trait Doorbell: Send + Sync {
     fn prepare_sleep(&self) -> u32;
     fn cancel_sleep(&self);
     fn sleep(&self, seen: u32, timeout: std::time::Duration);
+    /// Tells the peers on this host which CPU this rank's progress loop runs on (None: it is
+    /// not polling, so its last CPU says nothing). A peer that finds itself on that CPU knows
+    /// this rank is not running, and gives the core up instead of spinning for it.
+    fn set_running_on(&self, cpu: Option<u32>) {
+        let _ = cpu;
+    }
 }
 
 /// A doorbell in this process's memory, for ranks without a shared-memory segment.

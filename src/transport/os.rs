@@ -210,6 +210,33 @@ pub(crate) fn futex_wake_all(word: &AtomicU32) {
     }
 }
 
+/// Moves the calling thread off CPU `from` onto another CPU of its affinity mask that is not in
+/// `avoid`, and gives the mask back (the thread stays where it landed until the scheduler moves
+/// it). Returns the CPU it moved to, or None where there is no such CPU or the kernel refused.
+pub(crate) fn move_off_cpu(from: u32, avoid: &[u32]) -> Option<u32> {
+    // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
+    let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `mask` is a valid cpu_set_t of `size` bytes; 0 names the calling thread.
+    if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
+        return None;
+    }
+    let to = (0..libc::CPU_SETSIZE as u32).find(|&c| {
+        // SAFETY: c is below CPU_SETSIZE.
+        c != from && !avoid.contains(&c) && unsafe { libc::CPU_ISSET(c as usize, &mask) }
+    })?;
+    // SAFETY: as above.
+    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `to` is below CPU_SETSIZE.
+    unsafe { libc::CPU_SET(to as usize, &mut one) };
+    // SAFETY: valid sets of `size` bytes for the calling thread. The first call returns once
+    // the thread runs on `to`; the second gives the caller's own mask back.
+    let moved = unsafe { libc::sched_setaffinity(0, size, &one) } == 0;
+    // SAFETY: as above.
+    unsafe { libc::sched_setaffinity(0, size, &mask) };
+    moved.then_some(to)
+}
+
 /// A handle on another process that says when it has exited, immune to pid reuse.
 pub(crate) struct ProcessWatch {
     pid: u32,
@@ -422,6 +449,48 @@ pub(crate) fn dup(fd: RawFd) -> Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn affinity() -> Vec<u32> {
+        // SAFETY: as in move_off_cpu.
+        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: a valid set of `size` bytes for the calling thread.
+        assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut mask) }, 0);
+        (0..libc::CPU_SETSIZE as u32)
+            // SAFETY: c is below CPU_SETSIZE.
+            .filter(|&c| unsafe { libc::CPU_ISSET(c as usize, &mask) })
+            .collect()
+    }
+
+    /// A thread moves to another CPU it may use, lands there, and keeps its own mask; with
+    /// every other CPU to be avoided it stays.
+    #[test]
+    fn move_off_cpu_lands_elsewhere_and_keeps_the_mask() {
+        let mask = affinity();
+        // SAFETY: no preconditions.
+        let here = unsafe { libc::sched_getcpu() } as u32;
+        let others: Vec<u32> = mask.iter().copied().filter(|&c| c != here).collect();
+        assert_eq!(
+            move_off_cpu(here, &others),
+            None,
+            "every other CPU was to be avoided"
+        );
+        if others.is_empty() {
+            eprintln!("one usable CPU: nowhere to move");
+            return;
+        }
+        let to = move_off_cpu(here, &[]).expect("a CPU to move to");
+        assert_ne!(to, here);
+        assert!(
+            mask.contains(&to),
+            "moved to {to}, outside the mask {mask:?}"
+        );
+        // SAFETY: no preconditions. The thread may be moved again at once, but only within
+        // the mask; right after the call it is where it was sent in all but rare cases.
+        let now = unsafe { libc::sched_getcpu() } as u32;
+        assert!(mask.contains(&now));
+        assert_eq!(affinity(), mask, "the thread's mask was not given back");
+    }
 
     /// pidfd_getfd on a child process: the duplicate reaches the child's memfd (what a peer
     /// does with a registered VMM buffer's descriptor). The child is a fork that waits.

@@ -210,6 +210,12 @@ impl Segment {
         self.atomic_u32(LINE)
     }
 
+    /// The CPU the owner's progress loop polls on, plus one (0: not polling). Written only when
+    /// it changes, so the line stays shared between the owner and the peers that read it.
+    fn running_on(&self) -> &AtomicU32 {
+        self.atomic_u32(3 * LINE + 64)
+    }
+
     fn sleepers(&self) -> &AtomicU32 {
         self.atomic_u32(2 * LINE)
     }
@@ -296,6 +302,14 @@ impl Doorbell for Segment {
     fn sleep(&self, seen: u32, timeout: Duration) {
         os::futex_wait(self.doorbell(), seen, timeout);
         self.sleepers().fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn set_running_on(&self, cpu: Option<u32>) {
+        let v = cpu.map_or(0, |c| c.wrapping_add(1));
+        let word = self.running_on();
+        if word.load(Ordering::Relaxed) != v {
+            word.store(v, Ordering::Relaxed);
+        }
     }
 }
 
@@ -625,6 +639,13 @@ impl Link for ShmPeer {
             state: false,
             moved,
         })
+    }
+
+    fn peer_running_on(&self) -> Option<u32> {
+        self.remote
+            .running_on()
+            .load(Ordering::Relaxed)
+            .checked_sub(1)
     }
 
     fn check_peer(&self) -> Result<()> {
@@ -1081,6 +1102,28 @@ mod tests {
             tail_seen: AtomicU64::new(0),
         };
         (link(0, &s0, &s1), link(1, &s1, &s0))
+    }
+
+    /// Where a rank polls is what its peer reads: a CPU, or nothing once it stops polling.
+    #[test]
+    fn a_peer_sees_where_this_rank_polls() {
+        let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+        assert_eq!(b.peer_running_on(), None, "a fresh segment says nothing");
+        a.local.set_running_on(Some(3));
+        assert_eq!(b.peer_running_on(), Some(3));
+        assert_eq!(
+            a.peer_running_on(),
+            None,
+            "only the owner's own word changed"
+        );
+        a.local.set_running_on(Some(0));
+        assert_eq!(
+            b.peer_running_on(),
+            Some(0),
+            "CPU 0 is a CPU, not 'nothing'"
+        );
+        a.local.set_running_on(None);
+        assert_eq!(b.peer_running_on(), None);
     }
 
     /// Where received bytes land: written by the link itself (`direct`) or handed over.
