@@ -3,9 +3,11 @@
 
 use super::{Buf, Operand, Region, Schedule, Shape, Step};
 
-/// All-to-all with per-peer counts and displacements (elements). When the caller's buffers
-/// overlap, the input is first copied to scratch: otherwise a peer's block could be overwritten
-/// by what that same peer sends back before it has read it.
+/// All-to-all with per-peer counts and displacements (elements). In place, a block may be
+/// overwritten by what its peer sends back before that peer has read it, so it is first copied
+/// to scratch; when every block's place is the same in both directions (all-to-all, or an
+/// all-to-all-v with equal counts and displacements) only the blocks whose receive does not
+/// come after their send are copied (see `in_place_blocks`), else the whole input is.
 pub(crate) fn all_to_all_v(
     send_counts: &[usize],
     send_displs: &[usize],
@@ -14,6 +16,9 @@ pub(crate) fn all_to_all_v(
     shape: &Shape,
 ) -> Schedule {
     let (n, e, me) = (shape.nranks, shape.elem, shape.rank);
+    if shape.in_place && send_counts == recv_counts && send_displs == recv_displs {
+        return in_place_blocks(send_counts, send_displs, shape);
+    }
     let mut s = Schedule::default();
     let mut src_buf = Buf::Send;
     if shape.in_place {
@@ -45,6 +50,61 @@ pub(crate) fn all_to_all_v(
         let inb = block_in(from);
         let sends = shape
             .slices(out.buf, out.offset, out.len)
+            .into_iter()
+            .map(|r| Step::Send {
+                peer: to,
+                src: Operand::partial(r),
+            });
+        let recvs = shape
+            .slices(inb.buf, inb.offset, inb.len)
+            .into_iter()
+            .map(|dst| Step::Recv {
+                peer: from,
+                dst,
+                reduce_with: None,
+                last: false,
+            });
+        super::interleave(&mut s, sends, recvs);
+    }
+    s
+}
+
+/// In place, each block where both directions put it. The block for rank `rank+k` is sent in
+/// round k and overwritten by what that rank sends back in round n-k. When k < n-k the send
+/// comes first, and the executor's hazards hold the receive until the peer has read the block,
+/// so it goes from where it is. Otherwise (the receive first, or both in one round, where each
+/// side's receive would wait for its own send to be read) it is copied to scratch first, all of
+/// those at the start. This rank's own block stays where it is.
+fn in_place_blocks(counts: &[usize], displs: &[usize], shape: &Shape) -> Schedule {
+    let (n, e) = (shape.nranks, shape.elem);
+    let mut s = Schedule::default();
+    let mut out: Vec<Region> = (0..n)
+        .map(|p| Region::new(Buf::Send, displs[p] * e, counts[p] * e))
+        .collect();
+    let mut scratch = 0;
+    for k in (1..n).filter(|&k| 2 * k >= n) {
+        let to = shape.rel(k as isize);
+        let block = out[to];
+        let aside = Region::new(Buf::Scratch, scratch, block.len);
+        scratch += block.len;
+        if block.len > 0 {
+            s.push(Step::Local {
+                dst: aside,
+                a: Operand::partial(block),
+                b: None,
+                last: false,
+            });
+        }
+        out[to] = aside;
+    }
+    s.scratch = scratch;
+    for k in 1..n {
+        let to = shape.rel(k as isize);
+        let from = shape.rel(-(k as isize));
+        let src = out[to];
+        let inb = Region::new(Buf::Recv, displs[from] * e, counts[from] * e);
+        let sends = shape
+            .slices(src.buf, src.offset, src.len)
             .into_iter()
             .map(|r| Step::Send {
                 peer: to,
