@@ -43,7 +43,19 @@ pub(crate) fn all_to_all_v(
         b: None,
         last: false,
     });
-    for k in 1..n {
+    rounds(&mut s, shape, block_out, block_in);
+    s
+}
+
+/// The n-1 rounds: in round k, the block `block_out(rank+k)` goes to rank+k and what rank-k
+/// sends lands in `block_in(rank-k)`, slice by slice, sends and receives interleaved.
+fn rounds(
+    s: &mut Schedule,
+    shape: &Shape,
+    block_out: impl Fn(usize) -> Region,
+    block_in: impl Fn(usize) -> Region,
+) {
+    for k in 1..shape.nranks {
         let to = shape.rel(k as isize);
         let from = shape.rel(-(k as isize));
         let out = block_out(to);
@@ -64,9 +76,8 @@ pub(crate) fn all_to_all_v(
                 reduce_with: None,
                 last: false,
             });
-        super::interleave(&mut s, sends, recvs);
+        super::interleave(s, sends, recvs);
     }
-    s
 }
 
 /// In place, each block where both directions put it. The block for rank `rank+k` is sent in
@@ -98,29 +109,12 @@ fn in_place_blocks(counts: &[usize], displs: &[usize], shape: &Shape) -> Schedul
         out[to] = aside;
     }
     s.scratch = scratch;
-    for k in 1..n {
-        let to = shape.rel(k as isize);
-        let from = shape.rel(-(k as isize));
-        let src = out[to];
-        let inb = Region::new(Buf::Recv, displs[from] * e, counts[from] * e);
-        let sends = shape
-            .slices(src.buf, src.offset, src.len)
-            .into_iter()
-            .map(|r| Step::Send {
-                peer: to,
-                src: Operand::partial(r),
-            });
-        let recvs = shape
-            .slices(inb.buf, inb.offset, inb.len)
-            .into_iter()
-            .map(|dst| Step::Recv {
-                peer: from,
-                dst,
-                reduce_with: None,
-                last: false,
-            });
-        super::interleave(&mut s, sends, recvs);
-    }
+    rounds(
+        &mut s,
+        shape,
+        |p| out[p],
+        |p| Region::new(Buf::Recv, displs[p] * e, counts[p] * e),
+    );
     s
 }
 
