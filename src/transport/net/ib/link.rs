@@ -409,20 +409,6 @@ impl Link for IbLink {
         let Some(remote) = *self.remote.lock() else {
             return crate::internal_err!("InfiniBand link to rank {} not connected", self.peer);
         };
-        // Pieces written from the caller's buffer: it is free once the last of them is written.
-        if let Some(last) = cur.await_release.filter(|_| cur.sent == msg.len) {
-            let done = self.was_written(&st, last) || {
-                moved |= self.idle(&mut st)?;
-                self.was_written(&st, last)
-            };
-            let state = if done {
-                cur.await_release = None;
-                SendState::Complete
-            } else {
-                SendState::Posted
-            };
-            return Ok(Progress { state, moved });
-        }
         while cur.sent < msg.len || !cur.started {
             let s = st.posted;
             let room = s - st.credit < SLOTS as u64
@@ -500,15 +486,23 @@ impl Link for IbLink {
             moved = true;
         }
         // Every byte copied to staging: the caller's buffer is free once all are posted; some
-        // written from it: once those writes are done.
+        // written from it: once the last of those writes is done (asking for a doorbell when
+        // it is not yet, so that the caller hears of it).
         let state = match (cur.started && cur.sent == msg.len, cur.await_release) {
             (false, _) => SendState::Pending,
             (true, None) => SendState::Complete,
-            (true, Some(last)) if self.was_written(&st, last) => {
-                cur.await_release = None;
-                SendState::Complete
+            (true, Some(last)) => {
+                let done = self.was_written(&st, last) || {
+                    moved |= self.idle(&mut st)?;
+                    self.was_written(&st, last)
+                };
+                if done {
+                    cur.await_release = None;
+                    SendState::Complete
+                } else {
+                    SendState::Posted
+                }
             }
-            (true, Some(_)) => SendState::Posted,
         };
         Ok(Progress { state, moved })
     }
