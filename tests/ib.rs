@@ -385,8 +385,9 @@ fn a_send_from_a_registered_buffer_returns_after_its_writes() {
         ..Faults::default()
     });
     let f = fabric.clone();
+    let model = fabric.clone();
     with_model(Some(fabric), "ib", move || {
-        with_threads(2, Duration::from_secs(60), |c, rank, _n| {
+        with_threads(2, Duration::from_secs(60), move |c, rank, _n| {
             let count = (1 << 20) + 3;
             let value = |round: usize, i: usize| ((round * 31 + i % 509) % 241) as f32;
             let mut buf: Vec<f32> = vec![0f32; count];
@@ -410,6 +411,12 @@ fn a_send_from_a_registered_buffer_returns_after_its_writes() {
                         c,
                         S
                     ));
+                    let pending = model.pending_on(buf.as_ptr() as u64, (count * 4) as u64);
+                    if pending > 0 {
+                        return Err(format!(
+                            "round {round}: ncclSend returned with {pending} writes still to read its buffer"
+                        ));
+                    }
                     // From the end: the last pieces posted are the likeliest still in flight.
                     buf.iter_mut().rev().for_each(|v| *v = -1.0);
                 } else {

@@ -105,6 +105,19 @@ impl Fabric {
         self.state.lock().unwrap().writes
     }
 
+    /// Work requests posted but not yet carried out (with `delay`) whose local buffer
+    /// overlaps `len` bytes at `addr`: what may still read that memory.
+    pub fn pending_on(&self, addr: u64, len: u64) -> usize {
+        let st = self.state.lock().unwrap();
+        st.later
+            .iter()
+            .filter(|(_, _, wr)| {
+                let l = &wr.local;
+                l.len > 0 && l.addr < addr + len && addr < l.addr + u64::from(l.len)
+            })
+            .count()
+    }
+
     /// Writes with data but no immediate value so far (the transport's pieces sent straight
     /// from registered user memory).
     pub fn plain_writes(&self) -> u64 {
