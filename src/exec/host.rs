@@ -851,19 +851,18 @@ fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> boo
     let Ok(cpu) = u32::try_from(cpu) else {
         return false;
     };
-    let mut crowded = false;
-    let mut polling: Vec<u32> = Vec::new();
+    // Where every peer on this host polls (the common answer, nobody here, allocates nothing).
+    let polling = || {
+        execs.iter().flat_map(|e| {
+            let me = e.wiring.rank;
+            let links = e.wiring.links.iter().enumerate();
+            links.filter_map(move |(p, l)| l.peer_running_on().filter(|_| p != me))
+        })
+    };
     for e in execs {
         e.wiring.doorbell.set_running_on(Some(cpu));
-        let me = e.wiring.rank;
-        for (p, l) in e.wiring.links.iter().enumerate() {
-            if let Some(c) = l.peer_running_on().filter(|_| p != me) {
-                crowded |= c == cpu;
-                polling.push(c);
-            }
-        }
     }
-    if !crowded {
+    if !polling().any(|c| c == cpu) {
         return false;
     }
     // Wake-ups pull a woken rank onto its waker's CPU, so ranks that sleep now and then end up
@@ -872,7 +871,8 @@ fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> boo
         return true;
     }
     *last_move = Some(now);
-    match crate::transport::os::move_off_cpu(cpu, &polling) {
+    let avoid: Vec<u32> = polling().collect();
+    match crate::transport::os::move_off_cpu(cpu, &avoid) {
         Some(to) => {
             for e in execs {
                 e.wiring.doorbell.set_running_on(Some(to));
