@@ -831,12 +831,7 @@ pub(crate) unsafe fn put_checked(
             if let Some(s) = stream {
                 s.copy(dst, src, len)?;
                 if signal {
-                    let cw = w.cw.clone();
-                    s.host_fn(Box::new(move || {
-                        if let Err(e) = signal_to(&cw, peer) {
-                            crate::warn!("the signal of a put to rank {peer} was lost: {}", e.msg);
-                        }
-                    }))?;
+                    signal_on(s, w.cw.clone(), peer)?;
                 }
                 return Ok(());
             }
@@ -896,17 +891,25 @@ fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
     }
 }
 
+/// One NCCL signal to `peer`, counted once everything queued on `s` before it is done.
+fn signal_on(s: Stream, cw: Arc<CommWindows>, peer: usize) -> Result<()> {
+    s.host_fn(Box::new(move || {
+        if let Err(e) = signal_to(&cw, peer) {
+            crate::warn!(
+                "a signal to rank {peer} queued on a stream was lost: {}",
+                e.msg
+            );
+        }
+    }))
+}
+
 /// ncclSignal: one NCCL signal to `peer`, after every earlier put and signal to it. On a
 /// communicator with a GPU it is queued on `stream`, behind the puts queued there before it.
 pub(crate) fn signal(c: &Members, peer: i32, stream: Option<Stream>) -> Result<()> {
     let peer = peer_index(c, peer)?;
     let cw = existing(c, "ncclSignal")?;
     match stream.filter(|_| c.device.is_some()) {
-        Some(s) => s.host_fn(Box::new(move || {
-            if let Err(e) = signal_to(&cw, peer) {
-                crate::warn!("a signal to rank {peer} was lost: {}", e.msg);
-            }
-        })),
+        Some(s) => signal_on(s, cw, peer),
         None => signal_to(&cw, peer),
     }
 }
