@@ -400,20 +400,32 @@ fn rated_all_reduce(w: &Worker) -> Result<(), String> {
 // ---------------------------------------------------------------------------------------------
 // Tests
 
-fn matrix_on(per_host: &[usize]) {
+/// Runs `scenario` with `per_host[h]` ranks on host h (skipped where hosts cannot be made),
+/// every rank under `secs`, and requires every rank to succeed.
+fn run_on(per_host: &[usize], scenario: &str, arg: &str, secs: u64, what: &str) {
     let Some(hosts) = Hosts::up(per_host.len()) else {
         return;
     };
     let r = launch_on(
         &hosts,
         per_host,
-        "matrix",
-        "",
+        scenario,
+        arg,
         &[],
-        Duration::from_secs(600),
+        Duration::from_secs(secs),
         || {},
     );
-    assert_all_ok(&r, &format!("matrix on hosts {per_host:?}"));
+    assert_all_ok(&r, what);
+}
+
+fn matrix_on(per_host: &[usize]) {
+    run_on(
+        per_host,
+        "matrix",
+        "",
+        600,
+        &format!("matrix on hosts {per_host:?}"),
+    );
 }
 
 #[test]
@@ -439,32 +451,18 @@ fn matrix_2_hosts_3_ranks_each() {
 /// commAlltoAllv and a group of point-to-point calls and collectives, on hosts of 2 and 1 ranks.
 #[test]
 fn alltoallv_and_groups_across_hosts() {
-    let Some(hosts) = Hosts::up(2) else { return };
-    let r = launch_on(
-        &hosts,
+    run_on(
         &[2, 1],
         "extras",
         "",
-        &[],
-        Duration::from_secs(300),
-        || {},
+        300,
+        "alltoallv and groups across hosts",
     );
-    assert_all_ok(&r, "alltoallv and groups across hosts");
 }
 
 #[test]
 fn split_inside_and_across_hosts() {
-    let Some(hosts) = Hosts::up(2) else { return };
-    let r = launch_on(
-        &hosts,
-        &[2, 2],
-        "split",
-        "2",
-        &[],
-        Duration::from_secs(300),
-        || {},
-    );
-    assert_all_ok(&r, "split by host");
+    run_on(&[2, 2], "split", "2", 300, "split by host");
 }
 
 #[test]
