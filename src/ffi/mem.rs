@@ -94,7 +94,7 @@ pub unsafe extern "C" fn ncclCommRegister(
         if buff.is_null() && size > 0 {
             return crate::invalid_arg!("buff is NULL but size is {size}");
         }
-        let mut entry = None;
+        let (mut entry, mut net) = (None, None);
         match crate::cuda::classify(buff) {
             crate::cuda::MemKind::Device(ordinal) if size > 0 => {
                 match (&c.device, &c.shm, &c.registry) {
@@ -112,22 +112,21 @@ pub unsafe extern "C" fn ncclCommRegister(
                     ),
                 }
             }
+            // Host memory, with peers over InfiniBand: the links send from it without a copy.
+            crate::cuda::MemKind::Host if size > 0 => {
+                if let Some(w) = &c.net {
+                    net = w.register(buff.cast(), size)?;
+                }
+                match net {
+                    Some(_) => crate::info!(
+                        "registered {size} bytes at {buff:p} with the InfiniBand device: sends from it skip the copy"
+                    ),
+                    None => crate::info!(
+                        "registered {size} bytes at {buff:p} (host memory, no InfiniBand peers: nothing to pin)"
+                    ),
+                }
+            }
             _ => {}
-        }
-        // Host memory, with peers over InfiniBand: the links send from it without a copy.
-        let mut net = None;
-        if crate::cuda::classify(buff) == crate::cuda::MemKind::Host && size > 0 {
-            if let Some(w) = &c.net {
-                net = w.register(buff.cast(), size)?;
-            }
-            match net {
-                Some(_) => crate::info!(
-                    "registered {size} bytes at {buff:p} with the InfiniBand device: sends from it skip the copy"
-                ),
-                None => crate::info!(
-                    "registered {size} bytes at {buff:p} (host memory, no InfiniBand peers: nothing to pin)"
-                ),
-            }
         }
         let h = 0x5e60_0000_0000 + 0x40 * NEXT_REG.fetch_add(1, Ordering::SeqCst);
         REGISTRATIONS.lock().insert(
