@@ -68,9 +68,8 @@ fn slot_bytes() -> usize {
 /// One link per rank (`None` where the network does not carry the traffic).
 type NetLinks = Vec<Option<Arc<dyn Link>>>;
 
-/// Keeps the device (and through the links, the queue pairs and registrations) alive.
+/// Keeps the device (held by the registrations) and, through the links, the queue pairs alive.
 pub(crate) struct IbWorld {
-    _device: Arc<dyn Device>,
     regs: Arc<Registered>,
 }
 
@@ -223,10 +222,7 @@ pub(super) fn connect(
         .into_iter()
         .map(|l| l.map(|l| l as Arc<dyn Link>))
         .collect();
-    let world = device
-        .zip(regs)
-        .map(|(d, regs)| IbWorld { _device: d, regs });
-    Ok((links, world))
+    Ok((links, regs.map(|regs| IbWorld { regs })))
 }
 
 /// Rank `of`'s entry in a published table: its queue pairs' addresses and its ring.
