@@ -11,7 +11,9 @@ use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
 use crate::tag::describe_tag;
-use crate::transport::{Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink};
+use crate::transport::{
+    Activity, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -838,31 +840,56 @@ fn grace(timeout: Duration) -> Duration {
     (timeout / 2).min(Duration::from_secs(1))
 }
 
-/// Whether a peer on this host is stuck behind this rank on its CPU (see `drive`): then this
-/// rank moves to another CPU it may use where no peer polls, and the answer is false; or, where
-/// there is none, true (the caller sleeps and so gives the peer the core). Also tells the peers
-/// where this rank polls.
+/// A peer that polls or sleeps without any sign of life for this long is not running: its
+/// heartbeat stopped, or it was woken and has not resumed.
+const STALLED_AFTER: Duration = Duration::from_micros(10);
+
+/// The CPU the caller runs on (None where the kernel does not say).
+fn this_cpu() -> Option<u32> {
+    // SAFETY: sched_getcpu has no preconditions (the vDSO answers it).
+    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
+}
+
+/// Whether a peer that last said it runs on `peer.0`, doing `peer.1`, is stuck behind this
+/// rank, which runs on `cpu` (see `crowded`); `stalled` says whether it showed no sign of life
+/// for `STALLED_AFTER`.
+fn stuck(cpu: u32, peer: (u32, Activity), stalled: impl FnOnce() -> bool) -> bool {
+    peer.0 == cpu || (peer.1 != Activity::Outside && stalled())
+}
+
+/// Whether a peer on this host is stuck behind this rank (see `drive`): it last ran on this
+/// CPU (polling, asleep or between operations: it cannot run here while this rank does, so it
+/// waits for this CPU or moved since), or it polls or sleeps with no sign of life for
+/// `STALLED_AFTER` (it waits in some CPU's queue: moved there by the scheduler after it last
+/// said where it runs, or woken onto a busy CPU). Then this rank moves to another CPU it may
+/// use where no running peer polls, and the answer is false; or, where there is none, true
+/// (the caller sleeps and so gives the core up). Also tells the peers where this rank polls,
+/// and that it runs.
 fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> bool {
     if !execs.iter().all(|e| e.wiring.spread) {
         return false;
     }
-    // SAFETY: sched_getcpu has no preconditions (the vDSO answers it).
-    let cpu = unsafe { libc::sched_getcpu() };
-    let Ok(cpu) = u32::try_from(cpu) else {
+    let Some(cpu) = this_cpu() else {
         return false;
     };
-    // Where every peer on this host polls (the common answer, nobody here, allocates nothing).
-    let polling = || {
+    // Every peer on this host that said where it runs: its CPU, whether it polls, and whether
+    // it is stuck (the common answer, nobody here, allocates nothing).
+    let peers = || {
         execs.iter().flat_map(|e| {
             let me = e.wiring.rank;
             let links = e.wiring.links.iter().enumerate();
-            links.filter_map(move |(p, l)| l.peer_running_on().filter(|_| p != me))
+            links.filter_map(move |(p, l)| {
+                let (c, what) = l.peer_running_on().filter(|_| p != me)?;
+                let stuck = stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER));
+                Some((c, what == Activity::Polling, stuck))
+            })
         })
     };
     for e in execs {
-        e.wiring.doorbell.set_running_on(Some(cpu));
+        e.wiring.doorbell.set_running_on(cpu, Activity::Polling);
+        e.wiring.doorbell.heartbeat();
     }
-    if !polling().any(|c| c == cpu) {
+    if !peers().any(|(_, _, stuck)| stuck) {
         return false;
     }
     // Wake-ups pull a woken rank onto its waker's CPU, so ranks that sleep now and then end up
@@ -871,11 +898,16 @@ fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> boo
         return true;
     }
     *last_move = Some(now);
-    let avoid: Vec<u32> = polling().collect();
+    // Only where a running peer polls is taken: a stuck peer's CPU is where it last ran, not
+    // where it waits.
+    let avoid: Vec<u32> = peers()
+        .filter(|&(_, polling, stuck)| polling && !stuck)
+        .map(|(c, _, _)| c)
+        .collect();
     match crate::transport::os::move_off_cpu(cpu, &avoid) {
         Some(to) => {
             for e in execs {
-                e.wiring.doorbell.set_running_on(Some(to));
+                e.wiring.doorbell.set_running_on(to, Activity::Polling);
             }
             false
         }
@@ -883,13 +915,21 @@ fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> boo
     }
 }
 
+/// Tells the peers on this host what this rank does now, where it runs.
+fn publish(execs: &[Exec], what: Activity) {
+    if let Some(cpu) = this_cpu() {
+        for e in execs {
+            e.wiring.doorbell.set_running_on(cpu, what);
+        }
+    }
+}
+
 /// Progresses every communicator's steps until all are done or one fails.
 fn drive(execs: &mut [Exec]) -> Result<()> {
     let r = drive_steps(execs);
-    // No longer polling: peers must not read this rank's last CPU as a sign it waits there.
-    for e in execs.iter() {
-        e.wiring.doorbell.set_running_on(None);
-    }
+    // Back to the application: peers must not take a long absence for a stall, but one that
+    // finds itself on this rank's CPU knows the rank waits for it.
+    publish(execs, Activity::Outside);
     r
 }
 
@@ -902,6 +942,7 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
     let mut idle_since: Option<Instant> = None;
     let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
+    let mut moves = 0u32;
     let mut last_move: Option<Instant> = None;
     let mut warned = false;
     // Once this rank has given up: until when it listens, its own error, and which
@@ -945,6 +986,13 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         if moved {
             idle_since = None;
             spins = 0;
+            // Busy is running too: peers that wait for this rank must not think it stalled.
+            moves = moves.wrapping_add(1);
+            if moves % 16 == 0 {
+                for e in execs.iter() {
+                    e.wiring.doorbell.heartbeat();
+                }
+            }
             continue;
         }
         // Reading the clock costs about as much as a pass: only now and then while spinning.
@@ -1055,10 +1103,15 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
             Some(d) => {
                 // Announce the sleep, then look once more: a peer that published before it saw
                 // the announcement is caught by this pass, one that published after rings.
-                d.set_running_on(None);
+                if let Some(cpu) = this_cpu() {
+                    d.set_running_on(cpu, Activity::Sleeping);
+                }
                 let seen = d.prepare_sleep();
                 match pass_all(execs) {
-                    Ok((false, false)) => d.sleep(seen, Duration::from_millis(20)),
+                    Ok((false, false)) => {
+                        d.sleep(seen, Duration::from_millis(20));
+                        publish(execs, Activity::Polling);
+                    }
                     Ok((_, done)) => {
                         d.cancel_sleep();
                         if done {
@@ -1170,6 +1223,23 @@ mod tests {
                 reduction: None,
             },
         )
+    }
+
+    /// Which peers count as waiting for this rank's CPU (3 here): any that last ran on it;
+    /// elsewhere, one that polls or sleeps without a sign of life, never one back in its
+    /// application (it may compute for long), and the stall is only asked about when needed.
+    #[test]
+    fn a_peer_is_stuck_behind_this_cpu_when_it_cannot_be_running() {
+        use Activity::*;
+        let never = || -> bool { panic!("the stall did not matter") };
+        for what in [Polling, Sleeping, Outside] {
+            assert!(stuck(3, (3, what), never), "{what:?} on this CPU");
+        }
+        for what in [Polling, Sleeping] {
+            assert!(stuck(3, (1, what), || true), "{what:?} elsewhere, stalled");
+            assert!(!stuck(3, (1, what), || false), "{what:?} elsewhere, alive");
+        }
+        assert!(!stuck(3, (1, Outside), never), "outside, elsewhere");
     }
 
     #[test]

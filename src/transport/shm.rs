@@ -14,7 +14,8 @@
 
 use super::os::{self, Mapping, ProcessWatch};
 use super::{
-    Closing, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+    Activity, Closing, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor,
+    SendState, Sink,
 };
 use crate::bootstrap::{auth, Bootstrap};
 use crate::error::{Error, Result};
@@ -30,8 +31,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d35; // "commshm5": the segment layout's version
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d36; // "commshm6": the segment layout's version
 const LINE: usize = 128;
+/// The CPU's bits in the `running_on` word.
+const CPU_MASK: u32 = (1 << 30) - 1;
 const CTL_BASE: usize = 4 * LINE;
 const CTL_STRIDE: usize = 3 * LINE;
 /// A slot starts with its message number (8 bytes, written last) and the header; data follows
@@ -210,10 +213,18 @@ impl Segment {
         self.atomic_u32(LINE)
     }
 
-    /// The CPU the owner's progress loop polls on, plus one (0: not polling). Written only when
-    /// it changes, so the line stays shared between the owner and the peers that read it.
+    /// The CPU the owner's progress loop last ran on, plus one (0: never said), in the low 30
+    /// bits; in the top two what it does (`Activity`: 0 polling, 1 sleeping, 2 outside).
+    /// Written only when it changes, so the line stays shared between the owner and the peers
+    /// that read it.
     fn running_on(&self) -> &AtomicU32 {
         self.atomic_u32(3 * LINE + 64)
+    }
+
+    /// Counts up while the owner's progress loop runs (see `Doorbell::heartbeat`); in the line
+    /// of `running_on`, which readers fetch anyway.
+    fn beat(&self) -> &AtomicU32 {
+        self.atomic_u32(3 * LINE + 68)
     }
 
     fn sleepers(&self) -> &AtomicU32 {
@@ -304,12 +315,22 @@ impl Doorbell for Segment {
         self.sleepers().fetch_sub(1, Ordering::SeqCst);
     }
 
-    fn set_running_on(&self, cpu: Option<u32>) {
-        let v = cpu.map_or(0, |c| c.wrapping_add(1));
+    fn set_running_on(&self, cpu: u32, what: Activity) {
+        let state = match what {
+            Activity::Polling => 0,
+            Activity::Sleeping => 1,
+            Activity::Outside => 2,
+        };
+        let v = (cpu.wrapping_add(1) & CPU_MASK) | state << 30;
         let word = self.running_on();
         if word.load(Ordering::Relaxed) != v {
             word.store(v, Ordering::Relaxed);
         }
+    }
+
+    fn heartbeat(&self) {
+        let b = self.beat();
+        b.store(b.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 }
 
@@ -336,6 +357,9 @@ pub(crate) struct ShmPeer {
     scratch: Mutex<Option<os::HugeMem>>,
     /// The last value of the peer's tail this rank read (a lower bound of the real one).
     tail_seen: AtomicU64,
+    /// The peer's `running_on` and heartbeat as last read, and since when they have had
+    /// those values.
+    beat_seen: Mutex<Option<(u64, Instant)>>,
 }
 
 impl ShmPeer {
@@ -641,11 +665,28 @@ impl Link for ShmPeer {
         })
     }
 
-    fn peer_running_on(&self) -> Option<u32> {
-        self.remote
-            .running_on()
-            .load(Ordering::Relaxed)
-            .checked_sub(1)
+    fn peer_running_on(&self) -> Option<(u32, Activity)> {
+        let v = self.remote.running_on().load(Ordering::Relaxed);
+        let cpu = (v & CPU_MASK).checked_sub(1)?;
+        let what = match v >> 30 {
+            0 => Activity::Polling,
+            1 => Activity::Sleeping,
+            _ => Activity::Outside,
+        };
+        Some((cpu, what))
+    }
+
+    fn peer_stalled(&self, now: Instant, after: Duration) -> bool {
+        let word = u64::from(self.remote.running_on().load(Ordering::Relaxed));
+        let beat = word << 32 | u64::from(self.remote.beat().load(Ordering::Relaxed));
+        let mut seen = self.beat_seen.lock();
+        match *seen {
+            Some((b, since)) if b == beat => now.saturating_duration_since(since) >= after,
+            _ => {
+                *seen = Some((beat, now));
+                false
+            }
+        }
     }
 
     fn check_peer(&self) -> Result<()> {
@@ -887,6 +928,7 @@ pub(crate) fn connect(
                 pull_threshold,
                 scratch: Mutex::new(None),
                 tail_seen: AtomicU64::new(0),
+                beat_seen: Mutex::new(None),
             }));
         }
         match lost {
@@ -1100,30 +1142,59 @@ mod tests {
             pull_threshold,
             scratch: Mutex::new(None),
             tail_seen: AtomicU64::new(0),
+            beat_seen: Mutex::new(None),
         };
         (link(0, &s0, &s1), link(1, &s1, &s0))
     }
 
-    /// Where a rank polls is what its peer reads: a CPU, or nothing once it stops polling.
+    /// Where a rank runs and what it does there is what its peer reads.
     #[test]
-    fn a_peer_sees_where_this_rank_polls() {
+    fn a_peer_sees_where_this_rank_runs_and_what_it_does() {
         let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
         assert_eq!(b.peer_running_on(), None, "a fresh segment says nothing");
-        a.local.set_running_on(Some(3));
-        assert_eq!(b.peer_running_on(), Some(3));
+        a.local.set_running_on(3, Activity::Polling);
+        assert_eq!(b.peer_running_on(), Some((3, Activity::Polling)));
         assert_eq!(
             a.peer_running_on(),
             None,
             "only the owner's own word changed"
         );
-        a.local.set_running_on(Some(0));
+        a.local.set_running_on(0, Activity::Sleeping);
         assert_eq!(
             b.peer_running_on(),
-            Some(0),
+            Some((0, Activity::Sleeping)),
             "CPU 0 is a CPU, not 'nothing'"
         );
-        a.local.set_running_on(None);
-        assert_eq!(b.peer_running_on(), None);
+        a.local.set_running_on(1023, Activity::Outside);
+        assert_eq!(b.peer_running_on(), Some((1023, Activity::Outside)));
+    }
+
+    /// A peer is stalled once neither its word nor its heartbeat moved for the given time;
+    /// either moving starts the count again.
+    #[test]
+    fn a_peer_without_a_heartbeat_is_stalled() {
+        let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+        let after = Duration::from_micros(10);
+        let t0 = Instant::now();
+        a.local.set_running_on(2, Activity::Polling);
+        assert!(!b.peer_stalled(t0, after), "first look: nothing to compare");
+        assert!(
+            !b.peer_stalled(t0 + after / 2, after),
+            "not for long enough"
+        );
+        assert!(b.peer_stalled(t0 + after, after), "silent for `after`");
+        a.local.heartbeat();
+        assert!(
+            !b.peer_stalled(t0 + after * 2, after),
+            "a beat is a sign of life"
+        );
+        assert!(b.peer_stalled(t0 + after * 3, after));
+        a.local.set_running_on(2, Activity::Sleeping);
+        assert!(
+            !b.peer_stalled(t0 + after * 4, after),
+            "so is a change of state"
+        );
+        assert!(b.peer_stalled(t0 + after * 5, after));
     }
 
     /// Where received bytes land: written by the link itself (`direct`) or handed over.
