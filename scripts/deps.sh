@@ -14,9 +14,12 @@ for tool in cmake:cmake gcc:gcc g++:g++ nm:binutils pkg-config:pkg-config mpirun
   command -v "${tool%%:*}" >/dev/null 2>&1 || apt_missing+=("${tool##*:}")
 done
 # MPI's headers and libraries, for the benchmarks' _mpi variants and mpi_perf.
-if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libopenmpi-dev >/dev/null 2>&1; then
-  apt_missing+=(libopenmpi-dev)
-fi
+# MPICH beside it (bench/compare_mpi.sh measures both); OpenMPI stays the default `mpi`.
+for pkg in libopenmpi-dev mpich libmpich-dev; do
+  if command -v dpkg >/dev/null 2>&1 && ! dpkg -s "$pkg" >/dev/null 2>&1; then
+    apt_missing+=("$pkg")
+  fi
+done
 # rdma-core without a device: the InfiniBand transport must load it, find nothing and fall
 # back; its header lets a test check the verbs structure layouts the transport uses.
 for pkg in libibverbs-dev ibverbs-providers; do
@@ -30,6 +33,13 @@ if ((${#apt_missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq "${apt_missing[@]}" >/dev/null
 fi
+# mpicc and mpirun mean OpenMPI, whichever MPI was installed last.
+for alt in mpi:mpicc mpirun:mpirun; do
+  target=/usr/bin/${alt##*:}.openmpi
+  if [ -x "$target" ] && [ "$(readlink -f "/usr/bin/${alt##*:}")" != "$(readlink -f "$target")" ]; then
+    update-alternatives --quiet --set "${alt%%:*}" "$target"
+  fi
+done
 
 # A Python environment of the project's own, with CUDA 13.0's toolkit (nvcc and headers).
 VENV=$COMM_DEPS/venv

@@ -24,8 +24,8 @@ if ! { cmake -S . -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DCOMM_CARGO_TARGE
   exit 1
 fi
 bin=$work/build/bench
-for p in all_reduce_perf_mpi mpi_perf; do
-  [ -x "$bin/$p" ] || { echo "$p was not built: is MPI (libopenmpi-dev) installed?" >&2; exit 1; }
+for p in all_reduce_perf_mpi mpi_perf mpi_perf_mpich; do
+  [ -x "$bin/$p" ] || { echo "$p was not built: are OpenMPI (libopenmpi-dev) and MPICH (libmpich-dev) installed?" >&2; exit 1; }
 done
 
 if ! timeout "$limit" "$bin/comm_bench_selftest" >"$work/selftest.log" 2>&1; then
@@ -134,6 +134,21 @@ run "mpi_perf scatter -J" "${MPIRUN[@]}" -np 3 "$bin/mpi_perf" scatter -c 1 -n 2
 if ! timeout "$limit" "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.png" "comm=$work/scatter.json" \
       "mpi=$work/scatter_mpi.json" >"$work/plot.log" 2>&1 || [ ! -s "$work/plot.png" ]; then
   fail "plot.py" "$work/plot.log"
+fi
+
+echo "compare_mpi.sh (tiny sizes: a check that it runs and tabulates, not a measurement)"
+# Every library, rank count and pinning must have run (each cell names the best MPI), and the
+# tables must hold a row per collective and size: 8 B to 1 KiB is 8 all_reduce sizes, and 7
+# alltoall sizes on 2 ranks (0 and 32 B up) and 6 on 3 (0, 48 B and up), twice each.
+runs=$((runs + 1))
+log=$work/compare.log
+if ! COMPARE_RANKS="2 3" COMPARE_COLLS="all_reduce alltoall" COMPARE_MAX=1K COMPARE_ITERS=2 \
+      COMPARE_WARMUP=1 COMPARE_TIMEOUT=$limit bash bench/compare_mpi.sh "$bin" 1 "$work/compare" >"$log" 2>&1 ||
+    ! grep -q "^libraries: comm, mpich, openmpi; rounds: 1" "$log" ||
+    [ "$(grep -c '^### ' "$log")" != 4 ] ||
+    [ "$(grep -cE '^\| (all_reduce|alltoall) \| [0-9KM]+ \| [0-9.]+ \| [0-9.]+ (openmpi|mpich) \|' "$log")" != 58 ] ||
+    [ "$(ls "$work"/compare/*.json | wc -l)" != 24 ]; then
+  fail "compare_mpi.sh" "$log"
 fi
 
 echo "launchers"
