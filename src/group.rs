@@ -156,6 +156,11 @@ pub(crate) fn simulate_end() -> Result<f32> {
 
 /// Queues a call in the current group, or runs it now outside of one.
 pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
+    if call.coll.moves_nothing() {
+        // As in NCCL, a collective of zero elements is a no-op on every rank (the count is the
+        // same everywhere), once its arguments and the communicator are found usable.
+        return comm.check_usable();
+    }
     let queued = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {

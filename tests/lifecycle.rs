@@ -258,6 +258,40 @@ fn sendrecv_in_place(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), Stri
     Ok(())
 }
 
+/// A collective of zero elements is a no-op, as in NCCL: it returns at once without any peer
+/// taking part (here only rank 0 calls them, in and out of groups, and the next real
+/// collective still pairs up), yet it still refuses bad arguments.
+fn zero_count_is_a_no_op(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let mut buf = vec![rank as f32 + 1.0; 4 * n];
+    let p = buf.as_mut_ptr() as *mut c_void;
+    if rank == 0 {
+        nccl!(ncclAllReduce(p, p, 0, FLOAT, SUM, comm, S));
+        nccl!(ncclBroadcast(p, p, 0, FLOAT, 1, comm, S));
+        nccl!(ncclAllGather(p, p, 0, FLOAT, comm, S));
+        nccl!(ncclGroupStart());
+        nccl!(ncclReduceScatter(p, p, 0, FLOAT, SUM, comm, S));
+        nccl!(ncclAlltoAll(p, p, 0, FLOAT, comm, S));
+        nccl!(ncclGroupEnd());
+        let r = unsafe { ncclAllReduce(p, p, 0, 99, SUM, comm, S) };
+        if r != ncclResult_t::ncclInvalidArgument {
+            return Err(format!("a bad datatype with count 0 gave {r:?}"));
+        }
+    }
+    nccl!(ncclAllReduce(p, p, 4, FLOAT, SUM, comm, S));
+    let want = (n * (n + 1) / 2) as f32;
+    match buf[..4].iter().find(|&&v| v != want) {
+        Some(v) => Err(format!(
+            "after the no-ops the all-reduce gave {v}, expected {want}"
+        )),
+        None => Ok(()),
+    }
+}
+
+#[test]
+fn zero_count_collectives_are_no_ops_threads() {
+    with_threads(3, Duration::from_secs(60), zero_count_is_a_no_op);
+}
+
 /// A simulated group estimates and runs nothing.
 fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
     let send = vec![1f32; 1 << 16];

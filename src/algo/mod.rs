@@ -195,6 +195,23 @@ pub(crate) enum Collective {
 }
 
 impl Collective {
+    /// Whether the call moves no data on any rank: a collective whose one count, the same on
+    /// every rank, is zero. (Sends and receives of nothing already put nothing on a channel;
+    /// an all-to-all-v with nothing here may still have traffic between other ranks.)
+    pub(crate) fn moves_nothing(&self) -> bool {
+        match self {
+            Collective::AllReduce { count }
+            | Collective::Broadcast { count, .. }
+            | Collective::Reduce { count, .. }
+            | Collective::AllGather { count }
+            | Collective::ReduceScatter { count }
+            | Collective::AlltoAll { count }
+            | Collective::Gather { count, .. }
+            | Collective::Scatter { count, .. } => *count == 0,
+            _ => false,
+        }
+    }
+
     /// Whether data is combined (and the reduction op matters).
     pub(crate) fn reduces(&self) -> bool {
         matches!(
