@@ -8,6 +8,7 @@ use crate::comm::registry::Entry;
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// A communicator initialisation to run at the end of the group.
@@ -58,8 +59,25 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
+/// How many threads have a group open now. While none has, `in_group` need not look at this
+/// thread's own state (a thread-local access is a call into the dynamic loader in a shared
+/// library, which the short ways of one-sided calls avoid).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
 pub(crate) fn start() {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    let depth = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        g.depth += 1;
+        g.depth
+    });
+    if depth == 1 {
+        OPEN.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether this thread is inside a group.
+pub(crate) fn in_group() -> bool {
+    OPEN.load(Ordering::Relaxed) != 0 && depth() != 0
 }
 
 pub(crate) fn depth() -> u32 {
@@ -92,6 +110,7 @@ fn close() -> Result<Outcome> {
         if g.depth > 0 {
             return Ok(Outcome::Nested);
         }
+        OPEN.fetch_sub(1, Ordering::SeqCst);
         let calls = std::mem::take(&mut g.calls);
         let inits = std::mem::take(&mut g.inits);
         let one_sided = std::mem::take(&mut g.one_sided);

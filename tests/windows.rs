@@ -12,7 +12,7 @@ use comm::ffi::types::*;
 use comm::ffi::*;
 use common::*;
 use std::os::raw::c_void;
-use std::ptr::null_mut;
+use std::ptr::{null, null_mut};
 use std::time::{Duration, Instant};
 
 const S: cudaStream_t = std::ptr::null_mut();
@@ -935,6 +935,15 @@ fn target_deregistered(w: &Worker) -> Result<(), String> {
     let comm = init(w)?;
     let (n, me) = (w.nranks, w.rank);
     let (_mem, win) = window(comm, 4096, &m)?;
+    // A put that succeeds first: the same put after the deregistration must still be refused,
+    // whatever this thread kept of the window (ncclPutSignal's short way).
+    let v = [5u64; 2];
+    if me == 0 {
+        let src = v.as_ptr() as *const c_void;
+        nccl!(ncclPutSignal(src, 8, UINT8, 1, win, 0, 0, 0, 0, comm, S));
+    } else if me == 1 {
+        nccl!(ncclWaitSignal(1, [desc(0, 1)].as_mut_ptr(), comm, S));
+    }
     barrier(comm)?;
     if me == 1 {
         nccl!(ncclCommWindowDeregister(comm, win));
@@ -1213,6 +1222,140 @@ fn threads_body(comm: ncclComm_t, me: usize, n: usize) -> Result<(), String> {
         nccl!(ncclCommWindowDeregister(comm, win));
     }
     Ok(())
+}
+
+/// The short way through ncclPutSignal and ncclWaitSignal (what a thread keeps of its last
+/// communicator and window) serves only what the full path would: after puts and waits that
+/// took it, bad arguments, a group, a deregistered window and a destroyed communicator still
+/// get the full path's answers.
+fn short_way_body(comm: ncclComm_t, me: usize, n: usize) -> Result<(), String> {
+    use ncclResult_t::*;
+    let m = Mode {
+        shared: true,
+        memalloc: false,
+        net: false,
+    };
+    let (mem, win) = window(comm, 4096, &m)?;
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let put = |v: &u64, off: usize, peer: usize, sig: i32| unsafe {
+        ncclPutSignal(
+            v as *const u64 as *const c_void,
+            1,
+            UINT64,
+            peer as i32,
+            win,
+            off,
+            sig,
+            0,
+            0,
+            comm,
+            S,
+        )
+    };
+    let seen = |off: usize| unsafe { std::ptr::read_volatile(mem.add(off) as *const u64) };
+    for round in 1..=100u64 {
+        let v = round * 1000 + me as u64;
+        nccl!(put(&v, 8 * (round as usize % 8), next, 0));
+        nccl!(ncclWaitSignal(1, [desc(prev, 1)].as_mut_ptr(), comm, S));
+        let want = round * 1000 + prev as u64;
+        if seen(8 * (round as usize % 8)) != want {
+            return Err(format!("round {round}: {} from rank {prev}", seen(8)));
+        }
+    }
+    let v = 7u64;
+    expect(
+        put(&v, 4090, next, 0),
+        ncclInvalidArgument,
+        "past the end",
+        "a put past the end",
+    )?;
+    expect(
+        put(&v, 0, n, 0),
+        ncclInvalidArgument,
+        "out of range",
+        "a peer out of range",
+    )?;
+    expect(
+        put(&v, 0, next, 1),
+        ncclInvalidArgument,
+        "sigIdx",
+        "a nonzero sigIdx",
+    )?;
+    let r = unsafe { ncclPutSignal(null(), 1, UINT64, next as i32, win, 0, 0, 0, 0, comm, S) };
+    expect(r, ncclInvalidArgument, "NULL", "a NULL buffer")?;
+    let mut bad = [desc(prev, 0)];
+    let r = unsafe { ncclWaitSignal(1, bad.as_mut_ptr(), comm, S) };
+    expect(r, ncclInvalidArgument, "opCnt", "a wait for no signal")?;
+    // In a group the put is issued at the group's end, and reads its buffer then (which must
+    // live until that end).
+    let mut mine = 1;
+    nccl!(ncclGroupStart());
+    nccl!(put(&mine, 64, next, 0));
+    nccl!(ncclWaitSignal(1, [desc(prev, 1)].as_mut_ptr(), comm, S));
+    mine = v + me as u64;
+    std::hint::black_box(&mut mine);
+    nccl!(ncclGroupEnd());
+    if seen(64) != v + prev as u64 {
+        return Err(format!("grouped put: {} from rank {prev}", seen(64)));
+    }
+    still_works(comm, n)?;
+    // Every rank done with the window before any deregisters it.
+    nccl!(commWinChannelBarrier(0, 20_000, win, comm));
+    nccl!(ncclCommWindowDeregister(comm, win));
+    expect(
+        put(&v, 0, next, 0),
+        ncclInvalidArgument,
+        "not a live window",
+        "a deregistered window",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn the_short_way_serves_only_what_the_full_path_would() {
+    with_threads(3, Duration::from_secs(60), short_way_body);
+}
+
+/// After ncclCommDestroy, the handle a thread used a moment ago is refused as destroyed.
+#[test]
+fn a_destroyed_communicator_is_refused_after_puts_through_it() {
+    let mut comms: Vec<ncclComm_t> = vec![null_mut(); 2];
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) },
+        ncclResult_t::ncclSuccess
+    );
+    let (c0, c1) = (comms[0] as usize, comms[1] as usize);
+    let other = std::thread::spawn(move || -> Result<(), String> {
+        let c = c1 as ncclComm_t;
+        let mut p: *mut c_void = null_mut();
+        let mut win: ncclWindow_t = null_mut();
+        nccl!(commWindowAllocate(c, 4096, SYM, &mut p, &mut win));
+        nccl!(ncclWaitSignal(1, [desc(0, 3)].as_mut_ptr(), c, S));
+        nccl!(ncclCommDestroy(c));
+        Ok(())
+    });
+    let c = c0 as ncclComm_t;
+    let mut p: *mut c_void = null_mut();
+    let mut win: ncclWindow_t = null_mut();
+    let r = (|| -> Result<(), String> {
+        nccl!(commWindowAllocate(c, 4096, SYM, &mut p, &mut win));
+        let v = 9u64;
+        let src = &v as *const u64 as *const c_void;
+        for _ in 0..3 {
+            nccl!(ncclPutSignal(src, 1, UINT64, 1, win, 0, 0, 0, 0, c, S));
+        }
+        nccl!(ncclCommDestroy(c));
+        let r = unsafe { ncclPutSignal(src, 1, UINT64, 1, win, 0, 0, 0, 0, c, S) };
+        expect(
+            r,
+            ncclResult_t::ncclInvalidArgument,
+            "destroyed",
+            "a put on a destroyed communicator",
+        )
+    })();
+    let theirs = other.join().expect("the other rank panicked");
+    r.unwrap();
+    theirs.unwrap();
 }
 
 #[test]

@@ -256,6 +256,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
             return Ok(());
         }
         let entry = registry::remove(comm as usize)?;
+        super::lane::invalidate();
         if let Ok(c) = entry.wait() {
             c.destroy();
             crate::window::forget(&c.window_members());
@@ -271,6 +272,7 @@ pub unsafe extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
             return Ok(());
         }
         let entry = registry::remove(comm as usize)?;
+        super::lane::invalidate();
         // An initialisation still running gives up at its next wait (within 100 ms).
         entry.abort.store(true, std::sync::atomic::Ordering::SeqCst);
         if let Ok(c) = entry.wait() {

@@ -257,6 +257,7 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(
     win: ncclWindow_t,
 ) -> ncclResult_t {
     guard_comm("ncclCommWindowDeregister", comm, |c| {
+        super::lane::invalidate();
         window::deregister(&c.window_members(), win as usize)
     })
 }
@@ -342,6 +343,23 @@ pub unsafe extern "C" fn ncclPutSignal(
     comm: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
+    if sigIdx == 0 && ctx == 0 && flags == 0 {
+        // SAFETY: `localbuff` is the C caller's buffer of `count` elements, as below.
+        let short = std::panic::catch_unwind(|| unsafe {
+            super::lane::put_signal(
+                comm,
+                localbuff,
+                count,
+                datatype,
+                peer,
+                peerWin,
+                peerWinOffset,
+            )
+        });
+        if matches!(short, Ok(true)) {
+            return ncclResult_t::ncclSuccess;
+        }
+    }
     guard_comm("ncclPutSignal", comm, |c| {
         c.check_usable()?;
         reserved_zero(sigIdx, ctx, flags)?;
@@ -408,6 +426,16 @@ pub unsafe extern "C" fn ncclWaitSignal(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     let _ = stream;
+    if !signalDescs.is_null() && nDesc > 0 {
+        // SAFETY: `signalDescs` is the C caller's array of `nDesc` descriptors.
+        let short = std::panic::catch_unwind(|| {
+            let descs = unsafe { input_slice(signalDescs, nDesc as usize, "signalDescs") }.ok()?;
+            super::lane::wait_signal(comm, descs)
+        });
+        if let Ok(Some((r, rank))) = short {
+            return super::reported("ncclWaitSignal", comm, r, rank);
+        }
+    }
     guard_comm("ncclWaitSignal", comm, |c| {
         c.check_usable()?;
         if signalDescs.is_null() {

@@ -14,6 +14,7 @@
 pub mod coll;
 pub(crate) mod config;
 pub mod init;
+mod lane;
 pub mod mem;
 pub mod param;
 pub mod profiling;
@@ -170,6 +171,17 @@ fn outcome(
             ncclResult_t::ncclInternalError
         }
     }
+}
+
+/// The return code of an entry point on `comm` (of rank `rank`) that ran to `r` without
+/// `guard_comm`; an error is reported as `guard_comm` reports it.
+pub(crate) fn reported(
+    func: &'static str,
+    comm: ncclComm_t,
+    r: Result<()>,
+    rank: i32,
+) -> ncclResult_t {
+    outcome(func, comm, Ok(r), Some(rank))
 }
 
 /// Like `guard`, for entry points on a communicator: also records the message on it.

@@ -838,11 +838,18 @@ pub(crate) unsafe fn put_checked(
             crate::cuda::copy_sync(dev, dst, src, len)?;
         }
         Reach::Direct(base) => {
-            if len > 0 {
-                // SAFETY: the destination lies inside the peer's registered window (checked
-                // by the caller), mapped here; the caller guarantees src holds len bytes. They
-                // may overlap when a rank puts into its own window.
-                unsafe { std::ptr::copy(src, (base + off) as *mut u8, len) };
+            let dst = (base + off) as *mut u8;
+            // SAFETY: the destination lies inside the peer's registered window (checked by the
+            // caller), mapped here; the caller guarantees src holds len bytes. They may overlap
+            // when a rank puts into its own window (the word is read whole before it is
+            // written). One word, the common signal payload, without a call to memmove.
+            unsafe {
+                if len == 8 {
+                    dst.cast::<u64>()
+                        .write_unaligned(src.cast::<u64>().read_unaligned());
+                } else if len > 0 {
+                    std::ptr::copy(src, dst, len);
+                }
             }
         }
         Reach::Cma { pid, addr } => {
@@ -871,6 +878,34 @@ pub(crate) unsafe fn put_checked(
         signal_to(cw, peer)?;
     }
     Ok(())
+}
+
+/// ncclPutSignal the short way (see `ffi::lane`): into a host-memory part of `w` that this
+/// process reaches with loads and stores, from a host buffer, with the window symmetric and
+/// the range inside it. Returns false, having done nothing, for anything else, and where the
+/// peer deregistered its part: the full path decides those, and reports.
+///
+/// # Safety
+/// As `put`: `src` must be valid for `len` bytes of reads.
+pub(crate) unsafe fn put_signal_direct(
+    w: &Window,
+    peer: usize,
+    off: usize,
+    src: *const u8,
+    len: usize,
+) -> bool {
+    let Some(p) = w.peers.get(peer) else {
+        return false;
+    };
+    let plain = w.device.is_none()
+        && w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0
+        && matches!(p.data, Reach::Direct(_))
+        && off.checked_add(len).is_some_and(|end| end <= p.len)
+        && matches!(crate::cuda::classify(src.cast()), MemKind::Host);
+    // For a part reached directly, put_checked fails only when the peer deregistered it,
+    // which it finds before it writes anything.
+    // SAFETY: as this function's.
+    plain && unsafe { put_checked(w, peer, off, src, len, true, None) }.is_ok()
 }
 
 fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
@@ -1170,8 +1205,12 @@ fn wait_until(
     what: &dyn Fn() -> String,
     ready: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
-    if ready() {
-        return Ok(());
+    // A while without the clock: a signal that comes at once (a ping-pong) is seen sooner.
+    for _ in 0..256 {
+        if ready() {
+            return Ok(());
+        }
+        std::hint::spin_loop();
     }
     let start = Instant::now();
     let spin_until = start + c.spin.max(Duration::from_micros(20));
@@ -1239,12 +1278,26 @@ pub(crate) fn wait_signals(
     descs: impl IntoIterator<Item = (usize, u64)>,
 ) -> Result<()> {
     let cw = existing(c, "ncclWaitSignal")?;
+    wait_signals_on(c, &cw, descs)
+}
+
+/// The communicator's window state, once it has registered a window.
+pub(crate) fn registered_state(c: &Members) -> Option<Arc<CommWindows>> {
+    find_comm(c)
+}
+
+/// [`wait_signals`] with the communicator's window state already at hand.
+pub(crate) fn wait_signals_on(
+    c: &Members,
+    cw: &CommWindows,
+    descs: impl IntoIterator<Item = (usize, u64)>,
+) -> Result<()> {
     for (peer, n) in descs {
         let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
         let counter = cw.own().counter(peer);
         wait_until(
             c,
-            &cw,
+            cw,
             peer,
             c.timeout,
             &|| {

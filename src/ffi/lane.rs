@@ -1,0 +1,174 @@
+//! The short way through the calls of a one-sided ping-pong (ncclPutSignal, ncclWaitSignal).
+//!
+//! The full path finds the communicator's handle in the registry and the window's in the
+//! window table on every call, each behind a lock and a reference count: about 40 ns of a put
+//! that otherwise costs an 8-byte copy and one atomic add. Here each thread keeps the last
+//! communicator and window it used and finds them again with a few plain loads. Anything out
+//! of the ordinary (a group, device memory, a peer on another host or reached with CMA,
+//! reserved arguments, any bad argument, a deregistered window) goes the full way, which checks
+//! and reports everything: the short way only ever serves calls the full path would serve, and
+//! serves them the same way.
+//!
+//! What a thread keeps is good while `EPOCH` has not moved: destroying or aborting a
+//! communicator and deregistering a window move it, so every thread's entries go stale at once,
+//! and the thread that did it drops its own at once. Only communicators without a GPU are kept
+//! (a kept reference must never hold back a device's teardown).
+
+use super::types::{ncclComm_t, ncclWaitSignalDesc_t, ncclWindow_t, RawDataType};
+use crate::comm::{Comm, Life};
+use crate::reduce::DataType;
+use crate::window::{CommWindows, Window};
+use std::cell::RefCell;
+use std::os::raw::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+struct PutKept {
+    epoch: u64,
+    comm: usize,
+    win: usize,
+    c: Arc<Comm>,
+    w: Arc<Window>,
+}
+
+struct WaitKept {
+    epoch: u64,
+    comm: usize,
+    c: Arc<Comm>,
+    cw: Arc<CommWindows>,
+}
+
+#[derive(Default)]
+struct Kept {
+    put: Option<PutKept>,
+    wait: Option<WaitKept>,
+}
+
+thread_local! {
+    static KEPT: RefCell<Kept> = const { RefCell::new(Kept { put: None, wait: None }) };
+}
+
+/// Makes every thread's kept entries stale (a communicator or window is going away) and drops
+/// this thread's.
+pub(crate) fn invalidate() {
+    EPOCH.fetch_add(1, Ordering::SeqCst);
+    // try_with: also called while thread-locals are being torn down.
+    let _ = KEPT.try_with(|k| {
+        if let Ok(mut k) = k.try_borrow_mut() {
+            *k = Kept::default();
+        }
+    });
+}
+
+/// The communicator behind `comm` if the short way may keep it.
+fn keepable(comm: ncclComm_t) -> Option<Arc<Comm>> {
+    let c = super::comm_of(comm).ok()?;
+    c.device.is_none().then_some(c)
+}
+
+/// ncclPutSignal the short way: true once the put and its signal are done; false, having done
+/// nothing, where the full path must take the call.
+///
+/// # Safety
+/// `src` is the C caller's buffer of `count` elements of `datatype` (or NULL).
+pub(super) unsafe fn put_signal(
+    comm: ncclComm_t,
+    src: *const c_void,
+    count: usize,
+    datatype: RawDataType,
+    peer: c_int,
+    win: ncclWindow_t,
+    off: usize,
+) -> bool {
+    if src.is_null() || crate::group::in_group() {
+        return false;
+    }
+    let (Some(dt), Ok(peer)) = (DataType::from_raw(datatype), usize::try_from(peer)) else {
+        return false;
+    };
+    let Some(len) = count.checked_mul(dt.size()) else {
+        return false;
+    };
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let (comm_id, win_id) = (comm as usize, win as usize);
+    KEPT.with(|k| {
+        let Ok(mut k) = k.try_borrow_mut() else {
+            return false;
+        };
+        let fresh = k
+            .put
+            .as_ref()
+            .is_some_and(|p| p.epoch == epoch && p.comm == comm_id && p.win == win_id);
+        if !fresh {
+            k.put = None;
+            let Some(c) = keepable(comm) else {
+                return false;
+            };
+            let Ok(w) = crate::window::lookup(&c.window_members(), win_id) else {
+                return false;
+            };
+            k.put = Some(PutKept {
+                epoch,
+                comm: comm_id,
+                win: win_id,
+                c,
+                w,
+            });
+        }
+        let Some(p) = k.put.as_ref() else {
+            return false;
+        };
+        // SAFETY: as this function's.
+        p.c.life() == Life::Active
+            && peer < p.c.nranks
+            && unsafe { crate::window::put_signal_direct(&p.w, peer, off, src.cast(), len) }
+    })
+}
+
+/// ncclWaitSignal the short way: None where the full path must take the call; otherwise the
+/// outcome of the wait, with the rank (for the report of an error).
+pub(super) fn wait_signal(
+    comm: ncclComm_t,
+    descs: &[ncclWaitSignalDesc_t],
+) -> Option<(crate::error::Result<()>, i32)> {
+    if descs.is_empty() || crate::group::in_group() {
+        return None;
+    }
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let comm_id = comm as usize;
+    // The entry stays borrowed through the wait: this thread calls nothing else meanwhile.
+    KEPT.with(|k| {
+        let mut k = k.try_borrow_mut().ok()?;
+        let fresh = k
+            .wait
+            .as_ref()
+            .is_some_and(|w| w.epoch == epoch && w.comm == comm_id);
+        if !fresh {
+            k.wait = None;
+            let c = keepable(comm)?;
+            let cw = crate::window::registered_state(&c.window_members())?;
+            k.wait = Some(WaitKept {
+                epoch,
+                comm: comm_id,
+                c,
+                cw,
+            });
+        }
+        let WaitKept { c, cw, .. } = k.wait.as_ref()?;
+        let plain = c.life() == Life::Active
+            && descs.iter().all(|d| {
+                d.opCnt > 0
+                    && d.sigIdx == 0
+                    && d.ctx == 0
+                    && usize::try_from(d.peer).is_ok_and(|p| p < c.nranks)
+            });
+        if !plain {
+            return None;
+        }
+        let descs = descs.iter().map(|d| (d.peer as usize, d.opCnt as u64));
+        let r = crate::window::wait_signals_on(&c.window_members(), cw, descs);
+        Some((r, c.rank as i32))
+    })
+}
