@@ -301,6 +301,7 @@ impl Comm {
             placements: &self.placements,
             paths: &self.window_paths,
             links: &self.wiring.links,
+            ib: self.net.as_ref().and_then(|n| n.ib()),
             abort: &self.wiring.abort,
             timeout: self.wiring.timeout,
             spin: self.wiring.spin,
