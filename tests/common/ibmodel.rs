@@ -3,8 +3,8 @@
 // semantics as the transport relies on them: work requests of a queue pair take effect in
 // order; a write with immediate lands its bytes before the target's receive completion and
 // waits for a posted receive (an unlimited RNR retry); atomics are atomic against each other
-// but, as on a real HCA, not against the CPU's atomics (the model reads the word, lets other
-// threads run, then writes it); remote accesses are checked against registered memory and
+// but, as on a real HCA, not against the CPU's atomics (the model reads the word, sleeps
+// 20 us, then writes it); remote accesses are checked against registered memory and
 // its keys. Faults can be injected: a write that
 // completes with an error status (both ends of its connection go to error, as a real RC
 // connection does), a connection broken outright, and completions delayed by a fixed time.
@@ -279,14 +279,14 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
         return w;
     }
     // An atomic of the model is atomic against the others (the fabric's lock), not against
-    // the CPU: it reads the word, lets other threads run, and writes it back, so that a CPU
+    // the CPU: it reads the word, sleeps a little, and writes it back, so that a CPU
     // atomic on the same word in between is lost, as it may be with a real HCA.
     let atomic = |r: *mut u8, new: &dyn Fn(u64) -> u64| -> u64 {
         // SAFETY: `r` is 8 bytes of registered memory (checked below before the call).
         unsafe {
             let p = r as *mut u64;
             let old = std::ptr::read_volatile(p);
-            std::thread::yield_now();
+            std::thread::sleep(Duration::from_micros(20));
             std::ptr::write_volatile(p, new(old));
             old
         }
