@@ -636,8 +636,8 @@ fn put_get_fetch_add(fabric: Arc<Fabric>, net: &str, expect_rdma: bool) {
             let verdict = (|| -> Result<(), String> {
                 if rank == 0 {
                     let want = ADDS * (n as u64 - 1);
-                    if word(&mem, 0) != want {
-                        return Err(format!("the counter is {}, expected {want}", word(&mem, 0)));
+                    if word(mem, 0) != want {
+                        return Err(format!("the counter is {}, expected {want}", word(mem, 0)));
                     }
                     for r in 1..n {
                         let base = 64 + REGION * r;
@@ -766,14 +766,13 @@ fn windows_atomics_from_every_rank_and_a_cas_lock() {
             lib_barrier(c)?;
             let verdict = (|| -> Result<(), String> {
                 if rank == 0 {
-                    let (adds, locked) = (word(&mem, 0), word(&mem, 16));
-                    if adds != ADDS * n as u64 || locked != LOCKED * n as u64 || word(&mem, 8) != 0
-                    {
+                    let (adds, locked) = (word(mem, 0), word(mem, 16));
+                    if adds != ADDS * n as u64 || locked != LOCKED * n as u64 || word(mem, 8) != 0 {
                         return Err(format!(
                     "counter {adds} (expected {}), locked counter {locked} (expected {}), lock {}",
                     ADDS * n as u64,
                     LOCKED * n as u64,
-                    word(&mem, 8)
+                    word(mem, 8)
                 ));
                     }
                 }
@@ -967,12 +966,81 @@ fn windows_rdma_error_completion_is_a_remote_error() {
                 nccl!(commWinFlush(2, win, c));
             }
             order.wait()?;
-            if rank == 2 && (word(&mem, 8) != 5 || mem[16..24] != [7u8; 8]) {
+            if rank == 2 && (word(mem, 8) != 5 || mem[16..24] != [7u8; 8]) {
                 return Err(format!("rank 2's window: {:?}", &mem[..24]));
             }
             order.wait()?;
             nccl!(ncclCommWindowDeregister(c, win));
             Ok(())
+        },
+    );
+}
+
+/// A put into a window its target has already deregistered (its memory no longer registered
+/// with the device) fails the queue pair with a remote access error: the flush after it
+/// waits for it and returns ncclRemoteError naming the device, the target and the status, without hanging, and
+/// the other peers stay reachable.
+#[test]
+fn windows_put_into_a_deregistered_window_is_a_remote_error() {
+    // Delayed, so that the error is known only once the flush has waited for it.
+    let fabric = Fabric::new(Faults {
+        delay: Some(Duration::from_millis(2)),
+        ..Faults::default()
+    });
+    let n = 3;
+    let order = Meet::new(n);
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(60),
+        move |c, rank, _n| {
+            let (mem, win) = rdma_window(c, 4096)?;
+            lib_barrier(c)?;
+            if rank == 0 {
+                nccl!(ncclCommWindowDeregister(c, win));
+            }
+            order.wait()?;
+            let mut verdict = Ok(());
+            if rank == 1 {
+                let t = Instant::now();
+                let v = [9u8; 100];
+                let put =
+                    unsafe { commWinPut(v.as_ptr() as *const c_void, 100, UINT8, 0, win, 0, c) };
+                let flush = unsafe { commWinFlush(0, win, c) };
+                let msg = last_error();
+                let named = msg.contains("model_0:1")
+                    && msg.contains("remote access error")
+                    && msg.contains("rank 0");
+                if put != OK && put != ncclResult_t::ncclRemoteError
+                    || flush != ncclResult_t::ncclRemoteError
+                    || !named
+                {
+                    verdict = Err(format!("put {put:?}, flush {flush:?}: {msg}"));
+                } else if t.elapsed() > Duration::from_secs(10) {
+                    verdict = Err(format!("the error took {:?}", t.elapsed()));
+                } else {
+                    nccl!(commWinPut(
+                        v.as_ptr() as *const c_void,
+                        100,
+                        UINT8,
+                        2,
+                        win,
+                        0,
+                        c
+                    ));
+                    nccl!(commWinFlush(2, win, c));
+                }
+            }
+            order.wait()?;
+            if rank == 2 && mem[..100] != [9u8; 100] {
+                verdict = Err("rank 1's put to rank 2 did not land".into());
+            }
+            order.wait()?;
+            if rank != 0 {
+                nccl!(ncclCommWindowDeregister(c, win));
+            }
+            verdict
         },
     );
 }

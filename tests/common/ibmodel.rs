@@ -5,9 +5,10 @@
 // waits for a posted receive (an unlimited RNR retry); atomics are atomic against each other
 // but, as on a real HCA, not against the CPU's atomics (the model reads the word, sleeps
 // 20 us, then writes it); remote accesses are checked against registered memory and
-// its keys. Faults can be injected: a write that
-// completes with an error status (both ends of its connection go to error, as a real RC
-// connection does), a connection broken outright, and completions delayed by a fixed time.
+// its keys. Faults can be injected: a write or an
+// atomic that completes with an error status (both ends of its connection go to error, as a
+// real RC connection does), a connection broken outright, and completions delayed by a fixed
+// time.
 //
 // The library's own conformance suite includes this file too (src/transport/conformance.rs),
 // which is why its notes are plain comments and it names the crate `comm` only in `use`s.
