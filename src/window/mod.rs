@@ -130,8 +130,10 @@ pub(crate) struct Window {
     cw: Arc<CommWindows>,
     /// This rank's GPU, for windows with a part in device memory (copies go through it).
     device: Option<Arc<Device>>,
-    /// This rank's part registered with the InfiniBand device, while the window lives.
-    _exposed: Option<Exposed>,
+    /// This rank's part registered with the InfiniBand device, until deregistration: taken
+    /// then, before memory allocated with the window is freed, so that no remote access can
+    /// reach the freed pages.
+    exposed: Mutex<Option<Exposed>>,
 }
 
 /// A communicator's state for windows, made at its first window registration.
@@ -662,7 +664,7 @@ pub(crate) fn register(
             owned: owned.then_some(buff),
             cw: cw.clone(),
             device: c.device.clone().filter(|_| has_device),
-            _exposed: exposed.ok().flatten(),
+            exposed: Mutex::new(exposed.ok().flatten()),
         });
         let mut all = WINDOWS.lock();
         if all.len() <= at {
@@ -796,6 +798,7 @@ pub(crate) fn deregister(c: &Members, handle: usize) -> Result<()> {
     // Peers on this host look at this word before they reach into the window.
     w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
     w.cw.slots.lock()[w.slot] = false;
+    w.exposed.lock().take();
     if let Some(p) = w.owned {
         shared::free(p as *mut u8);
     }
@@ -814,6 +817,7 @@ pub(crate) fn forget(c: &Members) {
         .filter_map(Option::take)
         .collect();
     for w in gone {
+        w.exposed.lock().take();
         if let Some(p) = w.owned {
             shared::free(p as *mut u8);
         }
