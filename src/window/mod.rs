@@ -1278,7 +1278,9 @@ pub(crate) fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()>
     let cw = w.cw.clone();
     for p in peers {
         if let Reach::Rdma { .. } = w.peers[p].data {
-            cw.rdma(p)?.qps.flush(p, deadline_of(c.timeout))?;
+            let r = cw.rdma(p)?;
+            // Any 8 bytes of the peer serve the read that ends the flush: its control segment.
+            r.qps.flush(p, r.ctls[p], deadline_of(c.timeout))?;
         }
         if let Reach::Net { id } = w.peers[p].data {
             let f = Frame {

@@ -13,7 +13,8 @@
 //! - signal: a zero-byte write with immediate value, posted after the puts on the same queue
 //!   pair. RC places their data before the target sees the receive completion, whose handler
 //!   (on the target, without its application) counts the signal and rings its doorbell.
-//! - flush: waits until every work request posted to the peer completed.
+//! - flush: waits until every work request posted to the peer completed, the last being a
+//!   read after the writes (answered only once they are placed at the peer).
 //!
 //! Every work request is signaled and numbered in posting order; a queue pair's send
 //! completions arrive in that order, so one count says which are done. One operation at a time
@@ -67,6 +68,8 @@ struct PeerState {
     slot_wr: [u64; STAGE_SLOTS],
     next_slot: usize,
     staging: Option<(Buffer, Arc<dyn Mr>)>,
+    /// Writes were posted since the last flush's read.
+    unflushed: bool,
     failed: Option<Error>,
 }
 
@@ -400,11 +403,29 @@ impl OneSided {
         })
     }
 
-    /// Returns once everything posted to `peer` so far has completed (landed at the peer).
-    pub(crate) fn flush(&self, peer: usize, deadline: Option<Instant>) -> Result<()> {
+    /// Returns once everything posted to `peer` so far has completed and its writes are in
+    /// the peer's memory. A write's completion says the peer's HCA acknowledged it; a read
+    /// posted after the writes on the same queue pair (`probe`: 8 readable bytes of the peer)
+    /// is answered only once they are placed, so a flush after writes ends with one.
+    pub(crate) fn flush(
+        &self,
+        peer: usize,
+        probe: Remote,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
         let p = self.peer(peer);
         p.with(|st| {
-            let last = st.posted;
+            let mut last = st.posted;
+            if st.unflushed {
+                let (buf, lkey) = p.staging(st)?;
+                let word = Local {
+                    addr: buf + RESULT_AT as u64,
+                    len: 8,
+                    lkey,
+                };
+                last = p.post(st, Op::Read, word, probe, deadline)?;
+                st.unflushed = false;
+            }
             p.wait_for(st, last, deadline)
         })
     }
@@ -565,6 +586,9 @@ impl Peer {
             self.wait_for(st, st.posted + 1 - DEPTH, deadline)?;
         }
         let id = st.posted + 1;
+        if matches!(op, Op::Write | Op::WriteImm(_)) {
+            st.unflushed = true;
+        }
         let wr = SendWr {
             wr_id: id,
             op,
