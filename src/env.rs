@@ -147,6 +147,8 @@ knobs! {
         "largest device all-reduce done two-shot";
     WIN_CHANNELS: Int "COMM_WIN_CHANNELS" or "NCCL_WIN_CHANNELS" = "32",
         "signal-pad channels per window, 1-4096 (rank 0's value applies)";
+    WIN_NET: Flag "COMM_WIN_NET" = "0",
+        "1: windows reach every other rank over the network transport, as if it were on another host (to test that path on one host)";
     CUDA_DEVICE_MAX_CONNECTIONS: Int "CUDA_DEVICE_MAX_CONNECTIONS" = "8",
         "CUDA's own: hardware queues per GPU context; read to warn when ranks that are threads of one process on one GPU outnumber them";
 }

@@ -4,6 +4,10 @@
 //! fall back to sockets where there is no device. No RDMA hardware is involved anywhere: the
 //! model stands in for it (see the README for what a first run on a fabric must check).
 //!
+//! Windows over the model: with COMM_WIN_NET=1 every other rank's window part is reached as if
+//! on another host, so one-sided operations go over RDMA (reads, writes, atomics of the model)
+//! instead of loads and stores.
+//!
 //! The tests set process-wide environment variables and the verbs provider, so they take a
 //! lock and run one at a time.
 
@@ -38,6 +42,7 @@ fn with_model<T>(fabric: Option<Arc<Fabric>>, net: &str, f: impl FnOnce() -> T) 
     std::env::remove_var("COMM_NET");
     std::env::remove_var("COMM_TIMEOUT");
     std::env::remove_var("NCCL_IB_DISABLE");
+    std::env::remove_var("COMM_WIN_NET");
     match r {
         Ok(v) => v,
         Err(e) => std::panic::resume_unwind(e),
@@ -444,5 +449,598 @@ fn a_send_from_a_registered_buffer_returns_after_its_writes() {
     assert!(
         f.plain_writes() > 0,
         "no piece was written straight from the registered buffer"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Windows over RDMA.
+
+const UINT8: i32 = 1;
+const UINT64: i32 = 5;
+const SYM: i32 = NCCL_WIN_COLL_SYMMETRIC;
+
+/// Runs `body` on `n` ranks (threads) whose windows reach each other over the model's RDMA.
+fn with_rdma_windows(
+    fabric: Arc<Fabric>,
+    net: &str,
+    n: usize,
+    timeout: Duration,
+    body: impl Fn(ncclComm_t, usize, usize) -> Result<(), String> + Send + Sync + 'static,
+) {
+    with_model(Some(fabric), net, || {
+        std::env::set_var("COMM_WIN_NET", "1");
+        // A wait that would never end fails instead (ncclTimeout), well within `timeout`.
+        std::env::set_var("COMM_TIMEOUT", "30");
+        with_threads(n, timeout, body);
+    });
+}
+
+/// A barrier of threads that gives up after 30 s (a rank that failed never arrives), for
+/// ranks that must not call the library meanwhile.
+struct Meet {
+    state: Mutex<(usize, u64)>,
+    cv: std::sync::Condvar,
+    n: usize,
+}
+
+impl Meet {
+    fn new(n: usize) -> Arc<Meet> {
+        Arc::new(Meet {
+            state: Mutex::new((0, 0)),
+            cv: std::sync::Condvar::new(),
+            n,
+        })
+    }
+
+    fn wait(&self) -> Result<(), String> {
+        let mut st = self.state.lock().unwrap();
+        let generation = st.1;
+        st.0 += 1;
+        if st.0 == self.n {
+            *st = (0, generation + 1);
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let (st, t) = self
+            .cv
+            .wait_timeout_while(st, Duration::from_secs(30), |s| s.1 == generation)
+            .unwrap();
+        drop(st);
+        if t.timed_out() {
+            return Err("a rank never reached the barrier".into());
+        }
+        Ok(())
+    }
+}
+
+/// A collective as a barrier between the ranks.
+fn lib_barrier(c: ncclComm_t) -> Result<(), String> {
+    let mut x = [0f32];
+    nccl!(ncclAllReduce(
+        x.as_ptr() as *const c_void,
+        x.as_mut_ptr() as *mut c_void,
+        1,
+        FLOAT,
+        SUM,
+        c,
+        S
+    ));
+    Ok(())
+}
+
+/// A window of `len` bytes of ordinary memory (zeroed), registered on `c`. Never freed: a
+/// rank that fails a check returns at once, while peers may still write into its window.
+fn rdma_window(c: ncclComm_t, len: usize) -> Result<(&'static mut [u8], ncclWindow_t), String> {
+    let mem: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    let mut win: ncclWindow_t = std::ptr::null_mut();
+    nccl!(ncclCommWindowRegister(
+        c,
+        mem.as_mut_ptr() as *mut c_void,
+        len,
+        &mut win,
+        SYM
+    ));
+    Ok((mem, win))
+}
+
+fn word(mem: &[u8], off: usize) -> u64 {
+    // SAFETY: an aligned word inside `mem`, which the HCA (model) may change concurrently.
+    unsafe { std::ptr::read_volatile(mem.as_ptr().add(off) as *const u64) }
+}
+
+fn pattern(rank: usize, i: usize) -> u8 {
+    ((rank * 131 + i * 7 + i / 253) % 251) as u8
+}
+
+/// Puts, gets and fetch-adds into rank 0, which does not call the library while the others
+/// work on its window: puts of several sizes (through staging, and straight from a buffer
+/// registered with ncclCommRegister) read back with gets, and fetch-adds that end at their
+/// sum. The model counts its reads and atomics, so the operations really went over RDMA.
+fn put_get_fetch_add(fabric: Arc<Fabric>, net: &str, expect_rdma: bool) {
+    const SIZES: [usize; 5] = [0, 1, 7, 4099, 300_001];
+    const REGION: usize = 1 << 20;
+    const ADDS: u64 = 300;
+    let n = 3;
+    let quiet = Meet::new(n);
+    with_rdma_windows(
+        fabric.clone(),
+        net,
+        n,
+        Duration::from_secs(120),
+        move |c, rank, n| {
+            let (mem, win) = rdma_window(c, 64 + REGION * n)?;
+            lib_barrier(c)?;
+            // Rank 0 stays out of the library from here to the second barrier.
+            quiet.wait()?;
+            if rank != 0 {
+                let base = 64 + REGION * rank;
+                let src: Vec<u8> = (0..REGION).map(|i| pattern(rank, i)).collect();
+                let mut reg: *mut c_void = std::ptr::null_mut();
+                nccl!(ncclCommRegister(
+                    c,
+                    src.as_ptr() as *mut c_void,
+                    REGION,
+                    &mut reg
+                ));
+                let mut at = base;
+                for &len in &SIZES {
+                    nccl!(commWinPut(
+                        src.as_ptr() as *const c_void,
+                        len,
+                        UINT8,
+                        0,
+                        win,
+                        at,
+                        c
+                    ));
+                    at += len;
+                }
+                nccl!(commWinFlush(0, win, c));
+                let mut back = vec![0u8; at - base];
+                nccl!(commWinGet(
+                    back.as_mut_ptr() as *mut c_void,
+                    back.len(),
+                    UINT8,
+                    0,
+                    win,
+                    base,
+                    c
+                ));
+                let mut off = 0;
+                for &len in &SIZES {
+                    if let Some(i) = (0..len).find(|&i| back[off + i] != src[i]) {
+                        return Err(format!(
+                            "the put of {len} bytes read back wrong at byte {i}: {} instead of {}",
+                            back[off + i],
+                            src[i]
+                        ));
+                    }
+                    off += len;
+                }
+                for _ in 0..ADDS {
+                    nccl!(commWinFetchAdd(
+                        1,
+                        std::ptr::null_mut(),
+                        UINT64,
+                        0,
+                        win,
+                        0,
+                        c
+                    ));
+                }
+                nccl!(ncclCommDeregister(c, reg));
+            }
+            quiet.wait()?;
+            lib_barrier(c)?;
+            // Every rank reaches the last barrier, whatever rank 0 finds: no one waits in vain.
+            let verdict = (|| -> Result<(), String> {
+                if rank == 0 {
+                    let want = ADDS * (n as u64 - 1);
+                    if word(mem, 0) != want {
+                        return Err(format!("the counter is {}, expected {want}", word(mem, 0)));
+                    }
+                    for r in 1..n {
+                        let base = 64 + REGION * r;
+                        let len: usize = SIZES.iter().sum();
+                        let mut at = 0;
+                        for &l in &SIZES {
+                            for i in 0..l {
+                                if mem[base + at + i] != pattern(r, i) {
+                                    return Err(format!(
+                                        "rank {r}'s put of {l} bytes: byte {i} is wrong"
+                                    ));
+                                }
+                            }
+                            at += l;
+                        }
+                        assert_eq!(at, len);
+                    }
+                }
+                Ok(())
+            })();
+            lib_barrier(c)?;
+            nccl!(ncclCommWindowDeregister(c, win));
+            verdict
+        },
+    );
+    let (reads, atomics) = (fabric.reads(), fabric.atomics());
+    if expect_rdma {
+        assert!(
+            atomics >= ADDS * 2,
+            "only {atomics} atomics went over the fabric"
+        );
+        assert!(reads >= 2, "only {reads} RDMA reads");
+        assert!(
+            fabric.plain_writes() >= 2,
+            "no put was written from the registered buffer"
+        );
+    } else {
+        assert_eq!((reads, atomics), (0, 0), "RDMA used on the TCP path");
+    }
+}
+
+#[test]
+fn windows_put_get_fetch_add_over_rdma() {
+    put_get_fetch_add(Fabric::new(Faults::default()), "ib", true);
+}
+
+/// Where the network transport is sockets, windows keep their TCP path (same operations).
+#[test]
+fn windows_over_sockets_do_not_use_rdma() {
+    put_get_fetch_add(Fabric::new(Faults::default()), "socket", false);
+}
+
+/// Every rank, the target itself included, adds to one word of rank 0 many times; and every
+/// rank takes a lock in rank 0's window with compare-and-swap to increment a second word by a
+/// get and a put. Both end exactly at their sums: the target's own atomics go through the HCA
+/// too (the model's atomics are not atomic against the CPU's, as with a real HCA).
+#[test]
+fn windows_atomics_from_every_rank_and_a_cas_lock() {
+    const ADDS: u64 = 400;
+    const LOCKED: u64 = 40;
+    let n = 4;
+    let fabric = Fabric::new(Faults {
+        delay: None,
+        ..Faults::default()
+    });
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(120),
+        move |c, rank, n| {
+            let (mem, win) = rdma_window(c, 64)?;
+            lib_barrier(c)?;
+            for i in 0..ADDS {
+                let mut old = 0u64;
+                nccl!(commWinFetchAdd(1, &mut old, UINT64, 0, win, 0, c));
+                if i == 0 && old >= ADDS * n as u64 {
+                    return Err(format!("fetch-add returned {old}"));
+                }
+                if rank == 0 {
+                    // The target's own adds spread over the others', so that they overlap.
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+            let me = rank as u64 + 1;
+            for _ in 0..LOCKED {
+                // Acquire: swap 0 for our mark.
+                loop {
+                    let mut old = u64::MAX;
+                    nccl!(commWinCompareSwap(0, me, &mut old, UINT64, 0, win, 8, c));
+                    if old == 0 {
+                        break;
+                    }
+                    if old > n as u64 {
+                        return Err(format!("the lock word holds {old}"));
+                    }
+                    std::thread::yield_now();
+                }
+                let mut v = [0u64];
+                nccl!(commWinGet(
+                    v.as_mut_ptr() as *mut c_void,
+                    8,
+                    UINT8,
+                    0,
+                    win,
+                    16,
+                    c
+                ));
+                v[0] += 1;
+                nccl!(commWinPut(
+                    v.as_ptr() as *const c_void,
+                    8,
+                    UINT8,
+                    0,
+                    win,
+                    16,
+                    c
+                ));
+                nccl!(commWinFlush(0, win, c));
+                let mut old = 0u64;
+                nccl!(commWinCompareSwap(me, 0, &mut old, UINT64, 0, win, 8, c));
+                if old != me {
+                    return Err(format!("released a lock held by {old}"));
+                }
+            }
+            lib_barrier(c)?;
+            let verdict = (|| -> Result<(), String> {
+                if rank == 0 {
+                    let (adds, locked) = (word(mem, 0), word(mem, 16));
+                    if adds != ADDS * n as u64 || locked != LOCKED * n as u64 || word(mem, 8) != 0 {
+                        return Err(format!(
+                    "counter {adds} (expected {}), locked counter {locked} (expected {}), lock {}",
+                    ADDS * n as u64,
+                    LOCKED * n as u64,
+                    word(mem, 8)
+                ));
+                    }
+                }
+                Ok(())
+            })();
+            lib_barrier(c)?;
+            nccl!(ncclCommWindowDeregister(c, win));
+            verdict
+        },
+    );
+    assert!(
+        fabric.atomics() >= ADDS * n as u64 + 2 * LOCKED * n as u64,
+        "only {} atomics went over the fabric",
+        fabric.atomics()
+    );
+}
+
+fn wait_desc(peer: usize, op_cnt: i32) -> ncclWaitSignalDesc_t {
+    ncclWaitSignalDesc_t {
+        opCnt: op_cnt,
+        peer: peer as i32,
+        sigIdx: 0,
+        ctx: 0,
+    }
+}
+
+/// NCCL signals and signal pads over RDMA, with every operation of the fabric delayed (so
+/// that a signal overtaking its data would be seen): per round, a put with signal into a
+/// fresh slot, checked the moment the signal is; several puts and a bare signal consumed by
+/// one wait with opCnt; then pad signals, waits and barriers on several channels.
+#[test]
+fn windows_signals_over_rdma_follow_their_data() {
+    let fabric = Fabric::new(Faults {
+        delay: Some(Duration::from_micros(100)),
+        ..Faults::default()
+    });
+    let n = 3;
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(120),
+        move |c, rank, n| {
+            const ROUNDS: usize = 60;
+            const SLOT: usize = 5000;
+            let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+            let (mem, win) = rdma_window(c, SLOT * ROUNDS + 64)?;
+            lib_barrier(c)?;
+            for k in 0..ROUNDS {
+                let src: Vec<u8> = (0..SLOT).map(|i| pattern(rank, i + k)).collect();
+                nccl!(ncclPutSignal(
+                    src.as_ptr() as *const c_void,
+                    SLOT,
+                    UINT8,
+                    next as i32,
+                    win,
+                    SLOT * k,
+                    0,
+                    0,
+                    0,
+                    c,
+                    S
+                ));
+                let mut d = [wait_desc(prev, 1)];
+                nccl!(ncclWaitSignal(1, d.as_mut_ptr(), c, S));
+                let got = &mem[SLOT * k..SLOT * (k + 1)];
+                if let Some(i) = (0..SLOT).find(|&i| got[i] != pattern(prev, i + k)) {
+                    return Err(format!(
+                        "round {k}: the signal was seen before byte {i} of its put landed"
+                    ));
+                }
+            }
+            // Three puts and a bare signal, one wait for the four.
+            for j in 0..3 {
+                let src = [j as u8 + 1; 16];
+                nccl!(ncclPutSignal(
+                    src.as_ptr() as *const c_void,
+                    16,
+                    UINT8,
+                    next as i32,
+                    win,
+                    16 * j,
+                    0,
+                    0,
+                    0,
+                    c,
+                    S
+                ));
+            }
+            nccl!(ncclSignal(next as i32, 0, 0, 0, c, S));
+            let mut d = [wait_desc(prev, 4)];
+            nccl!(ncclWaitSignal(1, d.as_mut_ptr(), c, S));
+            for j in 0..3 {
+                if mem[16 * j..16 * (j + 1)].iter().any(|&b| b != j as u8 + 1) {
+                    return Err(format!("after the opCnt=4 wait, put {j} has not landed"));
+                }
+            }
+            // Signal pads: a ping-pong on channel 1, then barriers on channels 0 and 2.
+            for _ in 0..20 {
+                if rank == 0 {
+                    nccl!(commWinChannelSignal(1, 1, 20_000, win, c));
+                    nccl!(commWinChannelWait(1, 1, 20_000, win, c));
+                } else if rank == 1 {
+                    nccl!(commWinChannelWait(0, 1, 20_000, win, c));
+                    nccl!(commWinChannelSignal(0, 1, 20_000, win, c));
+                }
+            }
+            for ch in [0, 2, 0, 2] {
+                nccl!(commWinChannelBarrier(ch, 20_000, win, c));
+            }
+            lib_barrier(c)?;
+            nccl!(ncclCommWindowDeregister(c, win));
+            Ok(())
+        },
+    );
+    assert!(
+        fabric.reads() >= 40,
+        "only {} RDMA reads (pad signals)",
+        fabric.reads()
+    );
+}
+
+/// The third atomic over the fabric completes with an error: the rank that posted it gets
+/// ncclRemoteError naming the device, the peer and the status (no hang), so does its next
+/// operation to that peer, and its operations to other ranks still work.
+#[test]
+fn windows_rdma_error_completion_is_a_remote_error() {
+    let status = "remote operation error (11)";
+    let fabric = Fabric::new(Faults {
+        fail_atomic: Some((3, status.into())),
+        ..Faults::default()
+    });
+    let n = 3;
+    let order = Meet::new(n);
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(60),
+        move |c, rank, _n| {
+            let (mem, win) = rdma_window(c, 64)?;
+            lib_barrier(c)?;
+            order.wait()?;
+            if rank == 1 {
+                let t = Instant::now();
+                let mut failed = None;
+                for i in 0..3 {
+                    let r =
+                        unsafe { commWinFetchAdd(1, std::ptr::null_mut(), UINT64, 0, win, 0, c) };
+                    if r != OK {
+                        failed = Some((i, r, last_error()));
+                        break;
+                    }
+                }
+                let Some((i, r, msg)) = failed else {
+                    return Err("three fetch-adds succeeded through a failing fabric".into());
+                };
+                if i != 2
+                    || r != ncclResult_t::ncclRemoteError
+                    || !msg.contains("model_0:1")
+                    || !msg.contains(status)
+                    || !msg.contains("rank 0")
+                {
+                    return Err(format!("fetch-add {i}: {r:?}: {msg}"));
+                }
+                if t.elapsed() > Duration::from_secs(10) {
+                    return Err(format!("the error took {:?}", t.elapsed()));
+                }
+                let r = unsafe { commWinFetchAdd(1, std::ptr::null_mut(), UINT64, 0, win, 0, c) };
+                if r != ncclResult_t::ncclRemoteError {
+                    return Err(format!("the next fetch-add to rank 0: {r:?}"));
+                }
+                // Other peers, and this rank itself, are still reachable.
+                for peer in [2, 1] {
+                    let mut old = u64::MAX;
+                    nccl!(commWinFetchAdd(5, &mut old, UINT64, peer, win, 8, c));
+                    if old != 0 {
+                        return Err(format!("fetch-add at rank {peer} found {old}"));
+                    }
+                }
+                let v = [7u8; 8];
+                nccl!(commWinPut(
+                    v.as_ptr() as *const c_void,
+                    8,
+                    UINT8,
+                    2,
+                    win,
+                    16,
+                    c
+                ));
+                nccl!(commWinFlush(2, win, c));
+            }
+            order.wait()?;
+            if rank == 2 && (word(mem, 8) != 5 || mem[16..24] != [7u8; 8]) {
+                return Err(format!("rank 2's window: {:?}", &mem[..24]));
+            }
+            order.wait()?;
+            nccl!(ncclCommWindowDeregister(c, win));
+            Ok(())
+        },
+    );
+}
+
+/// A put into a window its target has already deregistered (its memory no longer registered
+/// with the device) fails the queue pair with a remote access error: the flush after it
+/// waits for it and returns ncclRemoteError naming the device, the target and the status, without hanging, and
+/// the other peers stay reachable.
+#[test]
+fn windows_put_into_a_deregistered_window_is_a_remote_error() {
+    // Delayed, so that the error is known only once the flush has waited for it.
+    let fabric = Fabric::new(Faults {
+        delay: Some(Duration::from_millis(2)),
+        ..Faults::default()
+    });
+    let n = 3;
+    let order = Meet::new(n);
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(60),
+        move |c, rank, _n| {
+            let (mem, win) = rdma_window(c, 4096)?;
+            lib_barrier(c)?;
+            if rank == 0 {
+                nccl!(ncclCommWindowDeregister(c, win));
+            }
+            order.wait()?;
+            let mut verdict = Ok(());
+            if rank == 1 {
+                let t = Instant::now();
+                let v = [9u8; 100];
+                let put =
+                    unsafe { commWinPut(v.as_ptr() as *const c_void, 100, UINT8, 0, win, 0, c) };
+                let flush = unsafe { commWinFlush(0, win, c) };
+                let msg = last_error();
+                let named = msg.contains("model_0:1")
+                    && msg.contains("remote access error")
+                    && msg.contains("rank 0");
+                if put != OK && put != ncclResult_t::ncclRemoteError
+                    || flush != ncclResult_t::ncclRemoteError
+                    || !named
+                {
+                    verdict = Err(format!("put {put:?}, flush {flush:?}: {msg}"));
+                } else if t.elapsed() > Duration::from_secs(10) {
+                    verdict = Err(format!("the error took {:?}", t.elapsed()));
+                } else {
+                    nccl!(commWinPut(
+                        v.as_ptr() as *const c_void,
+                        100,
+                        UINT8,
+                        2,
+                        win,
+                        0,
+                        c
+                    ));
+                    nccl!(commWinFlush(2, win, c));
+                }
+            }
+            order.wait()?;
+            if rank == 2 && mem[..100] != [9u8; 100] {
+                verdict = Err("rank 1's put to rank 2 did not land".into());
+            }
+            order.wait()?;
+            if rank != 0 {
+                nccl!(ncclCommWindowDeregister(c, win));
+            }
+            verdict
+        },
     );
 }

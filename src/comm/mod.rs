@@ -45,6 +45,9 @@ pub(crate) struct Comm {
     pub boot: Bootstrap,
     pub placements: Vec<Placement>,
     pub paths: Vec<Path>,
+    /// How windows reach each rank: `paths`, or every other rank over the network with
+    /// COMM_WIN_NET=1.
+    pub window_paths: Vec<Path>,
     pub shm: Option<shm::ShmWorld>,
     /// The network links' progress thread (None without peers on other hosts).
     pub net: Option<crate::transport::net::NetWorld>,
@@ -241,6 +244,14 @@ impl Comm {
             config,
             boot,
             placements,
+            window_paths: paths
+                .iter()
+                .map(|&p| match p {
+                    Path::SelfRank => p,
+                    _ if crate::env::WIN_NET.flag() => Path::Network,
+                    _ => p,
+                })
+                .collect(),
             paths,
             shm: shm_world,
             net: net_world,
@@ -288,8 +299,9 @@ impl Comm {
             tag: self.tag,
             boot: &self.boot,
             placements: &self.placements,
-            paths: &self.paths,
+            paths: &self.window_paths,
             links: &self.wiring.links,
+            ib: self.net.as_ref().and_then(|n| n.ib()),
             abort: &self.wiring.abort,
             timeout: self.wiring.timeout,
             spin: self.wiring.spin,

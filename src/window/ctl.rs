@@ -79,7 +79,18 @@ impl Ctl {
 
     /// The signal pad word of window slot `slot` for `channel` and `peer`.
     pub(crate) fn pad(&self, slot: usize, channel: usize, peer: usize) -> &AtomicU32 {
-        self.word32(self.slot(slot) + SLOT_PADS + 4 * (channel * self.nranks + peer))
+        self.word32(self.pad_offset(slot, channel, peer))
+    }
+
+    /// Where the pad word of `slot`, `channel` and `peer` lies from the segment's start (the
+    /// same in every rank's segment of a communicator).
+    pub(crate) fn pad_offset(&self, slot: usize, channel: usize, peer: usize) -> usize {
+        self.slot(slot) + SLOT_PADS + 4 * (channel * self.nranks + peer)
+    }
+
+    /// The segment's start and length, for registering it with an RDMA device.
+    pub(crate) fn region(&self) -> (*mut u8, usize) {
+        (self.map.ptr(), self.map.len())
     }
 
     /// The signal pads of window slot `slot`: `channels * nranks` words, as PyTorch lays them out.

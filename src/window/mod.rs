@@ -8,12 +8,26 @@
 //!   hardware atomics;
 //! - **cma**: a process on this host whose region is ordinary memory: single-copy
 //!   `process_vm_writev` / `readv`, and atomics under a lock in the target's control segment;
-//! - **net**: a rank on another host: active messages over TCP, applied by a thread of the
-//!   target ([`remote`]).
+//! - **rdma**: a rank on another host, where the communicator's network transport is
+//!   InfiniBand: RDMA writes, reads and verbs atomics on queue pairs of the windows' own
+//!   (`transport::net::ib::onesided`);
+//! - **net**: a rank on another host otherwise: active messages over TCP, applied by a thread
+//!   of the target ([`remote`]).
 //!
 //! None of them needs the target to call the library. Signals (NCCL's per-sender counters and
 //! PyTorch-style signal pads) live in each rank's control segment ([`ctl`]), which the peers on
 //! the host map; a signal is counted only after the data of its put is in place.
+//!
+//! Atomicity over RDMA. A verbs atomic is atomic only against other atomics executed by the
+//! same HCA, not against the CPU's. So where a communicator's windows use InfiniBand, every
+//! window atomic of that communicator, to any rank (this host's ranks and this rank itself
+//! included), is a verbs atomic executed by the target's HCA: every rank has a queue pair to
+//! every rank, a loopback one to itself, as NVSHMEM does. No window word is then ever changed
+//! by a CPU atomic of the library while the HCA may change it. The signal counters and pads
+//! stay CPU words: a signal over RDMA is a write with immediate whose completion handler, on
+//! the target, counts it with a CPU atomic (RC places the data of the puts before it on the
+//! same queue pair first, and the handler rings the target's doorbell); a pad is set by a read
+//! and a write, which is safe because only its sender sets it and only the target clears it.
 
 mod ctl;
 mod fds;
@@ -26,6 +40,9 @@ use crate::cuda::{Device, MemKind, Stream};
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
 use crate::topo::Placement;
+use crate::transport::net::ib::onesided::{self, Exposed, OneSided};
+use crate::transport::net::ib::verbs::Remote;
+use crate::transport::net::ib::IbWorld;
 use crate::transport::os::{self, Mapping};
 use crate::transport::Link;
 use crate::wire::{self, Reader};
@@ -56,6 +73,8 @@ pub(crate) struct Members<'a> {
     pub spin: Duration,
     /// The communicator's GPU, when it has a device path (device-memory windows need it).
     pub device: Option<Arc<Device>>,
+    /// The InfiniBand side of the network transport, where it is InfiniBand.
+    pub ib: Option<&'a IbWorld>,
 }
 
 /// How this rank reaches one rank's part of a window.
@@ -66,6 +85,8 @@ pub(crate) enum Reach {
     Cma { pid: u32, addr: usize },
     /// Active messages to the target, naming its window handle `id`.
     Net { id: u64 },
+    /// RDMA into the target's memory at `addr` (in its process), registered with `rkey`.
+    Rdma { addr: usize, rkey: u32 },
     /// Device memory at this address of this process (the peer's own GPU memory mapped with
     /// CUDA IPC, or a thread's in this process): copies by the driver, on a stream or not.
     Device(usize),
@@ -89,6 +110,9 @@ pub(crate) struct PeerWin {
     pub handle: u64,
     /// Atomics on it take the lock in its control segment (its memory is not shared).
     pub locked: bool,
+    /// Its key for RDMA, where the communicator's windows use InfiniBand: then every atomic
+    /// on it is a verbs atomic, whatever `data` says (see the module's notes).
+    pub rkey: Option<u32>,
     pub data: Reach,
     _keep: Keep,
 }
@@ -106,6 +130,10 @@ pub(crate) struct Window {
     cw: Arc<CommWindows>,
     /// This rank's GPU, for windows with a part in device memory (copies go through it).
     device: Option<Arc<Device>>,
+    /// This rank's part registered with the InfiniBand device, until deregistration: taken
+    /// then, before memory allocated with the window is freed, so that no remote access can
+    /// reach the freed pages.
+    exposed: Mutex<Option<Exposed>>,
 }
 
 /// A communicator's state for windows, made at its first window registration.
@@ -118,6 +146,10 @@ pub(crate) struct CommWindows {
     waited: Vec<AtomicU64>,
     slots: Mutex<Vec<bool>>,
     net: Option<NetSide>,
+    /// Peers reached over InfiniBand, where the network transport is InfiniBand.
+    rdma: Option<Rdma>,
+    /// Operations give up after this long (ncclTimeout).
+    timeout: Option<Duration>,
     /// Stops the listener for peers on other hosts once this state is dropped.
     stop: Arc<AtomicBool>,
 }
@@ -126,6 +158,14 @@ impl Drop for CommWindows {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
     }
+}
+
+/// Windows over InfiniBand: the queue pairs, and every rank's control segment as its peers
+/// reach it (the signal pads; and some key for the zero-byte writes that carry signals).
+struct Rdma {
+    qps: OneSided,
+    ctls: Vec<Remote>,
+    _own_ctl: Exposed,
 }
 
 /// Window state by (communicator tag, rank); a few entries, so a list.
@@ -214,10 +254,34 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
         });
     }
     let remote_peers = c.paths.contains(&Path::Network);
+    // RDMA where every rank can: each needs a device, and all need the same protocol.
+    let can_rdma = remote_peers && c.ib.is_some();
+    let use_rdma = c
+        .boot
+        .allgather(&[u8::from(can_rdma)])?
+        .iter()
+        .all(|v| v.first() == Some(&1));
+    let mut rdma = None;
     let mut mine = Vec::new();
     let mut lost = None;
     let stop = Arc::new(AtomicBool::new(false));
-    if remote_peers {
+    if let (true, Some(ib)) = (use_rdma, c.ib) {
+        let ctl = own.clone();
+        let qps = ib.one_sided(
+            c.boot,
+            Arc::new(move |from, imm| {
+                if imm == onesided::IMM_SIGNAL {
+                    ctl.counter(from).fetch_add(1, Ordering::SeqCst);
+                }
+                ctl.ring();
+            }),
+        )?;
+        let (base, len) = own.region();
+        let exposed = qps.expose(base, len, false)?;
+        wire::put_u64(&mut mine, base as u64);
+        wire::put_u32(&mut mine, exposed.rkey);
+        rdma = Some((qps, exposed));
+    } else if remote_peers {
         let (addr, l) = remote::listen(
             c.boot.listen_ip(),
             c.tag,
@@ -231,6 +295,24 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
         lost = Some(l);
     }
     let addrs = c.boot.allgather(&mine)?;
+    let rdma = match rdma {
+        Some((qps, own_ctl)) => {
+            let mut ctls = Vec::with_capacity(n);
+            for a in &addrs {
+                let mut r = Reader::new(a);
+                ctls.push(Remote {
+                    addr: r.u64()?,
+                    rkey: r.u32()?,
+                });
+            }
+            Some(Rdma {
+                qps,
+                ctls,
+                _own_ctl: own_ctl,
+            })
+        }
+        None => None,
+    };
     let net = lost.map(|lost| {
         NetSide::new(
             me,
@@ -251,11 +333,18 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
         waited: (0..n).map(|_| AtomicU64::new(0)).collect(),
         slots: Mutex::new(vec![false; ctl::MAX_WINDOWS]),
         net,
+        rdma,
+        timeout: c.timeout,
         stop,
     });
     crate::info!(
-        "windows ready: {channels} signal channels, {} peers reached over the network",
-        c.paths.iter().filter(|p| **p == Path::Network).count()
+        "windows ready: {channels} signal channels, {} peers reached over the network{}",
+        c.paths.iter().filter(|p| **p == Path::Network).count(),
+        if cw.rdma.is_some() {
+            " (RDMA; every window atomic goes through the target's HCA)"
+        } else {
+            ""
+        }
     );
     COMMS.lock().push((key(c), cw.clone()));
     Ok(cw)
@@ -292,6 +381,21 @@ impl CommWindows {
         }
     }
 
+    fn rdma(&self, peer: usize) -> Result<&Rdma> {
+        self.rdma.as_ref().map_or_else(
+            || {
+                crate::internal_err!(
+                    "rank {peer} is reached by RDMA but windows have no queue pairs"
+                )
+            },
+            Ok,
+        )
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        deadline_of(self.timeout)
+    }
+
     fn net(&self, peer: usize) -> Result<&NetSide> {
         self.net.as_ref().map_or_else(
             || {
@@ -325,6 +429,17 @@ pub(crate) fn register(
     let n = c.nranks;
     let slot = cw.take_slot();
     let shared = shared::find(buff, size);
+    // Where peers reach windows by RDMA: this rank's part registered with the device.
+    let exposed = cw
+        .rdma
+        .as_ref()
+        .map(|r| r.qps.expose(buff as *mut u8, size, true))
+        .transpose();
+    let rkey = exposed
+        .as_ref()
+        .ok()
+        .and_then(|e| e.as_ref())
+        .map_or(0, |e| e.rkey);
     let handle = HANDLE_BASE + HANDLE_STEP * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst);
     let mut mine = Vec::new();
     match &slot {
@@ -358,6 +473,7 @@ pub(crate) fn register(
             wire::put_u64(&mut mine, (buff as u64).wrapping_sub(ex.alloc_base));
         }
     }
+    wire::put_u32(&mut mine, rkey);
     let all = c.boot.allgather(&mine)?;
     struct Info {
         slot: u32,
@@ -367,6 +483,8 @@ pub(crate) fn register(
         shared: Option<(usize, usize)>,
         /// Device memory: (how, IPC handle, allocation length, offset in it).
         dev: Option<(u32, [u8; 64], usize, usize)>,
+        /// Its key for RDMA (0 without).
+        rkey: u32,
     }
     let mut infos = Vec::with_capacity(n);
     for b in &all {
@@ -392,6 +510,7 @@ pub(crate) fn register(
                 Some((how, ipc, r.u64()? as usize, r.u64()? as usize))
             }
         };
+        let rkey = r.u32()?;
         infos.push(Info {
             slot,
             addr,
@@ -399,6 +518,7 @@ pub(crate) fn register(
             handle,
             shared,
             dev,
+            rkey,
         });
     }
     let taken = slot.as_ref().ok().copied();
@@ -456,7 +576,12 @@ pub(crate) fn register(
             }
         }
     }
+    let rdma = cw.rdma.is_some();
+    let exposed_failed = exposed.as_ref().err().cloned();
     let built = (|| -> Result<Vec<PeerWin>> {
+        if let Some(e) = exposed_failed {
+            return Err(e.context("registering the window with the InfiniBand device"));
+        }
         let mut peers = Vec::with_capacity(n);
         for (r, i) in infos.iter().enumerate() {
             if let Some((how, ipc, alloc_len, off)) = &i.dev {
@@ -469,6 +594,7 @@ pub(crate) fn register(
                     handle: i.handle,
                     // Atomics on device memory are a read and a write by the driver.
                     locked: true,
+                    rkey: None,
                     data,
                     _keep: keep,
                 });
@@ -500,6 +626,14 @@ pub(crate) fn register(
                         (Reach::Cma { pid, addr: i.addr }, None, true)
                     }
                 },
+                Path::Network if rdma => (
+                    Reach::Rdma {
+                        addr: i.addr,
+                        rkey: i.rkey,
+                    },
+                    None,
+                    false,
+                ),
                 Path::Network => (Reach::Net { id: i.handle }, None, i.shared.is_none()),
             };
             peers.push(PeerWin {
@@ -508,6 +642,7 @@ pub(crate) fn register(
                 slot: i.slot as usize,
                 handle: i.handle,
                 locked,
+                rkey: rdma.then_some(i.rkey),
                 data,
                 _keep: map.map_or(Keep::Nothing, Keep::Host),
             });
@@ -529,6 +664,7 @@ pub(crate) fn register(
             owned: owned.then_some(buff),
             cw: cw.clone(),
             device: c.device.clone().filter(|_| has_device),
+            exposed: Mutex::new(exposed.ok().flatten()),
         });
         let mut all = WINDOWS.lock();
         if all.len() <= at {
@@ -560,6 +696,7 @@ pub(crate) fn register(
                     Reach::Direct(_) => "direct",
                     Reach::Cma { .. } => "cma",
                     Reach::Net { .. } => "net",
+                    Reach::Rdma { .. } => "rdma",
                     Reach::Device(_) => "device",
                 }
             ))
@@ -661,6 +798,7 @@ pub(crate) fn deregister(c: &Members, handle: usize) -> Result<()> {
     // Peers on this host look at this word before they reach into the window.
     w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
     w.cw.slots.lock()[w.slot] = false;
+    w.exposed.lock().take();
     if let Some(p) = w.owned {
         shared::free(p as *mut u8);
     }
@@ -679,6 +817,7 @@ pub(crate) fn forget(c: &Members) {
         .filter_map(Option::take)
         .collect();
     for w in gone {
+        w.exposed.lock().take();
         if let Some(p) = w.owned {
             shared::free(p as *mut u8);
         }
@@ -859,6 +998,21 @@ pub(crate) unsafe fn put_checked(
                     .map_err(|e| cma_error(peer, "writing into", e))?;
             }
         }
+        Reach::Rdma { addr, rkey } => {
+            let r = cw.rdma(peer)?;
+            let to = Remote {
+                addr: (addr + off) as u64,
+                rkey,
+            };
+            // SAFETY: the caller guarantees src holds len bytes.
+            unsafe { r.qps.put(peer, src, len, to, cw.deadline()) }?;
+            if signal {
+                // On the same queue pair: counted at the target after the data landed.
+                r.qps
+                    .notify(peer, onesided::IMM_SIGNAL, r.ctls[peer], cw.deadline())?;
+            }
+            return Ok(());
+        }
         Reach::Net { id } => {
             // SAFETY: the caller guarantees src holds len bytes.
             let payload = unsafe { std::slice::from_raw_parts(src, len) };
@@ -914,6 +1068,11 @@ fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
             ctl.counter(cw.rank).fetch_add(1, Ordering::SeqCst);
             ctl.ring();
             Ok(())
+        }
+        None if cw.rdma.is_some() => {
+            let r = cw.rdma(peer)?;
+            r.qps
+                .notify(peer, onesided::IMM_SIGNAL, r.ctls[peer], cw.deadline())
         }
         None => {
             let f = Frame {
@@ -979,6 +1138,18 @@ pub(crate) unsafe fn get(
         // SAFETY: as above.
         Reach::Cma { pid, addr } => unsafe { os::cma_read(pid, dst, addr + off, len) }
             .map_err(|e| cma_error(peer, "reading from", e))?,
+        Reach::Rdma { addr, rkey } => {
+            let from = Remote {
+                addr: (addr + off) as u64,
+                rkey,
+            };
+            // SAFETY: the caller guarantees dst holds len bytes.
+            unsafe {
+                w.cw.rdma(peer)?
+                    .qps
+                    .get(peer, dst, len, from, w.cw.deadline())
+            }?;
+        }
         Reach::Net { id } => {
             let cw = w.cw.clone();
             let f = Frame {
@@ -1066,7 +1237,9 @@ pub(crate) fn atomic_at(
                 Ok(old)
             })?
         }
-        Reach::Net { .. } => crate::internal_err!("atomic on a remote window applied locally"),
+        Reach::Net { .. } | Reach::Rdma { .. } => {
+            crate::internal_err!("atomic on a remote window applied locally")
+        }
     }
 }
 
@@ -1090,6 +1263,15 @@ pub(crate) fn atomic(
         );
     }
     let cw = w.cw.clone();
+    if let (Some(r), Some(rkey)) = (&cw.rdma, p.rkey) {
+        // Every atomic through the target's HCA, this host's ranks and this rank included.
+        check_live(&cw, &w, peer)?;
+        let at = Remote {
+            addr: (p.addr + off) as u64,
+            rkey,
+        };
+        return r.qps.atomic(peer, at, cas, val, deadline_of(c.timeout));
+    }
     match p.data {
         Reach::Net { id } => {
             let f = Frame {
@@ -1130,6 +1312,11 @@ pub(crate) fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()>
     }
     let cw = w.cw.clone();
     for p in peers {
+        if let Reach::Rdma { .. } = w.peers[p].data {
+            let r = cw.rdma(p)?;
+            // Any 8 bytes of the peer serve the read that ends the flush: its control segment.
+            r.qps.flush(p, r.ctls[p], deadline_of(c.timeout))?;
+        }
         if let Reach::Net { id } = w.peers[p].data {
             let f = Frame {
                 op: remote::OP_FLUSH,
@@ -1265,6 +1452,9 @@ fn peer_lost(c: &Members, cw: &CommWindows, peer: usize) -> Option<String> {
     if let Err(e) = c.links[peer].check_peer() {
         return Some(e.msg);
     }
+    if let Some(e) = cw.rdma.as_ref().and_then(|r| r.qps.failure(peer)) {
+        return Some(e.msg);
+    }
     let net = cw.net.as_ref().filter(|_| c.paths[peer] == Path::Network)?;
     (net.lost[peer].load(Ordering::SeqCst) || net.peer_gone(peer)).then(|| {
         "its connection closed (its process exited, or its host or the link failed)".to_string()
@@ -1379,6 +1569,14 @@ fn channel_signal_to(
                     ctl.ring();
                 }
                 ok
+            }
+            (None, Reach::Rdma { .. }) => {
+                let r = cw.rdma(dst)?;
+                let pad = Remote {
+                    addr: r.ctls[dst].addr + cw.own().pad_offset(w.peers[dst].slot, ch, me) as u64,
+                    rkey: r.ctls[dst].rkey,
+                };
+                r.qps.set_pad(dst, pad, deadline)?
             }
             (None, Reach::Net { id }) => {
                 let f = Frame {

@@ -2,10 +2,13 @@
 // (`comm::testing::ib`), for ranks that are threads of one process. RC
 // semantics as the transport relies on them: work requests of a queue pair take effect in
 // order; a write with immediate lands its bytes before the target's receive completion and
-// waits for a posted receive (an unlimited RNR retry); atomics are atomic; remote accesses
-// are checked against registered memory and its keys. Faults can be injected: a write that
-// completes with an error status (both ends of its connection go to error, as a real RC
-// connection does), a connection broken outright, and completions delayed by a fixed time.
+// waits for a posted receive (an unlimited RNR retry); atomics are atomic against each other
+// but, as on a real HCA, not against the CPU's atomics (the model reads the word, sleeps
+// 20 us, then writes it); remote accesses are checked against registered memory and
+// its keys. Faults can be injected: a write or an
+// atomic that completes with an error status (both ends of its connection go to error, as a
+// real RC connection does), a connection broken outright, and completions delayed by a fixed
+// time.
 //
 // The library's own conformance suite includes this file too (src/transport/conformance.rs),
 // which is why its notes are plain comments and it names the crate `comm` only in `use`s.
@@ -16,7 +19,6 @@
 use comm::error::{Error, ErrorKind, Result};
 use comm::testing::ib::*;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,9 @@ pub struct Faults {
     pub fail_write: Option<(u64, String)>,
     /// Every operation takes effect (and completes) this much later than it was posted.
     pub delay: Option<Duration>,
+    /// The n-th atomic (counted from 1 over the whole fabric) completes with `status`, and
+    /// its connection goes to error.
+    pub fail_atomic: Option<(u64, String)>,
 }
 
 struct Region {
@@ -60,6 +65,9 @@ struct State {
     writes: u64,
     /// Of those, plain writes (no immediate value).
     plain_writes: u64,
+    /// RDMA reads and atomics carried out (or failed) so far.
+    reads: u64,
+    atomics: u64,
     /// Delayed operations: when, on which queue pair, what.
     later: VecDeque<(Instant, u32, SendWr)>,
     faults: Faults,
@@ -83,6 +91,8 @@ impl Fabric {
                 next_key: 0x1000,
                 writes: 0,
                 plain_writes: 0,
+                reads: 0,
+                atomics: 0,
                 later: VecDeque::new(),
                 faults,
             }),
@@ -103,6 +113,16 @@ impl Fabric {
     /// Writes with data so far, over the whole fabric.
     pub fn writes(&self) -> u64 {
         self.state.lock().unwrap().writes
+    }
+
+    /// RDMA reads so far, over the whole fabric.
+    pub fn reads(&self) -> u64 {
+        self.state.lock().unwrap().reads
+    }
+
+    /// Atomics (fetch-add, compare-and-swap) so far, over the whole fabric.
+    pub fn atomics(&self) -> u64 {
+        self.state.lock().unwrap().atomics
     }
 
     /// Work requests posted but not yet carried out (with `delay`) whose local buffer
@@ -232,6 +252,21 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
             }
         }
     }
+    match wr.op {
+        Op::Read => st.reads += 1,
+        Op::FetchAdd(_) | Op::CompareSwap(..) => {
+            st.atomics += 1;
+            if let Some((n, status)) = st.faults.fail_atomic.clone() {
+                if st.atomics == n {
+                    complete(st, Some(status));
+                    let mut w = break_connection(st, qpn);
+                    w.push(qpn);
+                    return w;
+                }
+            }
+        }
+        _ => {}
+    }
     let len = match wr.op {
         Op::FetchAdd(_) | Op::CompareSwap(..) => 8,
         _ => u64::from(wr.local.len),
@@ -244,6 +279,19 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
         w.push(qpn);
         return w;
     }
+    // An atomic of the model is atomic against the others (the fabric's lock), not against
+    // the CPU: it reads the word, sleeps a little, and writes it back, so that a CPU
+    // atomic on the same word in between is lost, as it may be with a real HCA.
+    let atomic = |r: *mut u8, new: &dyn Fn(u64) -> u64| -> u64 {
+        // SAFETY: `r` is 8 bytes of registered memory (checked below before the call).
+        unsafe {
+            let p = r as *mut u64;
+            let old = std::ptr::read_volatile(p);
+            std::thread::sleep(Duration::from_micros(20));
+            std::ptr::write_volatile(p, new(old));
+            old
+        }
+    };
     // SAFETY: both ranges are registered memory of this process (checked above), which the
     // transport keeps alive while work requests are outstanding.
     unsafe {
@@ -252,18 +300,11 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
             Op::Write | Op::WriteImm(_) => std::ptr::copy(l, r, len as usize),
             Op::Read => std::ptr::copy(r, l, len as usize),
             Op::FetchAdd(add) => {
-                let old = AtomicU64::from_ptr(r as *mut u64).fetch_add(add, Ordering::SeqCst);
+                let old = atomic(r, &|v| v.wrapping_add(add));
                 (l as *mut u64).write_unaligned(old);
             }
             Op::CompareSwap(cmp, swap) => {
-                let old = match AtomicU64::from_ptr(r as *mut u64).compare_exchange(
-                    cmp,
-                    swap,
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                ) {
-                    Ok(v) | Err(v) => v,
-                };
+                let old = atomic(r, &|v| if v == cmp { swap } else { v });
                 (l as *mut u64).write_unaligned(old);
             }
         }

@@ -285,6 +285,11 @@ impl NetWorld {
             .transpose()
     }
 
+    /// The InfiniBand side, where the links use InfiniBand (windows reach peers with it).
+    pub(crate) fn ib(&self) -> Option<&ib::IbWorld> {
+        self.ib.as_ref()
+    }
+
     pub(crate) fn deregister(&self, id: u64) {
         if let Some(ib) = &self.ib {
             ib.deregister(id);

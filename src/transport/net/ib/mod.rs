@@ -12,6 +12,7 @@
 
 mod libverbs;
 mod link;
+pub(crate) mod onesided;
 pub(crate) mod verbs;
 
 use crate::bootstrap::Bootstrap;
@@ -83,6 +84,16 @@ impl IbWorld {
     pub(crate) fn deregister(&self, id: u64) {
         self.regs.deregister(id)
     }
+
+    /// Queue pairs for one-sided window operations to every rank (collective: every rank of
+    /// the communicator calls it). `on_imm` runs here when a peer's signal arrives.
+    pub(crate) fn one_sided(
+        &self,
+        boot: &Bootstrap,
+        on_imm: onesided::OnImm,
+    ) -> Result<onesided::OneSided> {
+        onesided::OneSided::connect(self.regs.clone(), boot, on_imm)
+    }
 }
 
 /// The user buffers registered with the device (ncclCommRegister), which the links send from
@@ -126,6 +137,15 @@ impl Registered {
 
     fn deregister(&self, id: u64) {
         self.regs.lock().retain(|r| r.id != id);
+    }
+
+    /// The remote key of registration `id`.
+    fn rkey(&self, id: u64) -> Option<u32> {
+        self.regs
+            .lock()
+            .iter()
+            .find(|r| r.id == id)
+            .map(|r| r.mr.rkey())
     }
 
     /// The local key of a registration that covers `len` bytes at `addr`, if one does.
