@@ -248,18 +248,8 @@ impl OneSided {
                 .then(|| self.regs.lkey(src as u64, len))
                 .flatten();
             if let Some(lkey) = direct {
-                let mut last = 0;
-                for at in (0..len).step_by(DIRECT_CHUNK) {
-                    let n = DIRECT_CHUNK.min(len - at);
-                    let local = Local {
-                        addr: src as u64 + at as u64,
-                        len: n as u32,
-                        lkey,
-                    };
-                    last = p.post(st, Op::Write, local, offset(to, at), deadline)?;
-                }
                 // The caller's buffer is read by the device until the writes complete.
-                return p.wait_for(st, last, deadline);
+                return p.in_place(st, Op::Write, (src as u64, lkey), len, to, deadline);
             }
             for at in (0..len).step_by(STAGE_BYTES) {
                 let n = STAGE_BYTES.min(len - at);
@@ -292,17 +282,7 @@ impl OneSided {
                 .then(|| self.regs.lkey(dst as u64, len))
                 .flatten();
             if let Some(lkey) = direct {
-                let mut last = 0;
-                for at in (0..len).step_by(DIRECT_CHUNK) {
-                    let n = DIRECT_CHUNK.min(len - at);
-                    let local = Local {
-                        addr: dst as u64 + at as u64,
-                        len: n as u32,
-                        lkey,
-                    };
-                    last = p.post(st, Op::Read, local, offset(from, at), deadline)?;
-                }
-                return p.wait_for(st, last, deadline);
+                return p.in_place(st, Op::Read, (dst as u64, lkey), len, from, deadline);
             }
             for at in (0..len).step_by(STAGE_BYTES) {
                 let n = STAGE_BYTES.min(len - at);
@@ -543,6 +523,30 @@ impl Peer {
     }
 
     /// Waits until work request `id` (and every one before it) completed.
+    /// `op` (a write or a read) between `len` bytes of registered memory at `local` (its
+    /// address and key) and `remote`, in pieces of DIRECT_CHUNK; returns once the last is
+    /// done, so the device no longer touches the local memory.
+    fn in_place(
+        &self,
+        st: &mut PeerState,
+        op: Op,
+        local: (u64, u32),
+        len: usize,
+        remote: Remote,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        let mut last = 0;
+        for at in (0..len).step_by(DIRECT_CHUNK) {
+            let piece = Local {
+                addr: local.0 + at as u64,
+                len: DIRECT_CHUNK.min(len - at) as u32,
+                lkey: local.1,
+            };
+            last = self.post(st, op, piece, offset(remote, at), deadline)?;
+        }
+        self.wait_for(st, last, deadline)
+    }
+
     fn wait_for(&self, st: &mut PeerState, id: u64, deadline: Option<Instant>) -> Result<()> {
         let mut polls = 0u32;
         loop {
