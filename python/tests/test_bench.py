@@ -52,6 +52,7 @@ def test_bench_symm_smoke():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     for row in ("| fused |", "| two-step |", "| peer get_buffer |", "| local torch tensor |"):
         assert row in out.stdout, out.stdout
+    assert "rank 1 summing that same buffer itself" in out.stdout, out.stdout
 
 
 @pytest.mark.skipif(
