@@ -1103,9 +1103,7 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
             Some(d) => {
                 // Announce the sleep, then look once more: a peer that published before it saw
                 // the announcement is caught by this pass, one that published after rings.
-                if let Some(cpu) = this_cpu() {
-                    d.set_running_on(cpu, Activity::Sleeping);
-                }
+                publish(execs, Activity::Sleeping);
                 let seen = d.prepare_sleep();
                 match pass_all(execs) {
                     Ok((false, false)) => {

@@ -122,7 +122,6 @@ pub(super) unsafe fn put_signal(
         };
         // SAFETY: as this function's.
         p.c.life() == Life::Active
-            && peer < p.c.nranks
             && unsafe { crate::window::put_signal_direct(&p.w, peer, off, src.cast(), len) }
     })
 }

@@ -1051,11 +1051,11 @@ pub(crate) unsafe fn put_signal_direct(
     let Some(p) = w.peers.get(peer) else {
         return false;
     };
-    let plain = w.device.is_none()
-        && w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0
+    // The full path's own checks (their messages are only built when one fails).
+    let plain = w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0
         && matches!(p.data, Reach::Direct(_))
-        && off.checked_add(len).is_some_and(|end| end <= p.len)
-        && matches!(crate::cuda::classify(src.cast()), MemKind::Host);
+        && check_range(p, off, len, peer).is_ok()
+        && check_local(src as usize, "localbuff", w, peer).is_ok();
     // For a part reached directly, put_checked fails only when the peer deregistered it,
     // which it finds before it writes anything.
     // SAFETY: as this function's.
