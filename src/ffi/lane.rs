@@ -14,7 +14,7 @@
 //! and the thread that did it drops its own at once. Only communicators without a GPU are kept
 //! (a kept reference must never hold back a device's teardown).
 
-use super::types::{ncclComm_t, ncclWaitSignalDesc_t, ncclWindow_t, RawDataType};
+use super::types::{ncclComm_t, ncclResult_t, ncclWaitSignalDesc_t, ncclWindow_t, RawDataType};
 use crate::comm::{Comm, Life};
 use crate::reduce::DataType;
 use crate::window::{CommWindows, Window};
@@ -127,11 +127,11 @@ pub(super) unsafe fn put_signal(
 }
 
 /// ncclWaitSignal the short way: None where the full path must take the call; otherwise the
-/// outcome of the wait, with the rank (for the report of an error).
+/// wait's return code (an error reported as the full path reports it).
 pub(super) fn wait_signal(
     comm: ncclComm_t,
     descs: &[ncclWaitSignalDesc_t],
-) -> Option<(crate::error::Result<()>, i32)> {
+) -> Option<ncclResult_t> {
     if descs.is_empty() || crate::group::in_group() {
         return None;
     }
@@ -166,8 +166,17 @@ pub(super) fn wait_signal(
         if !plain {
             return None;
         }
+        if let [d] = descs {
+            if crate::window::took_signals(cw, d.peer as usize, d.opCnt as u64) {
+                return Some(ncclResult_t::ncclSuccess);
+            }
+        }
         let descs = descs.iter().map(|d| (d.peer as usize, d.opCnt as u64));
-        let r = crate::window::wait_signals_on(&c.window_members(), cw, descs);
-        Some((r, c.rank as i32))
+        Some(
+            match crate::window::wait_signals_on(&c.window_members(), cw, descs) {
+                Ok(()) => ncclResult_t::ncclSuccess,
+                Err(e) => super::reported("ncclWaitSignal", comm, Err(e), c.rank as i32),
+            },
+        )
     })
 }

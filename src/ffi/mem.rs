@@ -432,8 +432,8 @@ pub unsafe extern "C" fn ncclWaitSignal(
             let descs = unsafe { input_slice(signalDescs, nDesc as usize, "signalDescs") }.ok()?;
             super::lane::wait_signal(comm, descs)
         });
-        if let Ok(Some((r, rank))) = short {
-            return super::reported("ncclWaitSignal", comm, r, rank);
+        if let Ok(Some(code)) = short {
+            return code;
         }
     }
     guard_comm("ncclWaitSignal", comm, |c| {

@@ -55,6 +55,7 @@ impl Ctl {
         })
     }
 
+    #[inline]
     fn word32(&self, off: usize) -> &AtomicU32 {
         debug_assert!(off + 4 <= self.map.len() && off % 4 == 0);
         // SAFETY: the offset is inside the mapping and 4-byte aligned (the mapping is page
@@ -62,6 +63,7 @@ impl Ctl {
         unsafe { &*(self.map.ptr().add(off) as *const AtomicU32) }
     }
 
+    #[inline]
     fn word64(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off + 8 <= self.map.len() && off % 8 == 0);
         // SAFETY: as in word32, with 8-byte alignment.
@@ -69,6 +71,7 @@ impl Ctl {
     }
 
     /// How many NCCL signals rank `from` has sent this rank.
+    #[inline]
     pub(crate) fn counter(&self, from: usize) -> &AtomicU64 {
         self.word64(COUNTERS + 8 * from)
     }
@@ -102,6 +105,7 @@ impl Ctl {
     /// The handle of the window registered in slot `slot` of this rank, 0 when none is: a peer
     /// checks it before reaching into the window, so that an operation into memory the target
     /// has deregistered (and perhaps freed and reused) is refused instead of corrupting it.
+    #[inline]
     pub(crate) fn live(&self, slot: usize) -> &AtomicU64 {
         self.word64(self.slot(slot) + SLOT_LIVE)
     }
@@ -167,6 +171,7 @@ impl Ctl {
     /// Wakes this rank's waiters after a signal or a pad changed.
     /// Callers changed the word a waiter looks at (SeqCst) first: a waiter that registered
     /// as a sleeper before that change is woken, one that registers after it sees the change.
+    #[inline]
     pub(crate) fn ring(&self) {
         if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
             self.word32(BELL).fetch_add(1, Ordering::SeqCst);

@@ -902,6 +902,7 @@ impl Window {
 /// on this host; across hosts the target's server refuses it). Deregistration is local, as in
 /// NCCL, so this catches a program that deregisters too early instead of letting a put land
 /// in memory the peer may have freed and reused.
+#[inline]
 fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()> {
     let p = &w.peers[peer];
     match &cw.ctls[peer] {
@@ -976,21 +977,9 @@ pub(crate) unsafe fn put_checked(
             }
             crate::cuda::copy_sync(dev, dst, src, len)?;
         }
-        Reach::Direct(base) => {
-            let dst = (base + off) as *mut u8;
-            // SAFETY: the destination lies inside the peer's registered window (checked by the
-            // caller), mapped here; the caller guarantees src holds len bytes. They may overlap
-            // when a rank puts into its own window (the word is read whole before it is
-            // written). One word, the common signal payload, without a call to memmove.
-            unsafe {
-                if len == 8 {
-                    dst.cast::<u64>()
-                        .write_unaligned(src.cast::<u64>().read_unaligned());
-                } else if len > 0 {
-                    std::ptr::copy(src, dst, len);
-                }
-            }
-        }
+        // SAFETY: the destination lies inside the peer's registered window (checked by the
+        // caller), mapped here; the caller guarantees src holds len bytes.
+        Reach::Direct(base) => unsafe { store_direct((base + off) as *mut u8, src, len) },
         Reach::Cma { pid, addr } => {
             if len > 0 {
                 // SAFETY: the caller guarantees src holds len bytes.
@@ -1051,22 +1040,54 @@ pub(crate) unsafe fn put_signal_direct(
     let Some(p) = w.peers.get(peer) else {
         return false;
     };
-    // The full path's own checks (their messages are only built when one fails).
+    let (&Reach::Direct(base), Some(ctl)) = (&p.data, &w.cw.ctls[peer]) else {
+        return false;
+    };
+    // The full path's own checks (their messages are only built when one fails), then what
+    // put_checked and signal_to do for such a part, without going through their matches.
     let plain = w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0
-        && matches!(p.data, Reach::Direct(_))
         && check_range(p, off, len, peer).is_ok()
-        && check_local(src as usize, "localbuff", w, peer).is_ok();
-    // For a part reached directly, put_checked fails only when the peer deregistered it,
-    // which it finds before it writes anything.
+        && check_local(src as usize, "localbuff", w, peer).is_ok()
+        && check_live(&w.cw, w, peer).is_ok();
+    if plain {
+        // SAFETY: inside the peer's part (checked), mapped here; src as this function's.
+        unsafe { store_direct((base + off) as *mut u8, src, len) };
+        signal_ctl(ctl, w.cw.rank);
+    }
+    plain
+}
+
+/// A put's bytes into a part mapped here. `src` and `dst` may overlap when a rank puts into its
+/// own window (a word is read whole before it is written). One word, the common signal
+/// payload, goes without a call to memmove.
+///
+/// # Safety
+/// `dst` valid for `len` bytes of writes, `src` for `len` bytes of reads.
+#[inline]
+unsafe fn store_direct(dst: *mut u8, src: *const u8, len: usize) {
     // SAFETY: as this function's.
-    plain && unsafe { put_checked(w, peer, off, src, len, true, None) }.is_ok()
+    unsafe {
+        if len == 8 {
+            dst.cast::<u64>()
+                .write_unaligned(src.cast::<u64>().read_unaligned());
+        } else if len > 0 {
+            std::ptr::copy(src, dst, len);
+        }
+    }
+}
+
+/// One NCCL signal from rank `from` to the rank whose control segment this is, seen after
+/// every store `from` made before it.
+#[inline]
+fn signal_ctl(ctl: &Ctl, from: usize) {
+    ctl.counter(from).fetch_add(1, Ordering::SeqCst);
+    ctl.ring();
 }
 
 fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
     match &cw.ctls[peer] {
         Some(ctl) => {
-            ctl.counter(cw.rank).fetch_add(1, Ordering::SeqCst);
-            ctl.ring();
+            signal_ctl(ctl, cw.rank);
             Ok(())
         }
         None if cw.rdma.is_some() => {
@@ -1384,6 +1405,10 @@ pub(crate) fn signal_pads(c: &Members, handle: usize, peer: i32) -> Result<(Opti
 /// Waits until `ready`, failing when `peer` is lost, the communicator aborted, or `deadline`
 /// passed. Spins briefly, then sleeps on this rank's bell. `ready` may consume what it finds
 /// (a signal-pad word), so the wait ends the first time it returns true.
+/// Looks at a signal word before a wait takes the slow way (`wait_until`).
+const QUICK_LOOKS: u32 = 256;
+
+#[inline(never)]
 fn wait_until(
     c: &Members,
     cw: &CommWindows,
@@ -1393,7 +1418,7 @@ fn wait_until(
     ready: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
     // A while without the clock: a signal that comes at once (a ping-pong) is seen sooner.
-    for _ in 0..256 {
+    for _ in 0..QUICK_LOOKS {
         if ready() {
             return Ok(());
         }
@@ -1483,6 +1508,9 @@ pub(crate) fn wait_signals_on(
     descs: impl IntoIterator<Item = (usize, u64)>,
 ) -> Result<()> {
     for (peer, n) in descs {
+        if took_signals(cw, peer, n) {
+            continue;
+        }
         let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
         let counter = cw.own().counter(peer);
         wait_until(
@@ -1498,9 +1526,33 @@ pub(crate) fn wait_signals_on(
             },
             &mut || counter.load(Ordering::Acquire) >= goal,
         )?;
-        cw.waited[peer].fetch_max(goal, Ordering::Relaxed);
+        consume_signals(cw, peer, goal);
     }
     Ok(())
+}
+
+/// The first look of a wait for `n` more signals from `peer` (`peer` in range): a short spin
+/// without the clock, in which a ping-pong's signal comes. True, having consumed them, when
+/// they arrived; false, having consumed nothing, when the wait must go the slow way.
+pub(crate) fn took_signals(cw: &CommWindows, peer: usize, n: u64) -> bool {
+    let goal = cw.waited[peer].load(Ordering::Relaxed) + n;
+    let counter = cw.own().counter(peer);
+    let arrived = (0..QUICK_LOOKS).any(|_| counter.load(Ordering::Acquire) >= goal);
+    if arrived {
+        consume_signals(cw, peer, goal);
+    }
+    arrived
+}
+
+/// Counts the signals from `peer` up to `goal` as consumed by waits.
+fn consume_signals(cw: &CommWindows, peer: usize, goal: u64) {
+    // Not fetch_max: a locked instruction on the ping-pong's path, while only a thread that
+    // waits on this communicator moves it (calls on one communicator are not made from
+    // several threads at once), and never backwards.
+    let waited = &cw.waited[peer];
+    if waited.load(Ordering::Relaxed) < goal {
+        waited.store(goal, Ordering::Relaxed);
+    }
 }
 
 fn channel_of(cw: &CommWindows, channel: i32) -> Result<usize> {
