@@ -17,7 +17,7 @@
 use super::types::{ncclComm_t, ncclResult_t, ncclWaitSignalDesc_t, ncclWindow_t, RawDataType};
 use crate::comm::{Comm, Life};
 use crate::reduce::DataType;
-use crate::window::{CommWindows, Window};
+use crate::window::{CommWindows, DirectPuts};
 use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,7 +30,7 @@ struct PutKept {
     comm: usize,
     win: usize,
     c: Arc<Comm>,
-    w: Arc<Window>,
+    w: DirectPuts,
 }
 
 struct WaitKept {
@@ -109,6 +109,7 @@ pub(super) unsafe fn put_signal(
             let Ok(w) = crate::window::lookup(&c.window_members(), win_id) else {
                 return false;
             };
+            let w = DirectPuts::new(w);
             k.put = Some(PutKept {
                 epoch,
                 comm: comm_id,
@@ -121,8 +122,7 @@ pub(super) unsafe fn put_signal(
             return false;
         };
         // SAFETY: as this function's.
-        p.c.life() == Life::Active
-            && unsafe { crate::window::put_signal_direct(&p.w, peer, off, src.cast(), len) }
+        p.c.life() == Life::Active && unsafe { p.w.put_signal(peer, off, src.cast(), len) }
     })
 }
 

@@ -1023,38 +1023,85 @@ pub(crate) unsafe fn put_checked(
     Ok(())
 }
 
-/// ncclPutSignal the short way (see `ffi::lane`): into a host-memory part of `w` that this
-/// process reaches with loads and stores, from a host buffer, with the window symmetric and
-/// the range inside it. Returns false, having done nothing, for anything else, and where the
-/// peer deregistered its part: the full path decides those, and reports.
-///
-/// # Safety
-/// As `put`: `src` must be valid for `len` bytes of reads.
-pub(crate) unsafe fn put_signal_direct(
-    w: &Window,
-    peer: usize,
-    off: usize,
-    src: *const u8,
+/// What ncclPutSignal's short way (see `ffi::lane`) needs of a window, worked out once: for
+/// each peer whose part is host memory this process maps, where it is, how long, the word
+/// that says it is still registered, and the control segment its signals count in. Puts from
+/// a host buffer into such a part, with the window symmetric and the range inside it, go the
+/// short way; anything else, and a part its rank deregistered, is left to the full path,
+/// which decides and reports.
+pub(crate) struct DirectPuts {
+    rank: usize,
+    peers: Vec<Option<DirectPeer>>,
+    /// Holds every mapping the pointers below point into.
+    _w: Arc<Window>,
+}
+
+struct DirectPeer {
+    base: *mut u8,
     len: usize,
-) -> bool {
-    let Some(p) = w.peers.get(peer) else {
-        return false;
-    };
-    let (&Reach::Direct(base), Some(ctl)) = (&p.data, &w.cw.ctls[peer]) else {
-        return false;
-    };
-    // The full path's own checks (their messages are only built when one fails), then what
-    // put_checked and signal_to do for such a part, without going through their matches.
-    let plain = w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0
-        && check_range(p, off, len, peer).is_ok()
-        && check_local(src as usize, "localbuff", w, peer).is_ok()
-        && check_live(&w.cw, w, peer).is_ok();
-    if plain {
-        // SAFETY: inside the peer's part (checked), mapped here; src as this function's.
-        unsafe { store_direct((base + off) as *mut u8, src, len) };
-        signal_ctl(ctl, w.cw.rank);
+    /// The peer's live word for this window and the handle it holds while the part is
+    /// registered (None for this rank's own part).
+    live: Option<(*const AtomicU64, u64)>,
+    ctl: *const Ctl,
+}
+
+impl DirectPuts {
+    pub(crate) fn new(w: Arc<Window>) -> DirectPuts {
+        let cw = &w.cw;
+        let symmetric = w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0;
+        let peers = (0..w.peers.len())
+            .map(|r| {
+                let p = &w.peers[r];
+                match (&p.data, &cw.ctls[r]) {
+                    (&Reach::Direct(base), Some(ctl)) if symmetric => Some(DirectPeer {
+                        base: base as *mut u8,
+                        len: p.len,
+                        live: (r != cw.rank).then(|| (ctl.live(p.slot) as *const _, p.handle)),
+                        ctl: &**ctl,
+                    }),
+                    _ => None,
+                }
+            })
+            .collect();
+        DirectPuts {
+            rank: cw.rank,
+            peers,
+            _w: w,
+        }
     }
-    plain
+
+    /// Puts `len` bytes from `src` at `off` of `peer`'s part and signals it: true once done;
+    /// false, having done nothing, where the full path must take the call.
+    ///
+    /// # Safety
+    /// As `put`: `src` must be valid for `len` bytes of reads.
+    pub(crate) unsafe fn put_signal(
+        &self,
+        peer: usize,
+        off: usize,
+        src: *const u8,
+        len: usize,
+    ) -> bool {
+        let Some(Some(d)) = self.peers.get(peer) else {
+            return false;
+        };
+        // The full path's checks: the range (check_range), a host source buffer for a host
+        // part (check_local), the part still registered (check_live).
+        // SAFETY (both derefs): the mappings are held by `_w`.
+        let plain = off.checked_add(len).is_some_and(|end| end <= d.len)
+            && !matches!(
+                crate::cuda::classify(src.cast()),
+                crate::cuda::MemKind::Device(_)
+            )
+            && d.live
+                .is_none_or(|(word, handle)| unsafe { &*word }.load(Ordering::Acquire) == handle);
+        if plain {
+            // SAFETY: inside the peer's part (checked), mapped here; src as this function's.
+            unsafe { store_direct(d.base.add(off), src, len) };
+            signal_ctl(unsafe { &*d.ctl }, self.rank);
+        }
+        plain
+    }
 }
 
 /// A put's bytes into a part mapped here. `src` and `dst` may overlap when a rank puts into its
