@@ -573,19 +573,11 @@ impl Comm {
             Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
             _ => tag(call.coll.kind(), seq),
         };
-        let shape = Shape {
-            rank: self.rank,
-            nranks: self.nranks,
-            elem: call.dtype.size(),
-            in_place: call.in_place,
-            slice_bytes,
-            ring: self.ring.clone(),
-            hosts: self.hosts.clone(),
-        };
+        let elem = call.dtype.size();
         let bytes = match &call.coll {
             Collective::AllReduce { count }
             | Collective::Broadcast { count, .. }
-            | Collective::Reduce { count, .. } => count * shape.elem,
+            | Collective::Reduce { count, .. } => count * elem,
             _ => 0,
         };
         let algo = if call.device {
@@ -595,7 +587,7 @@ impl Comm {
         };
         let key = ScheduleKey {
             coll: call.coll.clone(),
-            elem: shape.elem,
+            elem,
             in_place: call.in_place,
             slice_bytes,
             algo,
@@ -605,6 +597,17 @@ impl Comm {
         let schedule = match cached {
             Some(s) => s,
             None => {
+                // Made only here: its ring order and host layout are reference counted, and
+                // a call whose schedule is cached needs neither.
+                let shape = Shape {
+                    rank: self.rank,
+                    nranks: self.nranks,
+                    elem,
+                    in_place: call.in_place,
+                    slice_bytes,
+                    ring: self.ring.clone(),
+                    hosts: self.hosts.clone(),
+                };
                 let s = Arc::new(match call.coll {
                     Collective::Send { peer, count } if call.stage => {
                         algo::staged_send(peer, count * shape.elem, &shape)
