@@ -354,6 +354,8 @@ struct Opened {
     gid_index: c_int,
     roce: bool,
     mtu: u8,
+    /// Whether device memory can be registered through a dmabuf here, or why not.
+    dmabuf: std::result::Result<RegDmabufMr, String>,
     stop: AtomicBool,
 }
 
@@ -717,6 +719,48 @@ impl Device for HwDevice {
         }))
     }
 
+    fn dmabuf_support(&self) -> std::result::Result<(), String> {
+        self.dev
+            .dmabuf
+            .as_ref()
+            .map(|_| ())
+            .map_err(|why| why.clone())
+    }
+
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Arc<dyn Mr>> {
+        let reg = match &self.dev.dmabuf {
+            Ok(reg) => *reg,
+            Err(why) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidUsage,
+                    format!("{}: no dmabuf registration: {why}", self.name()),
+                ))
+            }
+        };
+        // SAFETY: a valid protection domain; the library checks the descriptor and range.
+        let mr = unsafe { reg(self.dev.pd, offset, len, iova, fd, ACCESS) };
+        if mr.is_null() {
+            return Err(Error::new(
+                ErrorKind::System,
+                format!(
+                    "ibv_reg_dmabuf_mr of {len} bytes at offset {offset} of dmabuf fd {fd} on {}: {}",
+                    self.dev.name,
+                    std::io::Error::last_os_error()
+                ),
+            ));
+        }
+        Ok(Arc::new(HwMr {
+            dev: self.dev.clone(),
+            mr,
+        }))
+    }
+
     fn create_qp(&self, depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>> {
         let d = &self.dev;
         let boxed = Box::into_raw(Box::new(Notify(notify)));
@@ -859,7 +903,7 @@ fn open_port(
     }
     let dmabuf = dmabuf_support(s, pd, name);
     match &dmabuf {
-        Ok(()) => crate::info!("{name}:{port}: GPUDirect RDMA through dmabuf is available"),
+        Ok(_) => crate::info!("{name}:{port}: GPUDirect RDMA through dmabuf is available"),
         Err(why) => {
             crate::info!("{name}:{port}: GPUDirect RDMA through dmabuf is unavailable: {why}")
         }
@@ -876,6 +920,7 @@ fn open_port(
         gid_index,
         roce,
         mtu,
+        dmabuf,
         stop: AtomicBool::new(false),
     })
 }
@@ -883,7 +928,7 @@ fn open_port(
 /// Whether `pd`'s device registers dmabufs, as NCCL finds out: a registration of no file
 /// fails with EBADF where the kernel and the driver support dmabuf, with EOPNOTSUPP or
 /// EPROTONOSUPPORT where they do not.
-fn dmabuf_support(s: &Syms, pd: P, name: &str) -> std::result::Result<(), String> {
+fn dmabuf_support(s: &Syms, pd: P, name: &str) -> std::result::Result<RegDmabufMr, String> {
     let reg = s.reg_dmabuf_mr.clone()?;
     // SAFETY: errno is this thread's; a valid protection domain and an invalid fd, which the
     // library rejects (a registration it made anyway is released at once).
@@ -902,7 +947,7 @@ fn dmabuf_support(s: &Syms, pd: P, name: &str) -> std::result::Result<(), String
             std::io::Error::from_raw_os_error(err)
         ));
     }
-    Ok(())
+    Ok(reg)
 }
 
 impl Provider for Library {
@@ -1107,9 +1152,7 @@ mod tests {
             eprintln!("skipped: no libibverbs.so.1");
             return;
         }
-        let missing = dmabuf_sym(h, c"IBVERBS_0.9")
-            .err()
-            .expect("no such version");
+        let missing = dmabuf_sym(h, c"IBVERBS_0.9").expect_err("no such version");
         assert!(
             missing.contains("ibv_reg_dmabuf_mr@IBVERBS_0.9") && missing.contains("v34"),
             "{missing}"

@@ -137,6 +137,20 @@ pub trait Device: Send + Sync {
     fn name(&self) -> String;
     /// Registers `len` bytes at `addr` for local access and remote write, read and atomics.
     fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn Mr>>;
+    /// Whether `register_dmabuf` can work on this device, or why it cannot (no
+    /// `ibv_reg_dmabuf_mr` in this rdma-core, or a kernel or driver without dmabuf support).
+    fn dmabuf_support(&self) -> std::result::Result<(), String>;
+    /// Registers `len` bytes from `offset` of the dmabuf `fd` (a GPU's memory exported by its
+    /// driver: GPUDirect RDMA, the HCA reaches the pages without the CPU) with the same
+    /// access as `register`. Work requests name those bytes by the addresses from `iova` on.
+    /// `fd` may be closed once this returns; the registration keeps the pages.
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Arc<dyn Mr>>;
     /// A queue pair with room for `depth` outstanding sends and receives; `notify` runs (on
     /// some other thread) when a completion arrives after `arm`.
     fn create_qp(&self, depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>>;
