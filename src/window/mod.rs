@@ -980,7 +980,8 @@ pub(crate) unsafe fn put(
 
 /// [`put`] on a window already looked up, with `peer` and the range checked. Into device
 /// memory with a `stream` (ncclPutSignal), the copy and then the signal are queued on it: the
-/// signal is counted once the copy is done. Otherwise the put is complete on return.
+/// signal is counted once the copy is done. Over RDMA from device memory with a `stream`, the
+/// put waits for the stream first. Otherwise the put is complete on return.
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads (until the stream reaches the copy, with one).
@@ -1037,6 +1038,23 @@ pub(crate) unsafe fn put_checked(
                 addr: (addr + off) as u64,
                 rkey,
             };
+            let from_device = stream.zip(match crate::cuda::classify(src.cast()) {
+                MemKind::Device(o) => Some(o),
+                MemKind::Host => None,
+            });
+            if let Some((s, o)) = from_device {
+                // A device-memory source (GPUDirect RDMA) written by work queued on the
+                // stream: the HCA reads it once that is done, the caller waiting meanwhile, as
+                // collectives on device buffers across hosts do.
+                if s.capturing() {
+                    return crate::invalid_usage!(
+                        "a put from device memory to rank {peer} on another host waits for its stream, which a CUDA graph capture cannot record; issue it outside the capture"
+                    );
+                }
+                let dev = Device::get(o)?;
+                let _bound = dev.bind()?;
+                s.synchronize()?;
+            }
             let lkey = gdr::local_key(&r.qps, src as usize, len, "localbuff")?;
             // SAFETY: the caller guarantees src holds len bytes.
             unsafe { r.qps.put(peer, src, len, to, lkey, cw.deadline()) }?;
