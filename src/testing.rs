@@ -6,6 +6,9 @@
 pub mod ib {
     pub use crate::transport::net::ib::set_provider;
     pub use crate::transport::net::ib::verbs::*;
+    /// Host memory that windows register with the InfiniBand device through a dmabuf, as
+    /// they do device memory (a memfd stands in for a GPU's export).
+    pub use crate::window::gdr::{forget_stand_in, stand_in};
 }
 
 /// The CUDA driver layer, for the device-memory suite.

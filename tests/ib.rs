@@ -6,7 +6,8 @@
 //!
 //! Windows over the model: with COMM_WIN_NET=1 every other rank's window part is reached as if
 //! on another host, so one-sided operations go over RDMA (reads, writes, atomics of the model)
-//! instead of loads and stores.
+//! instead of loads and stores. GPUDirect RDMA (dmabuf) runs the same way, with a memfd standing
+//! in for a GPU's dmabuf export (`ib::stand_in`), which the model maps as an HCA would.
 //!
 //! The tests set process-wide environment variables and the verbs provider, so they take a
 //! lock and run one at a time.
@@ -1043,4 +1044,323 @@ fn windows_put_into_a_deregistered_window_is_a_remote_error() {
             verdict
         },
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// GPUDirect RDMA: window memory and local buffers registered through a dmabuf. No GPU here:
+// a memfd stands in for a GPU's dmabuf export (`ib::stand_in`), and the model reaches its
+// pages through the descriptor, as an HCA reaches a GPU's.
+
+/// `len` bytes of a fresh memfd from `offset` on, mapped (whole) into this process, and
+/// declared to windows as memory reached through that dmabuf. Returns the bytes and the
+/// memfd, which has as many bytes again after them (zeros: what a registration at a wrong
+/// offset would reach, instead of the end of the file). Never unmapped: peers may still reach
+/// it when a rank fails a check.
+fn dmabuf_memory(offset: usize, len: usize) -> (&'static mut [u8], std::os::fd::OwnedFd) {
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd};
+    // SAFETY: a NUL-terminated name; the descriptor is owned below.
+    let fd = unsafe { libc::memfd_create(c"comm-dmabuf-stand-in".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a descriptor just made, owned from here.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let total = offset + 2 * len;
+    // SAFETY: resizing a memfd of ours.
+    assert_eq!(
+        unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) },
+        0
+    );
+    // SAFETY: a fresh shared mapping of the whole memfd; checked below.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            total,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(at, libc::MAP_FAILED, "mmap of the memfd");
+    // SAFETY: `len` bytes of the mapping from `offset` on, never unmapped.
+    let mem = unsafe { std::slice::from_raw_parts_mut((at as *mut u8).add(offset), len) };
+    ib::stand_in(mem.as_mut_ptr(), len, fd.as_fd(), offset as u64).expect("stand_in");
+    (mem, fd)
+}
+
+/// Ranks 1.. put into rank 0's window from a local buffer, get it back into another, and do
+/// fetch-adds and compare-and-swaps on it, all over RDMA, where every window part and every
+/// local buffer is memory registered through a dmabuf (at offsets that are not page aligned
+/// in their descriptors). Rank 0 stays out of the library meanwhile, then checks its window
+/// byte by byte; each other rank checks what it read back byte by byte. The model counts the
+/// work requests that went through dmabuf registrations, so the bytes really went that way.
+#[test]
+fn windows_rdma_on_dmabuf_memory() {
+    const SIZES: [usize; 5] = [0, 1, 7, 4099, 300_001];
+    const REGION: usize = 1 << 20;
+    const ADDS: u64 = 50;
+    let n = 3;
+    let fabric = Fabric::new(Faults::default());
+    let quiet = Meet::new(n);
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        n,
+        Duration::from_secs(120),
+        move |c, rank, n| {
+            let len = 64 + REGION * n;
+            let (mem, _fd) = dmabuf_memory(2 * 4096 + 64, len);
+            let mut win: ncclWindow_t = std::ptr::null_mut();
+            nccl!(ncclCommWindowRegister(
+                c,
+                mem.as_mut_ptr() as *mut c_void,
+                len,
+                &mut win,
+                SYM
+            ));
+            lib_barrier(c)?;
+            quiet.wait()?;
+            if rank != 0 {
+                // The destination of the gets and, after it, the source of the puts: one
+                // "allocation", first used away from its start.
+                let (local, _lfd) = dmabuf_memory(4096 + 128, 2 * REGION);
+                let (back, src) = local.split_at_mut(REGION);
+                for (i, b) in src.iter_mut().enumerate() {
+                    *b = pattern(rank, i);
+                }
+                let base = 64 + REGION * rank;
+                let mut at = base;
+                for &len in &SIZES {
+                    nccl!(commWinPut(
+                        src.as_ptr() as *const c_void,
+                        len,
+                        UINT8,
+                        0,
+                        win,
+                        at,
+                        c
+                    ));
+                    at += len;
+                }
+                nccl!(commWinFlush(0, win, c));
+                nccl!(commWinGet(
+                    back.as_mut_ptr() as *mut c_void,
+                    at - base,
+                    UINT8,
+                    0,
+                    win,
+                    base,
+                    c
+                ));
+                let mut off = 0;
+                for &len in &SIZES {
+                    for i in 0..len {
+                        if back[off + i] != src[i] {
+                            return Err(format!(
+                                "the put of {len} bytes read back wrong at byte {i}: {} instead of {}",
+                                back[off + i],
+                                src[i]
+                            ));
+                        }
+                    }
+                    off += len;
+                }
+                for _ in 0..ADDS {
+                    nccl!(commWinFetchAdd(
+                        1,
+                        std::ptr::null_mut(),
+                        UINT64,
+                        0,
+                        win,
+                        0,
+                        c
+                    ));
+                }
+                // This rank's word: 0 -> rank, then a swap that must not happen.
+                let me = rank as u64;
+                let mut old = u64::MAX;
+                nccl!(commWinCompareSwap(
+                    0,
+                    me,
+                    &mut old,
+                    UINT64,
+                    0,
+                    win,
+                    8 * rank,
+                    c
+                ));
+                if old != 0 {
+                    return Err(format!("the first compare-and-swap found {old}, not 0"));
+                }
+                nccl!(commWinCompareSwap(
+                    0,
+                    99,
+                    &mut old,
+                    UINT64,
+                    0,
+                    win,
+                    8 * rank,
+                    c
+                ));
+                if old != me {
+                    return Err(format!("the second compare-and-swap found {old}, not {me}"));
+                }
+                ib::forget_stand_in(local.as_mut_ptr());
+            }
+            quiet.wait()?;
+            lib_barrier(c)?;
+            let verdict = (|| -> Result<(), String> {
+                if rank != 0 {
+                    return Ok(());
+                }
+                let want = ADDS * (n as u64 - 1);
+                if word(mem, 0) != want {
+                    return Err(format!("the counter is {}, expected {want}", word(mem, 0)));
+                }
+                for r in 1..n {
+                    if word(mem, 8 * r) != r as u64 {
+                        return Err(format!(
+                            "rank {r}'s compare-and-swap word is {}, expected {r}",
+                            word(mem, 8 * r)
+                        ));
+                    }
+                    let mut at = 64 + REGION * r;
+                    for &l in &SIZES {
+                        for i in 0..l {
+                            if mem[at + i] != pattern(r, i) {
+                                return Err(format!(
+                                    "rank {r}'s put of {l} bytes: byte {i} is {}, expected {}",
+                                    mem[at + i],
+                                    pattern(r, i)
+                                ));
+                            }
+                        }
+                        at += l;
+                    }
+                }
+                Ok(())
+            })();
+            lib_barrier(c)?;
+            nccl!(ncclCommWindowDeregister(c, win));
+            ib::forget_stand_in(mem.as_mut_ptr());
+            verdict
+        },
+    );
+    // Per putting rank: 4 puts (the empty one posts nothing), 1 get, the adds, 2 CASes, all
+    // into dmabuf memory; the puts and the get also from or to dmabuf memory.
+    let (remote, local) = fabric.dmabuf_ops();
+    let others = n as u64 - 1;
+    assert!(
+        remote >= (4 + 1 + ADDS + 2) * others,
+        "only {remote} work requests reached window memory through dmabuf registrations"
+    );
+    assert!(
+        local >= (4 + 1) * others,
+        "only {local} work requests used a local buffer through a dmabuf registration"
+    );
+    assert_eq!(
+        fabric.dmabuf_regions(),
+        0,
+        "dmabuf registrations outlived their windows and communicators"
+    );
+}
+
+/// Where the device has no dmabuf registration, a window part that needs one is refused with
+/// the reason and what to do, and so is a put from a local buffer that needs one; the
+/// communicator keeps working: a window on host memory, its puts and gets, collectives.
+#[test]
+fn windows_without_dmabuf_refuse_device_memory() {
+    let fabric = Fabric::new(Faults {
+        no_dmabuf: true,
+        ..Faults::default()
+    });
+    with_rdma_windows(
+        fabric.clone(),
+        "ib",
+        2,
+        Duration::from_secs(60),
+        |c, rank, _| {
+            let expect = |what: &str, r: ncclResult_t, wanted: &[&str]| -> Result<(), String> {
+                let msg = last_error();
+                if r != ncclResult_t::ncclInvalidUsage {
+                    return Err(format!(
+                        "{what} returned {r:?} ({msg}), not ncclInvalidUsage"
+                    ));
+                }
+                for w in wanted {
+                    if !msg.contains(w) {
+                        return Err(format!("{what}: the message does not say {w:?}: {msg}"));
+                    }
+                }
+                Ok(())
+            };
+            let (mem, _fd) = dmabuf_memory(64, 4096);
+            let mut win: ncclWindow_t = std::ptr::null_mut();
+            // SAFETY: valid arguments; the call fails.
+            let r = unsafe {
+                ncclCommWindowRegister(c, mem.as_mut_ptr() as *mut c_void, 4096, &mut win, SYM)
+            };
+            expect(
+                "registering a window part that needs dmabuf",
+                r,
+                &[
+                    "cannot register device memory for GPUDirect RDMA",
+                    "the model's device has no dmabuf registration",
+                    "register host memory for windows across hosts",
+                ],
+            )?;
+            ib::forget_stand_in(mem.as_mut_ptr());
+            lib_barrier(c)?;
+            let (host, hwin) = rdma_window(c, 4096)?;
+            lib_barrier(c)?;
+            let peer = 1 - rank as i32;
+            let (local, _lfd) = dmabuf_memory(64, 4096);
+            // SAFETY: valid arguments; the call fails.
+            let r =
+                unsafe { commWinPut(local.as_ptr() as *const c_void, 64, UINT8, peer, hwin, 0, c) };
+            expect(
+                "a put from a local buffer that needs dmabuf",
+                r,
+                &[
+                    "localbuff is memory the HCA reaches through a dmabuf",
+                    "the model's device has no dmabuf registration",
+                ],
+            )?;
+            ib::forget_stand_in(local.as_mut_ptr());
+            let src: Vec<u8> = (0..4096).map(|i| pattern(rank, i)).collect();
+            nccl!(commWinPut(
+                src.as_ptr() as *const c_void,
+                src.len(),
+                UINT8,
+                peer,
+                hwin,
+                0,
+                c
+            ));
+            nccl!(commWinFlush(peer, hwin, c));
+            let mut back = vec![0u8; 4096];
+            nccl!(commWinGet(
+                back.as_mut_ptr() as *mut c_void,
+                back.len(),
+                UINT8,
+                peer,
+                hwin,
+                0,
+                c
+            ));
+            if let Some(i) = (0..4096).find(|&i| back[i] != src[i]) {
+                return Err(format!("byte {i} read back wrong after the refusals"));
+            }
+            lib_barrier(c)?;
+            let theirs = 1 - rank;
+            if let Some(i) = (0..4096).find(|&i| host[i] != pattern(theirs, i)) {
+                return Err(format!(
+                    "byte {i} of this rank's window is not rank {theirs}'s"
+                ));
+            }
+            lib_barrier(c)?;
+            nccl!(ncclCommWindowDeregister(c, hwin));
+            Ok(())
+        },
+    );
+    assert_eq!(fabric.dmabuf_ops(), (0, 0));
 }

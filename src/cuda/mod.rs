@@ -5,6 +5,7 @@
 //! cudarc panics when it cannot load libcuda; every path here first checks that the library is
 //! present, so a process without CUDA simply sees "no devices" and stays on host memory.
 
+pub(crate) mod dmabuf;
 pub(crate) mod kernels;
 pub(crate) mod share;
 

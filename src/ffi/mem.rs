@@ -375,10 +375,14 @@ pub unsafe extern "C" fn ncclPutSignal(
             bytes,
         )?;
         window::check_local(localbuff as usize, "localbuff", &w, peer)?;
-        // Into device memory the copy and its signal are queued on the stream, as in NCCL.
-        let on = w
-            .is_device(peer)
-            .then_some(crate::cuda::Stream(stream as *mut c_void));
+        // Into device memory the copy and its signal are queued on the stream, as in NCCL;
+        // from device memory over RDMA the put waits for the stream.
+        let on = (w.is_device(peer)
+            || matches!(
+                crate::cuda::classify(localbuff),
+                crate::cuda::MemKind::Device(_)
+            ))
+        .then_some(crate::cuda::Stream(stream as *mut c_void));
         if w.flags & NCCL_WIN_COLL_SYMMETRIC == 0 {
             return crate::invalid_arg!(
                 "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"

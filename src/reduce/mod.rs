@@ -7,8 +7,9 @@
 
 mod kernels;
 
-// The float8 conversions, for the device kernels' test that checks against them.
-#[cfg(test)]
+// The float8 conversions, for the device kernels' test that checks against them (built only
+// where nvcc compiled the kernels).
+#[cfg(all(test, comm_kernels))]
 pub(crate) use kernels::{f32_to_fp8e4m3, f32_to_fp8e5m2};
 
 /// The twelve NCCL datatypes, numbered as in `ncclDataType_t`.

@@ -10,7 +10,8 @@
 //!   `process_vm_writev` / `readv`, and atomics under a lock in the target's control segment;
 //! - **rdma**: a rank on another host, where the communicator's network transport is
 //!   InfiniBand: RDMA writes, reads and verbs atomics on queue pairs of the windows' own
-//!   (`transport::net::ib::onesided`);
+//!   (`transport::net::ib::onesided`). Device memory there, window parts and local buffers
+//!   alike, is registered through a dmabuf (GPUDirect RDMA, [`gdr`]) or refused, saying why;
 //! - **net**: a rank on another host otherwise: active messages over TCP, applied by a thread
 //!   of the target ([`remote`]).
 //!
@@ -31,6 +32,7 @@
 
 mod ctl;
 mod fds;
+pub(crate) mod gdr;
 mod remote;
 pub(crate) mod shared;
 
@@ -41,7 +43,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
 use crate::topo::Placement;
 use crate::transport::net::ib::onesided::{self, Exposed, OneSided};
-use crate::transport::net::ib::verbs::Remote;
+use crate::transport::net::ib::verbs::{Remote, Source};
 use crate::transport::net::ib::IbWorld;
 use crate::transport::os::{self, Mapping};
 use crate::transport::Link;
@@ -277,7 +279,7 @@ fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
             }),
         )?;
         let (base, len) = own.region();
-        let exposed = qps.expose(base, len, false)?;
+        let exposed = qps.expose(Source::Host(base), len, false)?;
         wire::put_u64(&mut mine, base as u64);
         wire::put_u32(&mut mine, exposed.rkey);
         rdma = Some((qps, exposed));
@@ -429,12 +431,24 @@ pub(crate) fn register(
     let n = c.nranks;
     let slot = cw.take_slot();
     let shared = shared::find(buff, size);
-    // Where peers reach windows by RDMA: this rank's part registered with the device.
-    let exposed = cw
-        .rdma
-        .as_ref()
-        .map(|r| r.qps.expose(buff as *mut u8, size, true))
-        .transpose();
+    // Where peers reach windows by RDMA: this rank's part registered with the device, through
+    // a dmabuf where it is device memory (the descriptor is closed once registered).
+    let exposed = match (&cw.rdma, &exported) {
+        (Some(r), _) => Some(gdr::PartSource::of(buff, size).and_then(|part| {
+            r.qps.expose(part.source(), size, true).map_err(|e| {
+                if part.is_device() {
+                    e.context("GPUDirect RDMA of this rank's device-memory window part (ranks on other hosts reach it only that way; register host memory for windows across hosts where it is unavailable)")
+                } else {
+                    e
+                }
+            })
+        }))
+        .transpose(),
+        (None, Some(_)) if c.paths.contains(&Path::Network) => {
+            Err(Error::new(ErrorKind::InvalidUsage, ACROSS_HOSTS_NEEDS_IB))
+        }
+        (None, _) => Ok(None),
+    };
     let rkey = exposed
         .as_ref()
         .ok()
@@ -585,16 +599,27 @@ pub(crate) fn register(
         let mut peers = Vec::with_capacity(n);
         for (r, i) in infos.iter().enumerate() {
             if let Some((how, ipc, alloc_len, off)) = &i.dev {
-                let (data, keep) =
-                    device_reach(c, r, i.addr, *how, ipc, *alloc_len, *off, &mut dev_fds[r])?;
+                let rkey = rdma.then_some(i.rkey);
+                let (data, keep) = device_reach(
+                    c,
+                    r,
+                    i.addr,
+                    *how,
+                    ipc,
+                    *alloc_len,
+                    *off,
+                    &mut dev_fds[r],
+                    rkey,
+                )?;
                 peers.push(PeerWin {
                     len: i.len,
                     addr: i.addr,
                     slot: i.slot as usize,
                     handle: i.handle,
-                    // Atomics on device memory are a read and a write by the driver.
+                    // Atomics on device memory are a read and a write by the driver, or
+                    // verbs atomics of the target's HCA where windows use RDMA.
                     locked: true,
-                    rkey: None,
+                    rkey,
                     data,
                     _keep: keep,
                 });
@@ -706,6 +731,9 @@ pub(crate) fn register(
     Ok(handle)
 }
 
+/// Why a device-memory window part cannot be reached from other hosts without InfiniBand.
+const ACROSS_HOSTS_NEEDS_IB: &str = "this communicator has ranks on other hosts, which reach a device-memory window part only by GPUDirect RDMA over InfiniBand, and its network transport is not InfiniBand (COMM_NET / NCCL_NET, NCCL_IB_DISABLE, or a rank without an RDMA device): register host memory for windows across hosts, or run over InfiniBand";
+
 const DEV_NONE: u32 = 0;
 /// Device memory without a handle another process can map (VMM memory not from ncclMemAlloc).
 const DEV_UNSHARED: u32 = 1;
@@ -729,15 +757,14 @@ fn device_part(c: &Members, buff: usize) -> Result<Option<share::Exported>> {
             dev.ordinal
         );
     }
-    if c.paths.contains(&Path::Network) {
-        return crate::invalid_usage!(
-            "device-memory windows across hosts are not supported yet (this communicator has ranks on other hosts); windows on host memory work across hosts"
-        );
+    if c.paths.contains(&Path::Network) && c.ib.is_none() {
+        return crate::invalid_usage!("{}", ACROSS_HOSTS_NEEDS_IB);
     }
     share::export(dev, buff as u64).map(Some)
 }
 
-/// How this rank reaches rank `r`'s device-memory part at `addr` (in r's process).
+/// How this rank reaches rank `r`'s device-memory part at `addr` (in r's process); `rkey`
+/// where windows use RDMA (the part was registered through a dmabuf).
 #[allow(clippy::too_many_arguments)]
 fn device_reach(
     c: &Members,
@@ -748,7 +775,17 @@ fn device_reach(
     alloc_len: usize,
     off: usize,
     fd: &mut Option<std::os::fd::OwnedFd>,
+    rkey: Option<u32>,
 ) -> Result<(Reach, Keep)> {
+    // GPUDirect RDMA: its part was registered through a dmabuf; no GPU of this rank involved.
+    if c.paths[r] == Path::Network {
+        return match rkey {
+            Some(rkey) => Ok((Reach::Rdma { addr, rkey }, Keep::Nothing)),
+            None => crate::invalid_usage!(
+                "rank {r}'s window part is device memory on another host, and windows of this communicator do not use RDMA: {ACROSS_HOSTS_NEEDS_IB}"
+            ),
+        };
+    }
     let Some(dev) = &c.device else {
         return crate::invalid_usage!(
             "rank {r}'s window part is device memory, but this rank's communicator has no device path"
@@ -757,11 +794,7 @@ fn device_reach(
     let imported = match c.paths[r] {
         // A thread of this process (or this rank): the address is valid here.
         Path::SelfRank | Path::SameProcess => return Ok((Reach::Device(addr), Keep::Nothing)),
-        Path::Network => {
-            return crate::invalid_usage!(
-                "rank {r}'s window part is device memory on another host; device-memory windows across hosts are not supported yet"
-            )
-        }
+        Path::Network => return crate::internal_err!("a network peer's device part handled above"),
         Path::SameHost => match (how, fd.take()) {
             (DEV_IPC, _) => share::import_ipc(dev, ipc)?,
             (DEV_FD, Some(fd)) => share::import_fd(dev, &fd, alloc_len)?,
@@ -871,10 +904,10 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
 }
 
 /// A local buffer in device memory goes only with a window part in device memory (the copy
-/// is the GPU's); host buffers go with either.
+/// is the GPU's) or one reached by RDMA (GPUDirect); host buffers go with either.
 pub(crate) fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
     if let MemKind::Device(d) = crate::cuda::classify(buf as *const std::ffi::c_void) {
-        if !w.is_device(peer) {
+        if !w.is_device(peer) && !matches!(w.peers[peer].data, Reach::Rdma { .. }) {
             return crate::invalid_usage!(
                 "{name} is memory of GPU {d}, but rank {peer}'s part of the window is host memory: use a host buffer, or register the window on device memory"
             );
@@ -948,7 +981,8 @@ pub(crate) unsafe fn put(
 
 /// [`put`] on a window already looked up, with `peer` and the range checked. Into device
 /// memory with a `stream` (ncclPutSignal), the copy and then the signal are queued on it: the
-/// signal is counted once the copy is done. Otherwise the put is complete on return.
+/// signal is counted once the copy is done. Over RDMA from device memory with a `stream`, the
+/// put waits for the stream first. Otherwise the put is complete on return.
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads (until the stream reaches the copy, with one).
@@ -993,8 +1027,26 @@ pub(crate) unsafe fn put_checked(
                 addr: (addr + off) as u64,
                 rkey,
             };
+            let from_device = stream.zip(match crate::cuda::classify(src.cast()) {
+                MemKind::Device(o) => Some(o),
+                MemKind::Host => None,
+            });
+            if let Some((s, o)) = from_device {
+                // A device-memory source (GPUDirect RDMA) written by work queued on the
+                // stream: the HCA reads it once that is done, the caller waiting meanwhile, as
+                // collectives on device buffers across hosts do.
+                if s.capturing() {
+                    return crate::invalid_usage!(
+                        "a put from device memory to rank {peer} on another host waits for its stream, which a CUDA graph capture cannot record; issue it outside the capture"
+                    );
+                }
+                let dev = Device::get(o)?;
+                let _bound = dev.bind()?;
+                s.synchronize()?;
+            }
+            let lkey = gdr::local_key(&r.qps, src as usize, len, "localbuff")?;
             // SAFETY: the caller guarantees src holds len bytes.
-            unsafe { r.qps.put(peer, src, len, to, cw.deadline()) }?;
+            unsafe { r.qps.put(peer, src, len, to, lkey, cw.deadline()) }?;
             if signal {
                 // On the same queue pair: counted at the target after the data landed.
                 r.qps
@@ -1211,12 +1263,10 @@ pub(crate) unsafe fn get(
                 addr: (addr + off) as u64,
                 rkey,
             };
+            let r = w.cw.rdma(peer)?;
+            let lkey = gdr::local_key(&r.qps, dst as usize, len, "localbuff")?;
             // SAFETY: the caller guarantees dst holds len bytes.
-            unsafe {
-                w.cw.rdma(peer)?
-                    .qps
-                    .get(peer, dst, len, from, w.cw.deadline())
-            }?;
+            unsafe { r.qps.get(peer, dst, len, from, lkey, w.cw.deadline()) }?;
         }
         Reach::Net { id } => {
             let cw = w.cw.clone();

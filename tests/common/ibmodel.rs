@@ -5,7 +5,10 @@
 // waits for a posted receive (an unlimited RNR retry); atomics are atomic against each other
 // but, as on a real HCA, not against the CPU's atomics (the model reads the word, sleeps
 // 20 us, then writes it); remote accesses are checked against registered memory and
-// its keys. Faults can be injected: a write or an
+// its keys. Memory registered through a dmabuf (GPUDirect RDMA; tests pass a memfd as the
+// stand-in for a GPU's export) is mapped by the model from the descriptor, so that work
+// requests naming its iova reach the descriptor's pages, not whatever the iova is in this
+// process; a flag makes the device lack dmabuf support. Faults can be injected: a write or an
 // atomic that completes with an error status (both ends of its connection go to error, as a
 // real RC connection does), a connection broken outright, and completions delayed by a fixed
 // time.
@@ -33,12 +36,18 @@ pub struct Faults {
     /// The n-th atomic (counted from 1 over the whole fabric) completes with `status`, and
     /// its connection goes to error.
     pub fail_atomic: Option<(u64, String)>,
+    /// The device has no dmabuf registration (as with an rdma-core older than v34).
+    pub no_dmabuf: bool,
 }
 
 struct Region {
     addr: u64,
     len: u64,
     key: u32,
+    /// Where `addr` is in this process: the same for host memory, the model's own mapping of
+    /// the descriptor for a dmabuf.
+    host: u64,
+    dmabuf: bool,
 }
 
 struct QpState {
@@ -68,6 +77,10 @@ struct State {
     /// RDMA reads and atomics carried out (or failed) so far.
     reads: u64,
     atomics: u64,
+    /// Work requests whose remote memory, and whose local memory, was registered through a
+    /// dmabuf.
+    dmabuf_remote: u64,
+    dmabuf_local: u64,
     /// Delayed operations: when, on which queue pair, what.
     later: VecDeque<(Instant, u32, SendWr)>,
     faults: Faults,
@@ -93,6 +106,8 @@ impl Fabric {
                 plain_writes: 0,
                 reads: 0,
                 atomics: 0,
+                dmabuf_remote: 0,
+                dmabuf_local: 0,
                 later: VecDeque::new(),
                 faults,
             }),
@@ -123,6 +138,24 @@ impl Fabric {
     /// Atomics (fetch-add, compare-and-swap) so far, over the whole fabric.
     pub fn atomics(&self) -> u64 {
         self.state.lock().unwrap().atomics
+    }
+
+    /// Work requests carried out whose remote memory, and those whose local memory, was
+    /// registered through a dmabuf, over the whole fabric.
+    pub fn dmabuf_ops(&self) -> (u64, u64) {
+        let st = self.state.lock().unwrap();
+        (st.dmabuf_remote, st.dmabuf_local)
+    }
+
+    /// Registrations through a dmabuf alive now.
+    pub fn dmabuf_regions(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap()
+            .regions
+            .iter()
+            .filter(|r| r.dmabuf)
+            .count()
     }
 
     /// Work requests posted but not yet carried out (with `delay`) whose local buffer
@@ -201,13 +234,17 @@ fn break_connection(st: &mut State, qpn: u32) -> Vec<u32> {
     woken
 }
 
-fn covered(st: &State, addr: u64, len: u64, key: u32, local: bool) -> bool {
+/// Where `len` bytes at `addr` registered with `key` are in this process, and whether through
+/// a dmabuf; None where no registration covers them.
+fn translate(st: &State, addr: u64, len: u64, key: u32, local: bool) -> Option<(u64, bool)> {
     // A zero-byte local buffer needs no key; a remote one still names a registered region.
-    (local && len == 0)
-        || st
-            .regions
-            .iter()
-            .any(|r| r.key == key && addr >= r.addr && addr + len <= r.addr + r.len)
+    if local && len == 0 {
+        return Some((addr, false));
+    }
+    st.regions
+        .iter()
+        .find(|r| r.key == key && addr >= r.addr && addr + len <= r.addr + r.len)
+        .map(|r| (r.host + (addr - r.addr), r.dmabuf))
 }
 
 /// Carries out one work request of `qpn`; returns the queue pairs to wake.
@@ -271,14 +308,17 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
         Op::FetchAdd(_) | Op::CompareSwap(..) => 8,
         _ => u64::from(wr.local.len),
     };
-    if !covered(st, wr.remote.addr, len, wr.remote.rkey, false)
-        || !covered(st, wr.local.addr, len, wr.local.lkey, true)
-    {
+    let (Some((r, r_dmabuf)), Some((l, l_dmabuf))) = (
+        translate(st, wr.remote.addr, len, wr.remote.rkey, false),
+        translate(st, wr.local.addr, len, wr.local.lkey, true),
+    ) else {
         complete(st, Some("remote access error (10)".into()));
         let mut w = break_connection(st, qpn);
         w.push(qpn);
         return w;
-    }
+    };
+    st.dmabuf_remote += u64::from(r_dmabuf);
+    st.dmabuf_local += u64::from(l_dmabuf);
     // An atomic of the model is atomic against the others (the fabric's lock), not against
     // the CPU: it reads the word, sleeps a little, and writes it back, so that a CPU
     // atomic on the same word in between is lost, as it may be with a real HCA.
@@ -292,10 +332,10 @@ fn apply(st: &mut State, qpn: u32, wr: &SendWr) -> Vec<u32> {
             old
         }
     };
-    // SAFETY: both ranges are registered memory of this process (checked above), which the
-    // transport keeps alive while work requests are outstanding.
+    // SAFETY: both ranges are registered memory of this process (translated above), which
+    // the transport keeps alive while work requests are outstanding.
     unsafe {
-        let (l, r) = (wr.local.addr as *mut u8, wr.remote.addr as *mut u8);
+        let (l, r) = (l as *mut u8, r as *mut u8);
         match wr.op {
             Op::Write | Op::WriteImm(_) => std::ptr::copy(l, r, len as usize),
             Op::Read => std::ptr::copy(r, l, len as usize),
@@ -414,6 +454,8 @@ impl Drop for ModelQp {
 struct ModelMr {
     key: u32,
     fabric: Arc<Fabric>,
+    /// The model's mapping of a dmabuf (address, length), unmapped with the registration.
+    map: Option<(usize, usize)>,
 }
 
 impl Mr for ModelMr {
@@ -430,6 +472,10 @@ impl Drop for ModelMr {
     fn drop(&mut self) {
         let mut st = self.fabric.state.lock().unwrap();
         st.regions.retain(|r| r.key != self.key);
+        if let Some((at, len)) = self.map {
+            // SAFETY: mapped by register_dmabuf, no region names it any more.
+            unsafe { libc::munmap(at as *mut libc::c_void, len) };
+        }
     }
 }
 
@@ -450,10 +496,73 @@ impl Device for ModelDevice {
             addr: addr as u64,
             len: len as u64,
             key,
+            host: addr as u64,
+            dmabuf: false,
         });
         Ok(Arc::new(ModelMr {
             key,
             fabric: self.fabric.clone(),
+            map: None,
+        }))
+    }
+
+    fn dmabuf_support(&self) -> std::result::Result<(), String> {
+        if self.fabric.state.lock().unwrap().faults.no_dmabuf {
+            return Err("the model's device has no dmabuf registration".into());
+        }
+        Ok(())
+    }
+
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Arc<dyn Mr>> {
+        if let Err(why) = self.dmabuf_support() {
+            return Err(Error::new(ErrorKind::InvalidUsage, why));
+        }
+        // The pages of the descriptor, as an HCA reaches them: mapped from the page that
+        // holds `offset`.
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+        let start = offset / page * page;
+        let map_len = (offset - start) as usize + len.max(1);
+        // SAFETY: a fresh shared mapping of the caller's descriptor; checked below.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                start as libc::off_t,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(Error::new(
+                ErrorKind::System,
+                format!(
+                    "the model could not map dmabuf fd {fd} at {offset}: {}",
+                    std::io::Error::last_os_error()
+                ),
+            ));
+        }
+        let mut st = self.fabric.state.lock().unwrap();
+        st.next_key += 1;
+        let key = st.next_key;
+        st.regions.push(Region {
+            addr: iova,
+            len: len as u64,
+            key,
+            host: at as u64 + (offset - start),
+            dmabuf: true,
+        });
+        Ok(Arc::new(ModelMr {
+            key,
+            fabric: self.fabric.clone(),
+            map: Some((at as usize, map_len)),
         }))
     }
 

@@ -6,6 +6,10 @@
 //! `poll_cq` and `req_notify_cq` are inline functions there, called here the same way, through
 //! the context's operation table.
 //!
+//! `ibv_reg_dmabuf_mr` (GPUDirect RDMA through a dmabuf, `IBVERBS_1.12`, rdma-core v34 and
+//! later) is looked up on its own: where it is missing the library loads all the same and
+//! device memory is simply not registered with the HCA (an INFO line says so).
+//!
 //! **Not run on RDMA hardware**: no machine this was written on had a device. See the README
 //! for what a first run on a fabric must check.
 //!
@@ -49,7 +53,11 @@ struct Syms {
     get_cq_event: unsafe extern "C" fn(P, *mut P, *mut P) -> c_int,
     ack_cq_events: unsafe extern "C" fn(P, c_uint),
     wc_status_str: unsafe extern "C" fn(c_int) -> *const c_char,
+    /// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)`, or why there is none.
+    reg_dmabuf_mr: std::result::Result<RegDmabufMr, String>,
 }
+
+type RegDmabufMr = unsafe extern "C" fn(P, u64, usize, u64, c_int, c_int) -> P;
 
 // SAFETY: plain function pointers into a library that stays loaded.
 unsafe impl Send for Syms {}
@@ -77,6 +85,21 @@ unsafe fn sym<T: Copy>(h: P, name: &CStr, version: &CStr) -> std::result::Result
     Ok(unsafe { std::mem::transmute_copy::<P, T>(&p) })
 }
 
+/// The symbol version of `ibv_reg_dmabuf_mr`.
+const DMABUF_VERSION: &CStr = c"IBVERBS_1.12";
+
+/// `ibv_reg_dmabuf_mr@version` from the library `h`, or why it is unavailable (with an INFO
+/// line). Newer than the rest and optional: an older rdma-core still carries host memory.
+fn dmabuf_sym(h: P, version: &CStr) -> std::result::Result<RegDmabufMr, String> {
+    // SAFETY: RegDmabufMr is ibv_reg_dmabuf_mr's C signature (verbs.h).
+    unsafe { sym::<RegDmabufMr>(h, c"ibv_reg_dmabuf_mr", version) }.map_err(|why| {
+        crate::info!(
+            "{why} (rdma-core older than v34): GPUDirect RDMA through dmabuf is unavailable, device memory cannot be registered with the HCA"
+        );
+        format!("{why} (rdma-core older than v34; GPUDirect RDMA needs v34 or later)")
+    })
+}
+
 fn load() -> std::result::Result<&'static Syms, String> {
     SYMS.get_or_init(|| {
         // SAFETY: dlopen with a NUL-terminated name; the handle is kept for the process's life.
@@ -91,6 +114,7 @@ fn load() -> std::result::Result<&'static Syms, String> {
         }
         let v = c"IBVERBS_1.1";
         let v0 = c"IBVERBS_1.0";
+        let reg_dmabuf_mr = dmabuf_sym(h, DMABUF_VERSION);
         // SAFETY: each symbol has the C signature of its field (verbs.h).
         unsafe {
             Ok(Syms {
@@ -115,6 +139,7 @@ fn load() -> std::result::Result<&'static Syms, String> {
                 get_cq_event: sym(h, c"ibv_get_cq_event", v)?,
                 ack_cq_events: sym(h, c"ibv_ack_cq_events", v)?,
                 wc_status_str: sym(h, c"ibv_wc_status_str", v)?,
+                reg_dmabuf_mr,
             })
         }
     })
@@ -329,6 +354,8 @@ struct Opened {
     gid_index: c_int,
     roce: bool,
     mtu: u8,
+    /// Whether device memory can be registered through a dmabuf here, or why not.
+    dmabuf: std::result::Result<RegDmabufMr, String>,
     stop: AtomicBool,
 }
 
@@ -692,6 +719,48 @@ impl Device for HwDevice {
         }))
     }
 
+    fn dmabuf_support(&self) -> std::result::Result<(), String> {
+        self.dev
+            .dmabuf
+            .as_ref()
+            .map(|_| ())
+            .map_err(|why| why.clone())
+    }
+
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Arc<dyn Mr>> {
+        let reg = match &self.dev.dmabuf {
+            Ok(reg) => *reg,
+            Err(why) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidUsage,
+                    format!("{}: no dmabuf registration: {why}", self.name()),
+                ))
+            }
+        };
+        // SAFETY: a valid protection domain; the library checks the descriptor and range.
+        let mr = unsafe { reg(self.dev.pd, offset, len, iova, fd, ACCESS) };
+        if mr.is_null() {
+            return Err(Error::new(
+                ErrorKind::System,
+                format!(
+                    "ibv_reg_dmabuf_mr of {len} bytes at offset {offset} of dmabuf fd {fd} on {}: {}",
+                    self.dev.name,
+                    std::io::Error::last_os_error()
+                ),
+            ));
+        }
+        Ok(Arc::new(HwMr {
+            dev: self.dev.clone(),
+            mr,
+        }))
+    }
+
     fn create_qp(&self, depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>> {
         let d = &self.dev;
         let boxed = Box::into_raw(Box::new(Notify(notify)));
@@ -832,6 +901,13 @@ fn open_port(
         unsafe { (s.dealloc_pd)(pd) };
         return close(format!("{name}: ibv_create_comp_channel failed"));
     }
+    let dmabuf = dmabuf_support(s, pd, name);
+    match &dmabuf {
+        Ok(_) => crate::info!("{name}:{port}: GPUDirect RDMA through dmabuf is available"),
+        Err(why) => {
+            crate::info!("{name}:{port}: GPUDirect RDMA through dmabuf is unavailable: {why}")
+        }
+    }
     Ok(Opened {
         syms: s,
         name: name.to_string(),
@@ -844,8 +920,34 @@ fn open_port(
         gid_index,
         roce,
         mtu,
+        dmabuf,
         stop: AtomicBool::new(false),
     })
+}
+
+/// Whether `pd`'s device registers dmabufs, as NCCL finds out: a registration of no file
+/// fails with EBADF where the kernel and the driver support dmabuf, with EOPNOTSUPP or
+/// EPROTONOSUPPORT where they do not.
+fn dmabuf_support(s: &Syms, pd: P, name: &str) -> std::result::Result<RegDmabufMr, String> {
+    let reg = s.reg_dmabuf_mr.clone()?;
+    // SAFETY: errno is this thread's; a valid protection domain and an invalid fd, which the
+    // library rejects (a registration it made anyway is released at once).
+    let err = unsafe {
+        *libc::__errno_location() = 0;
+        let mr = reg(pd, 0, 0, 0, -1, 0);
+        let err = *libc::__errno_location();
+        if !mr.is_null() {
+            (s.dereg_mr)(mr);
+        }
+        err
+    };
+    if err == libc::EOPNOTSUPP || err == libc::EPROTONOSUPPORT {
+        return Err(format!(
+            "{name} or this kernel does not register dmabufs (ibv_reg_dmabuf_mr: {}; needs Linux 5.12 or later and a driver with dmabuf support)",
+            std::io::Error::from_raw_os_error(err)
+        ));
+    }
+    Ok(reg)
 }
 
 impl Provider for Library {
@@ -1031,6 +1133,39 @@ mod tests {
         assert_eq!(got.len(), checks.len());
         for ((expr, ours), theirs) in checks.iter().zip(got) {
             assert_eq!(*ours, theirs, "{expr}: ours {ours}, verbs.h {theirs}");
+        }
+    }
+
+    /// ibv_reg_dmabuf_mr is found where this rdma-core has it, and a library without it (a
+    /// version it does not define stands in for an older rdma-core) is reported, not fatal.
+    #[test]
+    fn dmabuf_registration_is_probed_on_its_own() {
+        // SAFETY: dlopen with a NUL-terminated name; the handle is kept.
+        let h = unsafe {
+            libc::dlopen(
+                c"libibverbs.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            )
+        };
+        if h.is_null() {
+            assert!(std::env::var("CI").is_err(), "CI needs rdma-core");
+            eprintln!("skipped: no libibverbs.so.1");
+            return;
+        }
+        let missing = dmabuf_sym(h, c"IBVERBS_0.9").expect_err("no such version");
+        assert!(
+            missing.contains("ibv_reg_dmabuf_mr@IBVERBS_0.9") && missing.contains("v34"),
+            "{missing}"
+        );
+        let syms = load().expect("the base symbols load");
+        if std::fs::read_to_string("/usr/include/infiniband/verbs.h")
+            .is_ok_and(|h| h.contains("ibv_reg_dmabuf_mr"))
+        {
+            assert!(
+                syms.reg_dmabuf_mr.is_ok(),
+                "{:?}",
+                syms.reg_dmabuf_mr.as_ref().err()
+            );
         }
     }
 

@@ -21,7 +21,7 @@ use crate::transport::{Doorbell, Link};
 use link::{Buffer, IbLink, HEADER, RECVS, SLOTS};
 use parking_lot::Mutex;
 use std::sync::Arc;
-use verbs::{Device, Mr, Provider, QpAddr, Remote};
+use verbs::{Device, Mr, Provider, QpAddr, Remote, Source};
 
 static PROVIDER: Mutex<Option<Arc<dyn Provider>>> = Mutex::new(None);
 
@@ -78,7 +78,7 @@ impl IbWorld {
     /// Registers `len` bytes at `addr` (ncclCommRegister): the links send pieces of it
     /// straight from there. Returns the registration's number, for `deregister`.
     pub(crate) fn register(&self, addr: *mut u8, len: usize) -> Result<u64> {
-        self.regs.register(addr, len)
+        self.regs.register(Source::Host(addr), len)
     }
 
     pub(crate) fn deregister(&self, id: u64) {
@@ -122,10 +122,10 @@ impl Registered {
         }
     }
 
-    fn register(&self, addr: *mut u8, len: usize) -> Result<u64> {
-        let mr = self.device.register(addr, len)?;
+    fn register(&self, source: Source, len: usize) -> Result<u64> {
+        let mr = source.register(&*self.device, len)?;
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let start = addr as u64;
+        let start = source.addr();
         self.regs.lock().push(Registration {
             id,
             start,

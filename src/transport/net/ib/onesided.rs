@@ -9,6 +9,10 @@
 //!   is the caller's again on return; otherwise copied into a staging slot, and the call
 //!   returns once the write is posted.
 //! - get: RDMA read, into the caller's buffer where it is registered, else through staging.
+//! - device memory (GPUDirect RDMA): a window part is registered through a dmabuf of it
+//!   (`Source::Dmabuf`), which the caller exports; a local buffer of a put or get in device
+//!   memory cannot be staged by the CPU, so it always goes in place, registered through a
+//!   dmabuf of its whole allocation the first time and kept for later calls (`device_lkey`).
 //! - fetch-add, compare-and-swap: verbs atomics; the old value lands in a staging word.
 //! - signal: a zero-byte write with immediate value, posted after the puts on the same queue
 //!   pair. RC places their data before the target sees the receive completion, whose handler
@@ -28,7 +32,9 @@
 //! working.
 
 use super::link::Buffer;
-use super::verbs::{Completed, Completion, Device, Local, Mr, Op, Qp, QpAddr, Remote, SendWr};
+use super::verbs::{
+    Completed, Completion, Device, Local, Mr, Op, Qp, QpAddr, Remote, SendWr, Source,
+};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::os;
@@ -94,6 +100,26 @@ pub(crate) struct OneSided {
     peers: Vec<Arc<Peer>>,
     regs: Arc<super::Registered>,
     device: Arc<dyn Device>,
+    /// Device memory registered through a dmabuf as the local buffer of puts and gets.
+    device_mrs: Mutex<Vec<DeviceMr>>,
+}
+
+/// A device allocation registered through a dmabuf (addresses `start..end`), with the
+/// driver's number for it: a new allocation at the same addresses has another number, and
+/// replaces the registration instead of reusing pages that were freed.
+struct DeviceMr {
+    start: u64,
+    end: u64,
+    ident: u64,
+    mr: Arc<dyn Mr>,
+}
+
+/// A device allocation: its addresses, and the driver's number for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Allocation {
+    pub start: u64,
+    pub len: usize,
+    pub ident: u64,
 }
 
 /// Registered memory that peers reach with this key until it is dropped.
@@ -182,13 +208,59 @@ impl OneSided {
             peers,
             regs,
             device,
+            device_mrs: Mutex::new(Vec::new()),
         })
     }
 
-    /// Registers `len` bytes at `addr` for the peers' operations. Through the communicator's
-    /// registration cache (`cached`: window memory, which puts and sends may also use as a
-    /// local buffer), or privately (the control segment).
-    pub(crate) fn expose(&self, addr: *mut u8, len: usize, cached: bool) -> Result<Exposed> {
+    /// The local key of `len` bytes of device memory at `addr` inside allocation `alloc`:
+    /// from a registration that covers them (a window, an earlier call), or from one of the
+    /// whole allocation made now through the dmabuf `export` gives (the descriptor and the
+    /// allocation's offset in it), kept for later calls.
+    pub(crate) fn device_lkey(
+        &self,
+        addr: u64,
+        len: usize,
+        alloc: Allocation,
+        export: impl FnOnce() -> Result<(std::os::fd::OwnedFd, u64)>,
+    ) -> Result<u32> {
+        if let Some(lkey) = self.regs.lkey(addr, len) {
+            return Ok(lkey);
+        }
+        let end = addr.saturating_add(len as u64);
+        let mut mrs = self.device_mrs.lock();
+        if let Some(m) = mrs
+            .iter()
+            .find(|m| m.ident == alloc.ident && m.start <= addr && end <= m.end)
+        {
+            return Ok(m.mr.lkey());
+        }
+        // A freed allocation's registration goes with it.
+        let (a_start, a_end) = (alloc.start, alloc.start + alloc.len as u64);
+        mrs.retain(|m| m.end <= a_start || a_end <= m.start);
+        let (fd, offset) = export()?;
+        let source = Source::Dmabuf {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&fd),
+            offset,
+            iova: alloc.start,
+        };
+        let mr = source.register(&*self.device, alloc.len)?;
+        // The registration keeps the pages; the descriptor is no longer needed.
+        drop(fd);
+        let lkey = mr.lkey();
+        mrs.push(DeviceMr {
+            start: a_start,
+            end: a_end,
+            ident: alloc.ident,
+            mr,
+        });
+        Ok(lkey)
+    }
+
+    /// Registers `len` bytes of `source` for the peers' operations (host memory, or device
+    /// memory through a dmabuf). Through the communicator's registration cache (`cached`:
+    /// window memory, which puts and sends may also use as a local buffer), or privately (the
+    /// control segment).
+    pub(crate) fn expose(&self, source: Source, len: usize, cached: bool) -> Result<Exposed> {
         if len == 0 {
             return Ok(Exposed {
                 id: None,
@@ -198,7 +270,7 @@ impl OneSided {
             });
         }
         if cached {
-            let id = self.regs.register(addr, len)?;
+            let id = self.regs.register(source, len)?;
             let rkey = self.regs.rkey(id).unwrap_or(0);
             return Ok(Exposed {
                 id: Some(id),
@@ -207,7 +279,7 @@ impl OneSided {
                 _mr: None,
             });
         }
-        let mr = self.device.register(addr, len)?;
+        let mr = source.register(&*self.device, len)?;
         Ok(Exposed {
             id: None,
             regs: self.regs.clone(),
@@ -230,23 +302,27 @@ impl OneSided {
     }
 
     /// Writes `len` bytes at `src` to `to` at `peer`. Returns once `src` may be reused; the
-    /// data has landed once `flush` returns.
+    /// data has landed once `flush` returns. `lkey`: `src` is registered memory the CPU may
+    /// not copy (device memory), written in place whatever its length.
     ///
     /// # Safety
-    /// `src` must be valid for `len` bytes of reads.
+    /// `src` must be valid for `len` bytes of reads (by the CPU, without `lkey`).
     pub(crate) unsafe fn put(
         &self,
         peer: usize,
         src: *const u8,
         len: usize,
         to: Remote,
+        lkey: Option<u32>,
         deadline: Option<Instant>,
     ) -> Result<()> {
         let p = self.peer(peer);
         p.with(|st| {
-            let direct = (len >= ZERO_COPY_MIN)
-                .then(|| self.regs.lkey(src as u64, len))
-                .flatten();
+            let direct = lkey.or_else(|| {
+                (len >= ZERO_COPY_MIN)
+                    .then(|| self.regs.lkey(src as u64, len))
+                    .flatten()
+            });
             if let Some(lkey) = direct {
                 // The caller's buffer is read by the device until the writes complete.
                 return p.in_place(st, Op::Write, (src as u64, lkey), len, to, deadline);
@@ -264,23 +340,27 @@ impl OneSided {
         })
     }
 
-    /// Reads `len` bytes at `from` of `peer` into `dst`; complete on return.
+    /// Reads `len` bytes at `from` of `peer` into `dst`; complete on return. `lkey`: as for
+    /// `put`.
     ///
     /// # Safety
-    /// `dst` must be valid for `len` bytes of writes.
+    /// `dst` must be valid for `len` bytes of writes (by the CPU, without `lkey`).
     pub(crate) unsafe fn get(
         &self,
         peer: usize,
         dst: *mut u8,
         len: usize,
         from: Remote,
+        lkey: Option<u32>,
         deadline: Option<Instant>,
     ) -> Result<()> {
         let p = self.peer(peer);
         p.with(|st| {
-            let direct = (len >= ZERO_COPY_MIN)
-                .then(|| self.regs.lkey(dst as u64, len))
-                .flatten();
+            let direct = lkey.or_else(|| {
+                (len >= ZERO_COPY_MIN)
+                    .then(|| self.regs.lkey(dst as u64, len))
+                    .flatten()
+            });
             if let Some(lkey) = direct {
                 return p.in_place(st, Op::Read, (dst as u64, lkey), len, from, deadline);
             }

@@ -60,6 +60,50 @@ pub trait Mr: Send + Sync {
     fn rkey(&self) -> u32;
 }
 
+/// Memory to register with a device: where its bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Memory of this process at this address.
+    Host(*mut u8),
+    /// A dmabuf (a GPU's memory exported by its driver, for GPUDirect RDMA): the bytes from
+    /// `offset` of `fd`, which work requests name by the addresses from `iova` on.
+    Dmabuf {
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        iova: u64,
+    },
+}
+
+impl Source {
+    /// The address work requests give its first byte.
+    pub fn addr(&self) -> u64 {
+        match *self {
+            Source::Host(p) => p as u64,
+            Source::Dmabuf { iova, .. } => iova,
+        }
+    }
+
+    /// Registers `len` bytes of it with `device`; a dmabuf where the device has no dmabuf
+    /// registration fails saying why.
+    pub fn register(&self, device: &dyn Device, len: usize) -> Result<Arc<dyn Mr>> {
+        match *self {
+            Source::Host(p) => device.register(p, len),
+            Source::Dmabuf { fd, offset, iova } => {
+                if let Err(why) = device.dmabuf_support() {
+                    return Err(crate::error::Error::new(
+                        crate::error::ErrorKind::InvalidUsage,
+                        format!(
+                            "{} cannot register device memory for GPUDirect RDMA: {why}",
+                            device.name()
+                        ),
+                    ));
+                }
+                device.register_dmabuf(fd, offset, len, iova)
+            }
+        }
+    }
+}
+
 /// The remote end of an RDMA operation: an address in memory the peer registered, and its key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Remote {
@@ -137,6 +181,20 @@ pub trait Device: Send + Sync {
     fn name(&self) -> String;
     /// Registers `len` bytes at `addr` for local access and remote write, read and atomics.
     fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn Mr>>;
+    /// Whether `register_dmabuf` can work on this device, or why it cannot (no
+    /// `ibv_reg_dmabuf_mr` in this rdma-core, or a kernel or driver without dmabuf support).
+    fn dmabuf_support(&self) -> std::result::Result<(), String>;
+    /// Registers `len` bytes from `offset` of the dmabuf `fd` (a GPU's memory exported by its
+    /// driver: GPUDirect RDMA, the HCA reaches the pages without the CPU) with the same
+    /// access as `register`. Work requests name those bytes by the addresses from `iova` on.
+    /// `fd` may be closed once this returns; the registration keeps the pages.
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+    ) -> Result<Arc<dyn Mr>>;
     /// A queue pair with room for `depth` outstanding sends and receives; `notify` runs (on
     /// some other thread) when a completion arrives after `arm`.
     fn create_qp(&self, depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>>;
