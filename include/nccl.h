@@ -382,7 +382,9 @@ ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUser
 
 /*
  Host memory: the data is in the peer's window and counted by one signal when the call (or
- the group) returns. Unlike NCCL, `localbuff` need not lie in a window.
+ the group) returns. Unlike NCCL, `localbuff` need not lie in a window. Device memory is
+ copied on `stream`; to a peer on another host (GPUDirect RDMA) the call first waits for
+ `stream`, so that the device reads `localbuff` after the work queued before it.
  */
 ncclResult_t ncclPutSignal(const void *localbuff, size_t count, ncclDataType_t datatype, int peer, ncclWindow_t peerWin, size_t peerWinOffset, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream);
 

@@ -328,7 +328,9 @@ fn one_sided(
 }
 
 /// Host memory: the data is in the peer's window and counted by one signal when the call (or
-/// the group) returns. Unlike NCCL, `localbuff` need not lie in a window.
+/// the group) returns. Unlike NCCL, `localbuff` need not lie in a window. Device memory is
+/// copied on `stream`; to a peer on another host (GPUDirect RDMA) the call first waits for
+/// `stream`, so that the device reads `localbuff` after the work queued before it.
 #[no_mangle]
 pub unsafe extern "C" fn ncclPutSignal(
     localbuff: *const c_void,
