@@ -129,8 +129,8 @@ knobs! {
         "bytes per shared-memory FIFO slot (4K-64M)";
     SHM_PULL: Flag "COMM_SHM_PULL" = "1",
         "let receivers copy large messages straight from the sender";
-    SHM_PULL_THRESHOLD: Size "COMM_SHM_PULL_THRESHOLD" = "32768",
-        "smallest message sent by pull";
+    SHM_PULL_THRESHOLD: Size "COMM_SHM_PULL_THRESHOLD" = "",
+        "smallest message sent by pull (default 32K between ranks of one process, 1M between processes)";
     YIELD_US: Int "COMM_YIELD_US" = "",
         "microseconds to yield the core before sleeping (default 0; 200 when ranks outnumber cores)";
     SHM_HUGEPAGES: Flag "COMM_SHM_HUGEPAGES" = "1",
