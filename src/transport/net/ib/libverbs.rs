@@ -695,6 +695,25 @@ impl Drop for HwQp {
     }
 }
 
+impl HwDevice {
+    /// What a registration call returned: the registration, owned until dropped, or (NULL)
+    /// the error, `what` naming the call, with errno.
+    fn registered(&self, mr: P, what: impl FnOnce() -> String) -> Result<Arc<dyn Mr>> {
+        if mr.is_null() {
+            // Read before building the message, which allocates.
+            let errno = std::io::Error::last_os_error();
+            return Err(Error::new(
+                ErrorKind::System,
+                format!("{} on {}: {errno}", what(), self.dev.name),
+            ));
+        }
+        Ok(Arc::new(HwMr {
+            dev: self.dev.clone(),
+            mr,
+        }))
+    }
+}
+
 impl Device for HwDevice {
     fn name(&self) -> String {
         format!("{}:{}", self.dev.name, self.dev.port)
@@ -703,20 +722,7 @@ impl Device for HwDevice {
     fn register(&self, addr: *mut u8, len: usize) -> Result<Arc<dyn Mr>> {
         // SAFETY: the caller keeps `len` bytes at `addr` alive while registered.
         let mr = unsafe { (self.dev.syms.reg_mr)(self.dev.pd, addr.cast(), len, ACCESS) };
-        if mr.is_null() {
-            return Err(Error::new(
-                ErrorKind::System,
-                format!(
-                    "ibv_reg_mr of {len} bytes on {}: {}",
-                    self.dev.name,
-                    std::io::Error::last_os_error()
-                ),
-            ));
-        }
-        Ok(Arc::new(HwMr {
-            dev: self.dev.clone(),
-            mr,
-        }))
+        self.registered(mr, || format!("ibv_reg_mr of {len} bytes"))
     }
 
     fn dmabuf_support(&self) -> std::result::Result<(), String> {
@@ -745,20 +751,9 @@ impl Device for HwDevice {
         };
         // SAFETY: a valid protection domain; the library checks the descriptor and range.
         let mr = unsafe { reg(self.dev.pd, offset, len, iova, fd, ACCESS) };
-        if mr.is_null() {
-            return Err(Error::new(
-                ErrorKind::System,
-                format!(
-                    "ibv_reg_dmabuf_mr of {len} bytes at offset {offset} of dmabuf fd {fd} on {}: {}",
-                    self.dev.name,
-                    std::io::Error::last_os_error()
-                ),
-            ));
-        }
-        Ok(Arc::new(HwMr {
-            dev: self.dev.clone(),
-            mr,
-        }))
+        self.registered(mr, || {
+            format!("ibv_reg_dmabuf_mr of {len} bytes at offset {offset} of dmabuf fd {fd}")
+        })
     }
 
     fn create_qp(&self, depth: u32, notify: Arc<dyn Fn() + Send + Sync>) -> Result<Arc<dyn Qp>> {
