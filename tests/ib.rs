@@ -557,8 +557,89 @@ fn pattern(rank: usize, i: usize) -> u8 {
 /// work on its window: puts of several sizes (through staging, and straight from a buffer
 /// registered with ncclCommRegister) read back with gets, and fetch-adds that end at their
 /// sum. The model counts its reads and atomics, so the operations really went over RDMA.
+/// The puts the window tests make back to back: empty, one byte, odd, just over a page, large.
+const PUT_SIZES: [usize; 5] = [0, 1, 7, 4099, 300_001];
+
+/// Puts the first `len` bytes of `src` for each of PUT_SIZES back to back from `base` of rank
+/// 0's part of `win`, flushes, reads them all back into `back` and checks them byte by byte.
+fn put_each_size_and_read_back(
+    c: ncclComm_t,
+    win: ncclWindow_t,
+    src: &[u8],
+    back: &mut [u8],
+    base: usize,
+) -> Result<(), String> {
+    let mut at = base;
+    for &len in &PUT_SIZES {
+        nccl!(commWinPut(
+            src.as_ptr() as *const c_void,
+            len,
+            UINT8,
+            0,
+            win,
+            at,
+            c
+        ));
+        at += len;
+    }
+    nccl!(commWinFlush(0, win, c));
+    nccl!(commWinGet(
+        back.as_mut_ptr() as *mut c_void,
+        at - base,
+        UINT8,
+        0,
+        win,
+        base,
+        c
+    ));
+    let mut off = 0;
+    for &len in &PUT_SIZES {
+        if let Some(i) = (0..len).find(|&i| back[off + i] != src[i]) {
+            return Err(format!(
+                "the put of {len} bytes read back wrong at byte {i}: {} instead of {}",
+                back[off + i],
+                src[i]
+            ));
+        }
+        off += len;
+    }
+    Ok(())
+}
+
+/// `adds` fetch-adds of 1 to the first word of rank 0's part of `win`.
+fn add_to_rank0(c: ncclComm_t, win: ncclWindow_t, adds: u64) -> Result<(), String> {
+    for _ in 0..adds {
+        nccl!(commWinFetchAdd(
+            1,
+            std::ptr::null_mut(),
+            UINT64,
+            0,
+            win,
+            0,
+            c
+        ));
+    }
+    Ok(())
+}
+
+/// Rank 0's look at its own part: rank `r`'s puts of PUT_SIZES (of `pattern(r, _)`) landed
+/// back to back from `base`.
+fn check_puts_landed(mem: &[u8], r: usize, base: usize) -> Result<(), String> {
+    let mut at = base;
+    for &l in &PUT_SIZES {
+        if let Some(i) = (0..l).find(|&i| mem[at + i] != pattern(r, i)) {
+            return Err(format!(
+                "rank {r}'s put of {l} bytes: byte {i} is {}, expected {}",
+                mem[at + i],
+                pattern(r, i)
+            ));
+        }
+        at += l;
+    }
+    Ok(())
+}
+
 fn put_get_fetch_add(fabric: Arc<Fabric>, net: &str, expect_rdma: bool) {
-    const SIZES: [usize; 5] = [0, 1, 7, 4099, 300_001];
     const REGION: usize = 1 << 20;
     const ADDS: u64 = 300;
     let n = 3;
@@ -583,52 +664,9 @@ fn put_get_fetch_add(fabric: Arc<Fabric>, net: &str, expect_rdma: bool) {
                     REGION,
                     &mut reg
                 ));
-                let mut at = base;
-                for &len in &SIZES {
-                    nccl!(commWinPut(
-                        src.as_ptr() as *const c_void,
-                        len,
-                        UINT8,
-                        0,
-                        win,
-                        at,
-                        c
-                    ));
-                    at += len;
-                }
-                nccl!(commWinFlush(0, win, c));
-                let mut back = vec![0u8; at - base];
-                nccl!(commWinGet(
-                    back.as_mut_ptr() as *mut c_void,
-                    back.len(),
-                    UINT8,
-                    0,
-                    win,
-                    base,
-                    c
-                ));
-                let mut off = 0;
-                for &len in &SIZES {
-                    if let Some(i) = (0..len).find(|&i| back[off + i] != src[i]) {
-                        return Err(format!(
-                            "the put of {len} bytes read back wrong at byte {i}: {} instead of {}",
-                            back[off + i],
-                            src[i]
-                        ));
-                    }
-                    off += len;
-                }
-                for _ in 0..ADDS {
-                    nccl!(commWinFetchAdd(
-                        1,
-                        std::ptr::null_mut(),
-                        UINT64,
-                        0,
-                        win,
-                        0,
-                        c
-                    ));
-                }
+                let mut back = vec![0u8; PUT_SIZES.iter().sum()];
+                put_each_size_and_read_back(c, win, &src, &mut back, base)?;
+                add_to_rank0(c, win, ADDS)?;
                 nccl!(ncclCommDeregister(c, reg));
             }
             quiet.wait()?;
@@ -641,20 +679,7 @@ fn put_get_fetch_add(fabric: Arc<Fabric>, net: &str, expect_rdma: bool) {
                         return Err(format!("the counter is {}, expected {want}", word(mem, 0)));
                     }
                     for r in 1..n {
-                        let base = 64 + REGION * r;
-                        let len: usize = SIZES.iter().sum();
-                        let mut at = 0;
-                        for &l in &SIZES {
-                            for i in 0..l {
-                                if mem[base + at + i] != pattern(r, i) {
-                                    return Err(format!(
-                                        "rank {r}'s put of {l} bytes: byte {i} is wrong"
-                                    ));
-                                }
-                            }
-                            at += l;
-                        }
-                        assert_eq!(at, len);
+                        check_puts_landed(mem, r, 64 + REGION * r)?;
                     }
                 }
                 Ok(())
@@ -1095,7 +1120,6 @@ fn dmabuf_memory(offset: usize, len: usize) -> (&'static mut [u8], std::os::fd::
 /// work requests that went through dmabuf registrations, so the bytes really went that way.
 #[test]
 fn windows_rdma_on_dmabuf_memory() {
-    const SIZES: [usize; 5] = [0, 1, 7, 4099, 300_001];
     const REGION: usize = 1 << 20;
     const ADDS: u64 = 50;
     let n = 3;
@@ -1127,54 +1151,8 @@ fn windows_rdma_on_dmabuf_memory() {
                 for (i, b) in src.iter_mut().enumerate() {
                     *b = pattern(rank, i);
                 }
-                let base = 64 + REGION * rank;
-                let mut at = base;
-                for &len in &SIZES {
-                    nccl!(commWinPut(
-                        src.as_ptr() as *const c_void,
-                        len,
-                        UINT8,
-                        0,
-                        win,
-                        at,
-                        c
-                    ));
-                    at += len;
-                }
-                nccl!(commWinFlush(0, win, c));
-                nccl!(commWinGet(
-                    back.as_mut_ptr() as *mut c_void,
-                    at - base,
-                    UINT8,
-                    0,
-                    win,
-                    base,
-                    c
-                ));
-                let mut off = 0;
-                for &len in &SIZES {
-                    for i in 0..len {
-                        if back[off + i] != src[i] {
-                            return Err(format!(
-                                "the put of {len} bytes read back wrong at byte {i}: {} instead of {}",
-                                back[off + i],
-                                src[i]
-                            ));
-                        }
-                    }
-                    off += len;
-                }
-                for _ in 0..ADDS {
-                    nccl!(commWinFetchAdd(
-                        1,
-                        std::ptr::null_mut(),
-                        UINT64,
-                        0,
-                        win,
-                        0,
-                        c
-                    ));
-                }
+                put_each_size_and_read_back(c, win, src, back, 64 + REGION * rank)?;
+                add_to_rank0(c, win, ADDS)?;
                 // This rank's word: 0 -> rank, then a swap that must not happen.
                 let me = rank as u64;
                 let mut old = u64::MAX;
@@ -1223,19 +1201,7 @@ fn windows_rdma_on_dmabuf_memory() {
                             word(mem, 8 * r)
                         ));
                     }
-                    let mut at = 64 + REGION * r;
-                    for &l in &SIZES {
-                        for i in 0..l {
-                            if mem[at + i] != pattern(r, i) {
-                                return Err(format!(
-                                    "rank {r}'s put of {l} bytes: byte {i} is {}, expected {}",
-                                    mem[at + i],
-                                    pattern(r, i)
-                                ));
-                            }
-                        }
-                        at += l;
-                    }
+                    check_puts_landed(mem, r, 64 + REGION * r)?;
                 }
                 Ok(())
             })();
