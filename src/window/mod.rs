@@ -935,7 +935,6 @@ impl Window {
 /// on this host; across hosts the target's server refuses it). Deregistration is local, as in
 /// NCCL, so this catches a program that deregisters too early instead of letting a put land
 /// in memory the peer may have freed and reused.
-#[inline]
 fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()> {
     let p = &w.peers[peer];
     match &cw.ctls[peer] {
