@@ -95,22 +95,61 @@ pub(crate) fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
         return all_reduce(count, shape);
     }
     let mut s = Schedule::default();
-    let parts = super::partition(count, n);
-    let part = |buf: Buf, p: usize| Region::new(buf, parts[p].0 * e, parts[p].1 * e);
+    let parts: Vec<(usize, usize)> = super::partition(count, n)
+        .into_iter()
+        .map(|(at, len)| (at * e, len * e))
+        .collect();
+    let mine = parts[shape.rank];
+    reduce_parts(&mut s, shape, &parts, mine.0);
+    exchange_parts(&mut s, shape, &parts, Buf::Recv, mine.0);
+    s
+}
+
+/// Direct all-gather: this rank's block goes to every other rank at once and every other
+/// rank's block lands here, one hop however many ranks there are (a ring takes n-1). For
+/// small blocks with more than two ranks, where hops, not bytes, cost the time.
+pub(crate) fn all_gather(count: usize, shape: &Shape) -> Schedule {
+    let (n, bytes) = (shape.nranks, count * shape.elem);
+    let mut s = Schedule::default();
     let me = shape.rank;
-    let mine = part(Buf::Send, me);
-    s.scratch = mine.len;
-    // Phase 1: part p of my input to rank p; part `me` of everyone's input reduced here, one
-    // slice index at a time so that every channel moves along together.
+    s.push(Step::Local {
+        dst: Region::new(Buf::Recv, me * bytes, bytes),
+        a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+        b: None,
+        last: false,
+    });
+    let parts: Vec<(usize, usize)> = (0..n).map(|p| (p * bytes, bytes)).collect();
+    exchange_parts(&mut s, shape, &parts, Buf::Send, 0);
+    s
+}
+
+/// Direct reduce-scatter: block p of this rank's input goes straight to rank p, and block
+/// `rank` of every input is added up here in rank order: one hop instead of the ring's n-1.
+pub(crate) fn reduce_scatter(count: usize, shape: &Shape) -> Schedule {
+    let bytes = count * shape.elem;
+    let mut s = Schedule::default();
+    let parts: Vec<(usize, usize)> = (0..shape.nranks).map(|p| (p * bytes, bytes)).collect();
+    reduce_parts(&mut s, shape, &parts, 0);
+    s
+}
+
+/// Part p (`(offset, len)` in bytes of the send buffer) of this rank's input goes to rank p,
+/// and part `rank` of every input is reduced here, in rank order, into the receive buffer at
+/// `out`. One slice index at a time, so that every channel moves along together. Needs
+/// scratch for one part.
+fn reduce_parts(s: &mut Schedule, shape: &Shape, parts: &[(usize, usize)], out: usize) {
+    let (n, me) = (shape.nranks, shape.rank);
+    let mine = parts[me];
+    s.scratch = s.scratch.max(mine.1);
     let outgoing: Vec<(usize, Vec<Region>)> = (1..n)
         .map(|k| {
             let to = shape.rel(k as isize);
-            let p = part(Buf::Send, to);
-            (to, shape.slices(p.buf, p.offset, p.len))
+            let (at, len) = parts[to];
+            (to, shape.slices(Buf::Send, at, len))
         })
         .collect();
-    let acc_slices = shape.slices(Buf::Scratch, 0, mine.len);
-    let in_slices = shape.slices(Buf::Send, mine.offset, mine.len);
+    let acc_slices = shape.slices(Buf::Scratch, 0, mine.1);
+    let in_slices = shape.slices(Buf::Send, mine.0, mine.1);
     let rounds = outgoing
         .iter()
         .map(|(_, v)| v.len())
@@ -129,42 +168,34 @@ pub(crate) fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
         let (Some(&slice), Some(&input)) = (acc_slices.get(j), in_slices.get(j)) else {
             continue;
         };
-        let dst_final = Region::new(Buf::Recv, input.offset, input.len);
-        fold_in_rank_order(
-            &mut s,
-            me,
-            n,
-            &|q| q,
-            Operand::input(input),
-            slice,
-            dst_final,
-        );
+        let dst_final = Region::new(Buf::Recv, out + input.offset - mine.0, input.len);
+        fold_in_rank_order(s, me, n, &|q| q, Operand::input(input), slice, dst_final);
     }
-    // Phase 2: my reduced part to everyone, everyone's reduced part here.
-    let out = part(Buf::Recv, me);
-    for k in 1..n {
+}
+
+/// This rank's part, found in `from` at `at`, goes to every other rank, and every other
+/// rank's part p lands in the receive buffer at `parts[p]`.
+fn exchange_parts(s: &mut Schedule, shape: &Shape, parts: &[(usize, usize)], from: Buf, at: usize) {
+    let len = parts[shape.rank].1;
+    for k in 1..shape.nranks {
         let to = shape.rel(k as isize);
-        let from = shape.rel(-(k as isize));
-        let sends = shape
-            .slices(Buf::Recv, out.offset, out.len)
-            .into_iter()
-            .map(|r| Step::Send {
-                peer: to,
-                src: Operand::partial(r),
-            });
-        let theirs = part(Buf::Recv, from);
+        let source = shape.rel(-(k as isize));
+        let sends = shape.slices(from, at, len).into_iter().map(|r| Step::Send {
+            peer: to,
+            src: Operand::partial(r),
+        });
+        let (theirs_at, theirs_len) = parts[source];
         let recvs = shape
-            .slices(Buf::Recv, theirs.offset, theirs.len)
+            .slices(Buf::Recv, theirs_at, theirs_len)
             .into_iter()
             .map(|dst| Step::Recv {
-                peer: from,
+                peer: source,
                 dst,
                 reduce_with: None,
                 last: false,
             });
-        super::interleave(&mut s, sends, recvs);
+        super::interleave(s, sends, recvs);
     }
-    s
 }
 
 /// Every rank sends its block to the root, which places block i at offset i.
@@ -250,6 +281,8 @@ mod tests {
                 for slice_elems in [1, 4, 1000] {
                     sim::check_all_reduce(n, count, slice_elems, Algorithm::Direct);
                     sim::check_all_reduce(n, count, slice_elems, Algorithm::TwoShot);
+                    sim::check_all_gather(n, count, slice_elems, Algorithm::Direct);
+                    sim::check_reduce_scatter(n, count, slice_elems, Algorithm::Direct);
                     for root in 0..n {
                         sim::check_gather(n, count, root, slice_elems);
                         sim::check_scatter(n, count, root, slice_elems);

@@ -473,8 +473,14 @@ pub(crate) fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Sch
             Algorithm::Tree => tree::reduce(*count, *root, shape),
             _ => ring::reduce(*count, *root, shape),
         },
-        Collective::AllGather { count } => ring::all_gather(*count, shape),
-        Collective::ReduceScatter { count } => ring::reduce_scatter(*count, shape),
+        Collective::AllGather { count } => match algo {
+            Algorithm::Direct => direct::all_gather(*count, shape),
+            _ => ring::all_gather(*count, shape),
+        },
+        Collective::ReduceScatter { count } => match algo {
+            Algorithm::Direct => direct::reduce_scatter(*count, shape),
+            _ => ring::reduce_scatter(*count, shape),
+        },
         Collective::AlltoAll { count } => {
             let counts = vec![*count; shape.nranks];
             let displs: Vec<usize> = (0..shape.nranks).map(|p| p * count).collect();

@@ -256,8 +256,8 @@ mod tests {
                             slice_elems,
                             super::super::Algorithm::Direct,
                         );
-                        sim::check_all_gather(n, count, slice_elems);
-                        sim::check_reduce_scatter(n, count, slice_elems);
+                        sim::check_all_gather(n, count, slice_elems, ring);
+                        sim::check_reduce_scatter(n, count, slice_elems, ring);
                         sim::check_all_to_all(n, count, false, slice_elems);
                         for root in 0..n {
                             sim::check_broadcast(n, count, root, slice_elems, ring);
@@ -320,8 +320,8 @@ mod tests {
             for count in [0, 1, 5, 13, 64] {
                 for slice_elems in [1, 3, 1000] {
                     sim::check_all_reduce(n, count, slice_elems, super::super::Algorithm::Ring);
-                    sim::check_all_gather(n, count, slice_elems);
-                    sim::check_reduce_scatter(n, count, slice_elems);
+                    sim::check_all_gather(n, count, slice_elems, super::super::Algorithm::Ring);
+                    sim::check_reduce_scatter(n, count, slice_elems, super::super::Algorithm::Ring);
                     for root in 0..n {
                         sim::check_broadcast(
                             n,

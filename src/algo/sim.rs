@@ -229,13 +229,13 @@ pub(crate) fn check_all_reduce(n: usize, count: usize, slice_elems: usize, algo:
     }
 }
 
-pub(crate) fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
+pub(crate) fn check_all_gather(n: usize, count: usize, slice_elems: usize, algo: Algorithm) {
     for in_place in [false, true] {
         let out = run(
             n,
             |_| Collective::AllGather { count },
             slice_elems,
-            Algorithm::Ring,
+            algo,
             in_place,
             |r| {
                 let mut mem = vec![-1; n * count + if in_place { 0 } else { count }];
@@ -252,7 +252,7 @@ pub(crate) fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
                     assert_eq!(
                         mem[p * count + i],
                         value(p, i),
-                        "allgather n={n} count={count}"
+                        "{algo:?} allgather n={n} count={count} in_place={in_place}"
                     );
                 }
             }
@@ -260,13 +260,13 @@ pub(crate) fn check_all_gather(n: usize, count: usize, slice_elems: usize) {
     }
 }
 
-pub(crate) fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize) {
+pub(crate) fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize, algo: Algorithm) {
     for in_place in [false, true] {
         let out = run(
             n,
             |_| Collective::ReduceScatter { count },
             slice_elems,
-            Algorithm::Ring,
+            algo,
             in_place,
             |r| {
                 let mut mem: Vec<i64> = (0..n * count).map(|i| value(r, i)).collect();
@@ -283,7 +283,7 @@ pub(crate) fn check_reduce_scatter(n: usize, count: usize, slice_elems: usize) {
                 assert_eq!(
                     mem[base + i],
                     scaled_sum(n, r * count + i),
-                    "reduce_scatter n={n} count={count} rank {r}"
+                    "{algo:?} reduce_scatter n={n} count={count} rank {r} in_place={in_place}"
                 );
             }
         }

@@ -133,6 +133,9 @@ impl Tuner {
                     self.allowed[0]
                 }
             }
+            // The device programs of the direct all-gather and reduce-scatter have not been
+            // tried on the CPU model of the device path; the ring's have.
+            Collective::AllGather { .. } | Collective::ReduceScatter { .. } => Algorithm::Ring,
             _ => self.choose(coll, bytes, nranks),
         }
     }
@@ -164,6 +167,17 @@ impl Tuner {
                     && (nranks > 2 && bytes <= self.tree_max || !ok(Algorithm::Ring))
                 {
                     Algorithm::Tree
+                } else {
+                    Algorithm::Ring
+                }
+            }
+            // `bytes` is one rank's block. With two ranks the ring is already one hop.
+            Collective::AllGather { .. } | Collective::ReduceScatter { .. } => {
+                if ok(Algorithm::Direct)
+                    && nranks > 2
+                    && (bytes <= self.direct_max || !ok(Algorithm::Ring))
+                {
+                    Algorithm::Direct
                 } else {
                     Algorithm::Ring
                 }
@@ -211,6 +225,16 @@ mod tests {
         assert_eq!(t.choose(&ar, 4096, 4), Algorithm::Tree);
         assert_eq!(t.choose(&ar, 64 << 20, 4), Algorithm::Ring);
         assert_eq!(t.choose(&ar, 4096, 2), Algorithm::Ring);
+        // All-gather and reduce-scatter: one hop for small blocks on more than two ranks.
+        for c in [
+            Collective::AllGather { count: 0 },
+            Collective::ReduceScatter { count: 0 },
+        ] {
+            assert_eq!(t.choose(&c, 8, 4), Algorithm::Direct);
+            assert_eq!(t.choose(&c, 8, 2), Algorithm::Ring);
+            assert_eq!(t.choose(&c, 4096, 4), Algorithm::Ring);
+            assert_eq!(t.choose_device(&c, 8, 4), Algorithm::Ring);
+        }
         let ring_only = Tuner {
             allowed: vec![Algorithm::Ring],
             ..t

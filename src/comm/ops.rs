@@ -577,7 +577,9 @@ impl Comm {
         let bytes = match &call.coll {
             Collective::AllReduce { count }
             | Collective::Broadcast { count, .. }
-            | Collective::Reduce { count, .. } => count * elem,
+            | Collective::Reduce { count, .. }
+            | Collective::AllGather { count }
+            | Collective::ReduceScatter { count } => count * elem,
             _ => 0,
         };
         let algo = if call.device {
