@@ -998,7 +998,14 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         // Reading the clock costs about as much as a pass: only now and then while spinning.
         spins = spins.wrapping_add(1);
         if spins % 64 != 0 {
-            std::hint::spin_loop();
+            // No spin window (more ranks than cores, or COMM_SPIN_US=0): the rank this one
+            // waits for is likely runnable on this very core, so every idle pass hands the core
+            // over; 63 passes of polling first cost that rank a couple of microseconds.
+            if execs[0].wiring.spin.is_zero() {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             continue;
         }
         let now = Instant::now();
