@@ -62,7 +62,47 @@ pub(crate) struct ScheduleKey {
 }
 
 /// A communicator's schedules, by what they depend on.
-pub(crate) type ScheduleCache = Mutex<rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>>;
+pub(crate) type ScheduleCache = Mutex<Schedules>;
+
+#[derive(Default)]
+pub(crate) struct Schedules {
+    by_key: rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>,
+    /// The last call's schedule and what fixed it (the tuner's inputs, so the key's algorithm
+    /// need not be chosen again): a loop repeating one call skips the tuner and the hashing.
+    last: Option<(Repeat, Arc<algo::Schedule>)>,
+}
+
+#[derive(PartialEq)]
+struct Repeat {
+    coll: Collective,
+    elem: usize,
+    in_place: bool,
+    slice_bytes: usize,
+    stage: bool,
+    device: bool,
+}
+
+impl Repeat {
+    fn of(call: &Call, slice_bytes: usize) -> Repeat {
+        Repeat {
+            coll: call.coll.clone(),
+            elem: call.dtype.size(),
+            in_place: call.in_place,
+            slice_bytes,
+            stage: call.stage,
+            device: call.device,
+        }
+    }
+
+    fn is(&self, call: &Call, slice_bytes: usize) -> bool {
+        self.coll == call.coll
+            && self.elem == call.dtype.size()
+            && self.in_place == call.in_place
+            && self.slice_bytes == slice_bytes
+            && self.stage == call.stage
+            && self.device == call.device
+    }
+}
 
 /// A validated call, waiting for its turn (the end of the group).
 #[derive(Clone, Debug)]
@@ -573,6 +613,19 @@ impl Comm {
             Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
             _ => tag(call.coll.kind(), seq),
         };
+        let reduction = call.op.map(|op| self.reduction(op, call.dtype));
+        {
+            let memo = self.schedules.lock();
+            if let Some((_, s)) = memo.last.as_ref().filter(|(r, _)| r.is(call, slice_bytes)) {
+                return Ok(HostOp {
+                    schedule: s.clone(),
+                    send: call.send,
+                    recv: call.recv,
+                    tag,
+                    reduction,
+                });
+            }
+        }
         let elem = call.dtype.size();
         let bytes = match &call.coll {
             Collective::AllReduce { count }
@@ -595,7 +648,7 @@ impl Comm {
             algo,
             stage: call.stage,
         };
-        let cached = self.schedules.lock().get(&key).cloned();
+        let cached = self.schedules.lock().by_key.get(&key).cloned();
         let schedule = match cached {
             Some(s) => s,
             None => {
@@ -624,14 +677,14 @@ impl Comm {
                     s.steps.len()
                 );
                 let mut all = self.schedules.lock();
-                if all.len() >= 256 {
-                    all.clear();
+                if all.by_key.len() >= 256 {
+                    all.by_key.clear();
                 }
-                all.insert(key, s.clone());
+                all.by_key.insert(key, s.clone());
                 s
             }
         };
-        let reduction = call.op.map(|op| self.reduction(op, call.dtype));
+        self.schedules.lock().last = Some((Repeat::of(call, slice_bytes), schedule.clone()));
         Ok(HostOp {
             schedule,
             send: call.send,
