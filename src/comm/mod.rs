@@ -218,6 +218,7 @@ impl Comm {
             spin: Duration::from_micros(spin_us.max(0) as u64),
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
             spread: !oversubscribed,
+            hand_over: spin_us <= 0 && local_ranks > topo::online_cpus(),
             links,
             huge_pages_from,
         };

@@ -85,6 +85,10 @@ pub(crate) struct Wiring {
     /// an accident of scheduling, and this rank moves off that CPU (see `crowded`). With more
     /// ranks than CPUs sharing is the rule, and yielding serves better.
     pub spread: bool,
+    /// This host runs more of the communicator's ranks than it has CPUs (and no spin window
+    /// was asked for): a rank with nothing to do gives its core away at every look instead of
+    /// polling on.
+    pub hand_over: bool,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
     pub huge_pages_from: Option<usize>,
@@ -1065,10 +1069,10 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         // Reading the clock costs about as much as a pass: only now and then while spinning.
         spins = spins.wrapping_add(1);
         if spins % 64 != 0 {
-            // No spin window (more ranks than cores, or COMM_SPIN_US=0): the rank this one
-            // waits for is likely runnable on this very core, so every idle pass hands the core
-            // over; 63 passes of polling first cost that rank a couple of microseconds.
-            if execs[0].wiring.spin.is_zero() {
+            // More ranks on this host than it has cores: the rank this one waits for is
+            // likely runnable on this very core, so every idle pass hands the core over; 63
+            // passes of polling first cost that rank a couple of microseconds.
+            if execs[0].wiring.hand_over {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -1272,6 +1276,7 @@ mod tests {
             spin: Duration::ZERO,
             yield_for: Duration::ZERO,
             spread: false,
+            hand_over: false,
             huge_pages_from: None,
         }
     }
@@ -1484,6 +1489,7 @@ mod tests {
                 spin: Duration::ZERO,
                 yield_for: Duration::ZERO,
                 spread: false,
+                hand_over: false,
                 huge_pages_from: None,
             })
             .collect();

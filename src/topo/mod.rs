@@ -105,6 +105,14 @@ impl Placement {
 }
 
 /// CPUs this process may run on: more local ranks than this means waits must yield the core.
+/// The CPUs this host has online, whatever this process may run on: ranks each pinned to a
+/// CPU of their own see one usable CPU each but do not crowd the host.
+pub(crate) fn online_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).unwrap_or(0).max(1)
+}
+
 pub(crate) fn usable_cpus() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
