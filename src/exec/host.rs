@@ -704,7 +704,13 @@ impl<'a> Exec<'a> {
     fn with_other_losses(&self, e: Error, first: usize) -> Error {
         let others: Vec<String> = (0..self.wiring.links.len())
             .filter(|&p| p != first && p != self.wiring.rank)
-            .filter_map(|p| self.wiring.links[p].check_peer().err().map(|e| e.msg))
+            .filter_map(|p| {
+                let link = &self.wiring.links[p];
+                link.check_peer()
+                    .err()
+                    .map(|e| e.msg)
+                    .or_else(|| link.hung_up_reason())
+            })
             .collect();
         if others.is_empty() {
             e

@@ -220,6 +220,12 @@ pub(crate) trait Link: Send + Sync {
     ) -> Result<Progress<bool>>;
     /// Err when the peer can no longer take part: it exited, aborted or destroyed its end.
     fn check_peer(&self) -> Result<()>;
+    /// Why the peer is known to have hung up even though `check_peer` finds nothing yet (its
+    /// end of stream waits behind messages nobody has read); None where the transport cannot
+    /// tell or the peer has not. Only for naming every lost peer in an error.
+    fn hung_up_reason(&self) -> Option<String> {
+        None
+    }
     /// The CPU the peer's progress loop last said it runs on, where the transport can tell
     /// (shared memory); None when it cannot or the peer is not polling.
     fn peer_running_on(&self) -> Option<(u32, Activity)> {

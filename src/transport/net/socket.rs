@@ -547,6 +547,15 @@ impl Link for SocketLink {
         Ok(())
     }
 
+    fn hung_up_reason(&self) -> Option<String> {
+        (0..self.streams.len()).any(|i| self.hung_up(i)).then(|| {
+            format!(
+                "rank {} hung up its TCP connection (its process exited, or its host or the link failed)",
+                self.peer
+            )
+        })
+    }
+
     fn peek(&self) -> Result<Option<(usize, u64)>> {
         let mut a = self.arriving.lock();
         Ok(self.header(&mut a)?.map(|h| (h.len as usize, h.tag)))
@@ -590,6 +599,44 @@ impl Link for SocketLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A peer that sent a message and then went away: its end of stream waits behind the
+    /// message, so `check_peer` still finds the peer alive, but the hang-up is already known
+    /// to the kernel and `hung_up_reason` names it (an error about another rank then says
+    /// this one is gone too).
+    #[test]
+    fn a_hang_up_behind_unread_bytes_is_seen() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut theirs = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let link = SocketLink::new(0, 1, vec![ours], Arc::new(Waker::direct().unwrap()));
+        assert!(link.hung_up_reason().is_none(), "nothing happened yet");
+        let h = Header {
+            magic: MAGIC_MSG,
+            flags: 0,
+            tag: 7,
+            len: 64,
+            scale: [0; 8],
+        };
+        std::io::Write::write_all(&mut theirs, &h.encode()).unwrap();
+        std::io::Write::write_all(&mut theirs, &[5u8; 16]).unwrap();
+        drop(theirs);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let why = loop {
+            if let Some(why) = link.hung_up_reason() {
+                break why;
+            }
+            assert!(Instant::now() < deadline, "the hang-up never showed");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(why.contains("rank 1"), "{why}");
+        assert!(
+            link.check_peer().is_ok(),
+            "the message's bytes still come first"
+        );
+    }
 
     #[test]
     fn headers_round_trip() {
