@@ -197,6 +197,15 @@ pub(crate) struct ExecCache {
     /// the value) and aliasing. Repeated calls of one shape skip the quadratic analysis.
     hazards: rustc_hash::FxHashMap<(usize, Aliasing), (Arc<Schedule>, Arc<Hazards>)>,
     scratch: Vec<u8>,
+    tables: Tables,
+    /// What `tables.steps` was last built for, when that was one operation alone.
+    built: Option<Built>,
+}
+
+/// The tables one run works on, left in place between runs so that their memory is reused
+/// and nothing is moved in and out on each call.
+#[derive(Default)]
+struct Tables {
     ops: Vec<HostOp>,
     steps: Vec<XStep>,
     send_q: Vec<VecDeque<u32>>,
@@ -204,8 +213,6 @@ pub(crate) struct ExecCache {
     peers: Vec<usize>,
     posted: Vec<u32>,
     ready_local: Vec<u32>,
-    /// What `steps` was last built for, when that was one operation alone.
-    built: Option<Built>,
 }
 
 /// A single-operation run's steps depend only on its schedule, its buffers, its input scale and
@@ -238,14 +245,8 @@ unsafe impl Send for ExecCache {}
 /// One communicator's share of a run.
 struct Exec<'a> {
     wiring: &'a Wiring,
-    ops: Vec<HostOp>,
-    steps: Vec<XStep>,
+    t: &'a mut Tables,
     edges: Arc<[u32]>,
-    send_q: Vec<VecDeque<u32>>,
-    recv_q: Vec<VecDeque<u32>>,
-    peers: Vec<usize>,
-    posted: Vec<u32>,
-    ready_local: Vec<u32>,
     remaining: usize,
 }
 
@@ -278,47 +279,42 @@ impl Action {
 }
 
 impl<'a> Exec<'a> {
-    /// Returns the tables' memory to the communicator's cache.
-    fn recycle(self, cache: &mut ExecCache) {
-        let mut ops = self.ops;
-        ops.clear();
-        cache.ops = ops;
-        cache.steps = self.steps;
-        cache.send_q = self.send_q;
-        cache.recv_q = self.recv_q;
-        cache.peers = self.peers;
-        cache.posted = self.posted;
-        cache.ready_local = self.ready_local;
-    }
-
-    fn new(wiring: &'a Wiring, ops: Vec<HostOp>, cache: &mut ExecCache) -> Result<Exec<'a>> {
+    /// The executor for the operations in `cache.tables.ops`, over the cache's tables.
+    fn new(wiring: &'a Wiring, cache: &'a mut ExecCache) -> Result<Exec<'a>> {
         let npeers = wiring.links.len();
-        let need: usize = ops
+        let ExecCache {
+            hazards: known,
+            scratch,
+            tables: t,
+            built,
+        } = cache;
+        let need: usize = t
+            .ops
             .iter()
             .map(|o| o.schedule.scratch.next_multiple_of(64))
             .sum();
-        if cache.scratch.len() < need {
-            cache.scratch.resize(need, 0);
+        if scratch.len() < need {
+            scratch.resize(need, 0);
         }
-        let scratch = cache.scratch.as_mut_ptr();
-        let mut steps = std::mem::take(&mut cache.steps);
-        let built = cache.built.take();
-        if let ([op], Some(b)) = (ops.as_slice(), &built) {
-            if b.repeated_by(op, scratch, steps.len()) {
+        let scratch = scratch.as_mut_ptr();
+        let last = built.take();
+        if let ([op], Some(b)) = (t.ops.as_slice(), &last) {
+            if b.repeated_by(op, scratch, t.steps.len()) {
                 op.collapse_to_huge_pages(wiring);
-                for (i, s) in steps.iter_mut().enumerate() {
+                for (i, s) in t.steps.iter_mut().enumerate() {
                     s.waiting_on = b.hazards.waiting_on[i];
                     s.send = SendCursor::default();
                     s.recv = RecvCursor::default();
                 }
                 let edges = b.hazards.edges.clone();
-                cache.built = built;
-                return Ok(Exec::queue(wiring, ops, steps, edges, cache));
+                *built = last;
+                return Ok(Exec::queue(wiring, t, edges));
             }
         }
+        let steps = &mut t.steps;
         steps.clear();
         let mut scratch_at = 0usize;
-        for (oi, op) in ops.iter().enumerate() {
+        for (oi, op) in t.ops.iter().enumerate() {
             op.collapse_to_huge_pages(wiring);
             let base = |buf: Buf| -> *mut u8 {
                 match buf {
@@ -381,21 +377,21 @@ impl<'a> Exec<'a> {
             }
             scratch_at += op.schedule.scratch.next_multiple_of(64);
         }
-        let hazards = match ops.as_slice() {
+        let hazards = match t.ops.as_slice() {
             [op] => {
                 let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
-                let h = match cache.hazards.get(&key) {
+                let h = match known.get(&key) {
                     Some((_, h)) => h.clone(),
                     None => {
-                        let h = Arc::new(Hazards::compute(&steps));
-                        if cache.hazards.len() >= 256 {
-                            cache.hazards.clear();
+                        let h = Arc::new(Hazards::compute(steps));
+                        if known.len() >= 256 {
+                            known.clear();
                         }
-                        cache.hazards.insert(key, (op.schedule.clone(), h.clone()));
+                        known.insert(key, (op.schedule.clone(), h.clone()));
                         h
                     }
                 };
-                cache.built = Some(Built {
+                *built = Some(Built {
                     schedule: op.schedule.clone(),
                     send: op.send,
                     recv: op.recv,
@@ -405,7 +401,7 @@ impl<'a> Exec<'a> {
                 });
                 h
             }
-            _ => Arc::new(Hazards::compute(&steps)),
+            _ => Arc::new(Hazards::compute(steps)),
         };
         for (i, s) in steps.iter_mut().enumerate() {
             s.waiting_on = hazards.waiting_on[i];
@@ -413,81 +409,66 @@ impl<'a> Exec<'a> {
             s.dependents = hazards.count[i];
         }
         let edges = hazards.edges.clone();
-        Ok(Exec::queue(wiring, ops, steps, edges, cache))
+        Ok(Exec::queue(wiring, t, edges))
     }
 
     /// The executor over built steps: every step queued behind its peer's earlier ones, and
     /// the local steps that wait for nothing ready to run.
-    fn queue(
-        wiring: &'a Wiring,
-        ops: Vec<HostOp>,
-        steps: Vec<XStep>,
-        edges: Arc<[u32]>,
-        cache: &mut ExecCache,
-    ) -> Exec<'a> {
+    fn queue(wiring: &'a Wiring, t: &'a mut Tables, edges: Arc<[u32]>) -> Exec<'a> {
         let npeers = wiring.links.len();
-        let mut send_q = std::mem::take(&mut cache.send_q);
-        let mut recv_q = std::mem::take(&mut cache.recv_q);
-        for q in send_q.iter_mut().chain(recv_q.iter_mut()) {
+        for q in t.send_q.iter_mut().chain(t.recv_q.iter_mut()) {
             q.clear();
         }
-        send_q.resize_with(npeers, VecDeque::new);
-        recv_q.resize_with(npeers, VecDeque::new);
-        let mut ready_local = std::mem::take(&mut cache.ready_local);
-        ready_local.clear();
-        for (i, s) in steps.iter().enumerate() {
+        t.send_q.resize_with(npeers, VecDeque::new);
+        t.recv_q.resize_with(npeers, VecDeque::new);
+        t.ready_local.clear();
+        for (i, s) in t.steps.iter().enumerate() {
             match s.action {
-                Action::Send { peer, .. } => send_q[peer].push_back(i as u32),
-                Action::Recv { peer, .. } => recv_q[peer].push_back(i as u32),
+                Action::Send { peer, .. } => t.send_q[peer].push_back(i as u32),
+                Action::Recv { peer, .. } => t.recv_q[peer].push_back(i as u32),
                 Action::Local { .. } => {
                     if s.waiting_on == 0 {
-                        ready_local.push(i as u32)
+                        t.ready_local.push(i as u32)
                     }
                 }
             }
         }
-        ready_local.reverse();
-        let mut peers = std::mem::take(&mut cache.peers);
-        peers.clear();
-        peers.extend((0..npeers).filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty()));
-        let mut posted = std::mem::take(&mut cache.posted);
-        posted.clear();
-        let remaining = steps.len();
+        t.ready_local.reverse();
+        t.peers.clear();
+        let (send_q, recv_q) = (&t.send_q, &t.recv_q);
+        t.peers
+            .extend((0..npeers).filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty()));
+        t.posted.clear();
+        let remaining = t.steps.len();
         Exec {
             wiring,
-            ops,
-            steps,
+            t,
             edges,
-            send_q,
-            recv_q,
-            peers,
-            posted,
-            ready_local,
             remaining,
         }
     }
 
     fn complete(&mut self, i: u32) {
-        let step = &self.steps[i as usize];
+        let step = &self.t.steps[i as usize];
         let range =
             step.first_dependent as usize..(step.first_dependent + step.dependents) as usize;
         self.remaining -= 1;
         for k in range {
             let d = self.edges[k];
-            let s = &mut self.steps[d as usize];
+            let s = &mut self.t.steps[d as usize];
             s.waiting_on -= 1;
             if s.waiting_on == 0 && matches!(s.action, Action::Local { .. }) {
-                self.ready_local.push(d);
+                self.t.ready_local.push(d);
             }
         }
     }
 
     fn reduction(&self, i: u32) -> Option<Reduction> {
-        self.ops[self.steps[i as usize].op].reduction
+        self.t.ops[self.t.steps[i as usize].op].reduction
     }
 
     fn tag(&self, i: u32) -> u64 {
-        self.ops[self.steps[i as usize].op].tag
+        self.t.ops[self.t.steps[i as usize].op].tag
     }
 
     /// One pass over everything that can move. Returns whether anything did.
@@ -498,14 +479,14 @@ impl<'a> Exec<'a> {
     /// working at the same time).
     fn pass(&mut self) -> Result<bool> {
         let mut moved = self.reap_posted()?;
-        for pi in 0..self.peers.len() {
-            moved |= self.post_sends(self.peers[pi])?;
+        for pi in 0..self.t.peers.len() {
+            moved |= self.post_sends(self.t.peers[pi])?;
         }
-        for pi in 0..self.peers.len() {
-            let peer = self.peers[pi];
+        for pi in 0..self.t.peers.len() {
+            let peer = self.t.peers[pi];
             let mut budget = RECV_BYTES_PER_PASS;
-            while let Some(&i) = self.recv_q[peer].front() {
-                if self.steps[i as usize].waiting_on > 0 || budget == 0 {
+            while let Some(&i) = self.t.recv_q[peer].front() {
+                if self.t.steps[i as usize].waiting_on > 0 || budget == 0 {
                     break;
                 }
                 let (finished, m) = self.drive_recv(i)?;
@@ -513,14 +494,14 @@ impl<'a> Exec<'a> {
                 if !finished {
                     break;
                 }
-                if let Action::Recv { len, .. } = self.steps[i as usize].action {
+                if let Action::Recv { len, .. } = self.t.steps[i as usize].action {
                     budget = budget.saturating_sub(len.max(1));
                 }
-                self.recv_q[peer].pop_front();
+                self.t.recv_q[peer].pop_front();
                 self.complete(i);
             }
         }
-        while let Some(i) = self.ready_local.pop() {
+        while let Some(i) = self.t.ready_local.pop() {
             self.run_local(i)?;
             self.complete(i);
             moved = true;
@@ -532,10 +513,10 @@ impl<'a> Exec<'a> {
     fn reap_posted(&mut self) -> Result<bool> {
         let mut moved = false;
         let mut k = 0;
-        while k < self.posted.len() {
-            let i = self.posted[k];
+        while k < self.t.posted.len() {
+            let i = self.t.posted[k];
             if self.drive_send(i)? == SendState::Complete {
-                self.posted.swap_remove(k);
+                self.t.posted.swap_remove(k);
                 self.complete(i);
                 moved = true;
             } else {
@@ -548,21 +529,21 @@ impl<'a> Exec<'a> {
     /// Posts as many of `peer`'s ready sends, in order, as its FIFO takes.
     fn post_sends(&mut self, peer: usize) -> Result<bool> {
         let mut moved = false;
-        while let Some(&i) = self.send_q[peer].front() {
-            if self.steps[i as usize].waiting_on > 0 {
+        while let Some(&i) = self.t.send_q[peer].front() {
+            if self.t.steps[i as usize].waiting_on > 0 {
                 break;
             }
-            let before = self.steps[i as usize].send.sent;
+            let before = self.t.steps[i as usize].send.sent;
             let state = self.drive_send(i)?;
-            moved |= self.steps[i as usize].send.sent != before || state != SendState::Pending;
+            moved |= self.t.steps[i as usize].send.sent != before || state != SendState::Pending;
             match state {
                 SendState::Pending => break,
                 SendState::Posted => {
-                    self.send_q[peer].pop_front();
-                    self.posted.push(i);
+                    self.t.send_q[peer].pop_front();
+                    self.t.posted.push(i);
                 }
                 SendState::Complete => {
-                    self.send_q[peer].pop_front();
+                    self.t.send_q[peer].pop_front();
                     self.complete(i);
                 }
             }
@@ -572,7 +553,7 @@ impl<'a> Exec<'a> {
 
     fn drive_send(&mut self, i: u32) -> Result<SendState> {
         let tag = self.tag(i);
-        let step = &mut self.steps[i as usize];
+        let step = &mut self.t.steps[i as usize];
         let Action::Send { peer, src, len } = step.action else {
             unreachable!("send queue holds a non-send step")
         };
@@ -589,7 +570,7 @@ impl<'a> Exec<'a> {
     fn drive_recv(&mut self, i: u32) -> Result<(bool, bool)> {
         let tag = self.tag(i);
         let reduction = self.reduction(i);
-        let step = &mut self.steps[i as usize];
+        let step = &mut self.t.steps[i as usize];
         let Action::Recv {
             peer,
             dst,
@@ -619,7 +600,7 @@ impl<'a> Exec<'a> {
             a,
             b,
             last,
-        } = self.steps[i as usize].action
+        } = self.t.steps[i as usize].action
         else {
             unreachable!("local list holds a non-local step")
         };
@@ -645,9 +626,9 @@ impl<'a> Exec<'a> {
     fn blocked_on(&self) -> (Vec<usize>, String) {
         let mut ranks = Vec::new();
         let mut parts = Vec::new();
-        for &peer in &self.peers {
-            if let Some(&i) = self.recv_q[peer].front() {
-                let s = &self.steps[i as usize];
+        for &peer in &self.t.peers {
+            if let Some(&i) = self.t.recv_q[peer].front() {
+                let s = &self.t.steps[i as usize];
                 if s.waiting_on == 0 {
                     if let Action::Recv { len, .. } = s.action {
                         ranks.push(peer);
@@ -658,15 +639,15 @@ impl<'a> Exec<'a> {
                     }
                 }
             }
-            if let Some(&i) = self.send_q[peer].front() {
-                if self.steps[i as usize].waiting_on == 0 {
+            if let Some(&i) = self.t.send_q[peer].front() {
+                if self.t.steps[i as usize].waiting_on == 0 {
                     ranks.push(peer);
                     parts.push(format!("send to rank {peer} (its buffer is full)"));
                 }
             }
         }
-        for &i in &self.posted {
-            if let Action::Send { peer, len, .. } = self.steps[i as usize].action {
+        for &i in &self.t.posted {
+            if let Action::Send { peer, len, .. } = self.t.steps[i as usize].action {
                 ranks.push(peer);
                 parts.push(format!("rank {peer} to read {len} bytes it was offered"));
             }
@@ -855,30 +836,22 @@ pub(crate) fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale 
 
 /// Runs every communicator's operations to completion (or the first error).
 pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
-    let mut guards = Vec::with_capacity(jobs.len());
+    let mut guards: Vec<_> = jobs.iter().map(|(w, _)| w.cache.lock()).collect();
     let mut execs = Vec::with_capacity(jobs.len());
-    for (wiring, ops) in jobs {
-        let mut cache = wiring.cache.lock();
-        execs.push(Exec::new(wiring, ops, &mut cache)?);
-        guards.push(cache);
+    for ((wiring, ops), cache) in jobs.into_iter().zip(guards.iter_mut()) {
+        cache.tables.ops = ops;
+        execs.push(Exec::new(wiring, cache)?);
     }
-    let result = drive(&mut execs);
-    for (e, mut cache) in execs.into_iter().zip(guards) {
-        e.recycle(&mut cache);
-    }
-    result
+    drive(&mut execs)
 }
 
 /// Runs one operation of one communicator (a call outside any group).
 pub(crate) fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
     let mut cache = wiring.cache.lock();
-    let mut ops = std::mem::take(&mut cache.ops);
-    ops.clear();
-    ops.push(op);
-    let mut e = Exec::new(wiring, ops, &mut cache)?;
-    let result = drive(std::slice::from_mut(&mut e));
-    e.recycle(&mut cache);
-    result
+    cache.tables.ops.clear();
+    cache.tables.ops.push(op);
+    let mut e = Exec::new(wiring, &mut cache)?;
+    drive(std::slice::from_mut(&mut e))
 }
 
 /// "a, b (x3), c" from "a, b, b, b, c": a pipeline waits on many messages of one peer.
