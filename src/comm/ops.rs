@@ -53,27 +53,13 @@ static OP_OWNER: Lazy<Mutex<HashMap<i32, u64>>> = Lazy::new(|| Mutex::new(HashMa
 /// What a schedule depends on: calls with equal keys get the same (cached) schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ScheduleKey {
-    coll: Collective,
-    elem: usize,
-    in_place: bool,
-    slice_bytes: usize,
+    call: CallKey,
     algo: algo::Algorithm,
-    stage: bool,
 }
 
-/// A communicator's schedules, by what they depend on.
-pub(crate) type ScheduleCache = Mutex<Schedules>;
-
-#[derive(Default)]
-pub(crate) struct Schedules {
-    by_key: rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>,
-    /// The last call's schedule and what fixed it (the tuner's inputs, so the key's algorithm
-    /// need not be chosen again): a loop repeating one call skips the tuner and the hashing.
-    last: Option<(Repeat, Arc<algo::Schedule>)>,
-}
-
-#[derive(PartialEq)]
-struct Repeat {
+/// The call's part of a schedule's key, which also fixes the tuner's choice of algorithm.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct CallKey {
     coll: Collective,
     elem: usize,
     in_place: bool,
@@ -82,9 +68,9 @@ struct Repeat {
     device: bool,
 }
 
-impl Repeat {
-    fn of(call: &Call, slice_bytes: usize) -> Repeat {
-        Repeat {
+impl CallKey {
+    fn of(call: &Call, slice_bytes: usize) -> CallKey {
+        CallKey {
             coll: call.coll.clone(),
             elem: call.dtype.size(),
             in_place: call.in_place,
@@ -94,7 +80,8 @@ impl Repeat {
         }
     }
 
-    fn is(&self, call: &Call, slice_bytes: usize) -> bool {
+    /// `CallKey::of(call, slice_bytes) == *self`, without cloning the collective.
+    fn matches(&self, call: &Call, slice_bytes: usize) -> bool {
         self.coll == call.coll
             && self.elem == call.dtype.size()
             && self.in_place == call.in_place
@@ -102,6 +89,16 @@ impl Repeat {
             && self.stage == call.stage
             && self.device == call.device
     }
+}
+
+/// A communicator's schedules, by what they depend on.
+pub(crate) type ScheduleCache = Mutex<Schedules>;
+
+#[derive(Default)]
+pub(crate) struct Schedules {
+    by_key: rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>,
+    /// The last call's schedule: a loop repeating one call skips the tuner and the hashing.
+    last: Option<(CallKey, Arc<algo::Schedule>)>,
 }
 
 /// A validated call, waiting for its turn (the end of the group).
@@ -616,7 +613,11 @@ impl Comm {
         let reduction = call.op.map(|op| self.reduction(op, call.dtype));
         {
             let memo = self.schedules.lock();
-            if let Some((_, s)) = memo.last.as_ref().filter(|(r, _)| r.is(call, slice_bytes)) {
+            if let Some((_, s)) = memo
+                .last
+                .as_ref()
+                .filter(|(k, _)| k.matches(call, slice_bytes))
+            {
                 return Ok(HostOp {
                     schedule: s.clone(),
                     send: call.send,
@@ -641,14 +642,17 @@ impl Comm {
             self.tuner.choose(&call.coll, bytes, self.nranks)
         };
         let key = ScheduleKey {
-            coll: call.coll.clone(),
-            elem,
-            in_place: call.in_place,
-            slice_bytes,
+            call: CallKey::of(call, slice_bytes),
             algo,
-            stage: call.stage,
         };
-        let cached = self.schedules.lock().by_key.get(&key).cloned();
+        let cached = {
+            let mut all = self.schedules.lock();
+            let s = all.by_key.get(&key).cloned();
+            if let Some(s) = &s {
+                all.last = Some((key.call.clone(), s.clone()));
+            }
+            s
+        };
         let schedule = match cached {
             Some(s) => s,
             None => {
@@ -680,11 +684,11 @@ impl Comm {
                 if all.by_key.len() >= 256 {
                     all.by_key.clear();
                 }
+                all.last = Some((key.call.clone(), s.clone()));
                 all.by_key.insert(key, s.clone());
                 s
             }
         };
-        self.schedules.lock().last = Some((Repeat::of(call, slice_bytes), schedule.clone()));
         Ok(HostOp {
             schedule,
             send: call.send,

@@ -238,8 +238,9 @@ impl Built {
     }
 }
 
-// SAFETY: between calls the cached steps hold stale addresses that are never dereferenced;
-// each run clears the tables before filling them, under the communicator's lock.
+// SAFETY: between calls the tables hold the last run's operations and steps, whose addresses
+// are never dereferenced then; a run, under the communicator's lock, either rebuilds them for
+// its own buffers or (`Built::repeated_by`) keeps them because its buffers are the same ones.
 unsafe impl Send for ExecCache {}
 
 /// One communicator's share of a run.
