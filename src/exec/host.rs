@@ -15,7 +15,6 @@ use crate::transport::{
     Activity, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -208,11 +207,31 @@ pub(crate) struct ExecCache {
 struct Tables {
     ops: Vec<HostOp>,
     steps: Vec<XStep>,
-    send_q: Vec<VecDeque<u32>>,
-    recv_q: Vec<VecDeque<u32>>,
+    send_q: Vec<StepQueue>,
+    recv_q: Vec<StepQueue>,
     peers: Vec<usize>,
     posted: Vec<u32>,
     ready_local: Vec<u32>,
+    /// The local steps that wait for nothing, in the order `ready_local` starts with.
+    first_local: Vec<u32>,
+}
+
+/// One peer's sends or receives in schedule order, and how many are done. The list stays
+/// between runs: a repeated call only rewinds it.
+#[derive(Default)]
+struct StepQueue {
+    steps: Vec<u32>,
+    head: usize,
+}
+
+impl StepQueue {
+    fn front(&self) -> Option<&u32> {
+        self.steps.get(self.head)
+    }
+
+    fn pop_front(&mut self) {
+        self.head += 1;
+    }
 }
 
 /// A single-operation run's steps depend only on its schedule, its buffers, its input scale and
@@ -309,7 +328,7 @@ impl<'a> Exec<'a> {
                 }
                 let edges = b.hazards.edges.clone();
                 *built = last;
-                return Ok(Exec::queue(wiring, t, edges));
+                return Ok(Exec::rewind(wiring, t, edges));
             }
         }
         let steps = &mut t.steps;
@@ -413,32 +432,44 @@ impl<'a> Exec<'a> {
         Ok(Exec::queue(wiring, t, edges))
     }
 
-    /// The executor over built steps: every step queued behind its peer's earlier ones, and
-    /// the local steps that wait for nothing ready to run.
+    /// The executor over newly built steps: every step queued behind its peer's earlier ones,
+    /// and the local steps that wait for nothing ready to run.
     fn queue(wiring: &'a Wiring, t: &'a mut Tables, edges: Arc<[u32]>) -> Exec<'a> {
         let npeers = wiring.links.len();
         for q in t.send_q.iter_mut().chain(t.recv_q.iter_mut()) {
-            q.clear();
+            q.steps.clear();
         }
-        t.send_q.resize_with(npeers, VecDeque::new);
-        t.recv_q.resize_with(npeers, VecDeque::new);
-        t.ready_local.clear();
+        t.send_q.resize_with(npeers, StepQueue::default);
+        t.recv_q.resize_with(npeers, StepQueue::default);
+        t.first_local.clear();
         for (i, s) in t.steps.iter().enumerate() {
             match s.action {
-                Action::Send { peer, .. } => t.send_q[peer].push_back(i as u32),
-                Action::Recv { peer, .. } => t.recv_q[peer].push_back(i as u32),
+                Action::Send { peer, .. } => t.send_q[peer].steps.push(i as u32),
+                Action::Recv { peer, .. } => t.recv_q[peer].steps.push(i as u32),
                 Action::Local { .. } => {
                     if s.waiting_on == 0 {
-                        t.ready_local.push(i as u32)
+                        t.first_local.push(i as u32)
                     }
                 }
             }
         }
-        t.ready_local.reverse();
+        t.first_local.reverse();
         t.peers.clear();
         let (send_q, recv_q) = (&t.send_q, &t.recv_q);
-        t.peers
-            .extend((0..npeers).filter(|&p| !send_q[p].is_empty() || !recv_q[p].is_empty()));
+        t.peers.extend(
+            (0..npeers).filter(|&p| !send_q[p].steps.is_empty() || !recv_q[p].steps.is_empty()),
+        );
+        Exec::rewind(wiring, t, edges)
+    }
+
+    /// The executor over steps queued before (by `queue`), from their start.
+    fn rewind(wiring: &'a Wiring, t: &'a mut Tables, edges: Arc<[u32]>) -> Exec<'a> {
+        for &p in &t.peers {
+            t.send_q[p].head = 0;
+            t.recv_q[p].head = 0;
+        }
+        t.ready_local.clear();
+        t.ready_local.extend_from_slice(&t.first_local);
         t.posted.clear();
         let remaining = t.steps.len();
         Exec {
@@ -1338,6 +1369,7 @@ mod tests {
     use crate::algo::{ring, Operand, Shape};
     use crate::reduce::{DataType, ReduceOp};
     use crate::transport::{Closing, LocalDoorbell};
+    use std::collections::VecDeque;
 
     /// A message in flight: its bytes, tag and scale.
     type Message = (Vec<u8>, u64, Option<Scale>);
