@@ -180,32 +180,24 @@ pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
         // same everywhere), once its arguments and the communicator are found usable.
         return comm.check_usable();
     }
-    let queued = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.calls.push((comm.clone(), call.clone()));
-            true
-        } else {
-            false
-        }
-    });
-    if queued {
+    if in_group() {
+        GROUP.with(|g| g.borrow_mut().calls.push((comm, call)));
         Ok(())
     } else {
-        run_one(&comm, call)
+        run_one(&comm, &call)
     }
 }
 
 /// A call outside any group: straight to its executor, without a group's bookkeeping.
-fn run_one(c: &Arc<Comm>, call: Call) -> Result<()> {
+fn run_one(c: &Arc<Comm>, call: &Call) -> Result<()> {
     c.check_usable()?;
     if call.device {
         if c.spans_hosts() {
-            return run_calls(vec![(c.clone(), call)]);
+            return run_calls(vec![(c.clone(), call.clone())]);
         }
-        return c.enqueue_device(std::slice::from_ref(&call));
+        return c.enqueue_device(std::slice::from_ref(call));
     }
-    let op = c.prepare(&call)?;
+    let op = c.prepare(call)?;
     let _scope = crate::log::rank_scope(c.rank as i32);
     let result = crate::exec::host::run_one(&c.wiring, op);
     if let Err(e) = &result {

@@ -1015,11 +1015,21 @@ fn drive(execs: &mut [Exec]) -> Result<()> {
     r
 }
 
+/// One pass over every communicator's steps: whether anything moved, and whether all are done.
+fn pass_all(execs: &mut [Exec]) -> Result<(bool, bool)> {
+    let mut moved = false;
+    for e in execs.iter_mut() {
+        moved |= e.pass()?;
+    }
+    Ok((moved, execs.iter().all(|e| e.remaining == 0)))
+}
+
 fn drive_steps(execs: &mut [Exec]) -> Result<()> {
-    let single_doorbell = match &*execs {
-        [only] => Some(only.wiring.doorbell.clone()),
-        _ => None,
-    };
+    // A small call often finishes on its first pass: that pass comes before the state that
+    // waiting needs.
+    if pass_all(execs).map_err(|e| with_other_losses(execs, e))?.1 {
+        return Ok(());
+    }
     let mut started: Option<Instant> = None;
     let mut idle_since: Option<Instant> = None;
     let mut last_check: Option<Instant> = None;
@@ -1030,13 +1040,6 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
     // Once this rank has given up: until when it listens, its own error, and which
     // communicator gave up.
     let mut gave_up: Option<(Instant, Error, usize)> = None;
-    let pass_all = |execs: &mut [Exec]| -> Result<(bool, bool)> {
-        let mut moved = false;
-        for e in execs.iter_mut() {
-            moved |= e.pass()?;
-        }
-        Ok((moved, execs.iter().all(|e| e.remaining == 0)))
-    };
     loop {
         if let Some((until, own, i)) = &gave_up {
             let e = &execs[*i];
@@ -1188,6 +1191,10 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
                 continue;
             }
         }
+        let single_doorbell = match &*execs {
+            [only] => Some(only.wiring.doorbell.clone()),
+            _ => None,
+        };
         match &single_doorbell {
             Some(d) => {
                 // Announce the sleep, then look once more: a peer that published before it saw

@@ -154,15 +154,16 @@ fn outcome(
     r: std::thread::Result<Result<()>>,
     rank: Option<i32>,
 ) -> ncclResult_t {
-    let _scope = rank.map(crate::log::rank_scope);
     match r {
         Ok(Ok(())) => ncclResult_t::ncclSuccess,
         Ok(Err(e)) if e.kind == ErrorKind::InProgress => ncclResult_t::ncclInProgress,
         Ok(Err(e)) => {
+            let _scope = rank.map(crate::log::rank_scope);
             report(func, &e, comm);
             code(e.kind)
         }
         Err(p) => {
+            let _scope = rank.map(crate::log::rank_scope);
             let e = Error::new(
                 ErrorKind::Internal,
                 format!("internal error (panic): {}", panic_message(&*p)),
