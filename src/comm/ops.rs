@@ -437,6 +437,9 @@ impl Comm {
         recv_bytes: usize,
     ) -> Result<bool> {
         use crate::cuda::{classify, MemKind};
+        if !crate::cuda::any_device_memory() {
+            return Ok(false);
+        }
         let kind = |p: *const u8, bytes: usize| {
             (bytes > 0 && !p.is_null()).then(|| classify(p as *const std::ffi::c_void))
         };

@@ -6,7 +6,7 @@ use super::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 const BASE: usize = 0x6c00_0000_0000;
 const STRIDE: usize = 0x40;
@@ -19,6 +19,9 @@ pub(crate) enum State {
 
 pub(crate) struct Entry {
     state: Mutex<State>,
+    /// The communicator once `state` is `Ready` (it never leaves that state): calls find it
+    /// without taking the lock.
+    ready: OnceLock<Arc<Comm>>,
     settled: Condvar,
     pub blocking: bool,
     /// Set by ncclCommAbort: stops an initialisation that is still running.
@@ -31,6 +34,7 @@ impl Entry {
     pub(crate) fn new(blocking: bool) -> Arc<Entry> {
         Arc::new(Entry {
             state: Mutex::new(State::Initializing),
+            ready: OnceLock::new(),
             settled: Condvar::new(),
             blocking,
             abort: Default::default(),
@@ -40,9 +44,11 @@ impl Entry {
 
     pub(crate) fn ready_now(comm: Comm) -> Arc<Entry> {
         let blocking = comm.config.blocking;
+        let comm = Arc::new(comm);
         Arc::new(Entry {
             last_error: comm.last_error.clone(),
-            state: Mutex::new(State::Ready(Arc::new(comm))),
+            state: Mutex::new(State::Ready(comm.clone())),
+            ready: OnceLock::from(comm),
             settled: Condvar::new(),
             blocking,
             abort: Default::default(),
@@ -54,7 +60,10 @@ impl Entry {
         *st = match result {
             Ok(mut c) => {
                 c.last_error = self.last_error.clone();
-                State::Ready(Arc::new(c))
+                let c = Arc::new(c);
+                // Settled once: a second settle finds it set and changes nothing there.
+                let _ = self.ready.set(c.clone());
+                State::Ready(c)
             }
             Err(e) => {
                 super::note_error(&self.last_error, "communicator initialization", &e);
@@ -66,6 +75,9 @@ impl Entry {
 
     /// The communicator, if its initialisation has finished successfully.
     pub(crate) fn comm(&self) -> Result<Arc<Comm>> {
+        if let Some(c) = self.ready.get() {
+            return Ok(c.clone());
+        }
         match &*self.state.lock() {
             State::Ready(c) => Ok(c.clone()),
             State::Initializing => crate::invalid_usage!(
@@ -152,6 +164,19 @@ pub(crate) fn lookup(h: usize) -> Result<Arc<Entry>> {
     slot(h)
         .and_then(|i| TABLE.read().get(i).cloned().flatten())
         .ok_or_else(|| unknown(h))
+}
+
+/// The communicator behind handle `h`, ready for use; the common case takes the table's read
+/// lock and one reference count, nothing else.
+pub(crate) fn comm_of(h: usize) -> Result<Arc<Comm>> {
+    if let Some(i) = slot(h) {
+        if let Some(Some(e)) = TABLE.read().get(i) {
+            if let Some(c) = e.ready.get() {
+                return Ok(c.clone());
+            }
+        }
+    }
+    lookup(h)?.comm()
 }
 
 pub(crate) fn remove(h: usize) -> Result<Arc<Entry>> {

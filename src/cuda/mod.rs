@@ -129,6 +129,12 @@ pub(crate) enum MemKind {
     Device(i32),
 }
 
+/// Whether this process can have device memory at all (a CUDA driver was found and device
+/// support is on): when not, every pointer is host memory.
+pub(crate) fn any_device_memory() -> bool {
+    driver().is_some()
+}
+
 /// Classifies a pointer: device memory when the driver says so, host memory otherwise
 /// (including every pointer when there is no driver).
 pub(crate) fn classify(ptr: *const c_void) -> MemKind {

@@ -317,8 +317,7 @@ impl<'a> Exec<'a> {
             scratch.resize(need, 0);
         }
         let scratch = scratch.as_mut_ptr();
-        let last = built.take();
-        if let ([op], Some(b)) = (t.ops.as_slice(), &last) {
+        if let ([op], Some(b)) = (t.ops.as_slice(), built.as_ref()) {
             if b.repeated_by(op, scratch, t.steps.len()) {
                 op.collapse_to_huge_pages(wiring);
                 for (i, s) in t.steps.iter_mut().enumerate() {
@@ -327,10 +326,10 @@ impl<'a> Exec<'a> {
                     s.recv = RecvCursor::default();
                 }
                 let edges = b.hazards.edges.clone();
-                *built = last;
                 return Ok(Exec::rewind(wiring, t, edges));
             }
         }
+        *built = None;
         let steps = &mut t.steps;
         steps.clear();
         let mut scratch_at = 0usize;

@@ -203,7 +203,7 @@ pub(crate) fn guard_comm(
 
 /// The communicator behind a handle, ready for use.
 pub(crate) fn comm_of(comm: ncclComm_t) -> Result<Arc<Comm>> {
-    registry::lookup(comm as usize)?.comm()
+    registry::comm_of(comm as usize)
 }
 
 /// Checks an output pointer.
