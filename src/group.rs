@@ -173,12 +173,14 @@ pub(crate) fn simulate_end() -> Result<f32> {
     }
 }
 
-/// Queues a call in the current group, or runs it now outside of one.
+/// Queues a call in the current group, or runs it now outside of one. `call` comes straight
+/// from `Comm::check_call`, which also found the communicator usable.
 pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
     if call.coll.moves_nothing() {
         // As in NCCL, a collective of zero elements is a no-op on every rank (the count is the
-        // same everywhere), once its arguments and the communicator are found usable.
-        return comm.check_usable();
+        // same everywhere), once its arguments and the communicator are found usable (which
+        // check_call did).
+        return Ok(());
     }
     if in_group() {
         GROUP.with(|g| g.borrow_mut().calls.push((comm, call)));
@@ -188,9 +190,9 @@ pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
     }
 }
 
-/// A call outside any group: straight to its executor, without a group's bookkeeping.
+/// A call outside any group, just checked (`Comm::check_call`, which found the communicator
+/// usable): straight to its executor, without a group's bookkeeping.
 fn run_one(c: &Arc<Comm>, call: &Call) -> Result<()> {
-    c.check_usable()?;
     if call.device {
         if c.spans_hosts() {
             return run_calls(vec![(c.clone(), call.clone())]);

@@ -144,6 +144,15 @@ impl Schedule {
 
 /// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
 /// elements; `elem` is the element size in bytes.
+/// An all-to-all-v's element counts and displacements, one entry per rank.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct PerPeer {
+    pub send_counts: Vec<usize>,
+    pub send_displs: Vec<usize>,
+    pub recv_counts: Vec<usize>,
+    pub recv_displs: Vec<usize>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Collective {
     AllReduce {
@@ -169,13 +178,9 @@ pub(crate) enum Collective {
     AlltoAll {
         count: usize,
     },
-    /// Per-peer element counts and displacements.
-    AlltoAllv {
-        send_counts: Vec<usize>,
-        send_displs: Vec<usize>,
-        recv_counts: Vec<usize>,
-        recv_displs: Vec<usize>,
-    },
+    /// Per-peer element counts and displacements (boxed: every call moves a `Collective`
+    /// several times, and the other kinds are two words).
+    AlltoAllv(Box<PerPeer>),
     Gather {
         count: usize,
         root: usize,
@@ -232,7 +237,7 @@ impl Collective {
             Collective::AllGather { .. } => kind::ALL_GATHER,
             Collective::ReduceScatter { .. } => kind::REDUCE_SCATTER,
             Collective::AlltoAll { .. } => kind::ALL_TO_ALL,
-            Collective::AlltoAllv { .. } => kind::ALL_TO_ALL_V,
+            Collective::AlltoAllv(_) => kind::ALL_TO_ALL_V,
             Collective::Gather { .. } => kind::GATHER,
             Collective::Scatter { .. } => kind::SCATTER,
             Collective::Send { .. } | Collective::Recv { .. } => kind::P2P,
@@ -486,12 +491,13 @@ pub(crate) fn schedule(coll: &Collective, shape: &Shape, algo: Algorithm) -> Sch
             let displs: Vec<usize> = (0..shape.nranks).map(|p| p * count).collect();
             pairwise::all_to_all_v(&counts, &displs, &counts, &displs, shape)
         }
-        Collective::AlltoAllv {
-            send_counts,
-            send_displs,
-            recv_counts,
-            recv_displs,
-        } => pairwise::all_to_all_v(send_counts, send_displs, recv_counts, recv_displs, shape),
+        Collective::AlltoAllv(v) => pairwise::all_to_all_v(
+            &v.send_counts,
+            &v.send_displs,
+            &v.recv_counts,
+            &v.recv_displs,
+            shape,
+        ),
         Collective::Gather { count, root } => direct::gather(*count, *root, shape),
         Collective::Scatter { count, root } => direct::scatter(*count, *root, shape),
         Collective::Send { peer, count } => {

@@ -3,7 +3,7 @@
 //! schedule the tuner picks.
 
 use super::Comm;
-use crate::algo::{self, Collective, Shape};
+use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
 use crate::exec::host::{HostOp, Reduction};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
@@ -287,12 +287,13 @@ impl Comm {
                 let b = bytes_of(*count, n, dtype, "count")?;
                 (b, b, Some(0))
             }
-            Collective::AlltoAllv {
-                send_counts,
-                send_displs,
-                recv_counts,
-                recv_displs,
-            } => {
+            Collective::AlltoAllv(v) => {
+                let PerPeer {
+                    send_counts,
+                    send_displs,
+                    recv_counts,
+                    recv_displs,
+                } = &**v;
                 for (name, v) in [
                     ("sendcounts", send_counts),
                     ("sdispls", send_displs),

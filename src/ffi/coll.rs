@@ -2,7 +2,7 @@
 
 use super::types::*;
 use super::{guard, guard_comm, input_slice, nonneg, out, write_out};
-use crate::algo::Collective;
+use crate::algo::{Collective, PerPeer};
 use crate::comm::ops::{parse_dtype, ScalarSrc};
 use crate::comm::Comm;
 use crate::error::Result;
@@ -221,12 +221,12 @@ pub unsafe extern "C" fn commAlltoAllv(
             // SAFETY: each array is the C caller's, with one entry per rank (`n >= 1`).
             Ok(unsafe { input_slice(p, n, name) }?.to_vec())
         };
-        let coll = Collective::AlltoAllv {
+        let coll = Collective::AlltoAllv(Box::new(PerPeer {
             send_counts: arr(sendcounts, "sendcounts")?,
             send_displs: arr(sdispls, "sdispls")?,
             recv_counts: arr(recvcounts, "recvcounts")?,
             recv_displs: arr(rdispls, "rdispls")?,
-        };
+        }));
         submit(c, coll, sendbuff, recvbuff, datatype, None, stream)
     })
 }
