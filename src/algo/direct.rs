@@ -111,13 +111,7 @@ pub(crate) fn all_reduce_two_shot(count: usize, shape: &Shape) -> Schedule {
 pub(crate) fn all_gather(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
-    let me = shape.rank;
-    s.push(Step::Local {
-        dst: Region::new(Buf::Recv, me * bytes, bytes),
-        a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
-        b: None,
-        last: false,
-    });
+    s.own_block(shape, bytes);
     let parts: Vec<(usize, usize)> = (0..n).map(|p| (p * bytes, bytes)).collect();
     exchange_parts(&mut s, shape, &parts, Buf::Send, 0);
     s

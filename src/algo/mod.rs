@@ -123,6 +123,20 @@ impl Schedule {
         s
     }
 
+    /// An all-gather's first step: this rank's own block copied from the input into its place in
+    /// the output. In place it is there already, and a copy onto itself would only hold back
+    /// the sends that read it.
+    fn own_block(&mut self, shape: &Shape, bytes: usize) {
+        if !shape.in_place {
+            self.push(Step::Local {
+                dst: Region::new(Buf::Recv, shape.rank * bytes, bytes),
+                a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+                b: None,
+                last: false,
+            });
+        }
+    }
+
     fn push(&mut self, step: Step) {
         let len = match step {
             Step::Send { src, .. } => src.region.len,

@@ -58,12 +58,7 @@ pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
 pub(crate) fn all_gather(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
-    s.push(Step::Local {
-        dst: Region::new(Buf::Recv, shape.rank * bytes, bytes),
-        a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
-        b: None,
-        last: false,
-    });
+    s.own_block(shape, bytes);
     for step in 0..n.saturating_sub(1) {
         let send_b = shape.rel(-(step as isize));
         let recv_b = shape.rel(-(step as isize) - 1);
