@@ -23,25 +23,27 @@ pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
         let (off, len) = (input.region.offset, input.region.len);
         let out = Region::new(Buf::Recv, off, len);
         let acc = Region::new(Buf::Scratch, off, len);
-        let sent = if shape.in_place {
-            let copy = Region::new(Buf::Scratch, bytes + off, len);
-            s.push(Step::Local {
-                dst: copy,
-                a: input,
-                b: None,
-                last: false,
-            });
-            Operand::partial(copy)
-        } else {
-            input
-        };
         for k in 1..n {
             s.push(Step::Send {
                 peer: shape.rel(k as isize),
-                src: sent,
+                src: input,
             });
         }
-        fold_in_rank_order(&mut s, shape.rank, n, &|q| q, input, acc, out);
+        if shape.in_place {
+            // The input is the output, and peers may still be reading it: the sum lands in
+            // scratch and is copied over the input once every send is done (a send that reads
+            // a copy instead would wait for the copy, a pass later).
+            let sum = Region::new(Buf::Scratch, bytes + off, len);
+            fold_in_rank_order(&mut s, shape.rank, n, &|q| q, input, acc, sum);
+            s.push(Step::Local {
+                dst: out,
+                a: Operand::partial(sum),
+                b: None,
+                last: false,
+            });
+        } else {
+            fold_in_rank_order(&mut s, shape.rank, n, &|q| q, input, acc, out);
+        }
     }
     s
 }
