@@ -747,3 +747,45 @@ fn grow_adds_a_rank() {
         unsafe { ncclCommDestroy(c) };
     }
 }
+
+/// A call stuck on a peer that never comes, aborted from another thread: the communicator
+/// stays aborted (the failing call does not relabel it as failed), so the next call says it was
+/// aborted, and the peer hears of an abort. Threads of one process (ncclCommInitAll).
+#[test]
+fn an_abort_under_a_blocked_call_stays_an_abort() {
+    let mut comms = vec![std::ptr::null_mut(); 2];
+    assert_eq!(
+        unsafe { ncclCommInitAll(comms.as_mut_ptr(), 2, std::ptr::null()) },
+        OK
+    );
+    let handle = comms[0] as usize;
+    let aborter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        unsafe { ncclCommAbort(handle as ncclComm_t) };
+    });
+    // Rank 1 never joins: the all-reduce waits until the abort stops it.
+    let mut buf = vec![1.0f32; 1024];
+    let p = buf.as_mut_ptr() as *mut c_void;
+    let started = Instant::now();
+    let r = unsafe { ncclAllReduce(p, p, buf.len(), FLOAT, SUM, comms[0], std::ptr::null_mut()) };
+    aborter.join().unwrap();
+    assert_ne!(r, OK, "the all-reduce succeeded without its peer");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The handle is gone after the abort; the peer learns why. Its first all-reduce may still
+    // complete with the contribution rank 0 had sent before the abort; the next cannot.
+    let peer_call =
+        || unsafe { ncclAllReduce(p, p, buf.len(), FLOAT, SUM, comms[1], std::ptr::null_mut()) };
+    if peer_call() == OK {
+        assert_ne!(
+            peer_call(),
+            OK,
+            "the peer's second all-reduce succeeded without rank 0"
+        );
+    }
+    let msg = last_error();
+    assert!(
+        msg.contains("rank 0 aborted its communicator"),
+        "the peer should hear of the abort: {msg}"
+    );
+    unsafe { ncclCommDestroy(comms[1]) };
+}

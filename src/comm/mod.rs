@@ -342,11 +342,21 @@ impl Comm {
         if slot.is_none() {
             *slot = Some(e.clone());
         }
-        self.set_life(Life::Failed);
+        // An abort from another thread is what stopped the operation when the communicator is
+        // aborted already: it stays aborted, and its peers hear of the abort, not of a failure
+        // (this thread may close the links before the aborting one does).
+        let aborted = self
+            .life
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
+                (l != Life::Aborted as u8).then_some(Life::Failed as u8)
+            })
+            .is_err();
         drop(slot);
         // A failed communicator can only be destroyed: tell the peers now, and which rank
         // was lost, so that ranks waiting on this one fail at once and name the cause.
-        let how = if e.kind == ErrorKind::Timeout {
+        let how = if aborted {
+            Closing::Aborted
+        } else if e.kind == ErrorKind::Timeout {
             Closing::TimedOut
         } else {
             Closing::Failed
