@@ -177,9 +177,8 @@ pub(crate) fn simulate_end() -> Result<f32> {
 /// from `Comm::check_call`, which also found the communicator usable.
 pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
     if call.coll.moves_nothing() {
-        // As in NCCL, a collective of zero elements is a no-op on every rank (the count is the
-        // same everywhere), once its arguments and the communicator are found usable (which
-        // check_call did).
+        // A collective of zero elements is a no-op on every rank once checked (the ABI's
+        // entry points do not even build its call; see Comm::check_kind).
         return Ok(());
     }
     if in_group() {

@@ -276,6 +276,17 @@ fn zero_count_is_a_no_op(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), 
         if r != ncclResult_t::ncclInvalidArgument {
             return Err(format!("a bad datatype with count 0 gave {r:?}"));
         }
+        let r = unsafe { ncclAllReduce(p, p, 0, FLOAT, 77, comm, S) };
+        if r != ncclResult_t::ncclInvalidArgument {
+            return Err(format!("an unknown op with count 0 gave {r:?}"));
+        }
+        let r = unsafe { ncclBroadcast(p, p, 0, FLOAT, n as i32, comm, S) };
+        if r != ncclResult_t::ncclInvalidArgument {
+            return Err(format!("root {n} of {n} ranks with count 0 gave {r:?}"));
+        }
+        // Null buffers are fine when nothing moves.
+        let null = std::ptr::null_mut();
+        nccl!(ncclReduce(null, null, 0, FLOAT, SUM, 0, comm, S));
     }
     nccl!(ncclAllReduce(p, p, 4, FLOAT, SUM, comm, S));
     let want = (n * (n + 1) / 2) as f32;

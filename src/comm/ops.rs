@@ -231,6 +231,51 @@ impl Comm {
         Ok(choice)
     }
 
+    /// The checks of a call that do not look at its buffers: the communicator usable, the
+    /// datatype, the op (and that it suits the datatype), the root or peer in range. All a
+    /// collective of zero elements gets, as in NCCL: it moves nothing, so it is a no-op on
+    /// every rank once these pass.
+    #[inline(always)]
+    pub(crate) fn check_kind(
+        &self,
+        coll: &Collective,
+        dtype: i32,
+        op: Option<i32>,
+    ) -> Result<(DataType, Option<OpChoice>)> {
+        self.check_usable()?;
+        let dtype = parse_dtype(dtype)?;
+        let op = match (coll.reduces(), op) {
+            (true, Some(op)) => Some(self.resolve_op(op, dtype)?),
+            _ => None,
+        };
+        if let Some(OpChoice::Plain(p @ (ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor))) =
+            op
+        {
+            if dtype.is_float() {
+                return crate::invalid_arg!(
+                    "op {} works on integer datatypes only, not {}",
+                    p.name(),
+                    dtype.name()
+                );
+            }
+        }
+        let (what, r) = match *coll {
+            Collective::Broadcast { root, .. }
+            | Collective::Reduce { root, .. }
+            | Collective::Gather { root, .. }
+            | Collective::Scatter { root, .. } => ("root", root),
+            Collective::Send { peer, .. } | Collective::Recv { peer, .. } => ("peer", peer),
+            _ => return Ok((dtype, op)),
+        };
+        let n = self.nranks;
+        if r >= n {
+            return crate::invalid_arg!(
+                "{what} {r} is out of range for a communicator of {n} ranks"
+            );
+        }
+        Ok((dtype, op))
+    }
+
     /// Validates one call against NCCL's rules for this rank.
     pub(crate) fn check_call(
         &self,
@@ -241,21 +286,9 @@ impl Comm {
         op: Option<i32>,
         stream: usize,
     ) -> Result<Call> {
-        self.check_usable()?;
-        let dtype = parse_dtype(dtype)?;
-        let op = match (coll.reduces(), op) {
-            (true, Some(op)) => Some(self.resolve_op(op, dtype)?),
-            _ => None,
-        };
+        let (dtype, op) = self.check_kind(&coll, dtype, op)?;
         let n = self.nranks;
         let me = self.rank;
-        let check_rank = |what: &str, r: usize| {
-            if r >= n {
-                crate::invalid_arg!("{what} {r} is out of range for a communicator of {n} ranks")
-            } else {
-                Ok(())
-            }
-        };
         // Bytes this rank reads from sendbuff and writes to recvbuff, and where sendbuff sits
         // relative to recvbuff when the call is in place.
         let (send_bytes, recv_bytes, in_place_delta): (usize, usize, Option<isize>) = match &coll {
@@ -264,12 +297,10 @@ impl Comm {
                 (b, b, Some(0))
             }
             Collective::Broadcast { count, root } => {
-                check_rank("root", *root)?;
                 let b = bytes_of(*count, 1, dtype, "count")?;
                 (if me == *root { b } else { 0 }, b, Some(0))
             }
             Collective::Reduce { count, root } => {
-                check_rank("root", *root)?;
                 let b = bytes_of(*count, 1, dtype, "count")?;
                 (b, if me == *root { b } else { 0 }, Some(0))
             }
@@ -335,7 +366,6 @@ impl Comm {
                 )
             }
             Collective::Gather { count, root } => {
-                check_rank("root", *root)?;
                 let b = bytes_of(*count, 1, dtype, "count")?;
                 bytes_of(*count, n, dtype, "recvbuff")?;
                 (
@@ -345,7 +375,6 @@ impl Comm {
                 )
             }
             Collective::Scatter { count, root } => {
-                check_rank("root", *root)?;
                 let b = bytes_of(*count, 1, dtype, "count")?;
                 bytes_of(*count, n, dtype, "sendbuff")?;
                 (
@@ -354,14 +383,8 @@ impl Comm {
                     Some(-((*root * b) as isize)),
                 )
             }
-            Collective::Send { peer, count } => {
-                check_rank("peer", *peer)?;
-                (bytes_of(*count, 1, dtype, "count")?, 0, None)
-            }
-            Collective::Recv { peer, count } => {
-                check_rank("peer", *peer)?;
-                (0, bytes_of(*count, 1, dtype, "count")?, None)
-            }
+            Collective::Send { count, .. } => (bytes_of(*count, 1, dtype, "count")?, 0, None),
+            Collective::Recv { count, .. } => (0, bytes_of(*count, 1, dtype, "count")?, None),
         };
         let (s, r) = (send as usize, recv as usize);
         check_ptr("sendbuff", s, send_bytes)?;
@@ -382,17 +405,6 @@ impl Comm {
                         }
                     );
                 }
-            }
-        }
-        if let Some(OpChoice::Plain(p @ (ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor))) =
-            op
-        {
-            if dtype.is_float() {
-                return crate::invalid_arg!(
-                    "op {} works on integer datatypes only, not {}",
-                    p.name(),
-                    dtype.name()
-                );
             }
         }
         let device = self.memory_kind(send, send_bytes, recv, recv_bytes)?;
