@@ -156,8 +156,6 @@ impl Schedule {
     }
 }
 
-/// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
-/// elements; `elem` is the element size in bytes.
 /// An all-to-all-v's element counts and displacements, one entry per rank.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PerPeer {
@@ -167,6 +165,8 @@ pub(crate) struct PerPeer {
     pub recv_displs: Vec<usize>,
 }
 
+/// A collective (or one side of a point-to-point transfer) as every rank describes it. Counts are
+/// elements; `elem` is the element size in bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Collective {
     AllReduce {

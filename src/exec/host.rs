@@ -532,18 +532,9 @@ impl<'a> Exec<'a> {
                 self.complete(i);
             }
         }
-        let mut ran_local = false;
         while let Some(i) = self.t.ready_local.pop() {
             self.run_local(i)?;
             self.complete(i);
-            ran_local = true;
-        }
-        if ran_local {
-            // A local step often frees sends (bytes set aside before they go out): post them
-            // in this pass, not the next.
-            for pi in 0..self.t.peers.len() {
-                self.post_sends(self.t.peers[pi])?;
-            }
             moved = true;
         }
         Ok(moved)
