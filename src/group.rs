@@ -174,13 +174,9 @@ pub(crate) fn simulate_end() -> Result<f32> {
 }
 
 /// Queues a call in the current group, or runs it now outside of one. `call` comes straight
-/// from `Comm::check_call`, which also found the communicator usable.
+/// from `Comm::check_call`, which also found the communicator usable; a collective of zero
+/// elements never gets here (`ffi::coll::submit` stops it after `Comm::check_kind`).
 pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
-    if call.coll.moves_nothing() {
-        // A collective of zero elements is a no-op on every rank once checked (the ABI's
-        // entry points do not even build its call; see Comm::check_kind).
-        return Ok(());
-    }
     if in_group() {
         GROUP.with(|g| g.borrow_mut().calls.push((comm, call)));
         Ok(())
