@@ -107,6 +107,8 @@ pub(crate) struct Schedule {
     /// How far into the send and receive buffers the steps reach.
     pub send_extent: usize,
     pub recv_extent: usize,
+    /// Some receive copies its bytes as they are, without reducing them.
+    pub copies_in: bool,
 }
 
 impl Schedule {
@@ -144,6 +146,12 @@ impl Schedule {
         };
         if len == 0 {
             return;
+        }
+        if let Step::Recv {
+            reduce_with: None, ..
+        } = step
+        {
+            self.copies_in = true;
         }
         for r in step.regions() {
             match r.buf {
@@ -568,6 +576,29 @@ pub(crate) mod sim;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `copies_in` tells whether some receive lands bytes without reducing them.
+    #[test]
+    fn schedules_know_whether_they_copy_received_bytes_in() {
+        let shape = |rank| Shape {
+            rank,
+            nranks: 3,
+            elem: 4,
+            in_place: false,
+            slice_bytes: 64,
+            ring: None,
+            hosts: None,
+        };
+        assert!(ring::all_reduce(100, &shape(0)).copies_in);
+        assert!(ring::all_gather(100, &shape(1)).copies_in);
+        assert!(!ring::reduce_scatter(100, &shape(1)).copies_in);
+        assert!(!ring::broadcast(100, 0, &shape(0)).copies_in, "the root");
+        assert!(ring::broadcast(100, 0, &shape(1)).copies_in);
+        assert!(
+            !ring::all_reduce(0, &shape(0)).copies_in,
+            "nothing to receive"
+        );
+    }
 
     #[test]
     fn partition_covers_everything_once() {

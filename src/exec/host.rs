@@ -268,6 +268,8 @@ struct Exec<'a> {
     t: &'a mut Tables,
     edges: Arc<[u32]>,
     remaining: usize,
+    /// Some operation of the run copies received bytes in (`OutMsg::sender_busy`).
+    busy: bool,
 }
 
 type Range = (usize, usize);
@@ -471,11 +473,13 @@ impl<'a> Exec<'a> {
         t.ready_local.extend_from_slice(&t.first_local);
         t.posted.clear();
         let remaining = t.steps.len();
+        let busy = t.ops.iter().any(|o| o.schedule.copies_in);
         Exec {
             wiring,
             t,
             edges,
             remaining,
+            busy,
         }
     }
 
@@ -593,6 +597,7 @@ impl<'a> Exec<'a> {
             len,
             scale: src.scale,
             tag,
+            sender_busy: self.busy,
         };
         let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
         Ok(p.state)

@@ -170,6 +170,7 @@ fn transfer(
                 len: data.len(),
                 scale: None,
                 tag: *tag,
+                sender_busy: false,
             };
             match tx.send(&m, &mut sends[i])?.state {
                 SendState::Pending => break,

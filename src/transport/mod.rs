@@ -151,6 +151,10 @@ pub(crate) struct OutMsg {
     /// float average), carried with the message.
     pub scale: Option<Scale>,
     pub tag: u64,
+    /// The sending rank also has received bytes of its own to copy in this run, so a transport
+    /// that can have the receiver pull the message saves the sender a copy that would delay
+    /// the rest of its run (shm pulls such messages from a lower size).
+    pub sender_busy: bool,
 }
 
 /// What the receiver expects next on a channel.
