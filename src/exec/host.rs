@@ -318,6 +318,10 @@ impl<'a> Exec<'a> {
         if scratch.len() < need {
             scratch.resize(need, 0);
         }
+        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there).
+        if wiring.huge_pages_from.is_some_and(|min| need >= min) {
+            crate::transport::os::collapse_to_huge_pages(scratch.as_ptr() as usize, need);
+        }
         let scratch = scratch.as_mut_ptr();
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_ref()) {
             if b.repeated_by(op, scratch, t.steps.len()) {
