@@ -930,6 +930,14 @@ fn grace(timeout: Duration) -> Duration {
     (timeout / 2).min(Duration::from_secs(1))
 }
 
+/// How often at most a thread moves itself to another CPU (see `crowded`).
+const MOVE_EVERY: Duration = Duration::from_micros(500);
+
+thread_local! {
+    /// When this thread last moved itself to another CPU.
+    static LAST_MOVE: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
 /// A peer that polls or sleeps without any sign of life for this long is not running: its
 /// heartbeat stopped, or it was woken and has not resumed.
 const STALLED_AFTER: Duration = Duration::from_micros(10);
@@ -955,7 +963,7 @@ fn stuck(cpu: u32, peer: (u32, Activity), stalled: impl FnOnce() -> bool) -> boo
 /// use where no running peer polls, and the answer is false; or, where there is none, true
 /// (the caller sleeps and so gives the core up). Also tells the peers where this rank polls,
 /// and that it runs.
-fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> bool {
+fn crowded(execs: &[Exec], now: Instant) -> bool {
     if !execs.iter().all(|e| e.wiring.spread) {
         return false;
     }
@@ -983,26 +991,33 @@ fn crowded(execs: &[Exec], last_move: &mut Option<Instant>, now: Instant) -> boo
         return false;
     }
     // Wake-ups pull a woken rank onto its waker's CPU, so ranks that sleep now and then end up
-    // sharing one CPU while another is free; moving costs a few microseconds, so not too often.
-    if last_move.is_some_and(|t| now - t < Duration::from_micros(500)) {
+    // sharing one CPU while another is free; moving costs tens of microseconds, so not too
+    // often: at most once per MOVE_EVERY for the thread, whatever the number of calls (a
+    // broadcast root's calls are shorter than a move).
+    if LAST_MOVE.get().is_some_and(|t| now - t < MOVE_EVERY) {
         return true;
     }
-    *last_move = Some(now);
+    LAST_MOVE.set(Some(now));
     // Only where a running peer polls is taken: a stuck peer's CPU is where it last ran, not
     // where it waits.
     let avoid: Vec<u32> = peers()
         .filter(|&(_, polling, stuck)| polling && !stuck)
         .map(|(c, _, _)| c)
         .collect();
-    match crate::transport::os::move_off_cpu(cpu, &avoid) {
-        Some(to) => {
-            for e in execs {
-                e.wiring.doorbell.set_running_on(to, Activity::Polling);
-            }
-            false
+    // Peers learn the destination before the move: one that runs on this CPU meanwhile must
+    // not take this rank for stuck there and move too, onto the destination.
+    let moved = crate::transport::os::move_off_cpu(cpu, &avoid, |to| {
+        for e in execs {
+            e.wiring.doorbell.set_running_on(to, Activity::Polling);
         }
-        None => true,
+    });
+    if moved.is_some() {
+        return false;
     }
+    for e in execs {
+        e.wiring.doorbell.set_running_on(cpu, Activity::Polling);
+    }
+    true
 }
 
 /// Tells the peers on this host what this rank does now, where it runs.
@@ -1043,7 +1058,6 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
     let mut last_check: Option<Instant> = None;
     let mut spins = 0u32;
     let mut moves = 0u32;
-    let mut last_move: Option<Instant> = None;
     let mut warned = false;
     // Once this rank has given up: until when it listens, its own error, and which
     // communicator gave up.
@@ -1107,7 +1121,7 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         // A peer whose progress loop last ran on the CPU this rank runs on now is not running:
         // it waits for this core. Spinning or yielding (the core may go to some other task)
         // only delays it; sleeping hands it the core at once.
-        let crowded = crowded(execs, &mut last_move, now);
+        let crowded = crowded(execs, now);
         if idle < execs[0].wiring.spin && !crowded {
             continue;
         }

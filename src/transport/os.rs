@@ -212,8 +212,9 @@ pub(crate) fn futex_wake_all(word: &AtomicU32) {
 
 /// Moves the calling thread off CPU `from` onto another CPU of its affinity mask that is not in
 /// `avoid`, and gives the mask back (the thread stays where it landed until the scheduler moves
-/// it). Returns the CPU it moved to, or None where there is no such CPU or the kernel refused.
-pub(crate) fn move_off_cpu(from: u32, avoid: &[u32]) -> Option<u32> {
+/// it). `announce` is told the CPU before the move, which takes tens of microseconds. Returns
+/// the CPU it moved to, or None where there is no such CPU or the kernel refused.
+pub(crate) fn move_off_cpu(from: u32, avoid: &[u32], announce: impl FnOnce(u32)) -> Option<u32> {
     // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
     let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     let size = std::mem::size_of::<libc::cpu_set_t>();
@@ -229,6 +230,7 @@ pub(crate) fn move_off_cpu(from: u32, avoid: &[u32]) -> Option<u32> {
     let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `to` is below CPU_SETSIZE.
     unsafe { libc::CPU_SET(to as usize, &mut one) };
+    announce(to);
     // SAFETY: valid sets of `size` bytes for the calling thread. The first call returns once
     // the thread runs on `to`; the second gives the caller's own mask back.
     let moved = unsafe { libc::sched_setaffinity(0, size, &one) } == 0;
@@ -471,7 +473,9 @@ mod tests {
         let here = unsafe { libc::sched_getcpu() } as u32;
         let others: Vec<u32> = mask.iter().copied().filter(|&c| c != here).collect();
         assert_eq!(
-            move_off_cpu(here, &others),
+            move_off_cpu(here, &others, |_| panic!(
+                "nowhere to go, nothing to announce"
+            )),
             None,
             "every other CPU was to be avoided"
         );
@@ -479,8 +483,14 @@ mod tests {
             eprintln!("one usable CPU: nowhere to move");
             return;
         }
-        let to = move_off_cpu(here, &[]).expect("a CPU to move to");
+        let mut announced = None;
+        let to = move_off_cpu(here, &[], |c| announced = Some(c)).expect("a CPU to move to");
         assert_ne!(to, here);
+        assert_eq!(
+            announced,
+            Some(to),
+            "the destination is told before the move"
+        );
         assert!(
             mask.contains(&to),
             "moved to {to}, outside the mask {mask:?}"
