@@ -45,17 +45,8 @@ impl HostOp {
     /// Moves the operation's large buffers onto huge pages before peers in other processes
     /// copy from or into them (`Wiring::huge_pages_from`).
     fn collapse_to_huge_pages(&self, wiring: &Wiring) {
-        let Some(min) = wiring.huge_pages_from else {
-            return;
-        };
-        for (ptr, len) in [
-            (self.send as usize, self.schedule.send_extent),
-            (self.recv as usize, self.schedule.recv_extent),
-        ] {
-            if len >= min {
-                crate::transport::os::collapse_to_huge_pages(ptr, len);
-            }
-        }
+        wiring.collapse_if_large(self.send as usize, self.schedule.send_extent);
+        wiring.collapse_if_large(self.recv as usize, self.schedule.recv_extent);
     }
 }
 
@@ -91,6 +82,15 @@ pub(crate) struct Wiring {
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
     pub huge_pages_from: Option<usize>,
+}
+
+impl Wiring {
+    /// Moves `[ptr, ptr + len)` onto huge pages when it is at least `huge_pages_from` long.
+    fn collapse_if_large(&self, ptr: usize, len: usize) {
+        if self.huge_pages_from.is_some_and(|min| len >= min) {
+            crate::transport::os::collapse_to_huge_pages(ptr, len);
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -318,10 +318,6 @@ impl<'a> Exec<'a> {
         if scratch.len() < need {
             scratch.resize(need, 0);
         }
-        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there).
-        if wiring.huge_pages_from.is_some_and(|min| need >= min) {
-            crate::transport::os::collapse_to_huge_pages(scratch.as_ptr() as usize, need);
-        }
         let scratch = scratch.as_mut_ptr();
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_ref()) {
             if b.repeated_by(op, scratch, t.steps.len()) {
@@ -336,6 +332,9 @@ impl<'a> Exec<'a> {
             }
         }
         *built = None;
+        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there). A
+        // repeated call has the same scratch, collapsed when its steps were built.
+        wiring.collapse_if_large(scratch as usize, need);
         let steps = &mut t.steps;
         steps.clear();
         let mut scratch_at = 0usize;

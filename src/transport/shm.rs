@@ -950,6 +950,10 @@ pub(crate) fn connect(
                 );
             }
             local.pull_ok(r).store(can_pull as u32, Ordering::Release);
+            let (plain, busy) = match access {
+                Access::Direct => (PULL_FROM_THREAD, PULL_FROM_THREAD),
+                Access::Cma(_) => (PULL_FROM_PROCESS, PULL_FROM_BUSY_PROCESS),
+            };
             peers[r] = Some(Arc::new(ShmPeer {
                 me,
                 peer: r,
@@ -958,14 +962,8 @@ pub(crate) fn connect(
                 access,
                 watch: matches!(access, Access::Cma(_))
                     .then(|| ProcessWatch::new(placements[r].pid)),
-                pull_threshold: pull_threshold_set.unwrap_or(match access {
-                    Access::Direct => PULL_FROM_THREAD,
-                    Access::Cma(_) => PULL_FROM_PROCESS,
-                }),
-                pull_threshold_busy: pull_threshold_set.unwrap_or(match access {
-                    Access::Direct => PULL_FROM_THREAD,
-                    Access::Cma(_) => PULL_FROM_BUSY_PROCESS,
-                }),
+                pull_threshold: pull_threshold_set.unwrap_or(plain),
+                pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
                 scratch: Mutex::new(None),
                 tail_seen: AtomicU64::new(0),
                 beat_seen: Mutex::new(None),
