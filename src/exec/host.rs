@@ -129,6 +129,8 @@ struct XStep {
     /// This step's dependents are `edges[first_dependent..first_dependent + dependents]`.
     first_dependent: u32,
     dependents: u32,
+    /// A send: `OutMsg::reply_here`. A receive: its sink `returns` (see `Hazards::hints`).
+    hint: bool,
     send: SendCursor,
     recv: RecvCursor,
 }
@@ -140,6 +142,8 @@ struct Hazards {
     first: Vec<u32>,
     count: Vec<u32>,
     edges: Arc<[u32]>,
+    /// Per step, `XStep::hint`.
+    hints: Vec<bool>,
 }
 
 impl Hazards {
@@ -181,7 +185,52 @@ impl Hazards {
             first,
             count,
             edges: edges.into(),
+            hints: Hazards::hints(steps),
         }
+    }
+
+    /// Which sends may have their reply written into their buffer, and which folding receives
+    /// may write their result back into the sender's buffer (the pair a two-rank all-reduce
+    /// in place is made of; see `OutMsg::reply_here`). A send from R is marked when no earlier
+    /// step reads R (one that did could still be waiting to run when the peer writes) and the
+    /// next step to touch R receives, from the same peer, exactly R. A folding receive into D
+    /// is marked when the next step to touch D sends exactly D, unscaled, to the same peer.
+    fn hints(steps: &[XStep]) -> Vec<bool> {
+        let touches = |s: &XStep, r: Range| {
+            let (reads, write) = s.action.ranges();
+            let [a, b] = reads;
+            [a, b, write].into_iter().any(|x| overlaps(x, Some(r)))
+        };
+        let next_toucher = |from: usize, r: Range| steps[from + 1..].iter().find(|s| touches(s, r));
+        steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match s.action {
+                Action::Send { peer, src, len } if len > 0 => {
+                    let r = (src.ptr as usize, src.ptr as usize + len);
+                    let read_before = steps[..i]
+                        .iter()
+                        .any(|k| k.action.ranges().0.iter().any(|&x| overlaps(x, Some(r))));
+                    !read_before
+                        && matches!(next_toucher(i, r).map(|k| k.action),
+                            Some(Action::Recv { peer: p, dst, len: l, with: None, .. })
+                                if p == peer && dst as usize == r.0 && l == len)
+                }
+                Action::Recv {
+                    peer,
+                    dst,
+                    len,
+                    with: Some(_),
+                    ..
+                } if len > 0 => {
+                    let r = (dst as usize, dst as usize + len);
+                    matches!(next_toucher(i, r).map(|k| k.action),
+                        Some(Action::Send { peer: p, src, len: l })
+                            if p == peer && src.ptr as usize == r.0 && l == len && src.scale.is_none())
+                }
+                _ => false,
+            })
+            .collect()
     }
 }
 
@@ -285,6 +334,41 @@ fn overlaps(a: Option<Range>, b: Option<Range>) -> bool {
 }
 
 impl Action {
+    /// `step` with its regions resolved to addresses by `at`; `input_scale` applies to this
+    /// rank's own input.
+    fn of(step: &Step, at: impl Fn(Region) -> *mut u8, input_scale: Option<Scale>) -> Action {
+        let src = |o: Operand| Src {
+            ptr: at(o.region),
+            scale: if o.input { input_scale } else { None },
+        };
+        match *step {
+            Step::Send { peer, src: s } => Action::Send {
+                peer,
+                src: src(s),
+                len: s.region.len,
+            },
+            Step::Recv {
+                peer,
+                dst,
+                reduce_with,
+                last,
+            } => Action::Recv {
+                peer,
+                dst: at(dst),
+                len: dst.len,
+                with: reduce_with.map(src),
+                last,
+            },
+            Step::Local { dst, a, b, last } => Action::Local {
+                dst: at(dst),
+                len: dst.len,
+                a: src(a),
+                b: b.map(src),
+                last,
+            },
+        }
+    }
+
     /// The byte ranges the step reads (up to two) and writes.
     fn ranges(&self) -> ([Option<Range>; 2], Option<Range>) {
         let r = |p: *const u8, len: usize| Some((p as usize, p as usize + len));
@@ -353,37 +437,8 @@ impl<'a> Exec<'a> {
                 unsafe { base(r.buf).add(r.offset) }
             };
             let input_scale = op.reduction.and_then(|r| r.input_scale);
-            let src = |o: Operand| Src {
-                ptr: at(o.region),
-                scale: if o.input { input_scale } else { None },
-            };
             for step in &op.schedule.steps {
-                let action = match *step {
-                    Step::Send { peer, src: s } => Action::Send {
-                        peer,
-                        src: src(s),
-                        len: s.region.len,
-                    },
-                    Step::Recv {
-                        peer,
-                        dst,
-                        reduce_with,
-                        last,
-                    } => Action::Recv {
-                        peer,
-                        dst: at(dst),
-                        len: dst.len,
-                        with: reduce_with.map(src),
-                        last,
-                    },
-                    Step::Local { dst, a, b, last } => Action::Local {
-                        dst: at(dst),
-                        len: dst.len,
-                        a: src(a),
-                        b: b.map(src),
-                        last,
-                    },
-                };
+                let action = Action::of(step, at, input_scale);
                 if let Action::Send { peer, .. } | Action::Recv { peer, .. } = action {
                     if peer >= npeers {
                         return crate::internal_err!("schedule names rank {peer} of {npeers}");
@@ -395,6 +450,7 @@ impl<'a> Exec<'a> {
                     waiting_on: 0,
                     first_dependent: 0,
                     dependents: 0,
+                    hint: false,
                     send: SendCursor::default(),
                     recv: RecvCursor::default(),
                 });
@@ -431,6 +487,7 @@ impl<'a> Exec<'a> {
             s.waiting_on = hazards.waiting_on[i];
             s.first_dependent = hazards.first[i];
             s.dependents = hazards.count[i];
+            s.hint = hazards.hints[i];
         }
         let edges = hazards.edges.clone();
         Ok(Exec::queue(wiring, t, edges))
@@ -601,6 +658,7 @@ impl<'a> Exec<'a> {
             scale: src.scale,
             tag,
             sender_busy: self.busy,
+            reply_here: step.hint,
         };
         let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
         Ok(p.state)
@@ -626,6 +684,7 @@ impl<'a> Exec<'a> {
             with,
             reduction,
             last,
+            returns: step.hint,
         };
         let p = self.wiring.links[peer].recv(&InExpect { len, tag }, &mut step.recv, &mut sink)?;
         Ok((p.state, p.moved))
@@ -748,6 +807,8 @@ struct RecvSink {
     with: Option<Src>,
     reduction: Option<Reduction>,
     last: bool,
+    /// The combined bytes go back to the sender unchanged next (`Sink::returns`).
+    returns: bool,
 }
 
 impl Sink for RecvSink {
@@ -783,6 +844,10 @@ impl Sink for RecvSink {
             finish(dst, data.len(), self.last, self.reduction);
         }
         Ok(())
+    }
+
+    fn returns(&self) -> Option<*const u8> {
+        (self.returns && self.with.is_some()).then_some(self.dst.cast_const())
     }
 
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {
@@ -2049,9 +2114,106 @@ mod tests {
             waiting_on: 0,
             first_dependent: 0,
             dependents: 0,
+            hint: false,
             send: SendCursor::default(),
             recv: RecvCursor::default(),
         }
+    }
+
+    /// The steps of `schedule` with the send buffer at `send` and the receive buffer at `recv`.
+    fn resolved(schedule: &Schedule, send: usize, recv: usize) -> Vec<XStep> {
+        let at = |r: Region| -> *mut u8 {
+            let base = match r.buf {
+                Buf::Send => send,
+                Buf::Recv => recv,
+                Buf::Scratch => 1 << 40,
+            };
+            (base + r.offset) as *mut u8
+        };
+        (schedule.steps.iter())
+            .map(|s| xstep(Action::of(s, at, None)))
+            .collect()
+    }
+
+    /// A two-rank ring all-reduce in place is made of the pairs `Hazards::hints` looks for:
+    /// each reduce-scatter send's buffer is next written by the all-gather's receive from the
+    /// same peer, and each folded slice is next sent back to that peer. Out of place, on three
+    /// ranks (sends go to one neighbour, receives come from the other) and where an earlier
+    /// step still reads the buffer, no send is marked.
+    #[test]
+    fn hints_mark_the_sends_whose_reply_lands_in_place_and_the_folds_that_return() {
+        let shape = |rank, nranks, in_place| crate::algo::Shape {
+            rank,
+            nranks,
+            elem: 4,
+            in_place,
+            slice_bytes: 1 << 10,
+            ring: None,
+            hosts: None,
+        };
+        let count = 5000; // 20000 bytes: ten slices a half, the last one short.
+        for rank in 0..2 {
+            let s = crate::algo::ring::all_reduce(count, &shape(rank, 2, true));
+            let steps = resolved(&s, 1 << 20, 1 << 20);
+            let hints = Hazards::compute(&steps).hints;
+            let mut marked = (0, 0);
+            for (st, &h) in s.steps.iter().zip(&hints) {
+                match *st {
+                    // The reduce-scatter's sends read this rank's input (the first half of
+                    // the steps); the all-gather's read folded slices.
+                    Step::Send { src, .. } => {
+                        assert_eq!(h, src.input, "rank {rank}: {st:?}");
+                        marked.0 += h as usize;
+                    }
+                    Step::Recv { reduce_with, .. } => {
+                        assert_eq!(h, reduce_with.is_some(), "rank {rank}: {st:?}");
+                        marked.1 += h as usize;
+                    }
+                    Step::Local { .. } => assert!(!h),
+                }
+            }
+            assert_eq!(marked, (10, 10), "rank {rank}");
+            // Out of place the folds are still marked, but no send offers its buffer (the
+            // reply lands in the receive buffer), so nothing is written back.
+            let s = crate::algo::ring::all_reduce(count, &shape(rank, 2, false));
+            let steps = resolved(&s, 1 << 20, 1 << 22);
+            let hints = Hazards::compute(&steps).hints;
+            let sends = s.steps.iter().zip(&hints);
+            assert!(!sends
+                .filter(|(st, _)| matches!(st, Step::Send { .. }))
+                .any(|(_, &h)| h));
+        }
+        let s = crate::algo::ring::all_reduce(count, &shape(1, 3, true));
+        let steps = resolved(&s, 1 << 20, 1 << 20);
+        assert!(
+            !Hazards::compute(&steps).hints.contains(&true),
+            "three ranks"
+        );
+        // A local step that reads the first send's bytes before it: the peer's write could
+        // overtake it, so the send is not marked (the fold still is).
+        let s = crate::algo::ring::all_reduce(count, &shape(0, 2, true));
+        let first_send = s
+            .steps
+            .iter()
+            .position(|st| matches!(st, Step::Send { .. }));
+        let Some(Step::Send { src, .. }) = first_send.map(|i| s.steps[i]) else {
+            panic!("no send")
+        };
+        let mut steps = resolved(&s, 1 << 20, 1 << 20);
+        let reader = Action::Local {
+            dst: (1usize << 30) as *mut u8,
+            len: 4,
+            a: Src {
+                ptr: ((1 << 20) + src.region.offset) as *const u8,
+                scale: None,
+            },
+            b: None,
+            last: false,
+        };
+        steps.insert(0, xstep(reader));
+        let hints = Hazards::compute(&steps).hints;
+        assert!(!hints[first_send.unwrap() + 1]);
+        assert_eq!(hints.iter().filter(|&&h| h).count(), 19);
     }
 
     /// Which steps wait for which: write after read, read after write and write after write

@@ -155,6 +155,12 @@ pub(crate) struct OutMsg {
     /// that can have the receiver pull the message saves the sender a copy that would delay
     /// the rest of its run (shm pulls such messages from a lower size).
     pub sender_busy: bool,
+    /// This rank's next use of `src` is to receive, from the same peer, a message of the same
+    /// length into exactly these bytes (the other half of a two-rank all-reduce in place). A
+    /// receiver that folds the message and will send the result straight back
+    /// (`Sink::returns`) may write that result into `src` as it folds, while the bytes are
+    /// still in its cache, and later send only a notice (shm does, for pulled messages).
+    pub reply_here: bool,
 }
 
 /// What the receiver expects next on a channel.
@@ -189,8 +195,19 @@ pub(crate) struct SendCursor {
 pub(crate) struct RecvCursor {
     pub received: usize,
     pub started: bool,
-    /// A descriptor being pulled: (source address in the sender, total length, scale).
-    pub pulling: Option<(usize, usize, Option<Scale>)>,
+    /// A descriptor being pulled.
+    pub pulling: Option<Pulling>,
+}
+
+/// A message the receiver is copying out of the sender's buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pulling {
+    /// Its address in the sender.
+    pub src: usize,
+    pub total: usize,
+    pub scale: Option<Scale>,
+    /// The sender lets the receiver write its reply into `src` (`OutMsg::reply_here`).
+    pub reply_here: bool,
 }
 
 /// Where received bytes go. The executor implements it: a plain copy, or a reduction into the
@@ -202,6 +219,12 @@ pub(crate) trait Sink {
     fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()>;
     /// Bytes `[offset, offset + len)` were written straight into `direct()`.
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
+    /// Where the combined bytes are when this rank's next use of them is to send them,
+    /// unchanged and whole, back to the peer they came from (see `OutMsg::reply_here`). None
+    /// by default.
+    fn returns(&self) -> Option<*const u8> {
+        None
+    }
 }
 
 /// Whether a call moved anything; the executor sleeps only after a pass where nothing moved.
