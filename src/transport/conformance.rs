@@ -171,6 +171,7 @@ fn transfer(
                 scale: None,
                 tag: *tag,
                 sender_busy: false,
+                copied: false,
                 reply_here: false,
             };
             match tx.send(&m, &mut sends[i])?.state {

@@ -155,6 +155,11 @@ pub(crate) struct OutMsg {
     /// that can have the receiver pull the message saves the sender a copy that would delay
     /// the rest of its run (shm pulls such messages from a lower size).
     pub sender_busy: bool,
+    /// The operation reduces nothing, so the receiver copies these bytes as they are: one copy
+    /// out of the sender's buffer replaces a copy in and a copy out of a transport's buffer,
+    /// with no fold waiting behind it (shm pulls a busy sender's such messages from a lower
+    /// size still).
+    pub copied: bool,
     /// This rank's next use of `src` is to receive, from the same peer, a message of the same
     /// length into exactly these bytes (the other half of a two-rank all-reduce in place). A
     /// receiver that folds the message and will send the result straight back

@@ -72,9 +72,19 @@ const PULL_FROM_PROCESS: usize = 1 << 20;
 /// time, all-gather 0.70-0.85x, all-to-all 0.73-0.89x; reduce-scatter and in-place broadcast
 /// 1.1-1.5x slower when they pulled too (so they do not).
 const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
+/// Lower still when the receiver copies the bytes as they are (`OutMsg::copied`: nothing in
+/// the operation reduces) or may write its reply back (`OutMsg::reply_here`): the pull then
+/// replaces both slot copies with one. Two processes, single-size runs alternating against
+/// 512 KiB: all-gather 256-512 KiB 0.37-0.50x the time, all-to-all out of place 0.48-0.50x,
+/// all-reduce in place 0.46-0.52x; a folded message (all-reduce out of place) was 1.29x
+/// slower pulled at 128 KiB, so those keep the threshold above.
+const PULL_FROM_BUSY_COPY: usize = 128 << 10;
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
 const FLAG_REPLY_HERE: u32 = 2;
+
+/// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
+const PREFAULT_MAX: usize = 16 << 20;
 
 /// Bytes pulled per call, so one large message cannot starve the other channels of its thread.
 const PULL_BUDGET: usize = 4 << 20;
@@ -118,6 +128,11 @@ impl Geometry {
 
     fn slot_stride(&self) -> usize {
         SLOT_HEADER + self.slot_bytes
+    }
+
+    /// One sender's ring of slots.
+    fn fifo_bytes(&self) -> usize {
+        self.nslots * self.slot_stride()
     }
 
     fn slots_base(&self) -> usize {
@@ -284,6 +299,29 @@ impl Segment {
         unsafe { &*(self.slot(sender, seq) as *const AtomicU64) }
     }
 
+    /// Faults in the pages of `sender`'s FIFO in this mapping (MADV_POPULATE_WRITE, Linux
+    /// 5.14+; nothing on older kernels), so that the first messages through the slots do not
+    /// pay a page fault per 4 KiB in each process: about 0.4 ms for the default 1 MiB FIFO,
+    /// which a short run that had pulled everything before showed as 1.2-1.3x slower in-place
+    /// all-to-all calls for its first hundred calls.
+    fn prefault_fifo(&self, sender: usize) {
+        const MADV_POPULATE_WRITE: i32 = 23;
+        let len = self.geo.fifo_bytes();
+        let start = self.geo.slots_base() + sender * len;
+        let (from, to) = (start & !4095, (start + len).next_multiple_of(4096));
+        if to <= self.map.len() {
+            // SAFETY: the range lies inside the mapping; populating leaves the contents as
+            // they are.
+            unsafe {
+                libc::madvise(
+                    self.map.ptr().add(from).cast(),
+                    to - from,
+                    MADV_POPULATE_WRITE,
+                )
+            };
+        }
+    }
+
     fn slot(&self, sender: usize, seq: u64) -> *mut u8 {
         // Slot counts are powers of two unless set otherwise: a mask instead of a division
         // (tens of cycles, several times per message).
@@ -407,6 +445,9 @@ pub(crate) struct ShmPeer {
     pull_threshold: usize,
     /// The threshold for messages whose sender is busy (`OutMsg::sender_busy`).
     pull_threshold_busy: usize,
+    /// The threshold for a busy sender's messages that the receiver copies as they are
+    /// (`OutMsg::copied`) and for those that offer their buffer for the reply.
+    pull_threshold_copied: usize,
     scratch: Mutex<Option<os::HugeMem>>,
     /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`), whose
     /// sends go as a notice only.
@@ -648,7 +689,9 @@ impl Link for ShmPeer {
                 });
             }
         }
-        let threshold = if msg.sender_busy {
+        let threshold = if msg.reply_here || (msg.sender_busy && msg.copied) {
+            self.pull_threshold_copied
+        } else if msg.sender_busy {
             self.pull_threshold_busy
         } else {
             self.pull_threshold
@@ -1084,10 +1127,20 @@ pub(crate) fn connect(
                 );
             }
             local.pull_ok(r).store(can_pull as u32, Ordering::Release);
-            let (plain, busy) = match access {
-                Access::Direct => (PULL_FROM_THREAD, PULL_FROM_THREAD),
-                Access::Cma(_) => (PULL_FROM_PROCESS, PULL_FROM_BUSY_PROCESS),
+            let (plain, busy, copied) = match access {
+                Access::Direct => (PULL_FROM_THREAD, PULL_FROM_THREAD, PULL_FROM_THREAD),
+                Access::Cma(_) => (
+                    PULL_FROM_PROCESS,
+                    PULL_FROM_BUSY_PROCESS,
+                    PULL_FROM_BUSY_COPY,
+                ),
             };
+            // Both ends of both FIFOs with this peer, where the memory that takes stays small
+            // (every FIFO of a host with many ranks would be nranks^2 of them).
+            if nranks * local.geo.fifo_bytes() <= PREFAULT_MAX {
+                local.prefault_fifo(r);
+                remote.prefault_fifo(me);
+            }
             peers[r] = Some(Arc::new(ShmPeer {
                 me,
                 peer: r,
@@ -1098,6 +1151,7 @@ pub(crate) fn connect(
                     .then(|| ProcessWatch::new(placements[r].pid)),
                 pull_threshold: pull_threshold_set.unwrap_or(plain),
                 pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
+                pull_threshold_copied: pull_threshold_set.unwrap_or(copied),
                 scratch: Mutex::new(None),
                 returned: Mutex::new(Vec::new()),
                 tail_seen: AtomicU64::new(0),
@@ -1314,6 +1368,7 @@ mod tests {
             watch: None,
             pull_threshold,
             pull_threshold_busy: pull_threshold,
+            pull_threshold_copied: pull_threshold,
             scratch: Mutex::new(None),
             returned: Mutex::new(Vec::new()),
             tail_seen: AtomicU64::new(0),
@@ -1424,6 +1479,7 @@ mod tests {
             scale,
             tag,
             sender_busy: false,
+            copied: false,
             reply_here: false,
         }
     }
@@ -1694,6 +1750,49 @@ mod tests {
         let got = exchange(&a, &b, &msgs[1..], false);
         assert_eager(&got[0], &below, 4096, "below the threshold");
         assert_eq!(b.local.head(0).load(Ordering::Relaxed), 2 + 8);
+    }
+
+    /// Which threshold a message meets: the lowest for a busy sender's message that the
+    /// receiver copies as it is, or for one that offers its buffer for the reply; the middle one
+    /// for a busy sender's message that the receiver folds; the highest otherwise.
+    #[test]
+    fn each_kind_of_message_is_pulled_from_its_own_threshold() {
+        let (mut a, b) = pair(16, 4096, true, 64 << 10, Access::Direct);
+        a.pull_threshold_busy = 32 << 10;
+        a.pull_threshold_copied = 16 << 10;
+        let data = pattern(24 << 10, 9);
+        let cases = [
+            // (busy, copied, reply_here, pulled)
+            (true, true, false, true),
+            (true, false, false, false),
+            (false, true, false, false),
+            (false, false, true, true),
+            (false, false, false, false),
+        ];
+        for (busy, copied, reply_here, pulled) in cases {
+            let what = format!("busy {busy}, copied {copied}, reply_here {reply_here}");
+            let mut msg = out(&data, TAG, None);
+            (msg.sender_busy, msg.copied, msg.reply_here) = (busy, copied, reply_here);
+            let head = b.local.head(0).load(Ordering::Relaxed);
+            let mut got = vec![0u8; data.len()];
+            let mut sink = Fold {
+                dst: got.as_mut_ptr(),
+                len: data.len(),
+                direct: true,
+                returns: false,
+                pieces: Vec::new(),
+            };
+            let (first, r) = transfer(&a, &b, &msg, &mut sink);
+            r.unwrap();
+            assert_eq!(first == SendState::Posted, pulled, "{what}");
+            let slots = if pulled { 1 } else { 6 };
+            assert_eq!(
+                b.local.head(0).load(Ordering::Relaxed),
+                head + slots,
+                "{what}"
+            );
+            assert_eq!(got, data, "{what}");
+        }
     }
 
     /// A sender busy with receives of its own has its messages pulled from the lower threshold;
