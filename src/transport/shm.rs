@@ -77,8 +77,11 @@ const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// replaces both slot copies with one. Two processes, single-size runs alternating against
 /// 512 KiB: all-gather 256-512 KiB 0.37-0.50x the time, all-to-all out of place 0.48-0.50x,
 /// all-reduce in place 0.46-0.52x; a folded message (all-reduce out of place) was 1.29x
-/// slower pulled at 128 KiB, so those keep the threshold above.
-const PULL_FROM_BUSY_COPY: usize = 128 << 10;
+/// slower pulled at 128 KiB, so those keep the threshold above. 64 KiB against 128 KiB:
+/// all-gather 128 KiB 0.45-0.53, all-to-all 128 KiB out of place 0.51, all-reduce 128 KiB in
+/// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy); at
+/// 32 KiB an out-of-place all-gather of 64 KiB took 4x as long.
+const PULL_FROM_BUSY_COPY: usize = 64 << 10;
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
 const FLAG_REPLY_HERE: u32 = 2;
