@@ -79,8 +79,12 @@ const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// all-reduce in place 0.46-0.52x; a folded message (all-reduce out of place) was 1.29x
 /// slower pulled at 128 KiB, so those keep the threshold above. 64 KiB against 128 KiB:
 /// all-gather 128 KiB 0.45-0.53, all-to-all 128 KiB out of place 0.51, all-reduce 128 KiB in
-/// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy); at
-/// 32 KiB an out-of-place all-gather of 64 KiB took 4x as long.
+/// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy).
+/// Lower, most batches gain again (32 KiB: all-gather 64 KiB 0.59-0.66), but some runs fall
+/// into a slow mode: at 32 KiB an out-of-place all-gather of 64 KiB once took 4x as long, at
+/// 16 KiB an out-of-place all-to-all of 32 KiB 5x and an all-gather of 64 KiB 1.7x. A pulled
+/// send completes only when the peer has read it, so both ranks wait on each other twice per
+/// message; not investigated further.
 const PULL_FROM_BUSY_COPY: usize = 64 << 10;
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
