@@ -82,9 +82,10 @@ const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy).
 /// Lower, most batches gain again (32 KiB: all-gather 64 KiB 0.59-0.66), but some runs fall
 /// into a slow mode: at 32 KiB an out-of-place all-gather of 64 KiB once took 4x as long, at
-/// 16 KiB an out-of-place all-to-all of 32 KiB 5x and an all-gather of 64 KiB 1.7x. A pulled
-/// send completes only when the peer has read it, so both ranks wait on each other twice per
-/// message; not investigated further.
+/// 16 KiB an out-of-place all-to-all of 32 KiB 5x and an all-gather of 64 KiB 1.7x; and with
+/// 4 processes on 2 cores all-to-all and broadcast of 32-128 KiB were 1.2-1.6x slower (a
+/// pulled send completes only once the receiver has run, a context switch away when ranks
+/// share cores).
 const PULL_FROM_BUSY_COPY: usize = 64 << 10;
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
