@@ -80,13 +80,27 @@ const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// slower pulled at 128 KiB, so those keep the threshold above. 64 KiB against 128 KiB:
 /// all-gather 128 KiB 0.45-0.53, all-to-all 128 KiB out of place 0.51, all-reduce 128 KiB in
 /// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy).
-/// Lower, most batches gain again (32 KiB: all-gather 64 KiB 0.59-0.66), but some runs fall
-/// into a slow mode: at 32 KiB an out-of-place all-gather of 64 KiB once took 4x as long, at
-/// 16 KiB an out-of-place all-to-all of 32 KiB 5x and an all-gather of 64 KiB 1.7x; and with
-/// 4 processes on 2 cores all-to-all and broadcast of 32-128 KiB were 1.2-1.6x slower (a
-/// pulled send completes only once the receiver has run, a context switch away when ranks
-/// share cores).
+/// This one holds where the host has more ranks than CPUs: with 4 processes on 2 cores,
+/// all-to-all and broadcast of 32-128 KiB were 1.2-1.6x slower pulled from 16 KiB (a pulled
+/// send completes only once the receiver has run, a context switch away when ranks share
+/// cores).
 const PULL_FROM_BUSY_COPY: usize = 64 << 10;
+/// The same where this host's ranks fit its (online) CPUs, so that a receiver is running when
+/// a descriptor arrives: two processes, alternating against 64 KiB, all-gather 32-64 KiB
+/// 0.59-0.80x the time unpinned and 0.60-0.72 pinned, out-of-place all-to-all 0.67-0.79x,
+/// in-place all-to-all 1.04-1.07x (its blocks go through the slots either way), others
+/// unchanged. Single runs 3-7x slow (a 1-3 ms stall in a 100-call run) come with every
+/// threshold, the slots' path included.
+const PULL_FROM_BUSY_COPY_FITTING: usize = 16 << 10;
+
+/// The copied-message threshold for a host running `local_ranks` ranks on `cpus` CPUs.
+fn copied_threshold(local_ranks: usize, cpus: usize) -> usize {
+    if local_ranks <= cpus {
+        PULL_FROM_BUSY_COPY_FITTING
+    } else {
+        PULL_FROM_BUSY_COPY
+    }
+}
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
 const FLAG_REPLY_HERE: u32 = 2;
@@ -1020,6 +1034,7 @@ pub(crate) fn connect(
         .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
     let nonce = u64::from_ne_bytes(nonce_bytes);
     let local = Arc::new(Segment::create(me, geo, nonce)?);
+    let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
 
     let other_process: Vec<usize> = (0..nranks)
         .filter(|&r| paths[r] == Path::SameHost)
@@ -1140,7 +1155,7 @@ pub(crate) fn connect(
                 Access::Cma(_) => (
                     PULL_FROM_PROCESS,
                     PULL_FROM_BUSY_PROCESS,
-                    PULL_FROM_BUSY_COPY,
+                    copied_threshold(local_ranks, crate::topo::online_cpus()),
                 ),
             };
             // Both ends of both FIFOs with this peer, where the memory that takes stays small
@@ -1758,6 +1773,16 @@ mod tests {
         let got = exchange(&a, &b, &msgs[1..], false);
         assert_eager(&got[0], &below, 4096, "below the threshold");
         assert_eq!(b.local.head(0).load(Ordering::Relaxed), 2 + 8);
+    }
+
+    /// Copied messages are pulled from 16 KiB where the host's ranks fit its CPUs, from 64 KiB
+    /// where they share them.
+    #[test]
+    fn oversubscribed_hosts_pull_copied_messages_later() {
+        assert_eq!(copied_threshold(2, 2), 16 << 10);
+        assert_eq!(copied_threshold(1, 8), 16 << 10);
+        assert_eq!(copied_threshold(3, 2), 64 << 10);
+        assert_eq!(copied_threshold(8, 4), 64 << 10);
     }
 
     /// Which threshold a message meets: the lowest for a busy sender's message that the
