@@ -1920,9 +1920,14 @@ mod tests {
 
     fn send_8_bytes_late(w: &Wiring, data: &[u8; 8]) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
+        send_8_bytes(w, 0, data)
+    }
+
+    /// Runs a schedule of one step: `data` sent to `peer`.
+    fn send_8_bytes(w: &Wiring, peer: usize, data: &[u8; 8]) -> Result<()> {
         let mut s = Schedule::default();
         s.steps.push(Step::Send {
-            peer: 0,
+            peer,
             src: Operand::partial(Region::new(Buf::Send, 0, 8)),
         });
         s.send_extent = 8;
@@ -2136,24 +2141,7 @@ mod tests {
             if let Some(d) = later {
                 *m.mem[0][2].as_ref().unwrap().lost_from.lock() = Some((now + d, 2));
             }
-            let data = [0u8; 8];
-            let mut s = Schedule::default();
-            s.steps.push(Step::Send {
-                peer: 1,
-                src: Operand::partial(Region::new(Buf::Send, 0, 8)),
-            });
-            s.send_extent = 8;
-            let e = run_one(
-                &m.wirings[0],
-                HostOp {
-                    schedule: Arc::new(s),
-                    send: data.as_ptr(),
-                    recv: std::ptr::null_mut(),
-                    tag: ALL_REDUCE_TAG,
-                    reduction: None,
-                },
-            )
-            .expect_err("rank 1 is gone");
+            let e = send_8_bytes(&m.wirings[0], 1, &[0u8; 8]).expect_err("rank 1 is gone");
             let took = now.elapsed();
             assert_eq!(e.lost, Some(1), "{}", e.msg);
             assert!(e.msg.contains("rank 1 is gone"), "{}", e.msg);
@@ -2175,24 +2163,7 @@ mod tests {
     #[test]
     fn a_schedule_naming_a_missing_rank_is_refused() {
         let m = mesh(2, 1 << 20, Duration::from_secs(20));
-        let data = [0u8; 8];
-        let mut s = Schedule::default();
-        s.steps.push(Step::Send {
-            peer: 5,
-            src: Operand::partial(Region::new(Buf::Send, 0, 8)),
-        });
-        s.send_extent = 8;
-        let e = run_one(
-            &m.wirings[0],
-            HostOp {
-                schedule: Arc::new(s),
-                send: data.as_ptr(),
-                recv: std::ptr::null_mut(),
-                tag: ALL_REDUCE_TAG,
-                reduction: None,
-            },
-        )
-        .expect_err("rank 5 of 2");
+        let e = send_8_bytes(&m.wirings[0], 5, &[0u8; 8]).expect_err("rank 5 of 2");
         assert_eq!(e.kind, ErrorKind::Internal);
         assert!(e.msg.contains("rank 5 of 2"), "{}", e.msg);
         assert!(m.mem[0][1].as_ref().unwrap().out.msgs.lock().is_empty());

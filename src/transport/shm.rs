@@ -1808,13 +1808,7 @@ mod tests {
             (msg.sender_busy, msg.copied, msg.reply_here) = (busy, copied, reply_here);
             let head = b.local.head(0).load(Ordering::Relaxed);
             let mut got = vec![0u8; data.len()];
-            let mut sink = Fold {
-                dst: got.as_mut_ptr(),
-                len: data.len(),
-                direct: true,
-                returns: false,
-                pieces: Vec::new(),
-            };
+            let mut sink = Fold::landing(&mut got);
             let (first, r) = transfer(&a, &b, &msg, &mut sink);
             r.unwrap();
             assert_eq!(first == SendState::Posted, pulled, "{what}");
@@ -1918,6 +1912,28 @@ mod tests {
         pieces: Vec<(usize, usize)>,
     }
 
+    impl Fold {
+        /// Folds into `buf`, whose result goes back to the sender.
+        fn returning(buf: &mut [u8]) -> Fold {
+            Fold::over(buf, false, true)
+        }
+
+        /// Takes the bytes straight into `buf`.
+        fn landing(buf: &mut [u8]) -> Fold {
+            Fold::over(buf, true, false)
+        }
+
+        fn over(buf: &mut [u8], direct: bool, returns: bool) -> Fold {
+            Fold {
+                dst: buf.as_mut_ptr(),
+                len: buf.len(),
+                direct,
+                returns,
+                pieces: Vec::new(),
+            }
+        }
+    }
+
     impl Sink for Fold {
         fn direct(&mut self) -> Option<*mut u8> {
             self.direct.then_some(self.dst)
@@ -1997,13 +2013,7 @@ mod tests {
                 let (mut abuf, mut bbuf) = (a0.clone(), b0.clone());
                 let mut msg = out(&abuf, TAG, None);
                 msg.reply_here = offered;
-                let mut fold = Fold {
-                    dst: bbuf.as_mut_ptr(),
-                    len,
-                    direct: false,
-                    returns: true,
-                    pieces: Vec::new(),
-                };
+                let mut fold = Fold::returning(&mut bbuf);
                 let (first, r) = transfer(&a, &b, &msg, &mut fold);
                 r.unwrap();
                 assert_eq!(first, SendState::Posted, "{what}: pulled");
@@ -2014,13 +2024,7 @@ mod tests {
                 assert_eq!(abuf == folded, offered, "{what}: written back");
                 let heads = a.local.head(1).load(Ordering::Relaxed);
                 let reply = out(&bbuf, TAG, None);
-                let mut land = Fold {
-                    dst: abuf.as_mut_ptr(),
-                    len,
-                    direct: true,
-                    returns: false,
-                    pieces: Vec::new(),
-                };
+                let mut land = Fold::landing(&mut abuf);
                 let (first, r) = transfer(&b, &a, &reply, &mut land);
                 r.unwrap();
                 let expect = if offered {
@@ -2036,32 +2040,20 @@ mod tests {
             }
             // A notice whose address is not where the receive lands.
             let (a, b) = pair(4, 4096, true, 32 << 10, access);
-            let (mut abuf, mut bbuf) = (pattern(len, 1), pattern(len, 2));
+            let (abuf, mut bbuf) = (pattern(len, 1), pattern(len, 2));
             let mut msg = out(&abuf, TAG, None);
             msg.reply_here = true;
-            let mut fold = Fold {
-                dst: bbuf.as_mut_ptr(),
-                len,
-                direct: false,
-                returns: true,
-                pieces: Vec::new(),
-            };
-            transfer(&a, &b, &msg, &mut fold).1.unwrap();
+            transfer(&a, &b, &msg, &mut Fold::returning(&mut bbuf))
+                .1
+                .unwrap();
             let mut elsewhere = vec![0u8; len];
-            let mut land = Fold {
-                dst: elsewhere.as_mut_ptr(),
-                len,
-                direct: true,
-                returns: false,
-                pieces: Vec::new(),
-            };
+            let mut land = Fold::landing(&mut elsewhere);
             let e = transfer(&b, &a, &out(&bbuf, TAG, None), &mut land)
                 .1
                 .unwrap_err();
             assert_eq!(e.kind, crate::error::ErrorKind::Internal, "{}", e.msg);
             assert!(e.msg.contains("does not land"), "{}", e.msg);
             assert!(elsewhere.iter().all(|&x| x == 0));
-            let _ = &mut abuf;
         }
     }
 
