@@ -176,12 +176,12 @@ pub(crate) fn simulate_end() -> Result<f32> {
 /// Queues a call in the current group, or runs it now outside of one. `call` comes straight
 /// from `Comm::check_call`, which also found the communicator usable; a collective of zero
 /// elements never gets here (`ffi::coll::submit` stops it after `Comm::check_kind`).
-pub(crate) fn submit(comm: Arc<Comm>, call: Call) -> Result<()> {
+pub(crate) fn submit(comm: &Arc<Comm>, call: Call) -> Result<()> {
     if in_group() {
-        GROUP.with(|g| g.borrow_mut().calls.push((comm, call)));
+        GROUP.with(|g| g.borrow_mut().calls.push((comm.clone(), call)));
         Ok(())
     } else {
-        run_one(&comm, &call)
+        run_one(comm, &call)
     }
 }
 

@@ -360,6 +360,50 @@ fn init_arguments_are_checked() {
     init_errors().unwrap();
 }
 
+/// Each thread keeps the communicator it called last (`ffi::lane::with_comm`): once another
+/// thread destroys it, the kept one must not serve a call, which fails as use after destroy.
+#[test]
+fn a_communicator_destroyed_elsewhere_is_not_served_from_a_thread_that_kept_it() {
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    assert_eq!(unsafe { ncclCommInitRank(&mut c, 1, unique_id(), 0) }, OK);
+    let handle = c as usize;
+    let (to_main, from_user) = std::sync::mpsc::channel::<ncclResult_t>();
+    let (to_user, from_main) = std::sync::mpsc::channel::<()>();
+    let user = std::thread::spawn(move || {
+        let c = handle as ncclComm_t;
+        let (send, mut recv) = ([3.0f32; 5], [0.0f32; 5]);
+        let call = |recv: &mut [f32; 5], count| unsafe {
+            ncclAllReduce(
+                send.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                count,
+                FLOAT,
+                SUM,
+                c,
+                S,
+            )
+        };
+        // A zero-element call and a real one, both on the kept communicator.
+        to_main.send(call(&mut recv, 0)).unwrap();
+        to_main.send(call(&mut recv, 5)).unwrap();
+        assert_eq!(recv, [3.0; 5]);
+        from_main.recv().unwrap();
+        let after = call(&mut recv, 0);
+        let msg = last_error();
+        assert!(msg.contains("destroyed"), "{msg}");
+        to_main.send(after).unwrap();
+    });
+    assert_eq!(from_user.recv().unwrap(), OK);
+    assert_eq!(from_user.recv().unwrap(), OK);
+    assert_eq!(unsafe { ncclCommDestroy(c) }, OK);
+    to_user.send(()).unwrap();
+    assert_eq!(
+        from_user.recv_timeout(Duration::from_secs(60)).unwrap(),
+        ncclResult_t::ncclInvalidArgument
+    );
+    user.join().unwrap();
+}
+
 #[test]
 fn panics_and_strings() {
     unsafe {

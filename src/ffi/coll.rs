@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 /// Validates and submits one call (now, or at the end of the group).
 fn submit(
-    c: Arc<Comm>,
+    c: &Arc<Comm>,
     coll: Collective,
     send: *const c_void,
     recv: *mut c_void,

@@ -340,6 +340,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
         let cfg = unsafe { config_from(config) }?;
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
+        let c = c.clone();
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe { start_derive(newcomm, blocking, move || c.split(color, key, cfg)) }
     })
@@ -390,6 +391,7 @@ pub unsafe extern "C" fn ncclCommShrink(
         let cfg = unsafe { config_from(config) }?;
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
         let abort_first = shrinkFlags & NCCL_SHRINK_ABORT != 0;
+        let c = c.clone();
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe {
             start_derive(newcomm, blocking, move || {

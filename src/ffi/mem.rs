@@ -201,6 +201,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
             .check_usable()
             .and_then(|_| window_args(buff, size, winFlags));
         let (b, w) = (buff as usize, win as usize);
+        let c = c.clone();
         one_sided(comm, crate::group::Phase::Collective, move || {
             let h = window::register(&c.window_members(), b, size, winFlags, false, pre)?;
             // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
@@ -416,6 +417,7 @@ pub unsafe extern "C" fn ncclSignal(
         reserved_zero(sigIdx, ctx, flags)?;
         let on = crate::cuda::Stream(stream as *mut c_void);
         window::check_peer(&c.window_members(), peer)?;
+        let c = c.clone();
         one_sided(comm, crate::group::Phase::Issue, move || {
             window::signal(&c.window_members(), peer, Some(on))
         })
@@ -469,6 +471,7 @@ pub unsafe extern "C" fn ncclWaitSignal(
             return window::wait_signals(&c.window_members(), descs);
         }
         let descs: Vec<(usize, u64)> = descs.collect();
+        let c = c.clone();
         one_sided(comm, crate::group::Phase::Wait, move || {
             window::wait_signals(&c.window_members(), descs)
         })

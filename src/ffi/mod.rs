@@ -189,14 +189,15 @@ pub(crate) fn reported(
 pub(crate) fn guard_comm(
     func: &'static str,
     comm: ncclComm_t,
-    body: impl FnOnce(Arc<Comm>) -> Result<()>,
+    body: impl FnOnce(&Arc<Comm>) -> Result<()>,
 ) -> ncclResult_t {
     let mut rank: Option<i32> = None;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let c = comm_of(comm)?;
-        rank = Some(c.rank as i32);
-        let _scope = crate::log::rank_scope(c.rank as i32);
-        body(c)
+        lane::with_comm(comm, |c| {
+            rank = Some(c.rank as i32);
+            let _scope = crate::log::rank_scope(c.rank as i32);
+            body(c)
+        })
     }));
     outcome(func, comm, r, rank)
 }
