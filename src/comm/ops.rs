@@ -483,11 +483,23 @@ impl Comm {
     /// Turns a validated call into an operation, numbering it. Called in issue order when the
     /// group runs, identically on every rank.
     pub(crate) fn prepare(&self, call: &Call) -> Result<HostOp> {
-        let seq = match call.coll {
-            Collective::Send { .. } | Collective::Recv { .. } => 0,
-            _ => self.seq.fetch_add(1, Ordering::SeqCst),
-        };
+        let seq = self.number(call);
         self.build(call, seq)
+    }
+
+    /// The number of a collective in this communicator's sequence (0 for point-to-point
+    /// calls, which match by order). Calls on one communicator are issued one at a time, as
+    /// NCCL requires, so a plain load and store do: no locked instruction, which would wait
+    /// for the previous call's stores into a peer's FIFO to reach that peer's core.
+    fn number(&self, call: &Call) -> u64 {
+        match call.coll {
+            Collective::Send { .. } | Collective::Recv { .. } => 0,
+            _ => {
+                let s = self.seq.load(Ordering::Relaxed);
+                self.seq.store(s + 1, Ordering::Relaxed);
+                s
+            }
+        }
     }
 
     /// Turns a group's validated device calls into one program on their stream.
@@ -511,10 +523,7 @@ impl Comm {
         let mut offsets = Vec::with_capacity(calls.len());
         let mut scratch = 0usize;
         for call in calls {
-            let seq = match call.coll {
-                Collective::Send { .. } | Collective::Recv { .. } => 0,
-                _ => self.seq.fetch_add(1, Ordering::SeqCst),
-            };
+            let seq = self.number(call);
             let op = self.build_with_slice(call, seq, world.slot_bytes)?;
             offsets.push(scratch);
             scratch += op.schedule.scratch.next_multiple_of(256);

@@ -267,6 +267,9 @@ struct Tables {
     ready_local: Vec<u32>,
     /// The local steps that wait for nothing, in the order `ready_local` starts with.
     first_local: Vec<u32>,
+    /// The steps' dependents (`Hazards::edges`) as last built: a repeated call keeps them
+    /// without touching a reference count.
+    edges: Arc<[u32]>,
 }
 
 /// One peer's sends or receives in schedule order, and how many are done. The list stays
@@ -319,7 +322,6 @@ unsafe impl Send for ExecCache {}
 struct Exec<'a> {
     wiring: &'a Wiring,
     t: &'a mut Tables,
-    edges: Arc<[u32]>,
     remaining: usize,
     /// Some operation of the run copies received bytes in (`OutMsg::sender_busy`).
     busy: bool,
@@ -419,8 +421,7 @@ impl<'a> Exec<'a> {
                     s.send = SendCursor::default();
                     s.recv = RecvCursor::default();
                 }
-                let edges = b.hazards.edges.clone();
-                return Ok(Exec::rewind(wiring, t, edges));
+                return Ok(Exec::rewind(wiring, t));
             }
         }
         *built = None;
@@ -500,13 +501,13 @@ impl<'a> Exec<'a> {
             s.dependents = hazards.count[i];
             s.hint = hazards.hints[i];
         }
-        let edges = hazards.edges.clone();
-        Ok(Exec::queue(wiring, t, edges))
+        t.edges = hazards.edges.clone();
+        Ok(Exec::queue(wiring, t))
     }
 
     /// The executor over newly built steps: every step queued behind its peer's earlier ones,
     /// and the local steps that wait for nothing ready to run.
-    fn queue(wiring: &'a Wiring, t: &'a mut Tables, edges: Arc<[u32]>) -> Exec<'a> {
+    fn queue(wiring: &'a Wiring, t: &'a mut Tables) -> Exec<'a> {
         let npeers = wiring.links.len();
         for q in t.send_q.iter_mut().chain(t.recv_q.iter_mut()) {
             q.steps.clear();
@@ -531,11 +532,11 @@ impl<'a> Exec<'a> {
         t.peers.extend(
             (0..npeers).filter(|&p| !send_q[p].steps.is_empty() || !recv_q[p].steps.is_empty()),
         );
-        Exec::rewind(wiring, t, edges)
+        Exec::rewind(wiring, t)
     }
 
     /// The executor over steps queued before (by `queue`), from their start.
-    fn rewind(wiring: &'a Wiring, t: &'a mut Tables, edges: Arc<[u32]>) -> Exec<'a> {
+    fn rewind(wiring: &'a Wiring, t: &'a mut Tables) -> Exec<'a> {
         for &p in &t.peers {
             t.send_q[p].head = 0;
             t.recv_q[p].head = 0;
@@ -548,7 +549,6 @@ impl<'a> Exec<'a> {
         Exec {
             wiring,
             t,
-            edges,
             remaining,
             busy,
         }
@@ -560,7 +560,7 @@ impl<'a> Exec<'a> {
             step.first_dependent as usize..(step.first_dependent + step.dependents) as usize;
         self.remaining -= 1;
         for k in range {
-            let d = self.edges[k];
+            let d = self.t.edges[k];
             let s = &mut self.t.steps[d as usize];
             s.waiting_on -= 1;
             if s.waiting_on == 0 && matches!(s.action, Action::Local { .. }) {

@@ -445,6 +445,39 @@ struct WrittenBack {
     remote: usize,
 }
 
+/// The write-backs whose sends are still to come. Every send looks here first, so an empty
+/// list must cost no lock: a locked instruction waits until the previous message's stores
+/// into the peer's FIFO have reached the peer's core.
+#[derive(Default)]
+struct WrittenBackList {
+    list: Mutex<Vec<WrittenBack>>,
+    /// Whether `list` may hold something. Pushes and takes happen in the executor that owns
+    /// the link, one at a time (its communicator's lock orders successive runs).
+    any: AtomicBool,
+}
+
+impl WrittenBackList {
+    fn push(&self, w: WrittenBack) {
+        self.list.lock().push(w);
+        self.any.store(true, Ordering::Relaxed);
+    }
+
+    fn take(&self, msg: &OutMsg) -> Option<WrittenBack> {
+        if !self.any.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut list = self.list.lock();
+        let at = list
+            .iter()
+            .position(|w| w.tag == msg.tag && w.local == msg.src as usize && w.len == msg.len)?;
+        let w = list.swap_remove(at);
+        if list.is_empty() {
+            self.any.store(false, Ordering::Relaxed);
+        }
+        Some(w)
+    }
+}
+
 /// How a receiver reads a sender's buffer in the pull protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Access {
@@ -473,7 +506,7 @@ pub(crate) struct ShmPeer {
     scratch: Mutex<Option<os::HugeMem>>,
     /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`), whose
     /// sends go as a notice only.
-    returned: Mutex<Vec<WrittenBack>>,
+    returned: WrittenBackList,
     /// The last value of the peer's tail this rank read (a lower bound of the real one).
     tail_seen: AtomicU64,
     /// The peer's `running_on` and heartbeat as last read, and since when they have had
@@ -574,11 +607,7 @@ impl ShmPeer {
 
     /// The write-back that carried `msg`'s bytes already, if any (taken off the list).
     fn take_written_back(&self, msg: &OutMsg) -> Option<WrittenBack> {
-        let mut list = self.returned.lock();
-        let at = list
-            .iter()
-            .position(|w| w.tag == msg.tag && w.local == msg.src as usize && w.len == msg.len)?;
-        Some(list.swap_remove(at))
+        self.returned.take(msg)
     }
 
     /// Writes bytes `[off, off+n)` of the sink's result `d` into the sender's buffer at `src`.
@@ -694,7 +723,7 @@ impl Link for ShmPeer {
         if !cur.started {
             if let Some(w) = self.take_written_back(msg) {
                 if head - tail >= nslots {
-                    self.returned.lock().push(w);
+                    self.returned.push(w);
                     return Ok(Progress {
                         state: SendState::Pending,
                         moved: false,
@@ -793,7 +822,7 @@ impl Link for ShmPeer {
                 }
                 cur.pulling = None;
                 if let Some(d) = write_back(p, sink) {
-                    self.returned.lock().push(WrittenBack {
+                    self.returned.push(WrittenBack {
                         tag: expect.tag,
                         local: d as usize,
                         len: p.total,
@@ -1176,7 +1205,7 @@ pub(crate) fn connect(
                 pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
                 pull_threshold_copied: pull_threshold_set.unwrap_or(copied),
                 scratch: Mutex::new(None),
-                returned: Mutex::new(Vec::new()),
+                returned: WrittenBackList::default(),
                 tail_seen: AtomicU64::new(0),
                 beat_seen: Mutex::new(None),
             }));
@@ -1393,7 +1422,7 @@ mod tests {
             pull_threshold_busy: pull_threshold,
             pull_threshold_copied: pull_threshold,
             scratch: Mutex::new(None),
-            returned: Mutex::new(Vec::new()),
+            returned: WrittenBackList::default(),
             tail_seen: AtomicU64::new(0),
             beat_seen: Mutex::new(None),
         };
@@ -2036,7 +2065,7 @@ mod tests {
                 assert_eq!(a.local.head(1).load(Ordering::Relaxed), heads + 1, "{what}");
                 assert_eq!(land.pieces, vec![(0, len)], "{what}");
                 assert_eq!(abuf, folded, "{what}: the reply landed");
-                assert!(b.returned.lock().is_empty(), "{what}");
+                assert!(b.returned.list.lock().is_empty(), "{what}");
             }
             // A notice whose address is not where the receive lands.
             let (a, b) = pair(4, 4096, true, 32 << 10, access);
