@@ -1048,14 +1048,56 @@ fn stuck(cpu: u32, peer: (u32, Activity), stalled: impl FnOnce() -> bool) -> boo
     peer.0 == cpu || (peer.1 != Activity::Outside && stalled())
 }
 
+/// A peer on this host as a waiting rank sees it: the CPU it last said it runs on, whether it
+/// polls there, whether it is stuck behind this rank (`stuck`), and whether its rank is above
+/// this one's.
+#[derive(Clone, Copy, Debug)]
+struct PeerSeen {
+    cpu: u32,
+    polling: bool,
+    stuck: bool,
+    above: bool,
+}
+
+/// What a rank on `cpu` does about the peers it sees.
+#[derive(Debug, PartialEq, Eq)]
+enum Crowding {
+    /// Nobody is stuck behind it.
+    Alone,
+    /// Someone is: it gives the core up for a while.
+    GiveWay,
+    /// Someone is: it moves to another CPU, not to one of these.
+    Move { avoid: Vec<u32> },
+}
+
+fn crowding<I: Iterator<Item = PeerSeen>>(cpu: u32, peers: impl Fn() -> I) -> Crowding {
+    if !peers().any(|p| p.stuck) {
+        return Crowding::Alone;
+    }
+    // Two ranks on one CPU each find the other there. Were both to move, they would land
+    // together on the same free CPU (they take turns on this one, so both get to decide):
+    // only the higher rank moves, the lower one gives it the core.
+    if peers().any(|p| p.cpu == cpu && p.above) {
+        return Crowding::GiveWay;
+    }
+    // Where a peer polls is taken, even if it shows no sign of life: a peer moving to another
+    // CPU said where to first and is silent until it lands there (tens of microseconds), and
+    // this rank must not land there too.
+    let avoid = peers()
+        .filter(|p| p.polling && p.cpu != cpu)
+        .map(|p| p.cpu)
+        .collect();
+    Crowding::Move { avoid }
+}
+
 /// Whether a peer on this host is stuck behind this rank (see `drive`): it last ran on this
 /// CPU (polling, asleep or between operations: it cannot run here while this rank does, so it
 /// waits for this CPU or moved since), or it polls or sleeps with no sign of life for
 /// `STALLED_AFTER` (it waits in some CPU's queue: moved there by the scheduler after it last
 /// said where it runs, or woken onto a busy CPU). Then this rank moves to another CPU it may
-/// use where no running peer polls, and the answer is false; or, where there is none, true
-/// (the caller sleeps and so gives the core up). Also tells the peers where this rank polls,
-/// and that it runs.
+/// use where no peer polls (`crowding`), and the answer is false; or, where there is none or
+/// it leaves the move to a peer, true (the caller gives the core up). Also tells the peers
+/// where this rank polls, and that it runs.
 fn crowded(execs: &[Exec], now: Instant) -> bool {
     if !execs.iter().all(|e| e.wiring.spread) {
         return false;
@@ -1063,16 +1105,21 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
     let Some(cpu) = this_cpu() else {
         return false;
     };
-    // Every peer on this host that said where it runs: its CPU, whether it polls, and whether
-    // it is stuck (the common answer, nobody here, allocates nothing).
+    // Every peer on this host that said where it runs: its CPU, whether it polls, whether it
+    // is stuck, and whether its rank is above this one's (the common answer, nobody here,
+    // allocates nothing).
     let peers = || {
         execs.iter().flat_map(|e| {
             let me = e.wiring.rank;
             let links = e.wiring.links.iter().enumerate();
             links.filter_map(move |(p, l)| {
                 let (c, what) = l.peer_running_on().filter(|_| p != me)?;
-                let stuck = stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER));
-                Some((c, what == Activity::Polling, stuck))
+                Some(PeerSeen {
+                    cpu: c,
+                    polling: what == Activity::Polling,
+                    stuck: stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER)),
+                    above: p > me,
+                })
             })
         })
     };
@@ -1080,9 +1127,11 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
         e.wiring.doorbell.set_running_on(cpu, Activity::Polling);
         e.wiring.doorbell.heartbeat();
     }
-    if !peers().any(|(_, _, stuck)| stuck) {
-        return false;
-    }
+    let avoid = match crowding(cpu, peers) {
+        Crowding::Alone => return false,
+        Crowding::GiveWay => return true,
+        Crowding::Move { avoid } => avoid,
+    };
     // Wake-ups pull a woken rank onto its waker's CPU, so ranks that sleep now and then end up
     // sharing one CPU while another is free; moving costs tens of microseconds, so not too
     // often: at most once per MOVE_EVERY for the thread, whatever the number of calls (a
@@ -1091,12 +1140,6 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
         return true;
     }
     LAST_MOVE.set(Some(now));
-    // Only where a running peer polls is taken: a stuck peer's CPU is where it last ran, not
-    // where it waits.
-    let avoid: Vec<u32> = peers()
-        .filter(|&(_, polling, stuck)| polling && !stuck)
-        .map(|(c, _, _)| c)
-        .collect();
     // Peers learn the destination before the move: one that runs on this CPU meanwhile must
     // not take this rank for stuck there and move too, onto the destination.
     let moved = crate::transport::os::move_off_cpu(cpu, &avoid, |to| {
@@ -1211,11 +1254,19 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         let now = Instant::now();
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
-        // A peer whose progress loop last ran on the CPU this rank runs on now is not running:
-        // it waits for this core. Spinning or yielding (the core may go to some other task)
-        // only delays it; sleeping hands it the core at once.
+        // A peer stuck behind this rank (see `crowded`) is not running: spinning only delays
+        // it. Where the host's ranks fit its CPUs, yield through the spin window: the core goes
+        // to the peer if it waits for this one, and the rank stays runnable, so nothing wakes
+        // it onto its waker's CPU (sleeping ranks were woken next to each other and took
+        // 5-15 us a call for the first milliseconds of one run in five). Then, or with more
+        // ranks than CPUs, sleep, which hands the core over whatever else runs.
         let crowded = crowded(execs, now);
         if idle < execs[0].wiring.spin && !crowded {
+            continue;
+        }
+        if crowded && execs[0].wiring.spread && idle < execs[0].wiring.spin {
+            std::thread::yield_now();
+            spins = spins.wrapping_add(63);
             continue;
         }
         if idle < execs[0].wiring.spin + execs[0].wiring.yield_for && !crowded {
@@ -1450,6 +1501,43 @@ mod tests {
             assert!(!stuck(3, (1, what), || false), "{what:?} elsewhere, alive");
         }
         assert!(!stuck(3, (1, Outside), never), "outside, elsewhere");
+    }
+
+    /// A rank on CPU 3 and what it does about its peers: nothing when none is stuck; when
+    /// two share its CPU only the higher moves; a move avoids every CPU where a peer polls,
+    /// stalled or not (a moving peer is silent), but not CPUs where peers sleep.
+    #[test]
+    fn only_the_higher_of_two_ranks_on_one_cpu_moves_and_never_onto_a_polling_peer() {
+        let seen = |cpu, polling, stuck, above| PeerSeen {
+            cpu,
+            polling,
+            stuck,
+            above,
+        };
+        let of = |v: Vec<PeerSeen>| crowding(3, move || v.clone().into_iter());
+        assert_eq!(of(vec![]), Crowding::Alone);
+        assert_eq!(of(vec![seen(1, true, false, true)]), Crowding::Alone);
+        // Both on CPU 3: the lower rank gives way, the higher one moves.
+        assert_eq!(of(vec![seen(3, true, true, true)]), Crowding::GiveWay);
+        assert_eq!(
+            of(vec![seen(3, true, true, false)]),
+            Crowding::Move { avoid: vec![] }
+        );
+        // A peer that announced CPU 0 and went silent while it moves there: this rank, stuck
+        // behind nobody else, must not follow it to 0.
+        assert_eq!(
+            of(vec![seen(0, true, true, false)]),
+            Crowding::Move { avoid: vec![0] }
+        );
+        assert_eq!(
+            of(vec![
+                seen(3, false, true, false),
+                seen(0, true, false, true),
+                seen(1, false, false, true),
+                seen(2, true, true, false),
+            ]),
+            Crowding::Move { avoid: vec![0, 2] }
+        );
     }
 
     #[test]
