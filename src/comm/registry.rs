@@ -1,6 +1,8 @@
-//! Communicator handles. A handle is a number that is never reused, looked up in a table on
-//! every call: a destroyed communicator is recognised as such instead of being dereferenced, and
-//! a communicator whose non-blocking initialisation is still running has a valid handle already.
+//! Communicator handles. A handle is a number that is never reused, looked up in a table: a
+//! destroyed communicator is recognised as such instead of being dereferenced, and a
+//! communicator whose non-blocking initialisation is still running has a valid handle already.
+//! Calls skip the table while the thread's last communicator is still the one they name and
+//! no communicator was destroyed or aborted since (`ffi::lane::with_comm`).
 
 use super::Comm;
 use crate::error::{Error, ErrorKind, Result};
