@@ -1254,22 +1254,23 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         let now = Instant::now();
         let started = *started.get_or_insert(now);
         let idle = now - *idle_since.get_or_insert(now);
-        // A peer stuck behind this rank (see `crowded`) is not running: spinning only delays
-        // it. Where the host's ranks fit its CPUs, yield through the spin window: the core goes
-        // to the peer if it waits for this one, and the rank stays runnable, so nothing wakes
-        // it onto its waker's CPU (sleeping ranks were woken next to each other and took
-        // 5-15 us a call for the first milliseconds of one run in five). Then, or with more
-        // ranks than CPUs, sleep, which hands the core over whatever else runs.
+        // A peer stuck behind this rank (see `crowded`, which answers only where the host's
+        // ranks fit its CPUs) is not running: spinning only delays it. Yield through the spin
+        // window instead: the core goes to the peer if it waits for this one, and the rank
+        // stays runnable, so nothing wakes it onto its waker's CPU (sleeping ranks were woken
+        // next to each other and took 5-15 us a call for the first milliseconds of one run in
+        // five). Then sleep, which hands the core over whatever else runs.
         let crowded = crowded(execs, now);
-        if idle < execs[0].wiring.spin && !crowded {
+        let w = execs[0].wiring;
+        if idle < w.spin && !crowded {
             continue;
         }
-        if crowded && execs[0].wiring.spread && idle < execs[0].wiring.spin {
-            std::thread::yield_now();
-            spins = spins.wrapping_add(63);
-            continue;
-        }
-        if idle < execs[0].wiring.spin + execs[0].wiring.yield_for && !crowded {
+        let yield_until = if crowded {
+            w.spin
+        } else {
+            w.spin + w.yield_for
+        };
+        if idle < yield_until {
             std::thread::yield_now();
             spins = spins.wrapping_add(63);
             continue;

@@ -462,6 +462,7 @@ impl WrittenBackList {
         self.any.store(true, Ordering::Relaxed);
     }
 
+    /// The write-back that carried `msg`'s bytes already, if any (taken off the list).
     fn take(&self, msg: &OutMsg) -> Option<WrittenBack> {
         if !self.any.load(Ordering::Relaxed) {
             return None;
@@ -605,11 +606,6 @@ impl ShmPeer {
         self.remote.ring();
     }
 
-    /// The write-back that carried `msg`'s bytes already, if any (taken off the list).
-    fn take_written_back(&self, msg: &OutMsg) -> Option<WrittenBack> {
-        self.returned.take(msg)
-    }
-
     /// Writes bytes `[off, off+n)` of the sink's result `d` into the sender's buffer at `src`.
     fn put_back(&self, d: *const u8, src: usize, off: usize, n: usize) -> Result<()> {
         match self.access {
@@ -721,7 +717,7 @@ impl Link for ShmPeer {
         // The peer published whether it may pull from us in our FIFO's control block, in its segment.
         let peer_can_pull = self.remote.pull_ok(self.me).load(Ordering::Acquire) != 0;
         if !cur.started {
-            if let Some(w) = self.take_written_back(msg) {
+            if let Some(w) = self.returned.take(msg) {
                 if head - tail >= nslots {
                     self.returned.push(w);
                     return Ok(Progress {
