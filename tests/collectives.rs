@@ -17,7 +17,11 @@ use std::time::Duration;
 type Body = fn(&Ctx, &str) -> Result<(), String>;
 
 /// Every scenario by name: the process tests launch one, the thread tests call one.
-const SCENARIOS: &[(&str, Body)] = &[("matrix", matrix_at_level), ("large", large)];
+const SCENARIOS: &[(&str, Body)] = &[
+    ("matrix", matrix_at_level),
+    ("large", large),
+    ("passed_on", passed_on),
+];
 
 /// The collective x datatype x op matrix: "full" or the small set.
 fn matrix_at_level(ctx: &Ctx, level: &str) -> Result<(), String> {
@@ -32,6 +36,19 @@ fn large(ctx: &Ctx, _level: &str) -> Result<(), String> {
     run_case(ctx, Coll::ReduceScatter, 7, SUM, count / ctx.n, false)?;
     run_case(ctx, Coll::AllGather, 7, SUM, count / ctx.n, true)?;
     run_case(ctx, Coll::Broadcast, 7, SUM, count, false)
+}
+
+/// Out-of-place all-reduces of 32 MiB and more (plus an odd element), which two processes fold
+/// and pass on slice by slice, the folded bytes going into the FIFO's slots and, with
+/// non-temporal stores, into the receive buffer as they are folded: a narrow float, an
+/// integer average (its division comes after the fold), a scaled sum, one-byte elements and a
+/// product.
+fn passed_on(ctx: &Ctx, _level: &str) -> Result<(), String> {
+    for (dt, op) in [(9, SUM), (2, AVG), (8, PREMULSUM), (0, MAX), (5, PROD)] {
+        let count = (32 << 20) / size_of(dt) + 3;
+        run_case(ctx, Coll::AllReduce, dt, op, count, false)?;
+    }
+    Ok(())
 }
 
 fn scenario(comm: ncclComm_t, rank: usize, n: usize, name: &str, arg: &str) -> Result<(), String> {
@@ -154,6 +171,11 @@ fn matrix_8_threads() {
 #[test]
 fn large_float_2_processes() {
     processes(2, "large", "", 10);
+}
+
+#[test]
+fn passed_on_2_processes() {
+    processes(2, "passed_on", "", 10);
 }
 
 #[test]

@@ -333,6 +333,11 @@ type Range = (usize, usize);
 /// that explains it (`Exec::with_other_losses`).
 const LOSS_GRACE: Duration = Duration::from_millis(200);
 
+/// Operations whose output is at least this large write received bytes that are not read
+/// again in the run with non-temporal stores (`RecvSink::stream`), and forward folded bytes
+/// (`Sink::forwards`): the size from which a two-rank all-reduce is scheduled for that.
+const STREAM_FROM: usize = crate::algo::ring::FUSE_FROM;
+
 /// Bytes received from one peer in one pass before the executor turns to other work.
 const RECV_BYTES_PER_PASS: usize = 256 << 10;
 
@@ -679,24 +684,39 @@ impl<'a> Exec<'a> {
     fn drive_recv(&mut self, i: u32) -> Result<(bool, bool)> {
         let tag = self.tag(i);
         let reduction = self.reduction(i);
-        let step = &mut self.t.steps[i as usize];
         let Action::Recv {
             peer,
             dst,
             len,
             with,
             last,
-        } = step.action
+        } = self.t.steps[i as usize].action
         else {
             unreachable!("receive queue holds a non-receive step")
         };
+        let (hint, op) = (self.t.steps[i as usize].hint, self.t.steps[i as usize].op);
+        let stream = self.t.ops[op].schedule.recv_extent >= STREAM_FROM;
+        // The reply (the next step to touch dst, by the hint) is at the front of the peer's
+        // sends: every earlier message to that peer is handed over. It belongs to the same
+        // operation, so it carries the same tag.
+        let forwards = hint
+            && stream
+            && self.t.send_q[peer].front().is_some_and(|&s| {
+                let s = &self.t.steps[s as usize];
+                s.op == op
+                    && matches!(s.action, Action::Send { src, len: l, .. }
+                        if src.ptr == dst.cast_const() && l == len)
+            });
+        let step = &mut self.t.steps[i as usize];
         let mut sink = RecvSink {
             dst,
             len,
             with,
             reduction,
             last,
-            returns: step.hint,
+            returns: hint,
+            forwards,
+            stream,
         };
         let p = self.wiring.links[peer].recv(&InExpect { len, tag }, &mut step.recv, &mut sink)?;
         Ok((p.state, p.moved))
@@ -838,6 +858,11 @@ struct RecvSink {
     last: bool,
     /// The combined bytes go back to the sender unchanged next (`Sink::returns`).
     returns: bool,
+    /// ... as the very next message to that peer (`Sink::forwards`).
+    forwards: bool,
+    /// The operation's output is too large to stay in cache: bytes that are not read again
+    /// during the run are written with non-temporal stores (`stream_copy`).
+    stream: bool,
 }
 
 impl Sink for RecvSink {
@@ -858,6 +883,9 @@ impl Sink for RecvSink {
                 scale,
             };
             match self.with {
+                None if self.stream && scale.is_none() => {
+                    crate::reduce::stream_copy(dst, data.as_ptr(), data.len(), true)
+                }
                 None => copy_scaled(dst, incoming, data.len(), self.reduction),
                 Some(w) => {
                     let red = self.reduction.ok_or_else(|| {
@@ -877,6 +905,48 @@ impl Sink for RecvSink {
 
     fn returns(&self) -> Option<*const u8> {
         (self.returns && self.with.is_some()).then_some(self.dst.cast_const())
+    }
+
+    fn forwards(&self) -> bool {
+        self.forwards && self.returns().is_some()
+    }
+
+    fn put_also(
+        &mut self,
+        offset: usize,
+        data: &[u8],
+        scale: Option<Scale>,
+        out: *mut u8,
+    ) -> Result<()> {
+        if offset + data.len() > self.len {
+            return crate::internal_err!("message piece beyond the receive region");
+        }
+        if let (true, Some(w), Some(r)) = (self.stream, self.with, self.reduction) {
+            let divides = self.last && r.divide_by.is_some();
+            if !divides && !std::ptr::eq(w.ptr, self.dst) {
+                // SAFETY: dst and with cover `len` bytes, apart, and this piece lies inside;
+                // `out` is the caller's memory of data.len() bytes, overlapping neither.
+                unsafe {
+                    let n = data.len();
+                    r.reducer.reduce_twice(
+                        std::slice::from_raw_parts_mut(self.dst.add(offset), n),
+                        std::slice::from_raw_parts_mut(out, n),
+                        std::slice::from_raw_parts(w.ptr.add(offset), n),
+                        w.scale,
+                        data,
+                        scale,
+                    );
+                }
+                return Ok(());
+            }
+        }
+        // An integer average divides after the fold (and a fold in place reads dst): a copy
+        // out of the cache follows.
+        self.put(offset, data, scale)?;
+        // SAFETY: dst covers `len` bytes and this piece lies inside; `out` is the caller's
+        // memory of data.len() bytes, overlapping it not.
+        unsafe { std::ptr::copy_nonoverlapping(self.dst.add(offset), out, data.len()) };
+        Ok(())
     }
 
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {

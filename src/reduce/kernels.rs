@@ -31,7 +31,7 @@ use bytemuck::{Pod, Zeroable};
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-use super::{DataType, ReduceOp, Reducer, Scale};
+use super::{stream, DataType, ReduceOp, Reducer, Scale};
 
 /// Elements per block when widening narrow floats or staging misaligned buffers: small enough
 /// that the scratch arrays stay in L1, large enough to amortise the per-block bookkeeping.
@@ -69,6 +69,39 @@ pub(super) fn reduce_in_place(
         "reduce_in_place: acc and b differ in length"
     );
     binary(r, Operands::InPlace(acc), sacc, b, sb);
+}
+
+pub(super) fn reduce_twice(
+    r: Reducer,
+    streamed: &mut [u8],
+    also: &mut [u8],
+    a: &[u8],
+    sa: Option<Scale>,
+    b: &[u8],
+    sb: Option<Scale>,
+) {
+    check_len(r.dtype, "reduce_twice: streamed", streamed.len());
+    assert_eq!(
+        streamed.len(),
+        also.len(),
+        "reduce_twice: outputs differ in length"
+    );
+    assert_eq!(
+        streamed.len(),
+        a.len(),
+        "reduce_twice: output and a differ in length"
+    );
+    assert_eq!(
+        streamed.len(),
+        b.len(),
+        "reduce_twice: output and b differ in length"
+    );
+    let x = Operands::Twice {
+        streamed,
+        also,
+        src: a,
+    };
+    binary(r, x, sa, b, sb);
 }
 
 pub(super) fn scale(dtype: DataType, dst: &mut [u8], src: &[u8], s: Scale) {
@@ -165,12 +198,25 @@ fn check_len(dtype: DataType, what: &str, len: usize) {
 // Dispatch: datatype and op to a monomorphised kernel
 // ---------------------------------------------------------------------------------------------
 
-/// Where a kernel writes and what it reads besides `b`: either a separate destination, or an
-/// accumulator that is both first input and output.
+/// Where a kernel writes and what it reads besides `b`: a separate destination, an
+/// accumulator that is both first input and output, or (binary kernels only) two
+/// destinations, the first written with non-temporal stores (`stream::stream_copy`) a few lines
+/// at a time as they are computed.
 enum Operands<'a> {
-    Separate { dst: &'a mut [u8], src: &'a [u8] },
+    Separate {
+        dst: &'a mut [u8],
+        src: &'a [u8],
+    },
     InPlace(&'a mut [u8]),
+    Twice {
+        streamed: &'a mut [u8],
+        also: &'a mut [u8],
+        src: &'a [u8],
+    },
 }
+
+/// Bytes `Operands::Twice` computes at a time, into a buffer in registers or L1.
+const TWICE_BYTES: usize = 256;
 
 /// `x` is the first operand (with its scale `sx`) and says where the result goes.
 fn binary(r: Reducer, x: Operands<'_>, sx: Option<Scale>, b: &[u8], sb: Option<Scale>) {
@@ -355,6 +401,40 @@ fn run_binary<T: Pod, K: Binary<T>>(k: &K, x: Operands<'_>, b: &[u8]) {
                 d.copy_from_slice(bytemuck::cast_slice(sd));
             }
         }
+        Operands::Twice {
+            streamed,
+            also,
+            src,
+        } => {
+            let w = std::mem::size_of::<T>();
+            let per = (TWICE_BYTES / w).clamp(1, BLOCK);
+            let mut sd = [T::zeroed(); BLOCK];
+            let wide = stream::wide();
+            let chunks = streamed.chunks_mut(per * w).zip(also.chunks_mut(per * w));
+            if let (Ok(x), Ok(y)) = (bytemuck::try_cast_slice(src), bytemuck::try_cast_slice(b)) {
+                for ((s, d), (x, y)) in chunks.zip(x.chunks(per).zip(y.chunks(per))) {
+                    if let Ok(dt) = bytemuck::try_cast_slice_mut::<u8, T>(d) {
+                        k.apply(dt, x, y);
+                        stream::stream_from(s, d, wide);
+                        continue;
+                    }
+                    let sd = &mut sd[..x.len()];
+                    k.apply(sd, x, y);
+                    stream::emit_twice(s, d, bytemuck::cast_slice(sd), wide);
+                }
+            } else {
+                let (mut sa, mut sb) = ([T::zeroed(); BLOCK], [T::zeroed(); BLOCK]);
+                for ((s, d), (x, y)) in chunks.zip(src.chunks(per * w).zip(b.chunks(per * w))) {
+                    let n = x.len() / w;
+                    let (sd, sa, sb) = (&mut sd[..n], &mut sa[..n], &mut sb[..n]);
+                    bytemuck::cast_slice_mut(&mut *sa).copy_from_slice(x);
+                    bytemuck::cast_slice_mut(&mut *sb).copy_from_slice(y);
+                    k.apply(sd, sa, sb);
+                    stream::emit_twice(s, d, bytemuck::cast_slice(sd), wide);
+                }
+            }
+            stream::stream_fence();
+        }
         Operands::InPlace(acc) => {
             if let Ok(b) = bytemuck::try_cast_slice(b) {
                 if let Ok(acc) = bytemuck::try_cast_slice_mut(acc) {
@@ -392,6 +472,15 @@ fn run_unary<T: Pod, K: Unary<T>>(k: &K, x: Operands<'_>) {
                 k.apply(sd, ss);
                 d.copy_from_slice(bytemuck::cast_slice(sd));
             }
+        }
+        Operands::Twice {
+            streamed,
+            also,
+            src,
+        } => {
+            run_unary(k, Operands::Separate { dst: also, src });
+            // SAFETY: distinct buffers of the same length.
+            unsafe { stream::stream_copy(streamed.as_mut_ptr(), also.as_ptr(), also.len(), true) };
         }
         Operands::InPlace(buf) => {
             if let Ok(buf) = bytemuck::try_cast_slice_mut(buf) {
@@ -1295,6 +1384,25 @@ mod tests {
                             r.reduce(dst.bytes_mut(), ba.bytes(), sa, bb.bytes(), sb);
                             let what = format!("{what} reduce offsets {od}{oa}{ob}");
                             check(dtype, dst.bytes(), &expect, loose, &what);
+                            let mut also = Buf::new(&vec![0x3c; a.len()], 1 - od);
+                            dst = Buf::new(&vec![0xa5; a.len()], od);
+                            r.reduce_twice(
+                                dst.bytes_mut(),
+                                also.bytes_mut(),
+                                ba.bytes(),
+                                sa,
+                                bb.bytes(),
+                                sb,
+                            );
+                            let what = format!("{what} reduce_twice");
+                            check(
+                                dtype,
+                                dst.bytes(),
+                                &expect,
+                                loose,
+                                &format!("{what} streamed"),
+                            );
+                            check(dtype, also.bytes(), &expect, loose, &format!("{what} also"));
                         }
                         for (oa, ob) in [(0, 0), (1, 1), (0, 1), (1, 0)] {
                             let (mut acc, bb) = (Buf::new(&a, oa), Buf::new(&b, ob));

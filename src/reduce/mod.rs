@@ -6,11 +6,13 @@
 //! except through the explicit in-place entry points.
 
 mod kernels;
+mod stream;
 
 // The float8 conversions, for the device kernels' test that checks against them (built only
 // where nvcc compiled the kernels).
 #[cfg(all(test, comm_kernels))]
 pub(crate) use kernels::{f32_to_fp8e4m3, f32_to_fp8e5m2};
+pub(crate) use stream::stream_copy;
 
 /// The twelve NCCL datatypes, numbered as in `ncclDataType_t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -171,6 +173,22 @@ impl Reducer {
         sb: Option<Scale>,
     ) {
         kernels::reduce_in_place(*self, acc, sacc, b, sb)
+    }
+
+    /// `streamed[i] = also[i] = op(sa * a[i], sb * b[i])`, `streamed` written with
+    /// non-temporal stores (`stream_copy`) and fenced at the end: for a result that goes to
+    /// memory nothing will read soon and, through `also`, somewhere that will.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reduce_twice(
+        &self,
+        streamed: &mut [u8],
+        also: &mut [u8],
+        a: &[u8],
+        sa: Option<Scale>,
+        b: &[u8],
+        sb: Option<Scale>,
+    ) {
+        kernels::reduce_twice(*self, streamed, also, a, sa, b, sb)
     }
 
     /// `dst[i] = s * src[i]`.

@@ -20,7 +20,7 @@ pub(crate) mod reg;
 pub(crate) mod shm;
 
 use crate::bootstrap::Bootstrap;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::reduce::Scale;
 use crate::topo::{Path, Placement};
 use std::sync::Arc;
@@ -202,6 +202,10 @@ pub(crate) struct RecvCursor {
     pub started: bool,
     /// A descriptor being pulled.
     pub pulling: Option<Pulling>,
+    /// Bytes of the reply this receive forwards (`Sink::forwards`) already sent.
+    pub forwarded: usize,
+    /// Forwarding stopped (the FIFO was full): the reply's send sends the rest.
+    pub forward_stopped: bool,
 }
 
 /// A message the receiver is copying out of the sender's buffer.
@@ -229,6 +233,34 @@ pub(crate) trait Sink {
     /// by default.
     fn returns(&self) -> Option<*const u8> {
         None
+    }
+    /// The combined bytes are the very next message this rank sends the peer they came from
+    /// (what `returns` says, with every earlier message to that peer handed over already), so a
+    /// transport may send them while it folds (shm does: the folded pieces go straight into its
+    /// FIFO's slots). False by default.
+    fn forwards(&self) -> bool {
+        false
+    }
+    /// `put`, leaving a copy of the combined bytes at `out` as well (`len` bytes of memory
+    /// that nothing else touches meanwhile).
+    fn put_also(
+        &mut self,
+        offset: usize,
+        data: &[u8],
+        scale: Option<Scale>,
+        out: *mut u8,
+    ) -> Result<()> {
+        self.put(offset, data, scale)?;
+        let d = self.returns().ok_or_else(|| {
+            Error::new(
+                crate::error::ErrorKind::Internal,
+                "a copy of combined bytes asked of a sink that keeps none",
+            )
+        })?;
+        // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
+        // caller's memory of `data.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(d.add(offset), out, data.len()) };
+        Ok(())
     }
 }
 

@@ -435,35 +435,45 @@ impl Doorbell for Segment {
     }
 }
 
-/// A message whose bytes this rank already wrote into the peer's buffer: its send, matched by
-/// tag, source and length, becomes a KIND_RETURNED notice naming where they went.
+/// A message whose bytes this rank moved while it received what they were combined from, and
+/// whose send is still to come: the send of `len` bytes from `local` with `tag`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct WrittenBack {
+struct Carried {
     tag: u64,
     local: usize,
     len: usize,
-    remote: usize,
+    how: Carriage,
 }
 
-/// The write-backs whose sends are still to come. Every send looks here first, so an empty
-/// list must cost no lock: a locked instruction waits until the previous message's stores
-/// into the peer's FIFO have reached the peer's core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Carriage {
+    /// Written into the sender's buffer at `remote` (`OutMsg::reply_here`): the send is a
+    /// notice.
+    WrittenBack { remote: usize },
+    /// The first `sent` bytes went into the FIFO's slots as they were folded
+    /// (`Sink::forwards`): the send goes on from there.
+    Forwarded { sent: usize },
+}
+
+/// The carried messages whose sends are still to come. Every send looks here first, so an
+/// empty list must cost no lock: a locked instruction waits until the previous message's
+/// stores into the peer's FIFO have reached the peer's core.
 #[derive(Default)]
-struct WrittenBackList {
-    list: Mutex<Vec<WrittenBack>>,
+struct CarriedList {
+    list: Mutex<Vec<Carried>>,
     /// Whether `list` may hold something. Pushes and takes happen in the executor that owns
     /// the link, one at a time (its communicator's lock orders successive runs).
     any: AtomicBool,
 }
 
-impl WrittenBackList {
-    fn push(&self, w: WrittenBack) {
+impl CarriedList {
+    fn push(&self, w: Carried) {
         self.list.lock().push(w);
         self.any.store(true, Ordering::Relaxed);
     }
 
-    /// The write-back that carried `msg`'s bytes already, if any (taken off the list).
-    fn take(&self, msg: &OutMsg) -> Option<WrittenBack> {
+    /// What carried `msg`'s bytes already, if anything (taken off the list).
+    fn take(&self, msg: &OutMsg) -> Option<Carried> {
         if !self.any.load(Ordering::Relaxed) {
             return None;
         }
@@ -505,9 +515,9 @@ pub(crate) struct ShmPeer {
     /// (`OutMsg::copied`) and for those that offer their buffer for the reply.
     pull_threshold_copied: usize,
     scratch: Mutex<Option<os::HugeMem>>,
-    /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`), whose
-    /// sends go as a notice only.
-    returned: WrittenBackList,
+    /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`) or
+    /// forwarded (`Sink::forwards`), whose sends are a notice or the rest of the bytes.
+    carried: CarriedList,
     /// The last value of the peer's tail this rank read (a lower bound of the real one).
     tail_seen: AtomicU64,
     /// The peer's `running_on` and heartbeat as last read, and since when they have had
@@ -536,11 +546,12 @@ impl ShmPeer {
     /// Moves up to PULL_BUDGET bytes of a pulled message into the sink; and, where the sender
     /// lets us and the sink will send the combined bytes straight back, writes them into the
     /// sender's buffer piece by piece while they are in cache (`write_back`).
-    fn pull(&self, cur: &mut RecvCursor, p: Pulling, sink: &mut dyn Sink) -> Result<()> {
+    fn pull(&self, cur: &mut RecvCursor, p: Pulling, tag: u64, sink: &mut dyn Sink) -> Result<()> {
         let Pulling {
             src, total, scale, ..
         } = p;
         let back = write_back(p, &*sink);
+        let forward = back.is_none() && sink.forwards();
         let end = total.min(cur.received + PULL_BUDGET);
         if let Some(dst) = sink.direct() {
             let (off, n) = (cur.received, end - cur.received);
@@ -585,7 +596,14 @@ impl ShmPeer {
                         .map_err(|e| self.cma_error(e))?;
                     // SAFETY: the first n bytes of scratch were just written.
                     let data = unsafe { std::slice::from_raw_parts(scratch.as_mut_ptr(), n) };
-                    sink.put(cur.received, data, scale)?;
+                    let done = if forward && !cur.forward_stopped {
+                        self.forward(cur, (tag, total), data, scale, sink)?
+                    } else {
+                        0
+                    };
+                    if done < n {
+                        sink.put(cur.received + done, &data[done..], scale)?;
+                    }
                     if let Some(d) = back {
                         self.put_back(d, src, cur.received, n)?;
                     }
@@ -594,6 +612,69 @@ impl ShmPeer {
             }
         }
         Ok(())
+    }
+
+    /// Folds `data`, bytes `[cur.received, ..)` of a pulled message, through the sink
+    /// (`Sink::put_also`) straight into free slots of our FIFO to the peer, as the first bytes
+    /// of the reply (`Sink::forwards`: the next message to that peer, `total` bytes with `tag`,
+    /// from the sink's result). Returns how many bytes went; when the slots run out,
+    /// forwarding stops for the rest of the message, which the reply's send then sends.
+    fn forward(
+        &self,
+        cur: &mut RecvCursor,
+        (tag, total): (u64, usize),
+        data: &[u8],
+        scale: Option<Scale>,
+        sink: &mut dyn Sink,
+    ) -> Result<usize> {
+        let Some(from) = sink.returns() else {
+            return Ok(0);
+        };
+        let nslots = self.remote.geo.nslots as u64;
+        let head_ref = self.remote.head(self.me);
+        let mut head = head_ref.load(Ordering::Relaxed);
+        let mut tail = self.tail_seen.load(Ordering::Relaxed);
+        let mut k = 0;
+        while k < data.len() {
+            if head - tail >= nslots {
+                tail = self.remote.tail(self.me).load(Ordering::Acquire);
+                self.tail_seen.store(tail, Ordering::Relaxed);
+                if head - tail >= nslots {
+                    cur.forward_stopped = true;
+                    break;
+                }
+            }
+            let m = self.remote.geo.slot_bytes.min(data.len() - k);
+            let at = cur.received + k;
+            self.write_header(
+                head,
+                &SlotHeader {
+                    kind: KIND_EAGER,
+                    flags: 0,
+                    msg_len: total as u64,
+                    offset: at as u64,
+                    len: m as u64,
+                    src_addr: from as u64,
+                    tag,
+                    scale: [0; 8],
+                },
+            );
+            // SAFETY: the slot is free (head - tail < nslots) and its data area holds
+            // slot_bytes >= m bytes, which the peer reads only once we publish the number.
+            let out = unsafe { self.remote.slot(self.me, head).add(SLOT_HEADER) };
+            sink.put_also(at, &data[k..k + m], scale, out)?;
+            self.remote
+                .slot_number(self.me, head)
+                .store(head + 1, Ordering::Release);
+            head += 1;
+            head_ref.store(head, Ordering::Relaxed);
+            k += m;
+        }
+        cur.forwarded += k;
+        if k > 0 {
+            self.remote.ring();
+        }
+        Ok(k)
     }
 
     /// Publishes a header-only slot (a pull descriptor or a notice) at `head` and rings.
@@ -717,23 +798,46 @@ impl Link for ShmPeer {
         // The peer published whether it may pull from us in our FIFO's control block, in its segment.
         let peer_can_pull = self.remote.pull_ok(self.me).load(Ordering::Acquire) != 0;
         if !cur.started {
-            if let Some(w) = self.returned.take(msg) {
-                if head - tail >= nslots {
-                    self.returned.push(w);
+            match self.carried.take(msg) {
+                // A KIND_RETURNED notice naming where the bytes went.
+                Some(
+                    w @ Carried {
+                        how: Carriage::WrittenBack { remote },
+                        ..
+                    },
+                ) => {
+                    if head - tail >= nslots {
+                        self.carried.push(w);
+                        return Ok(Progress {
+                            state: SendState::Pending,
+                            moved: false,
+                        });
+                    }
+                    let mut h = header(KIND_RETURNED, 0, 0);
+                    h.src_addr = remote as u64;
+                    self.publish(head, &h);
+                    cur.started = true;
+                    cur.sent = msg.len;
                     return Ok(Progress {
-                        state: SendState::Pending,
-                        moved: false,
+                        state: SendState::Complete,
+                        moved: true,
                     });
                 }
-                let mut h = header(KIND_RETURNED, 0, 0);
-                h.src_addr = w.remote as u64;
-                self.publish(head, &h);
-                cur.started = true;
-                cur.sent = msg.len;
-                return Ok(Progress {
-                    state: SendState::Complete,
-                    moved: true,
-                });
+                Some(Carried {
+                    how: Carriage::Forwarded { sent },
+                    ..
+                }) => {
+                    // The slots hold the first `sent` bytes; the rest goes eagerly after them.
+                    cur.started = true;
+                    cur.sent = sent;
+                    if sent == msg.len {
+                        return Ok(Progress {
+                            state: SendState::Complete,
+                            moved: true,
+                        });
+                    }
+                }
+                None => {}
             }
         }
         let threshold = if msg.reply_here || (msg.sender_busy && msg.copied) {
@@ -808,7 +912,7 @@ impl Link for ShmPeer {
         let mut moved = false;
         loop {
             if let Some(p) = cur.pulling {
-                self.pull(cur, p, sink)?;
+                self.pull(cur, p, expect.tag, sink)?;
                 moved = true;
                 if cur.received < p.total {
                     return Ok(Progress {
@@ -818,12 +922,23 @@ impl Link for ShmPeer {
                 }
                 cur.pulling = None;
                 if let Some(d) = write_back(p, sink) {
-                    self.returned.push(WrittenBack {
+                    self.carried.push(Carried {
                         tag: expect.tag,
                         local: d as usize,
                         len: p.total,
-                        remote: p.src,
+                        how: Carriage::WrittenBack { remote: p.src },
                     });
+                } else if cur.forwarded > 0 {
+                    if let Some(d) = sink.returns() {
+                        self.carried.push(Carried {
+                            tag: expect.tag,
+                            local: d as usize,
+                            len: p.total,
+                            how: Carriage::Forwarded {
+                                sent: cur.forwarded,
+                            },
+                        });
+                    }
                 }
                 tail_ref.fetch_add(1, Ordering::Release);
                 self.remote.ring();
@@ -1201,7 +1316,7 @@ pub(crate) fn connect(
                 pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
                 pull_threshold_copied: pull_threshold_set.unwrap_or(copied),
                 scratch: Mutex::new(None),
-                returned: WrittenBackList::default(),
+                carried: CarriedList::default(),
                 tail_seen: AtomicU64::new(0),
                 beat_seen: Mutex::new(None),
             }));
@@ -1418,7 +1533,7 @@ mod tests {
             pull_threshold_busy: pull_threshold,
             pull_threshold_copied: pull_threshold,
             scratch: Mutex::new(None),
-            returned: WrittenBackList::default(),
+            carried: CarriedList::default(),
             tail_seen: AtomicU64::new(0),
             beat_seen: Mutex::new(None),
         };
@@ -1934,6 +2049,7 @@ mod tests {
         len: usize,
         direct: bool,
         returns: bool,
+        forwards: bool,
         pieces: Vec<(usize, usize)>,
     }
 
@@ -1954,6 +2070,7 @@ mod tests {
                 len: buf.len(),
                 direct,
                 returns,
+                forwards: false,
                 pieces: Vec::new(),
             }
         }
@@ -1981,6 +2098,10 @@ mod tests {
 
         fn returns(&self) -> Option<*const u8> {
             self.returns.then_some(self.dst.cast_const())
+        }
+
+        fn forwards(&self) -> bool {
+            self.forwards
         }
     }
 
@@ -2061,7 +2182,7 @@ mod tests {
                 assert_eq!(a.local.head(1).load(Ordering::Relaxed), heads + 1, "{what}");
                 assert_eq!(land.pieces, vec![(0, len)], "{what}");
                 assert_eq!(abuf, folded, "{what}: the reply landed");
-                assert!(b.returned.list.lock().is_empty(), "{what}");
+                assert!(b.carried.list.lock().is_empty(), "{what}");
             }
             // A notice whose address is not where the receive lands.
             let (a, b) = pair(4, 4096, true, 32 << 10, access);
@@ -2079,6 +2200,75 @@ mod tests {
             assert_eq!(e.kind, crate::error::ErrorKind::Internal, "{}", e.msg);
             assert!(e.msg.contains("does not land"), "{}", e.msg);
             assert!(elsewhere.iter().all(|&x| x == 0));
+        }
+    }
+
+    /// A folding receiver whose result is the next message to the sender (`Sink::forwards`)
+    /// puts each folded piece straight into its FIFO's slots while it pulls, as long as slots
+    /// are free; the result's send then sends only the rest (nothing, when every piece went),
+    /// and the sender receives the whole result in order. Without `forwards` nothing goes
+    /// ahead and the result is sent as usual. Between processes (process_vm_readv) only.
+    #[test]
+    fn a_forwarded_fold_goes_into_the_slots_as_it_folds_and_its_send_sends_the_rest() {
+        let (probe, _) = pair(2, 4096, true, 0, Access::Direct);
+        if !probe_cma(std::process::id(), probe.local.base_addr()) {
+            eprintln!("process_vm_readv is not permitted here; forwarding is not tested");
+            return;
+        }
+        let access = Access::Cma(std::process::id());
+        let len = 2 * PULL_PIECE + 100;
+        let slot = 4096;
+        let need = len.div_ceil(slot);
+        for (nslots, forwards, ahead) in [(256, true, need), (8, true, 8), (256, false, 0)] {
+            let what = format!("{nslots} slots, forwards {forwards}");
+            let (a, b) = pair(nslots, slot, true, 32 << 10, access);
+            let (a0, b0) = (pattern(len, 1), pattern(len, 2));
+            let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
+            let (mut abuf, mut bbuf) = (a0.clone(), b0.clone());
+            let msg = out(&abuf, TAG, None);
+            let mut fold = Fold::returning(&mut bbuf);
+            fold.forwards = forwards;
+            let before = b.remote.head(1).load(Ordering::Relaxed);
+            let (first, r) = transfer(&a, &b, &msg, &mut fold);
+            r.unwrap();
+            assert_eq!(first, SendState::Posted, "{what}: pulled");
+            assert!(bbuf == folded, "{what}");
+            let went = (b.remote.head(1).load(Ordering::Relaxed) - before) as usize;
+            assert_eq!(went, ahead, "{what}: slots filled while folding");
+            // The result's send and the sender's receive, driven in turn (into zeros: the
+            // test sink folds eager pieces in with xor).
+            let reply = out(&bbuf, TAG, None);
+            abuf.fill(0);
+            let mut land = Fold::landing(&mut abuf);
+            let expect = InExpect { len, tag: TAG };
+            let (mut sc, mut rc) = (SendCursor::default(), RecvCursor::default());
+            let first = b.send(&reply, &mut sc).unwrap().state;
+            let (mut sent, mut got) = (first == SendState::Complete, false);
+            for _ in 0..100_000 {
+                if !got {
+                    got = a.recv(&expect, &mut rc, &mut land).unwrap().state;
+                }
+                if !sent {
+                    sent = b.send(&reply, &mut sc).unwrap().state == SendState::Complete;
+                }
+                if sent && got {
+                    break;
+                }
+            }
+            assert!(sent && got, "{what}: stalled");
+            let expect_first = match ahead {
+                0 => SendState::Posted,
+                a if a == need => SendState::Complete,
+                _ => SendState::Pending,
+            };
+            assert_eq!(first, expect_first, "{what}: the result's first send");
+            assert!(abuf == folded, "{what}: the result landed");
+            if ahead > 0 {
+                let offsets: Vec<usize> = land.pieces.iter().map(|p| p.0).collect();
+                let want: Vec<usize> = (0..need).map(|k| k * slot).collect();
+                assert_eq!(offsets, want, "{what}: in order, slot by slot");
+            }
+            assert!(b.carried.list.lock().is_empty(), "{what}");
         }
     }
 
