@@ -21,9 +21,10 @@ pub(crate) const FUSE_FROM: usize = 32 << 20;
 /// large shared L3, against all folds first, 64 MiB 0.88-0.93x the time, 32 MiB 0.93x,
 /// 128 MiB 0.85x, but 16 MiB 1.26x and 4 MiB 1.23x slower (the ranks then go in lockstep, one
 /// slice at a time). In place the folded bytes are written back instead (`OutMsg::reply_here`)
-/// and the order stays.
+/// and the order stays, as it does between two hosts, where nothing forwards and the lockstep
+/// would add a round trip per slice.
 fn fuses(shape: &Shape, bytes: usize) -> bool {
-    shape.nranks == 2 && !shape.in_place && bytes >= FUSE_FROM
+    shape.nranks == 2 && !shape.in_place && shape.hosts.is_none() && bytes >= FUSE_FROM
 }
 
 pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
@@ -361,14 +362,15 @@ mod tests {
     /// the size, all folds come first.
     #[test]
     fn two_ranks_pass_each_folded_slice_on_before_the_next_fold_from_the_fusing_size() {
-        use super::super::{Buf, Shape, Step};
+        use super::super::{Buf, HostLayout, Shape, Step};
         let fused_count = super::FUSE_FROM / 8 + 3;
         let slice_bytes = 1 << 20;
-        for (count, in_place, nranks, fused) in [
-            (fused_count, false, 2, true),
-            (fused_count, true, 2, false),
-            (fused_count, false, 3, false),
-            (fused_count - 6, false, 2, false),
+        for (count, in_place, nranks, two_hosts, fused) in [
+            (fused_count, false, 2, false, true),
+            (fused_count, true, 2, false, false),
+            (fused_count, false, 3, false, false),
+            (fused_count, false, 2, true, false),
+            (fused_count - 6, false, 2, false, false),
         ] {
             let shape = Shape {
                 rank: 1,
@@ -377,7 +379,7 @@ mod tests {
                 in_place,
                 slice_bytes,
                 ring: None,
-                hosts: None,
+                hosts: two_hosts.then(|| HostLayout::new(&[0, 1], 0)).flatten(),
             };
             let steps = super::all_reduce(count, &shape).steps;
             // Step k + 1 after a fold: does it send the fold's destination on?
@@ -403,7 +405,8 @@ mod tests {
                     )
                 })
                 .collect();
-            let what = format!("count {count} in_place {in_place} nranks {nranks}");
+            let what =
+                format!("count {count} in_place {in_place} nranks {nranks} two_hosts {two_hosts}");
             assert!(folds.len() >= 4, "{what}: {} folds", folds.len());
             if fused {
                 assert!(folds.iter().all(|&k| passed_on(k)), "{what}");

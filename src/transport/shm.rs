@@ -602,6 +602,8 @@ impl ShmPeer {
                         0
                     };
                     if done < n {
+                        // What is forwarded must be the reply's first bytes: no more of it.
+                        cur.forward_stopped = true;
                         sink.put(cur.received + done, &data[done..], scale)?;
                     }
                     if let Some(d) = back {
