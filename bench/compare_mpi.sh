@@ -53,7 +53,10 @@ else
 fi
 ((${#libs[@]} > 1)) || { echo "no MPI to compare with" >&2; exit 1; }
 
-port=$((30000 + RANDOM % 20000))
+# Rendezvous ports come from 20000-31999, below the kernel's ephemeral range (32768-60999 by
+# default): a port in that range can be taken for a while as some connection's source port, and
+# process 0 then cannot listen on it ("Address already in use"; seen once in some 300 runs).
+port=$((20000 + RANDOM % 12000))
 failures=0
 
 # run <lib> <ranks> <pinning> <collective> <stem>: one run, its JSON at <stem>.json.
@@ -61,7 +64,7 @@ run() {
   local lib=$1 n=$2 pin=$3 c=$4 stem=$5 rc=0
   case $lib in
     comm)
-      port=$((port + 1))
+      port=$((20000 + (port - 20000 + 1) % 12000))
       local pids=() r pre
       for ((r = 0; r < n; r++)); do
         pre=()
