@@ -215,7 +215,8 @@ enum Operands<'a> {
     },
 }
 
-/// Bytes `Operands::Twice` computes at a time, into a buffer in registers or L1.
+/// Bytes `Operands::Twice` computes at a time (into `also`, or into a staging buffer where
+/// `also` is misaligned for the type) before it streams them on out of L1.
 const TWICE_BYTES: usize = 256;
 
 /// `x` is the first operand (with its scale `sx`) and says where the result goes.
