@@ -942,11 +942,7 @@ impl Sink for RecvSink {
         }
         // An integer average divides after the fold (and a fold in place reads dst): a copy
         // out of the cache follows.
-        self.put(offset, data, scale)?;
-        // SAFETY: dst covers `len` bytes and this piece lies inside; `out` is the caller's
-        // memory of data.len() bytes, overlapping it not.
-        unsafe { std::ptr::copy_nonoverlapping(self.dst.add(offset), out, data.len()) };
-        Ok(())
+        crate::transport::put_then_copy(self, offset, data, scale, out)
     }
 
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()> {

@@ -250,18 +250,29 @@ pub(crate) trait Sink {
         scale: Option<Scale>,
         out: *mut u8,
     ) -> Result<()> {
-        self.put(offset, data, scale)?;
-        let d = self.returns().ok_or_else(|| {
-            Error::new(
-                crate::error::ErrorKind::Internal,
-                "a copy of combined bytes asked of a sink that keeps none",
-            )
-        })?;
-        // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
-        // caller's memory of `data.len()` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(d.add(offset), out, data.len()) };
-        Ok(())
+        put_then_copy(self, offset, data, scale, out)
     }
+}
+
+/// `Sink::put_also` done plainly: `put`, then a copy of the combined bytes out of `returns`.
+pub(crate) fn put_then_copy<S: Sink + ?Sized>(
+    sink: &mut S,
+    offset: usize,
+    data: &[u8],
+    scale: Option<Scale>,
+    out: *mut u8,
+) -> Result<()> {
+    sink.put(offset, data, scale)?;
+    let d = sink.returns().ok_or_else(|| {
+        Error::new(
+            crate::error::ErrorKind::Internal,
+            "a copy of combined bytes asked of a sink that keeps none",
+        )
+    })?;
+    // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
+    // caller's memory of `data.len()` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(d.add(offset), out, data.len()) };
+    Ok(())
 }
 
 /// Whether a call moved anything; the executor sleeps only after a pass where nothing moved.

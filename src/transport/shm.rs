@@ -632,44 +632,30 @@ impl ShmPeer {
         let Some(from) = sink.returns() else {
             return Ok(0);
         };
-        let nslots = self.remote.geo.nslots as u64;
-        let head_ref = self.remote.head(self.me);
-        let mut head = head_ref.load(Ordering::Relaxed);
+        let mut head = self.remote.head(self.me).load(Ordering::Relaxed);
         let mut tail = self.tail_seen.load(Ordering::Relaxed);
         let mut k = 0;
         while k < data.len() {
-            if head - tail >= nslots {
-                tail = self.remote.tail(self.me).load(Ordering::Acquire);
-                self.tail_seen.store(tail, Ordering::Relaxed);
-                if head - tail >= nslots {
-                    cur.forward_stopped = true;
-                    break;
-                }
+            if !self.slot_free(head, &mut tail) {
+                cur.forward_stopped = true;
+                break;
             }
             let m = self.remote.geo.slot_bytes.min(data.len() - k);
             let at = cur.received + k;
-            self.write_header(
-                head,
-                &SlotHeader {
-                    kind: KIND_EAGER,
-                    flags: 0,
-                    msg_len: total as u64,
-                    offset: at as u64,
-                    len: m as u64,
-                    src_addr: from as u64,
-                    tag,
-                    scale: [0; 8],
-                },
-            );
-            // SAFETY: the slot is free (head - tail < nslots) and its data area holds
-            // slot_bytes >= m bytes, which the peer reads only once we publish the number.
-            let out = unsafe { self.remote.slot(self.me, head).add(SLOT_HEADER) };
-            sink.put_also(at, &data[k..k + m], scale, out)?;
-            self.remote
-                .slot_number(self.me, head)
-                .store(head + 1, Ordering::Release);
+            let h = SlotHeader {
+                kind: KIND_EAGER,
+                flags: 0,
+                msg_len: total as u64,
+                offset: at as u64,
+                len: m as u64,
+                src_addr: from as u64,
+                tag,
+                scale: [0; 8],
+            };
+            self.fill_slot(head, &h, |out| {
+                sink.put_also(at, &data[k..k + m], scale, out)
+            })?;
             head += 1;
-            head_ref.store(head, Ordering::Relaxed);
             k += m;
         }
         cur.forwarded += k;
@@ -679,13 +665,43 @@ impl ShmPeer {
         Ok(k)
     }
 
-    /// Publishes a header-only slot (a pull descriptor or a notice) at `head` and rings.
-    fn publish(&self, head: u64, h: &SlotHeader) {
+    /// Whether slot `head` of our FIFO to the peer is free. The peer's tail (`tail`, the last
+    /// value seen) is read again, and remembered in `tail_seen`, only when the slots known to
+    /// be free have run out.
+    #[inline]
+    fn slot_free(&self, head: u64, tail: &mut u64) -> bool {
+        let nslots = self.remote.geo.nslots as u64;
+        if head - *tail >= nslots {
+            *tail = self.remote.tail(self.me).load(Ordering::Acquire);
+            self.tail_seen.store(*tail, Ordering::Relaxed);
+        }
+        head - *tail < nslots
+    }
+
+    /// Fills the free slot `head` of our FIFO to the peer: header `h`, then `fill` writes the
+    /// data area (`h.len` bytes), then the slot's number and the head are published (no ring).
+    #[inline]
+    fn fill_slot(
+        &self,
+        head: u64,
+        h: &SlotHeader,
+        fill: impl FnOnce(*mut u8) -> Result<()>,
+    ) -> Result<()> {
         self.write_header(head, h);
+        // SAFETY: the slot is free (the caller checked head - tail < nslots) and its data area
+        // holds slot_bytes >= h.len bytes, which the peer reads only once the number is out.
+        fill(unsafe { self.remote.slot(self.me, head).add(SLOT_HEADER) })?;
         self.remote
             .slot_number(self.me, head)
             .store(head + 1, Ordering::Release);
         self.remote.head(self.me).store(head + 1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Publishes a header-only slot (a pull descriptor or a notice) at `head` and rings.
+    fn publish(&self, head: u64, h: &SlotHeader) {
+        // A header carries no data: nothing can fail.
+        let _ = self.fill_slot(head, h, |_| Ok(()));
         self.remote.ring();
     }
 
@@ -867,26 +883,18 @@ impl Link for ShmPeer {
         }
         let mut moved = false;
         while !(cur.started && cur.sent == msg.len) {
-            if head - tail >= nslots {
-                tail = tail_ref.load(Ordering::Acquire);
-                self.tail_seen.store(tail, Ordering::Relaxed);
-                if head - tail >= nslots {
-                    break;
-                }
+            if !self.slot_free(head, &mut tail) {
+                break;
             }
             let n = self.remote.geo.slot_bytes.min(msg.len - cur.sent);
-            let slot = self.remote.slot(self.me, head);
-            self.write_header(head, &header(KIND_EAGER, cur.sent, n));
-            // SAFETY: the slot's data area holds slot_bytes >= n bytes and is free; msg.src is
-            // valid for msg.len bytes of reads.
-            unsafe {
-                std::ptr::copy_nonoverlapping(msg.src.add(cur.sent), slot.add(SLOT_HEADER), n)
-            };
-            self.remote
-                .slot_number(self.me, head)
-                .store(head + 1, Ordering::Release);
+            let from = msg.src.wrapping_add(cur.sent);
+            self.fill_slot(head, &header(KIND_EAGER, cur.sent, n), |out| {
+                // SAFETY: `out` holds n bytes (fill_slot); msg.src is valid for msg.len bytes
+                // of reads.
+                unsafe { std::ptr::copy_nonoverlapping(from, out, n) };
+                Ok(())
+            })?;
             head += 1;
-            head_ref.store(head, Ordering::Relaxed);
             cur.sent += n;
             cur.started = true;
             moved = true;
