@@ -344,6 +344,25 @@ impl Segment {
         }
     }
 
+    /// Asks the CPU to bring the first two lines of `sender`'s slot `seq` (its number, header
+    /// and first data) into this core's cache; nothing on other architectures.
+    #[inline]
+    fn prefetch_slot(&self, sender: usize, seq: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let p = self.slot(sender, seq) as *const i8;
+            // SAFETY: prefetching is a hint with no architectural effect; both lines lie in
+            // the slot, inside the mapping (slots are at least SLOT_HEADER + 64 bytes apart).
+            unsafe {
+                _mm_prefetch(p, _MM_HINT_T0);
+                _mm_prefetch(p.add(SLOT_HEADER), _MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (sender, seq);
+    }
+
     fn slot(&self, sender: usize, seq: u64) -> *mut u8 {
         // Slot counts are powers of two unless set otherwise: a mask instead of a division
         // (tens of cycles, several times per message).
@@ -520,6 +539,12 @@ pub(crate) struct ShmPeer {
     carried: CarriedList,
     /// The last value of the peer's tail this rank read (a lower bound of the real one).
     tail_seen: AtomicU64,
+    /// How many slots of the peer's FIFO this rank has read. The tail the peer sees follows
+    /// it every `tail_step` eager slots, and whenever this rank finds the FIFO empty or
+    /// finishes a pulled or returned message: the tail's line then moves to the sender's core
+    /// once per few messages instead of after each.
+    consumed: AtomicU64,
+    tail_step: u64,
     /// The peer's `running_on` and heartbeat as last read, and since when they have had
     /// those values.
     beat_seen: Mutex<Option<(u64, Instant)>>,
@@ -698,6 +723,13 @@ impl ShmPeer {
         Ok(())
     }
 
+    /// Releases the peer's slots before `upto` (this rank has read them) and wakes the peer.
+    fn release(&self, upto: u64) {
+        self.consumed.store(upto, Ordering::Relaxed);
+        self.local.tail(self.peer).store(upto, Ordering::Release);
+        self.remote.ring();
+    }
+
     /// Publishes a header-only slot (a pull descriptor or a notice) at `head` and rings.
     fn publish(&self, head: u64, h: &SlotHeader) {
         // A header carries no data: nothing can fail.
@@ -758,6 +790,16 @@ impl ShmPeer {
                 crate::tag::describe_tag(expect.tag)
             ),
         )
+    }
+}
+
+/// Every how many eager slots a receiver publishes its tail (`ShmPeer::consumed`): a quarter
+/// of a FIFO of 16 slots or more, each slot in smaller ones. A power of two.
+fn tail_step(nslots: usize) -> u64 {
+    if nslots >= 16 {
+        4
+    } else {
+        1
     }
 }
 
@@ -919,7 +961,7 @@ impl Link for ShmPeer {
         sink: &mut dyn Sink,
     ) -> Result<Progress<bool>> {
         let tail_ref = self.local.tail(self.peer);
-        let mut moved = false;
+        let (mut moved, mut published) = (false, false);
         loop {
             if let Some(p) = cur.pulling {
                 self.pull(cur, p, expect.tag, sink)?;
@@ -950,20 +992,27 @@ impl Link for ShmPeer {
                         });
                     }
                 }
-                tail_ref.fetch_add(1, Ordering::Release);
-                self.remote.ring();
+                self.release(self.consumed.load(Ordering::Relaxed) + 1);
                 return Ok(Progress { state: true, moved });
             }
-            let tail = tail_ref.load(Ordering::Relaxed);
+            let tail = self.consumed.load(Ordering::Relaxed);
             if self
                 .local
                 .slot_number(self.peer, tail)
                 .load(Ordering::Acquire)
                 != tail + 1
             {
+                // Nothing more for now: whatever was read is released before this rank waits.
+                if tail_ref.load(Ordering::Relaxed) != tail {
+                    tail_ref.store(tail, Ordering::Release);
+                    published = true;
+                }
                 break;
             }
             let h = self.read_header(tail);
+            // A sender that runs ahead has the next message in place already: fetch its first
+            // lines while this one is handled (a stream of 8 B broadcasts: 0.37 -> 0.28 us).
+            self.local.prefetch_slot(self.peer, tail + 1);
             if !cur.started {
                 if h.msg_len as usize != expect.len || h.tag != expect.tag {
                     return Err(self.mismatch(&h, expect));
@@ -998,8 +1047,7 @@ impl Link for ShmPeer {
                     }
                     sink.placed(0, expect.len, None)?;
                     cur.received = expect.len;
-                    tail_ref.store(tail + 1, Ordering::Release);
-                    self.remote.ring();
+                    self.release(tail + 1);
                     return Ok(Progress {
                         state: true,
                         moved: true,
@@ -1023,11 +1071,14 @@ impl Link for ShmPeer {
                     };
                     sink.put(cur.received, data, scale)?;
                     cur.received += len;
-                    tail_ref.store(tail + 1, Ordering::Release);
+                    self.consumed.store(tail + 1, Ordering::Relaxed);
                     moved = true;
+                    if (tail + 1) & (self.tail_step - 1) == 0 {
+                        tail_ref.store(tail + 1, Ordering::Release);
+                        published = true;
+                    }
                     if cur.received == expect.len {
-                        self.remote.ring();
-                        return Ok(Progress { state: true, moved });
+                        break;
                     }
                 }
                 k => {
@@ -1038,11 +1089,11 @@ impl Link for ShmPeer {
                 }
             }
         }
-        if moved {
+        if published {
             self.remote.ring();
         }
         Ok(Progress {
-            state: false,
+            state: cur.started && cur.received == expect.len,
             moved,
         })
     }
@@ -1091,7 +1142,7 @@ impl Link for ShmPeer {
     }
 
     fn peek(&self) -> Result<Option<(usize, u64)>> {
-        let tail = self.local.tail(self.peer).load(Ordering::Relaxed);
+        let tail = self.consumed.load(Ordering::Relaxed);
         let published = self
             .local
             .slot_number(self.peer, tail)
@@ -1328,6 +1379,8 @@ pub(crate) fn connect(
                 scratch: Mutex::new(None),
                 carried: CarriedList::default(),
                 tail_seen: AtomicU64::new(0),
+                consumed: AtomicU64::new(0),
+                tail_step: tail_step(local.geo.nslots),
                 beat_seen: Mutex::new(None),
             }));
         }
@@ -1545,6 +1598,8 @@ mod tests {
             scratch: Mutex::new(None),
             carried: CarriedList::default(),
             tail_seen: AtomicU64::new(0),
+            consumed: AtomicU64::new(0),
+            tail_step: tail_step(nslots),
             beat_seen: Mutex::new(None),
         };
         (link(0, &s0, &s1), link(1, &s1, &s0))
@@ -1808,6 +1863,84 @@ mod tests {
             .recv(&expect, &mut RecvCursor::default(), &mut sink)
             .unwrap();
         assert_eq!((p.state, p.moved), (false, false));
+    }
+
+    /// A receiver of a FIFO of 16 slots publishes its tail every fourth slot it reads and
+    /// whenever it finds the FIFO empty; a sender whose FIFO looks full gets its room back
+    /// either way, and nothing read is ever left unpublished while the receiver waits.
+    #[test]
+    fn the_tail_follows_the_reads_in_steps_and_before_a_wait() {
+        let (a, b) = pair(16, 4096, false, usize::MAX, Access::Direct);
+        let msgs: Vec<Vec<u8>> = (0..16).map(|i| pattern(8 + i, i as u8)).collect();
+        for (i, m) in msgs.iter().enumerate() {
+            let p = a
+                .send(&out(m, TAG + i as u64, None), &mut SendCursor::default())
+                .unwrap();
+            assert_eq!(p.state, SendState::Complete, "message {i}");
+        }
+        // Full: the 17th waits.
+        let extra = pattern(8, 99);
+        let mut extra_cur = SendCursor::default();
+        let p = a
+            .send(&out(&extra, TAG + 16, None), &mut extra_cur)
+            .unwrap();
+        assert_eq!((p.state, p.moved), (SendState::Pending, false));
+        let published = || b.local.tail(0).load(Ordering::Relaxed);
+        let receive = |i: usize| {
+            let m = &msgs[i];
+            let mut sink = Collect::new(m.len(), false);
+            let expect = InExpect {
+                len: m.len(),
+                tag: TAG + i as u64,
+            };
+            let p = b
+                .recv(&expect, &mut RecvCursor::default(), &mut sink)
+                .unwrap();
+            assert!(p.state && p.moved, "message {i} received");
+            assert_eq!(&sink.buf, m, "message {i}");
+        };
+        for i in 0..3 {
+            receive(i);
+            assert_eq!(published(), 0, "after {} reads", i + 1);
+        }
+        let p = a
+            .send(&out(&extra, TAG + 16, None), &mut extra_cur)
+            .unwrap();
+        assert_eq!(
+            p.state,
+            SendState::Pending,
+            "three read slots are not out yet"
+        );
+        receive(3);
+        assert_eq!(published(), 4, "the fourth read publishes");
+        let p = a
+            .send(&out(&extra, TAG + 16, None), &mut extra_cur)
+            .unwrap();
+        assert_eq!(p.state, SendState::Complete, "room again");
+        for i in 4..16 {
+            receive(i);
+        }
+        assert_eq!(published(), 16);
+        // One more read leaves the tail behind, and the look that finds nothing more (as a
+        // receiver makes before it waits) publishes it.
+        let mut sink = Collect::new(extra.len(), false);
+        let expect = InExpect {
+            len: extra.len(),
+            tag: TAG + 16,
+        };
+        assert!(
+            b.recv(&expect, &mut RecvCursor::default(), &mut sink)
+                .unwrap()
+                .state
+        );
+        assert_eq!(sink.buf, extra);
+        assert_eq!(published(), 16);
+        let expect = InExpect { len: 8, tag: TAG };
+        let p = b
+            .recv(&expect, &mut RecvCursor::default(), &mut sink)
+            .unwrap();
+        assert_eq!((p.state, p.moved), (false, false));
+        assert_eq!(published(), 17, "an empty FIFO publishes what was read");
     }
 
     /// Two messages in the FIFO at once stay two: a receive takes exactly the first, `peek`
