@@ -310,7 +310,19 @@ impl Comm {
         }
     }
 
+    /// Ok while the communicator is active; otherwise the reason it is not (`unusable`).
+    #[inline]
     pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.life.load(Ordering::SeqCst) == Life::Active as u8 {
+            Ok(())
+        } else {
+            self.unusable()
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn unusable(&self) -> Result<()> {
         match self.life() {
             Life::Active => Ok(()),
             Life::Finalized => crate::invalid_usage!(

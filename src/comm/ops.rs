@@ -124,6 +124,7 @@ pub(crate) struct Call {
 // thread that runs the group, which the caller guarantees keeps the buffers alive.
 unsafe impl Send for Call {}
 
+#[inline]
 pub(crate) fn parse_dtype(raw: i32) -> Result<DataType> {
     DataType::from_raw(raw).map_or_else(
         || crate::invalid_arg!("datatype {raw} is not a valid ncclDataType_t (0..=11)"),
@@ -205,6 +206,7 @@ impl Comm {
     }
 
     /// Resolves an `ncclRedOp_t` value for `dtype` on this communicator.
+    #[inline]
     pub(crate) fn resolve_op(&self, op: i32, dtype: DataType) -> Result<OpChoice> {
         let choice = match op {
             0 => OpChoice::Plain(ReduceOp::Sum),
@@ -215,20 +217,24 @@ impl Comm {
             crate::ffi::types::COMM_OP_BAND => OpChoice::Plain(ReduceOp::BitAnd),
             crate::ffi::types::COMM_OP_BOR => OpChoice::Plain(ReduceOp::BitOr),
             crate::ffi::types::COMM_OP_BXOR => OpChoice::Plain(ReduceOp::BitXor),
-            _ => {
-                let custom = self.custom_ops.ops.lock().get(&op).copied();
-                let c = custom.ok_or_else(|| self.unknown_op(op))?;
-                if c.dtype != dtype {
-                    return crate::invalid_arg!(
-                        "op {op} was created for datatype {} but the collective uses {}",
-                        c.dtype.name(),
-                        dtype.name()
-                    );
-                }
-                OpChoice::PreMulSum(c.scalar)
-            }
+            _ => return self.resolve_custom_op(op, dtype),
         };
         Ok(choice)
+    }
+
+    /// An op made by ncclRedOpCreatePreMulSum on this communicator, for `dtype`.
+    #[inline(never)]
+    fn resolve_custom_op(&self, op: i32, dtype: DataType) -> Result<OpChoice> {
+        let custom = self.custom_ops.ops.lock().get(&op).copied();
+        let c = custom.ok_or_else(|| self.unknown_op(op))?;
+        if c.dtype != dtype {
+            return crate::invalid_arg!(
+                "op {op} was created for datatype {} but the collective uses {}",
+                c.dtype.name(),
+                dtype.name()
+            );
+        }
+        Ok(OpChoice::PreMulSum(c.scalar))
     }
 
     /// The checks of a call that do not look at its buffers: the communicator usable, the

@@ -94,6 +94,22 @@ pub(crate) fn with_comm<T>(
     r
 }
 
+/// `f` on the communicator behind `comm` when it is the one this thread used last and nothing
+/// was destroyed or aborted since; false, without calling `f`, otherwise (or from inside a
+/// `with_comm` body). Borrows what is kept instead of taking it out as `with_comm` does: for
+/// calls that only look (a collective of zero elements).
+pub(crate) fn with_kept(comm: ncclComm_t, f: impl FnOnce(&Comm) -> bool) -> bool {
+    let epoch = EPOCH.load(Ordering::Acquire);
+    KEPT.try_with(|k| {
+        k.try_borrow().is_ok_and(|k| {
+            k.call
+                .as_ref()
+                .is_some_and(|k| k.epoch == epoch && k.comm == comm as usize && f(&k.c))
+        })
+    })
+    .unwrap_or(false)
+}
+
 /// Makes every thread's kept entries stale (a communicator or window is going away) and drops
 /// this thread's.
 pub(crate) fn invalidate() {
