@@ -85,6 +85,15 @@ pub(crate) struct Wiring {
 }
 
 impl Wiring {
+    /// After an operation large enough to push them out, brings back into this core's caches
+    /// and TLB what the links' next small messages touch (`Link::warm`), so that the next
+    /// small calls do not pay for it one page walk at a time.
+    fn warm_links(&self) {
+        for l in &self.links {
+            l.warm();
+        }
+    }
+
     /// Moves `[ptr, ptr + len)` onto huge pages when it is at least `huge_pages_from` long.
     fn collapse_if_large(&self, ptr: usize, len: usize) {
         if self.huge_pages_from.is_some_and(|min| len >= min) {
@@ -1037,21 +1046,44 @@ pub(crate) fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale 
 pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     let mut guards: Vec<_> = jobs.iter().map(|(w, _)| w.cache.lock()).collect();
     let mut execs = Vec::with_capacity(jobs.len());
+    let mut large = Vec::with_capacity(jobs.len());
     for ((wiring, ops), cache) in jobs.into_iter().zip(guards.iter_mut()) {
+        let bytes: usize = ops
+            .iter()
+            .map(|o| o.schedule.send_extent.max(o.schedule.recv_extent))
+            .sum();
+        if bytes >= WARM_AFTER {
+            large.push(wiring);
+        }
         cache.tables.ops = ops;
         execs.push(Exec::new(wiring, cache)?);
     }
-    drive(&mut execs)
+    drive(&mut execs)?;
+    for w in large {
+        w.warm_links();
+    }
+    Ok(())
 }
 
 /// Runs one operation of one communicator (a call outside any group).
 pub(crate) fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
+    let large = op.schedule.send_extent.max(op.schedule.recv_extent) >= WARM_AFTER;
     let mut cache = wiring.cache.lock();
     cache.tables.ops.clear();
     cache.tables.ops.push(op);
     let mut e = Exec::new(wiring, &mut cache)?;
-    drive(std::slice::from_mut(&mut e))
+    drive(std::slice::from_mut(&mut e))?;
+    if large {
+        wiring.warm_links();
+    }
+    Ok(())
 }
+
+/// Operations of at least this many bytes leave the links' small-message lines and pages out
+/// of this core's caches and TLB (its 1536 entries map 6 MiB of small pages), and take long
+/// enough that warming them again (`Link::warm`, about 2 us on a 2-rank communicator) is lost
+/// in their time.
+const WARM_AFTER: usize = 16 << 20;
 
 /// "a, b (x3), c" from "a, b, b, b, c": a pipeline waits on many messages of one peer.
 fn count_repeats(parts: Vec<String>) -> String {

@@ -330,6 +330,10 @@ pub(crate) trait Link: Send + Sync {
     fn prefers_huge_pages(&self) -> bool {
         false
     }
+    /// Brings back into this core's caches and TLB the lines and pages that the next small
+    /// messages either way will touch, after an operation that pushed them out; a hint, which
+    /// links without such state ignore.
+    fn warm(&self) {}
     /// This end is going away: the peer must stop waiting for it and fail instead, told how
     /// and, when this rank failed because it lost a rank, which one.
     fn close(&self, _how: Closing, _lost: Option<usize>) {}
