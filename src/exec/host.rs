@@ -42,6 +42,11 @@ pub(crate) struct HostOp {
 }
 
 impl HostOp {
+    /// The larger of the bytes it reads from its send buffer and writes to its receive buffer.
+    fn extent(&self) -> usize {
+        self.schedule.send_extent.max(self.schedule.recv_extent)
+    }
+
     /// Moves the operation's large buffers onto huge pages before peers in other processes
     /// copy from or into them (`Wiring::huge_pages_from`).
     fn collapse_to_huge_pages(&self, wiring: &Wiring) {
@@ -1048,11 +1053,7 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     let mut execs = Vec::with_capacity(jobs.len());
     let mut large = Vec::with_capacity(jobs.len());
     for ((wiring, ops), cache) in jobs.into_iter().zip(guards.iter_mut()) {
-        let bytes: usize = ops
-            .iter()
-            .map(|o| o.schedule.send_extent.max(o.schedule.recv_extent))
-            .sum();
-        if bytes >= WARM_AFTER {
+        if ops.iter().map(HostOp::extent).sum::<usize>() >= WARM_AFTER {
             large.push(wiring);
         }
         cache.tables.ops = ops;
@@ -1067,7 +1068,7 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
 
 /// Runs one operation of one communicator (a call outside any group).
 pub(crate) fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
-    let large = op.schedule.send_extent.max(op.schedule.recv_extent) >= WARM_AFTER;
+    let large = op.extent() >= WARM_AFTER;
     let mut cache = wiring.cache.lock();
     cache.tables.ops.clear();
     cache.tables.ops.push(op);

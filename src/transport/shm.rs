@@ -356,6 +356,13 @@ impl Segment {
         }
     }
 
+    /// Reads the number of each of `sender`'s slots (for `Link::warm`).
+    fn read_slot_numbers(&self, sender: usize) {
+        for seq in 0..self.geo.nslots as u64 {
+            std::hint::black_box(self.slot_number(sender, seq).load(Ordering::Relaxed));
+        }
+    }
+
     /// Asks the CPU to bring the first two lines of `sender`'s slot `seq` (its number, header
     /// and first data) into this core's cache; nothing on other architectures.
     #[inline]
@@ -867,15 +874,11 @@ impl Link for ShmPeer {
                 moved: done,
             });
         }
-        let nslots = self.remote.geo.nslots as u64;
         let mut head = head_ref.load(Ordering::Relaxed);
         // The tail lives in the peer's memory and changes under its hands: look at it only when
         // the slots we know to be free run out, not on every send.
         let mut tail = self.tail_seen.load(Ordering::Relaxed);
-        if head - tail >= nslots {
-            tail = tail_ref.load(Ordering::Acquire);
-            self.tail_seen.store(tail, Ordering::Relaxed);
-        }
+        let room = self.slot_free(head, &mut tail);
         let (scale, mut flags) = match msg.scale {
             Some(s) => (s.0, FLAG_SCALE),
             None => ([0u8; 8], 0),
@@ -904,7 +907,7 @@ impl Link for ShmPeer {
                         ..
                     },
                 ) => {
-                    if head - tail >= nslots {
+                    if !room {
                         self.carried.push(w);
                         return Ok(Progress {
                             state: SendState::Pending,
@@ -946,7 +949,7 @@ impl Link for ShmPeer {
             self.pull_threshold
         };
         if !cur.started && msg.len >= threshold && peer_can_pull {
-            if head - tail >= nslots {
+            if !room {
                 return Ok(Progress {
                     state: SendState::Pending,
                     moved: false,
@@ -1212,20 +1215,8 @@ impl Link for ShmPeer {
     /// from 64 MiB the first 8 B calls ran at 0.4-0.7 us (2 ranks) and 6.5-9 us (4 ranks on 2
     /// cores) instead of 0.24 and 3.3 until every slot had been used once.
     fn warm(&self) {
-        for seq in 0..self.local.geo.nslots as u64 {
-            std::hint::black_box(
-                self.local
-                    .slot_number(self.peer, seq)
-                    .load(Ordering::Relaxed),
-            );
-        }
-        for seq in 0..self.remote.geo.nslots as u64 {
-            std::hint::black_box(
-                self.remote
-                    .slot_number(self.me, seq)
-                    .load(Ordering::Relaxed),
-            );
-        }
+        self.local.read_slot_numbers(self.peer);
+        self.remote.read_slot_numbers(self.me);
     }
 
     fn prefers_huge_pages(&self) -> bool {
