@@ -777,6 +777,7 @@ impl ShmPeer {
         let slot = self.remote.slot(self.me, seq);
         let n = p.sent.load(Ordering::Relaxed);
         let stamp = stamp_of(n) << STAMP_SHIFT;
+        let end = place + bytes;
         // SAFETY: a fresh slot is free (slot_free); in the open one the bytes from `at` on are
         // unused and the receiver reads none of them before it sees their control word.
         // place + bytes <= PACK_AREA <= the slot's stride; msg.src holds msg.len bytes.
@@ -793,6 +794,12 @@ impl ShmPeer {
                 data = data.add(8);
             }
             std::ptr::copy_nonoverlapping(msg.src, data, msg.len);
+            // Where the receiver looks next holds whatever an earlier use of the slot left
+            // there, eager data included, which may look like any stamp: it reads a zero
+            // until the next entry is written.
+            if end + 16 <= PACK_AREA {
+                entry_ctl(slot, end).store(0, Ordering::Relaxed);
+            }
             let flags = if scaled { ENTRY_SCALE } else { 0 };
             entry_ctl(slot, place).store(stamp | flags | msg.len as u64, Ordering::Release);
             if place != at {
@@ -806,7 +813,7 @@ impl ShmPeer {
             self.remote.head(self.me).store(head + 1, Ordering::Relaxed);
             p.open.store(head + 1, Ordering::Relaxed);
         }
-        p.at.store((place + bytes) as u64, Ordering::Relaxed);
+        p.at.store(end as u64, Ordering::Relaxed);
         p.sent.store(n + 1, Ordering::Relaxed);
         self.remote.ring();
         Progress {
@@ -997,7 +1004,10 @@ enum Found {
 
 /// Where one end of a link stands in the packed slots of its two FIFOs (`KIND_PACKED`). Both
 /// ends count the packed messages, so a receiver knows the stamp of the next entry, and an
-/// entry left by an earlier turn of the ring never passes for it.
+/// entry left by an earlier turn of the ring never passes for it. Other leftovers (an earlier
+/// eager message's bytes) can look like any stamp, so the sender zeroes the word after each
+/// entry before it publishes the entry: the receiver looks only at words written for the slot's
+/// present use.
 #[derive(Default)]
 struct Packing {
     /// Sending: one more than the number of the slot that takes entries (0: none). It takes
@@ -2886,17 +2896,22 @@ mod tests {
     fn packed_slots_hold_many_messages_and_turn_around_the_ring() {
         let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
         let msg = |i: usize| pattern(8 + i % 3 * 8, i as u8);
-        let mut sent = 0usize;
-        let mut received = 0usize;
+        let send = |i: usize| {
+            let data = msg(i);
+            a.send(
+                &out(&data, TAG + i as u64, None),
+                &mut SendCursor::default(),
+            )
+            .unwrap()
+        };
+        let receive = |i: usize| {
+            let got = take(&b, msg(i).len(), TAG + i as u64);
+            assert_eq!(got.buf, msg(i), "message {i}");
+        };
+        let (mut sent, mut received) = (0usize, 0usize);
         // Entries of 24-40 bytes, one or two to a line, in two slots of PACK_AREA bytes.
         loop {
-            let data = msg(sent);
-            let p = a
-                .send(
-                    &out(&data, TAG + sent as u64, None),
-                    &mut SendCursor::default(),
-                )
-                .unwrap();
+            let p = send(sent);
             if p.state == SendState::Pending {
                 assert!(!p.moved, "a pending send writes nothing");
                 break;
@@ -2907,29 +2922,19 @@ mod tests {
         for lag in [1usize, 7, 100, 3, 255] {
             for _ in 0..2000 {
                 while received + lag < sent {
-                    let got = take(&b, msg(received).len(), TAG + received as u64);
-                    assert_eq!(got.buf, msg(received), "message {received}");
+                    receive(received);
                     received += 1;
                 }
-                let data = msg(sent);
-                let p = a
-                    .send(
-                        &out(&data, TAG + sent as u64, None),
-                        &mut SendCursor::default(),
-                    )
-                    .unwrap();
-                if p.state == SendState::Complete {
+                if send(sent).state == SendState::Complete {
                     sent += 1;
                 } else {
-                    let got = take(&b, msg(received).len(), TAG + received as u64);
-                    assert_eq!(got.buf, msg(received), "message {received}");
+                    receive(received);
                     received += 1;
                 }
             }
         }
         while received < sent {
-            let got = take(&b, msg(received).len(), TAG + received as u64);
-            assert_eq!(got.buf, msg(received), "message {received}");
+            receive(received);
             received += 1;
         }
         assert_eq!(b.peek().unwrap(), None);
@@ -2937,6 +2942,45 @@ mod tests {
             a.remote.head(0).load(Ordering::Relaxed) > 20,
             "the ring turned"
         );
+    }
+
+    /// Bytes that an eager message left in a slot, shaped like the control word the receiver
+    /// waits for next, are not taken for a packed entry when the slot is packed later: the
+    /// receiver finds nothing until the entry is sent.
+    #[test]
+    fn leftover_bytes_that_look_like_an_entry_are_not_one() {
+        let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+        // Every word says "stamp of the second packed message, 0 bytes".
+        let fake: Vec<u8> = std::iter::repeat_n((stamp_of(1) << STAMP_SHIFT).to_le_bytes(), 500)
+            .flatten()
+            .collect();
+        let filler = pattern(PACK_MAX + 1, 7);
+        for (i, m) in [&fake, &filler].into_iter().enumerate() {
+            a.send(&out(m, TAG + i as u64, None), &mut SendCursor::default())
+                .unwrap();
+            assert_eq!(&take(&b, m.len(), TAG + i as u64).buf, m);
+        }
+        // Slot 0 again, packed: an entry of 56 bytes goes to the second line and ends where
+        // the fake words are.
+        let first = pattern(56, 1);
+        a.send(&out(&first, TAG + 2, None), &mut SendCursor::default())
+            .unwrap();
+        assert_eq!(a.remote.head(0).load(Ordering::Relaxed), 3);
+        assert_eq!(take(&b, 56, TAG + 2).buf, first);
+        assert_eq!(b.peek().unwrap(), None, "nothing sent yet");
+        let expect = InExpect {
+            len: 8,
+            tag: TAG + 3,
+        };
+        let mut sink = Collect::new(8, false);
+        let mut rc = RecvCursor::default();
+        let p = b.recv(&expect, &mut rc, &mut sink).unwrap();
+        assert_eq!((p.state, p.moved), (false, false));
+        let second = pattern(8, 2);
+        a.send(&out(&second, TAG + 3, None), &mut SendCursor::default())
+            .unwrap();
+        assert!(b.recv(&expect, &mut rc, &mut sink).unwrap().state);
+        assert_eq!(sink.buf, second);
     }
 
     /// A packed message that is not what the receiver expects (length or tag) is the same
