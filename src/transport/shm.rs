@@ -1023,6 +1023,16 @@ struct Packing {
     received: AtomicU64,
 }
 
+impl Packing {
+    /// Where the receiver looks for the next entry of the packed slot at `consumed`.
+    fn read_from(&self) -> usize {
+        match self.read_at.load(Ordering::Relaxed) {
+            0 => PACK_FIRST,
+            a => a as usize,
+        }
+    }
+}
+
 /// Every how many eager slots a receiver publishes its tail (`ShmPeer::consumed`): a quarter
 /// of a FIFO of 16 slots or more, each slot in smaller ones. A power of two.
 fn tail_step(nslots: usize) -> u64 {
@@ -1251,10 +1261,7 @@ impl Link for ShmPeer {
                         self.peer
                     );
                 }
-                let at = match self.pack.read_at.load(Ordering::Relaxed) {
-                    0 => PACK_FIRST,
-                    a => a as usize,
-                };
+                let at = self.pack.read_from();
                 let n = self.pack.received.load(Ordering::Relaxed);
                 match self.find_packed(tail, at, stamp_of(n)) {
                     Found::Entry { at, ctl } => {
@@ -1433,10 +1440,7 @@ impl Link for ShmPeer {
 
     fn peek(&self) -> Result<Option<(usize, u64)>> {
         let mut tail = self.consumed.load(Ordering::Relaxed);
-        let mut at = match self.pack.read_at.load(Ordering::Relaxed) {
-            0 => PACK_FIRST,
-            a => a as usize,
-        };
+        let mut at = self.pack.read_from();
         let stamp = stamp_of(self.pack.received.load(Ordering::Relaxed));
         // A closed packed slot is followed by a published one: at most two looks.
         for _ in 0..2 {
