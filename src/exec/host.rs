@@ -262,11 +262,20 @@ pub(crate) struct ExecCache {
     /// Hazards of single-operation runs, by schedule (its address: the Arc is kept alive in
     /// the value) and aliasing. Repeated calls of one shape skip the quadratic analysis.
     hazards: rustc_hash::FxHashMap<(usize, Aliasing), (Arc<Schedule>, Arc<Hazards>)>,
-    scratch: Vec<u8>,
+    /// Whole cache lines, so that scratch starts on one: from the allocator it would start 16
+    /// bytes past a page, a distance to a page-aligned user buffer at which the C library's
+    /// copies can be very slow (see `reduce::copy_bytes`), and a reduction's lines would
+    /// straddle.
+    scratch: Vec<Line>,
     tables: Tables,
     /// What `tables.steps` was last built for, when that was one operation alone.
     built: Option<Built>,
 }
+
+/// One cache line of scratch.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
 
 /// The tables one run works on, left in place between runs so that their memory is reused
 /// and nothing is moved in and out on each call.
@@ -428,10 +437,10 @@ impl<'a> Exec<'a> {
             .iter()
             .map(|o| o.schedule.scratch.next_multiple_of(64))
             .sum();
-        if scratch.len() < need {
-            scratch.resize(need, 0);
+        if scratch.len() < need / 64 {
+            scratch.resize(need / 64, Line([0; 64]));
         }
-        let scratch = scratch.as_mut_ptr();
+        let scratch = scratch.as_mut_ptr() as *mut u8;
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_ref()) {
             if b.repeated_by(op, scratch, t.steps.len()) {
                 op.collapse_to_huge_pages(wiring);
@@ -990,7 +999,7 @@ unsafe fn copy_scaled(dst: *mut u8, a: Src, len: usize, reduction: Option<Reduct
         }
         _ => {
             if !std::ptr::eq(a.ptr, dst) {
-                std::ptr::copy_nonoverlapping(a.ptr, dst, len);
+                crate::reduce::copy_bytes(dst, a.ptr, len);
             }
         }
     }
@@ -2218,9 +2227,10 @@ mod tests {
         assert_eq!(recv, send);
         let (len, at) = {
             let c = w.cache.lock();
-            (c.scratch.len(), c.scratch.as_ptr())
+            (c.scratch.len() * 64, c.scratch.as_ptr())
         };
         assert_eq!(len, 1024, "1000 bytes of scratch, rounded up to 64");
+        assert_eq!(at as usize % 64, 0, "scratch starts on a cache line");
         let (send, recv) = copy(&small, 77);
         assert_eq!(recv, send, "the second call copies its own input");
         assert_eq!(
@@ -2231,10 +2241,10 @@ mod tests {
         let large = through_scratch(5000);
         let (send, recv) = copy(&large, 5);
         assert_eq!(recv, send);
-        assert_eq!(w.cache.lock().scratch.len(), 5056);
+        assert_eq!(w.cache.lock().scratch.len() * 64, 5056);
         copy(&small, 3);
         assert_eq!(
-            w.cache.lock().scratch.len(),
+            w.cache.lock().scratch.len() * 64,
             5056,
             "scratch does not shrink"
         );

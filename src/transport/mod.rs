@@ -271,7 +271,7 @@ pub(crate) fn put_then_copy<S: Sink + ?Sized>(
     })?;
     // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
     // caller's memory of `data.len()` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(d.add(offset), out, data.len()) };
+    unsafe { crate::reduce::copy_bytes(out, d.add(offset), data.len()) };
     Ok(())
 }
 

@@ -610,7 +610,7 @@ impl ShmPeer {
                 // SAFETY: the sender keeps [src, src+total) valid and unchanged until we release
                 // its descriptor; dst is the sink's destination of at least `total` bytes.
                 Access::Direct => unsafe {
-                    std::ptr::copy_nonoverlapping((src + off) as *const u8, dst.add(off), n)
+                    crate::reduce::copy_bytes(dst.add(off), (src + off) as *const u8, n)
                 },
                 // SAFETY: dst is valid for `total` bytes of writes.
                 Access::Cma(pid) => unsafe { os::cma_read(pid, dst.add(off), src + off, n) }
@@ -902,7 +902,7 @@ impl ShmPeer {
             // [src, src+total) for its reply (FLAG_REPLY_HERE) and touches none of it until we
             // release the descriptor.
             Access::Direct => unsafe {
-                std::ptr::copy_nonoverlapping(d.add(off), (src + off) as *mut u8, n)
+                crate::reduce::copy_bytes((src + off) as *mut u8, d.add(off), n)
             },
             // SAFETY: as above, in the sender's address space.
             Access::Cma(pid) => unsafe { os::cma_write(pid, d.add(off), src + off, n) }
@@ -1178,7 +1178,7 @@ impl Link for ShmPeer {
             self.fill_slot(head, &h, |out| {
                 // SAFETY: `out` holds n bytes (fill_slot); msg.src is valid for msg.len bytes
                 // of reads.
-                unsafe { std::ptr::copy_nonoverlapping(from, out, n) };
+                unsafe { crate::reduce::copy_bytes(out, from, n) };
                 Ok(())
             })?;
             head += 1;
