@@ -143,8 +143,9 @@ struct XStep {
     /// This step's dependents are `edges[first_dependent..first_dependent + dependents]`.
     first_dependent: u32,
     dependents: u32,
-    /// A send: `OutMsg::reply_here`. A receive: its sink `returns` (see `Hazards::hints`).
-    hint: bool,
+    /// A send: where its reply lands (`OutMsg::reply_at`). A receive: its sink `returns` (see
+    /// `Hazards::hints`).
+    hint: Hint,
     /// A send: `OutMsg::copied`, for operations that reduce nothing, except from scratch (an
     /// in-place all-to-all's blocks, just copied there: 2 processes, 128-512 KiB, 1.1-1.6x
     /// slower when peers pulled them out of this core's cache than through the slots).
@@ -161,13 +162,28 @@ struct Hazards {
     count: Vec<u32>,
     edges: Arc<[u32]>,
     /// Per step, `XStep::hint`.
-    hints: Vec<bool>,
+    hints: Vec<Hint>,
+}
+
+/// What `Hazards::hints` found out about a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Hint {
+    #[default]
+    None,
+    /// A send whose reply lands in its own bytes (in place).
+    ReplyHere,
+    /// A send from its operation's send buffer whose reply lands at the same place of the
+    /// receive buffer (out of place).
+    ReplyInRecv,
+    /// A folding receive whose result is next sent back, whole, to the same peer.
+    Returns,
 }
 
 impl Hazards {
     /// Step i waits for every earlier step j it conflicts with: it writes what j reads or
-    /// writes, or reads what j writes.
-    fn compute(steps: &[XStep]) -> Hazards {
+    /// writes, or reads what j writes. `mirror(op, p)`: for an address `p` in operation
+    /// `op`'s send buffer, the same place in its receive buffer (see `hints`).
+    fn compute(steps: &[XStep], mirror: &dyn Fn(usize, usize) -> Option<usize>) -> Hazards {
         let n = steps.len();
         let mut pairs = Vec::new();
         let mut waiting_on = vec![0u32; n];
@@ -203,17 +219,20 @@ impl Hazards {
             first,
             count,
             edges: edges.into(),
-            hints: Hazards::hints(steps),
+            hints: Hazards::hints(steps, mirror),
         }
     }
 
-    /// Which sends may have their reply written into their buffer, and which folding receives
-    /// may write their result back into the sender's buffer (the pair a two-rank all-reduce
-    /// in place is made of; see `OutMsg::reply_here`). A send from R is marked when no earlier
-    /// step reads R (one that did could still be waiting to run when the peer writes) and the
-    /// next step to touch R receives, from the same peer, exactly R. A folding receive into D
-    /// is marked when the next step to touch D sends exactly D, unscaled, to the same peer.
-    fn hints(steps: &[XStep]) -> Vec<bool> {
+    /// Which sends may have their reply written by the peer straight where it lands, and which
+    /// folding receives may write their result there (the pairs a two-rank all-reduce is made
+    /// of; see `OutMsg::reply_at`). A send from R is `ReplyHere` when no earlier step reads R
+    /// (one that did could still be waiting to run when the peer writes) and the next step to
+    /// touch R receives, from the same peer, exactly R. Else, where R lies in its operation's
+    /// send buffer, it is `ReplyInRecv` when the same place M of the receive buffer is apart
+    /// from R, no earlier step touches M and the next step to touch it receives, from the
+    /// same peer, exactly M. A folding receive into D `Returns` when the next step to touch D
+    /// sends exactly D, unscaled, to the same peer.
+    fn hints(steps: &[XStep], mirror: &dyn Fn(usize, usize) -> Option<usize>) -> Vec<Hint> {
         let touches = |s: &XStep, r: Range| {
             let (reads, write) = s.action.ranges();
             let [a, b] = reads;
@@ -226,13 +245,27 @@ impl Hazards {
             .map(|(i, s)| match s.action {
                 Action::Send { peer, src, len } if len > 0 => {
                     let r = (src.ptr as usize, src.ptr as usize + len);
+                    let replied_into = |at: usize| {
+                        matches!(next_toucher(i, (at, at + len)).map(|k| k.action),
+                            Some(Action::Recv { peer: p, dst, len: l, with: None, .. })
+                                if p == peer && dst as usize == at && l == len)
+                    };
                     let read_before = steps[..i]
                         .iter()
                         .any(|k| k.action.ranges().0.iter().any(|&x| overlaps(x, Some(r))));
-                    !read_before
-                        && matches!(next_toucher(i, r).map(|k| k.action),
-                            Some(Action::Recv { peer: p, dst, len: l, with: None, .. })
-                                if p == peer && dst as usize == r.0 && l == len)
+                    if !read_before && replied_into(r.0) {
+                        return Hint::ReplyHere;
+                    }
+                    let Some(m) = mirror(s.op, r.0) else {
+                        return Hint::None;
+                    };
+                    let mr = (m, m + len);
+                    let touched_before = steps[..i].iter().any(|k| touches(k, mr));
+                    if !overlaps(Some(r), Some(mr)) && !touched_before && replied_into(m) {
+                        Hint::ReplyInRecv
+                    } else {
+                        Hint::None
+                    }
                 }
                 Action::Recv {
                     peer,
@@ -242,11 +275,16 @@ impl Hazards {
                     ..
                 } if len > 0 => {
                     let r = (dst as usize, dst as usize + len);
-                    matches!(next_toucher(i, r).map(|k| k.action),
+                    let returns = matches!(next_toucher(i, r).map(|k| k.action),
                         Some(Action::Send { peer: p, src, len: l })
-                            if p == peer && src.ptr as usize == r.0 && l == len && src.scale.is_none())
+                            if p == peer && src.ptr as usize == r.0 && l == len && src.scale.is_none());
+                    if returns {
+                        Hint::Returns
+                    } else {
+                        Hint::None
+                    }
                 }
-                _ => false,
+                _ => Hint::None,
             })
             .collect()
     }
@@ -489,7 +527,7 @@ impl<'a> Exec<'a> {
                     waiting_on: 0,
                     first_dependent: 0,
                     dependents: 0,
-                    hint: false,
+                    hint: Hint::None,
                     copied,
                     send: SendCursor::default(),
                     recv: RecvCursor::default(),
@@ -497,13 +535,19 @@ impl<'a> Exec<'a> {
             }
             scratch_at += op.schedule.scratch.next_multiple_of(64);
         }
+        let ops = &t.ops;
+        let mirror = |op: usize, p: usize| {
+            let o = &ops[op];
+            let send = o.send as usize;
+            (p >= send && p < send + o.schedule.send_extent).then(|| p - send + o.recv as usize)
+        };
         let hazards = match t.ops.as_slice() {
             [op] => {
                 let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
                 let h = match known.get(&key) {
                     Some((_, h)) => h.clone(),
                     None => {
-                        let h = Arc::new(Hazards::compute(steps));
+                        let h = Arc::new(Hazards::compute(steps, &mirror));
                         if known.len() >= 256 {
                             known.clear();
                         }
@@ -521,7 +565,7 @@ impl<'a> Exec<'a> {
                 });
                 h
             }
-            _ => Arc::new(Hazards::compute(steps)),
+            _ => Arc::new(Hazards::compute(steps, &mirror)),
         };
         for (i, s) in steps.iter_mut().enumerate() {
             s.waiting_on = hazards.waiting_on[i];
@@ -698,7 +742,14 @@ impl<'a> Exec<'a> {
             tag,
             sender_busy: self.busy,
             copied: step.copied,
-            reply_here: step.hint,
+            reply_at: match step.hint {
+                Hint::ReplyHere => Some(src.ptr as usize),
+                Hint::ReplyInRecv => {
+                    let o = &self.t.ops[step.op];
+                    Some(src.ptr as usize - o.send as usize + o.recv as usize)
+                }
+                _ => None,
+            },
         };
         let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
         Ok(p.state)
@@ -722,7 +773,8 @@ impl<'a> Exec<'a> {
         // The reply (the next step to touch dst, by the hint) is at the front of the peer's
         // sends: every earlier message to that peer is handed over. It belongs to the same
         // operation, so it carries the same tag.
-        let forwards = hint
+        let returns = hint == Hint::Returns;
+        let forwards = returns
             && stream
             && self.t.send_q[peer].front().is_some_and(|&s| {
                 let s = &self.t.steps[s as usize];
@@ -737,7 +789,7 @@ impl<'a> Exec<'a> {
             with,
             reduction,
             last,
-            returns: hint,
+            returns,
             forwards,
             stream,
         };
@@ -2374,7 +2426,7 @@ mod tests {
             waiting_on: 0,
             first_dependent: 0,
             dependents: 0,
-            hint: false,
+            hint: Hint::None,
             copied: false,
             send: SendCursor::default(),
             recv: RecvCursor::default(),
@@ -2396,85 +2448,132 @@ mod tests {
             .collect()
     }
 
-    /// A two-rank ring all-reduce in place is made of the pairs `Hazards::hints` looks for:
-    /// each reduce-scatter send's buffer is next written by the all-gather's receive from the
-    /// same peer, and each folded slice is next sent back to that peer. Out of place, on three
-    /// ranks (sends go to one neighbour, receives come from the other) and where an earlier
-    /// step still reads the buffer, no send is marked.
+    /// A two-rank ring all-reduce is made of the pairs `Hazards::hints` looks for: each
+    /// reduce-scatter send's reply is the all-gather's receive from the same peer, into the
+    /// same bytes in place and into the same place of the receive buffer out of place, and
+    /// each folded slice is next sent back to that peer. On three ranks (sends go to one
+    /// neighbour, receives come from the other) and where an earlier step still reads the
+    /// buffer or touches its mirror, no send is marked.
     #[test]
     fn hints_mark_the_sends_whose_reply_lands_in_place_and_the_folds_that_return() {
-        let shape = |rank, nranks, in_place| crate::algo::Shape {
+        let sliced = |rank, nranks, in_place, slice_bytes| crate::algo::Shape {
             rank,
             nranks,
             elem: 4,
             in_place,
-            slice_bytes: 1 << 10,
+            slice_bytes,
             ring: None,
             hosts: None,
         };
+        let shape = |rank, nranks, in_place| sliced(rank, nranks, in_place, 1 << 10);
+        // The operation's buffers as `resolved` places them: send at 1 MiB, receive at `recv`.
+        let mirror_for = |recv: usize| {
+            move |_op: usize, p: usize| {
+                ((1 << 20)..(65 << 20))
+                    .contains(&p)
+                    .then(|| p - (1 << 20) + recv)
+            }
+        };
         let count = 5000; // 20000 bytes: ten slices a half, the last one short.
-        for rank in 0..2 {
-            let s = crate::algo::ring::all_reduce(count, &shape(rank, 2, true));
-            let steps = resolved(&s, 1 << 20, 1 << 20);
-            let hints = Hazards::compute(&steps).hints;
-            let mut marked = (0, 0);
-            for (st, &h) in s.steps.iter().zip(&hints) {
-                match *st {
-                    // The reduce-scatter's sends read this rank's input (the first half of
-                    // the steps); the all-gather's read folded slices.
-                    Step::Send { src, .. } => {
-                        assert_eq!(h, src.input, "rank {rank}: {st:?}");
-                        marked.0 += h as usize;
+                          // And 36 MiB in 1 MiB slices, which the out-of-place schedule fuses.
+        let big = (crate::algo::ring::FUSE_FROM + (4 << 20)) / 4;
+        for (count, slice, recv) in [(count, 1 << 10, 1 << 22), (big, 1 << 20, 1 << 27)] {
+            for rank in 0..2 {
+                for in_place in [true, false] {
+                    let recv = if in_place { 1 << 20 } else { recv };
+                    let shape = sliced(rank, 2, in_place, slice);
+                    let s = crate::algo::ring::all_reduce(count, &shape);
+                    let steps = resolved(&s, 1 << 20, recv);
+                    let hints = Hazards::compute(&steps, &mirror_for(recv)).hints;
+                    let reply = if in_place {
+                        Hint::ReplyHere
+                    } else {
+                        Hint::ReplyInRecv
+                    };
+                    let mut marked = (0, 0);
+                    for (st, &h) in s.steps.iter().zip(&hints) {
+                        let what = format!("rank {rank}, in place {in_place}: {st:?}");
+                        match *st {
+                            // The reduce-scatter's sends read this rank's input; the
+                            // all-gather's read folded slices.
+                            Step::Send { src, .. } => {
+                                let want = if src.input { reply } else { Hint::None };
+                                assert_eq!(h, want, "{what}");
+                                marked.0 += src.input as usize;
+                            }
+                            Step::Recv { reduce_with, .. } => {
+                                let want = if reduce_with.is_some() {
+                                    Hint::Returns
+                                } else {
+                                    Hint::None
+                                };
+                                assert_eq!(h, want, "{what}");
+                                marked.1 += reduce_with.is_some() as usize;
+                            }
+                            Step::Local { .. } => assert_eq!(h, Hint::None, "{what}"),
+                        }
                     }
-                    Step::Recv { reduce_with, .. } => {
-                        assert_eq!(h, reduce_with.is_some(), "rank {rank}: {st:?}");
-                        marked.1 += h as usize;
-                    }
-                    Step::Local { .. } => assert!(!h),
+                    let slices = (count * 4 / 2).div_ceil(slice);
+                    assert_eq!(marked, (slices, slices), "rank {rank}, in place {in_place}");
+                    // Without a mirror (a send from scratch, say) no out-of-place send is
+                    // marked; the folds still are.
+                    let hints = Hazards::compute(&steps, &|_, _| None).hints;
+                    assert_eq!(
+                        hints.iter().filter(|&&h| h == Hint::ReplyInRecv).count(),
+                        0,
+                        "rank {rank}, in place {in_place}"
+                    );
                 }
             }
-            assert_eq!(marked, (10, 10), "rank {rank}");
-            // Out of place the folds are still marked, but no send offers its buffer (the
-            // reply lands in the receive buffer), so nothing is written back.
-            let s = crate::algo::ring::all_reduce(count, &shape(rank, 2, false));
-            let steps = resolved(&s, 1 << 20, 1 << 22);
-            let hints = Hazards::compute(&steps).hints;
-            let sends = s.steps.iter().zip(&hints);
-            assert!(!sends
-                .filter(|(st, _)| matches!(st, Step::Send { .. }))
-                .any(|(_, &h)| h));
         }
         let s = crate::algo::ring::all_reduce(count, &shape(1, 3, true));
         let steps = resolved(&s, 1 << 20, 1 << 20);
         assert!(
-            !Hazards::compute(&steps).hints.contains(&true),
+            (Hazards::compute(&steps, &mirror_for(1 << 20)).hints.iter()).all(|&h| h == Hint::None),
             "three ranks"
         );
-        // A local step that reads the first send's bytes before it: the peer's write could
-        // overtake it, so the send is not marked (the fold still is).
-        let s = crate::algo::ring::all_reduce(count, &shape(0, 2, true));
-        let first_send = s
-            .steps
-            .iter()
-            .position(|st| matches!(st, Step::Send { .. }));
-        let Some(Step::Send { src, .. }) = first_send.map(|i| s.steps[i]) else {
-            panic!("no send")
-        };
-        let mut steps = resolved(&s, 1 << 20, 1 << 20);
-        let reader = Action::Local {
-            dst: (1usize << 30) as *mut u8,
-            len: 4,
-            a: Src {
-                ptr: ((1 << 20) + src.region.offset) as *const u8,
-                scale: None,
-            },
-            b: None,
-            last: false,
-        };
-        steps.insert(0, xstep(reader));
-        let hints = Hazards::compute(&steps).hints;
-        assert!(!hints[first_send.unwrap() + 1]);
-        assert_eq!(hints.iter().filter(|&&h| h).count(), 19);
+        let s = crate::algo::ring::all_reduce(count, &shape(1, 3, false));
+        let steps = resolved(&s, 1 << 20, 1 << 22);
+        assert!(
+            (Hazards::compute(&steps, &mirror_for(1 << 22)).hints.iter()).all(|&h| h == Hint::None),
+            "three ranks out of place"
+        );
+        // A local step before the first send that reads its bytes (in place) or writes their
+        // mirror (out of place): the peer's write could overtake it, so the send is not
+        // marked (the fold still is).
+        for in_place in [true, false] {
+            let recv = if in_place { 1 << 20 } else { 1 << 22 };
+            let s = crate::algo::ring::all_reduce(count, &shape(0, 2, in_place));
+            let first_send = s
+                .steps
+                .iter()
+                .position(|st| matches!(st, Step::Send { .. }))
+                .expect("a send");
+            let Step::Send { src, .. } = s.steps[first_send] else {
+                unreachable!()
+            };
+            let mut steps = resolved(&s, 1 << 20, recv);
+            let (dst, from) = if in_place {
+                (1usize << 30, (1 << 20) + src.region.offset)
+            } else {
+                (recv + src.region.offset + 4, 1 << 30)
+            };
+            let early = Action::Local {
+                dst: dst as *mut u8,
+                len: 4,
+                a: Src {
+                    ptr: from as *const u8,
+                    scale: None,
+                },
+                b: None,
+                last: false,
+            };
+            steps.insert(0, xstep(early));
+            let hints = Hazards::compute(&steps, &mirror_for(recv)).hints;
+            assert_eq!(hints[first_send + 1], Hint::None, "in place {in_place}");
+            let marked = hints.iter().filter(|&&h| h != Hint::None).count();
+            assert_eq!(marked, 19, "in place {in_place}");
+        }
     }
 
     /// Which steps wait for which: write after read, read after write and write after write
@@ -2543,7 +2642,7 @@ mod tests {
         .into_iter()
         .map(xstep)
         .collect();
-        let h = Hazards::compute(&steps);
+        let h = Hazards::compute(&steps, &|_, _| None);
         assert_eq!(h.waiting_on, vec![0, 0, 1, 1, 2, 0, 0]);
         let dependents = |j: usize| -> Vec<u32> {
             let (f, c) = (h.first[j] as usize, h.count[j] as usize);

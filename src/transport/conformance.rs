@@ -172,7 +172,7 @@ fn transfer(
                 tag: *tag,
                 sender_busy: false,
                 copied: false,
-                reply_here: false,
+                reply_at: None,
             };
             match tx.send(&m, &mut sends[i])?.state {
                 SendState::Pending => break,

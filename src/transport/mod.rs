@@ -160,12 +160,13 @@ pub(crate) struct OutMsg {
     /// with no fold waiting behind it (shm pulls a busy sender's such messages from a lower
     /// size still).
     pub copied: bool,
-    /// This rank's next use of `src` is to receive, from the same peer, a message of the same
-    /// length into exactly these bytes (the other half of a two-rank all-reduce in place). A
+    /// Where this rank will next receive, from the same peer, a message of the same length,
+    /// with nothing touching those bytes before: `src` itself (the other half of a two-rank
+    /// all-reduce in place) or the same place in the receive buffer (out of place). A
     /// receiver that folds the message and will send the result straight back
-    /// (`Sink::returns`) may write that result into `src` as it folds, while the bytes are
-    /// still in its cache, and later send only a notice (shm does, for pulled messages).
-    pub reply_here: bool,
+    /// (`Sink::returns`) may write that result there as it folds, while the bytes are still
+    /// in its cache, and later send only a notice (shm does, for pulled messages).
+    pub reply_at: Option<usize>,
 }
 
 /// What the receiver expects next on a channel.
@@ -215,8 +216,9 @@ pub(crate) struct Pulling {
     pub src: usize,
     pub total: usize,
     pub scale: Option<Scale>,
-    /// The sender lets the receiver write its reply into `src` (`OutMsg::reply_here`).
-    pub reply_here: bool,
+    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
+    /// sender's memory.
+    pub reply_at: Option<usize>,
 }
 
 /// Where received bytes go. The executor implements it: a plain copy, or a reduction into the
@@ -229,7 +231,7 @@ pub(crate) trait Sink {
     /// Bytes `[offset, offset + len)` were written straight into `direct()`.
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
     /// Where the combined bytes are when this rank's next use of them is to send them,
-    /// unchanged and whole, back to the peer they came from (see `OutMsg::reply_here`). None
+    /// unchanged and whole, back to the peer they came from (see `OutMsg::reply_at`). None
     /// by default.
     fn returns(&self) -> Option<*const u8> {
         None

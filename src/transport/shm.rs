@@ -16,10 +16,11 @@
 //! eager path cleanly.
 //!
 //! A pulled message may also carry the sender's leave to write the reply into its buffer
-//! (`OutMsg::reply_here`: a two-rank all-reduce in place receives the reduced half exactly where
-//! it sent its input from). A receiver that folds the message and sends the result straight
-//! back writes it there piece by piece (`process_vm_writev`) while the pulled bytes and the
-//! sender's lines are still in its cache, and its later send is a notice without data.
+//! (`OutMsg::reply_at`: a two-rank all-reduce receives the reduced half exactly where it sent
+//! its input from, in place, or at the same place of its receive buffer, out of place). A
+//! receiver that folds the message and sends the result straight back writes it there piece
+//! by piece (`process_vm_writev`) while the folded bytes are still in its cache, and its later
+//! send is a notice without data.
 
 use super::os::{self, Mapping, ProcessWatch};
 use super::{
@@ -54,7 +55,7 @@ const SLOT_FIELDS: usize = 8;
 const KIND_EAGER: u32 = 1;
 const KIND_PULL: u32 = 2;
 /// No bytes: the receiver of an earlier pulled message wrote this one's bytes into the buffer
-/// that message came from (`OutMsg::reply_here`), which is where this one lands (`src_addr`).
+/// that message came from (`OutMsg::reply_at`), which is where this one lands (`src_addr`).
 const KIND_RETURNED: u32 = 3;
 /// Many small messages, one after the other, each in an entry of its own (`Packed`): a sender
 /// that runs ahead fills a line with several of them, so the line moves to the receiver's core
@@ -89,7 +90,7 @@ const PULL_FROM_PROCESS: usize = 1 << 20;
 /// 1.1-1.5x slower when they pulled too (so they do not).
 const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// Lower still when the receiver copies the bytes as they are (`OutMsg::copied`: nothing in
-/// the operation reduces) or may write its reply back (`OutMsg::reply_here`): the pull then
+/// the operation reduces) or may write its reply back (`OutMsg::reply_at`): the pull then
 /// replaces both slot copies with one. Two processes, single-size runs alternating against
 /// 512 KiB: all-gather 256-512 KiB 0.37-0.50x the time, all-to-all out of place 0.48-0.50x,
 /// all-reduce in place 0.46-0.52x; a folded message (all-reduce out of place) was 1.29x
@@ -118,7 +119,8 @@ fn copied_threshold(local_ranks: usize, cpus: usize) -> usize {
     }
 }
 const FLAG_SCALE: u32 = 1;
-/// On a pull descriptor: the sender's `OutMsg::reply_here`.
+/// On a pull descriptor: the sender offers a place for the reply (`OutMsg::reply_at`), whose
+/// address is the descriptor's one word of data.
 const FLAG_REPLY_HERE: u32 = 2;
 
 /// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
@@ -128,7 +130,7 @@ const PREFAULT_MAX: usize = 16 << 20;
 const PULL_BUDGET: usize = 4 << 20;
 /// Pieces a CMA pull is cut into when the bytes must be combined rather than copied: small
 /// enough that the piece, the receiver's own bytes and the sender's lines all stay in L2
-/// between the copy, the reduction and a write-back (`OutMsg::reply_here`), large enough that
+/// between the copy, the reduction and a write-back (`OutMsg::reply_at`), large enough that
 /// the kernel's per-call cost (pinning pages) stays small. The scratch they land in is
 /// huge-page backed. A model of the two-rank all-reduce in place (two processes pulling,
 /// folding and writing back 32 MiB each) took 5.6-6.3 ms with 128-256 KiB pieces, 6.3 ms
@@ -489,7 +491,7 @@ struct Carried {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Carriage {
-    /// Written into the sender's buffer at `remote` (`OutMsg::reply_here`): the send is a
+    /// Written into the sender's buffer at `remote` (`OutMsg::reply_at`): the send is a
     /// notice.
     WrittenBack { remote: usize },
     /// The first `sent` bytes went into the FIFO's slots as they were folded
@@ -617,8 +619,8 @@ impl ShmPeer {
                     .map_err(|e| self.cma_error(e))?,
             }
             sink.placed(off, n, scale)?;
-            if let Some(d) = back {
-                self.put_back(d, src, off, n)?;
+            if let Some((d, at)) = back {
+                self.put_back(d, at, off, n)?;
             }
             cur.received = end;
             return Ok(());
@@ -629,8 +631,8 @@ impl ShmPeer {
                 // SAFETY: as above, the sender's bytes stay put until we release the descriptor.
                 let data = unsafe { std::slice::from_raw_parts((src + off) as *const u8, n) };
                 sink.put(off, data, scale)?;
-                if let Some(d) = back {
-                    self.put_back(d, src, off, n)?;
+                if let Some((d, at)) = back {
+                    self.put_back(d, at, off, n)?;
                 }
                 cur.received = end;
             }
@@ -657,8 +659,8 @@ impl ShmPeer {
                         cur.forward_stopped = true;
                         sink.put(cur.received + done, &data[done..], scale)?;
                     }
-                    if let Some(d) = back {
-                        self.put_back(d, src, cur.received, n)?;
+                    if let Some((d, at)) = back {
+                        self.put_back(d, at, cur.received, n)?;
                     }
                     cur.received += n;
                 }
@@ -671,7 +673,10 @@ impl ShmPeer {
     /// (`Sink::put_also`) straight into free slots of our FIFO to the peer, as the first bytes
     /// of the reply (`Sink::forwards`: the next message to that peer, `total` bytes with `tag`,
     /// from the sink's result). Returns how many bytes went; when the slots run out,
-    /// forwarding stops for the rest of the message, which the reply's send then sends.
+    /// forwarding stops for the rest of the message, which the reply's send then sends. So
+    /// it does where earlier bytes of the message went elsewhere (the sink began forwarding
+    /// only after the first pieces, or they were written back): what goes into the slots must
+    /// be the reply's first bytes, without a gap.
     fn forward(
         &self,
         cur: &mut RecvCursor,
@@ -683,6 +688,10 @@ impl ShmPeer {
         let Some(from) = sink.returns() else {
             return Ok(0);
         };
+        if cur.forwarded != cur.received {
+            cur.forward_stopped = true;
+            return Ok(0);
+        }
         let mut head = self.remote.head(self.me).load(Ordering::Relaxed);
         let mut tail = self.tail_seen.load(Ordering::Relaxed);
         let mut k = 0;
@@ -895,7 +904,8 @@ impl ShmPeer {
         self.remote.ring();
     }
 
-    /// Writes bytes `[off, off+n)` of the sink's result `d` into the sender's buffer at `src`.
+    /// Writes bytes `[off, off+n)` of the sink's result `d` into the sender's memory at `src`
+    /// (the place it offered for its reply).
     fn put_back(&self, d: *const u8, src: usize, off: usize, n: usize) -> Result<()> {
         match self.access {
             // SAFETY: d covers the message's bytes of the sink's result; the sender lent us
@@ -1043,15 +1053,20 @@ fn tail_step(nslots: usize) -> u64 {
     }
 }
 
-/// Where the receiver's combined bytes are, when it writes them back into the sender's buffer
-/// as it pulls: the sender offered its buffer (`OutMsg::reply_here`) and the sink sends the
-/// bytes straight back (`Sink::returns`).
-fn write_back(p: Pulling, sink: &dyn Sink) -> Option<*const u8> {
-    if p.reply_here {
-        sink.returns()
-    } else {
-        None
+/// Where the receiver's combined bytes are and where they go in the sender, when it writes
+/// them there as it pulls: the sender offered a place (`OutMsg::reply_at`) and the sink sends
+/// the bytes straight back (`Sink::returns`). Not where the place is another buffer than the
+/// pulled one and the sink forwards (`Sink::forwards`: buffers too large for the cache): the
+/// place's lines are then in no cache, and the slots' non-temporal stores did better. Two
+/// processes, 4 alternating runs, all-reduce out of place: written back, 512 KiB 115-130 us
+/// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time; 32 MiB (which
+/// forwards) 10.0-13.6 ms against 8.1-8.9.
+fn write_back(p: Pulling, sink: &dyn Sink) -> Option<(*const u8, usize)> {
+    let at = p.reply_at?;
+    if at != p.src && sink.forwards() {
+        return None;
     }
+    sink.returns().map(|d| (d, at))
 }
 
 impl Link for ShmPeer {
@@ -1078,7 +1093,7 @@ impl Link for ShmPeer {
             Some(s) => (s.0, FLAG_SCALE),
             None => ([0u8; 8], 0),
         };
-        if msg.reply_here {
+        if msg.reply_at.is_some() {
             flags |= FLAG_REPLY_HERE;
         }
         let header = |kind, offset: usize, len: usize| SlotHeader {
@@ -1136,7 +1151,7 @@ impl Link for ShmPeer {
                 None => {}
             }
         }
-        let threshold = if msg.reply_here || (msg.sender_busy && msg.copied) {
+        let threshold = if msg.reply_at.is_some() || (msg.sender_busy && msg.copied) {
             self.pull_threshold_copied
         } else if msg.sender_busy {
             self.pull_threshold_busy
@@ -1150,7 +1165,15 @@ impl Link for ShmPeer {
                     moved: false,
                 });
             }
-            self.publish(head, &header(KIND_PULL, 0, msg.len));
+            // The reply's place, where the sender offers one, is the descriptor's one word of data.
+            let _ = self.fill_slot(head, &header(KIND_PULL, 0, msg.len), |data| {
+                if let Some(at) = msg.reply_at {
+                    // SAFETY: the slot's data area holds slot_bytes >= 8 bytes, line-aligned.
+                    unsafe { (data as *mut u64).write(at as u64) };
+                }
+                Ok(())
+            });
+            self.remote.ring();
             cur.started = true;
             cur.sent = msg.len;
             cur.await_release = Some(head);
@@ -1218,12 +1241,12 @@ impl Link for ShmPeer {
                     });
                 }
                 cur.pulling = None;
-                if let Some(d) = write_back(p, sink) {
+                if let Some((d, at)) = write_back(p, sink) {
                     self.carried.push(Carried {
                         tag: expect.tag,
                         local: d as usize,
                         len: p.total,
-                        how: Carriage::WrittenBack { remote: p.src },
+                        how: Carriage::WrittenBack { remote: at },
                     });
                 } else if cur.forwarded > 0 {
                     if let Some(d) = sink.returns() {
@@ -1330,7 +1353,11 @@ impl Link for ShmPeer {
                         src: h.src_addr as usize,
                         total: h.msg_len as usize,
                         scale,
-                        reply_here: h.flags & FLAG_REPLY_HERE != 0,
+                        // SAFETY: the descriptor's data word, published with it.
+                        reply_at: (h.flags & FLAG_REPLY_HERE != 0).then(|| unsafe {
+                            (self.local.slot(self.peer, tail).add(SLOT_HEADER) as *const u64).read()
+                                as usize
+                        }),
                     })
                 }
                 KIND_RETURNED => {
@@ -2036,7 +2063,7 @@ mod tests {
             tag,
             sender_busy: false,
             copied: false,
-            reply_here: false,
+            reply_at: None,
         }
     }
 
@@ -2430,7 +2457,8 @@ mod tests {
         for (busy, copied, reply_here, pulled) in cases {
             let what = format!("busy {busy}, copied {copied}, reply_here {reply_here}");
             let mut msg = out(&data, TAG, None);
-            (msg.sender_busy, msg.copied, msg.reply_here) = (busy, copied, reply_here);
+            msg.reply_at = reply_here.then_some(msg.src as usize);
+            (msg.sender_busy, msg.copied) = (busy, copied);
             let head = b.local.head(0).load(Ordering::Relaxed);
             let mut got = vec![0u8; data.len()];
             let mut sink = Fold::landing(&mut got);
@@ -2620,11 +2648,12 @@ mod tests {
         panic!("stalled");
     }
 
-    /// A folding receiver whose result goes straight back writes it into the sender's buffer
-    /// as it pulls, when (and only when) the sender offered that buffer; its send of the
-    /// result is then a notice that completes at once, and the sender's receive into that
-    /// buffer takes the notice without copying. A notice for a receive that lands elsewhere is
-    /// an error. Between threads (plain copies) and with process_vm_readv/writev.
+    /// A folding receiver whose result goes straight back writes it where the sender offered
+    /// (its own buffer in place, another out of place) as it pulls, when (and only when) the
+    /// sender offered a place; its send of the result is then a notice that completes at once,
+    /// and the sender's receive into that place takes the notice without copying. A notice
+    /// for a receive that lands elsewhere is an error. Between threads (plain copies) and with
+    /// process_vm_readv/writev.
     #[test]
     fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
         let mut accesses = vec![Access::Direct];
@@ -2636,14 +2665,22 @@ mod tests {
         }
         let len = 2 * PULL_PIECE + 100;
         for access in accesses {
-            for offered in [true, false] {
-                let what = format!("{access:?}, offered {offered}");
+            // Offered: none, the sent bytes themselves, a separate receive buffer.
+            for offered in [None, Some(false), Some(true)] {
+                let what = format!("{access:?}, offered {offered:?}");
                 let (a, b) = pair(4, 4096, true, 32 << 10, access);
                 let (a0, b0) = (pattern(len, 1), pattern(len, 2));
                 let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
                 let (mut abuf, mut bbuf) = (a0.clone(), b0.clone());
+                let mut arecv = vec![0u8; len];
                 let mut msg = out(&abuf, TAG, None);
-                msg.reply_here = offered;
+                msg.reply_at = offered.map(|elsewhere| {
+                    if elsewhere {
+                        arecv.as_ptr() as usize
+                    } else {
+                        abuf.as_ptr() as usize
+                    }
+                });
                 let mut fold = Fold::returning(&mut bbuf);
                 let (first, r) = transfer(&a, &b, &msg, &mut fold);
                 r.unwrap();
@@ -2652,13 +2689,30 @@ mod tests {
                 // Between processes the pull goes piece by piece through scratch.
                 let pieces = if access == Access::Direct { 1 } else { 3 };
                 assert_eq!(fold.pieces.len(), pieces, "{what}");
-                assert_eq!(abuf == folded, offered, "{what}: written back");
+                assert_eq!(
+                    abuf == folded,
+                    offered == Some(false),
+                    "{what}: written back"
+                );
+                assert_eq!(
+                    arecv == folded,
+                    offered == Some(true),
+                    "{what}: written there"
+                );
+                if offered == Some(true) {
+                    assert_eq!(abuf, a0, "{what}: the sent bytes stay");
+                }
                 let heads = a.local.head(1).load(Ordering::Relaxed);
                 let reply = out(&bbuf, TAG, None);
-                let mut land = Fold::landing(&mut abuf);
+                let lands = if offered == Some(true) {
+                    &mut arecv
+                } else {
+                    &mut abuf
+                };
+                let mut land = Fold::landing(lands);
                 let (first, r) = transfer(&b, &a, &reply, &mut land);
                 r.unwrap();
-                let expect = if offered {
+                let expect = if offered.is_some() {
                     SendState::Complete
                 } else {
                     SendState::Posted
@@ -2666,14 +2720,14 @@ mod tests {
                 assert_eq!(first, expect, "{what}: the reply's send");
                 assert_eq!(a.local.head(1).load(Ordering::Relaxed), heads + 1, "{what}");
                 assert_eq!(land.pieces, vec![(0, len)], "{what}");
-                assert_eq!(abuf, folded, "{what}: the reply landed");
+                assert_eq!(*lands, folded, "{what}: the reply landed");
                 assert!(b.carried.list.lock().is_empty(), "{what}");
             }
             // A notice whose address is not where the receive lands.
             let (a, b) = pair(4, 4096, true, 32 << 10, access);
             let (abuf, mut bbuf) = (pattern(len, 1), pattern(len, 2));
             let mut msg = out(&abuf, TAG, None);
-            msg.reply_here = true;
+            msg.reply_at = Some(msg.src as usize);
             transfer(&a, &b, &msg, &mut Fold::returning(&mut bbuf))
                 .1
                 .unwrap();
