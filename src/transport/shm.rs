@@ -1055,17 +1055,16 @@ fn tail_step(nslots: usize) -> u64 {
 
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
 /// them there as it pulls: the sender offered a place (`OutMsg::reply_at`) and the sink sends
-/// the bytes straight back (`Sink::returns`). Not where the place is another buffer than the
-/// pulled one and the sink forwards (`Sink::forwards`: buffers too large for the cache): the
-/// place's lines are then in no cache, and the slots' non-temporal stores did better. Two
-/// processes, 4 alternating runs, all-reduce out of place: written back, 512 KiB 115-130 us
-/// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time; 32 MiB (which
-/// forwards) 10.0-13.6 ms against 8.1-8.9.
+/// the bytes straight back (`Sink::returns`). Out of place this wins over forwarding them
+/// through the slots (`Sink::forwards`) too. Two processes pinned, 6 alternating runs of a
+/// 64 MiB all-reduce out of place: forwarding took 14.5-15.4 ms in half the runs and
+/// 29-31 ms in the others (the slow runs spend a third of their samples in the non-temporal
+/// copies into and out of the slots, the fast ones a tenth), writing back 19.5-24.5 ms in
+/// every run (median 20.4 against 22); 32 MiB 8.9-11.0 ms against 7.4-15.0 (medians 10.0
+/// and 10.6). Below the sizes that forward: 512 KiB 115-130 us against 176-235 through the
+/// slots, 2-8 MiB within noise to 0.8x the time.
 fn write_back(p: Pulling, sink: &dyn Sink) -> Option<(*const u8, usize)> {
     let at = p.reply_at?;
-    if at != p.src && sink.forwards() {
-        return None;
-    }
     sink.returns().map(|d| (d, at))
 }
 
