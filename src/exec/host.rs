@@ -47,6 +47,14 @@ impl HostOp {
         self.schedule.send_extent.max(self.schedule.recv_extent)
     }
 
+    /// For an address in the send buffer, the same place in the receive buffer.
+    fn in_recv(&self, p: usize) -> Option<usize> {
+        let send = self.send as usize;
+        (send..send + self.schedule.send_extent)
+            .contains(&p)
+            .then(|| p - send + self.recv as usize)
+    }
+
     /// Moves the operation's large buffers onto huge pages before peers in other processes
     /// copy from or into them (`Wiring::huge_pages_from`).
     fn collapse_to_huge_pages(&self, wiring: &Wiring) {
@@ -182,7 +190,8 @@ enum Hint {
 impl Hazards {
     /// Step i waits for every earlier step j it conflicts with: it writes what j reads or
     /// writes, or reads what j writes. `mirror(op, p)`: for an address `p` in operation
-    /// `op`'s send buffer, the same place in its receive buffer (see `hints`).
+    /// `op`'s send buffer, the same place in its receive buffer (`HostOp::in_recv`; see
+    /// `hints`).
     fn compute(steps: &[XStep], mirror: &dyn Fn(usize, usize) -> Option<usize>) -> Hazards {
         let n = steps.len();
         let mut pairs = Vec::new();
@@ -536,11 +545,7 @@ impl<'a> Exec<'a> {
             scratch_at += op.schedule.scratch.next_multiple_of(64);
         }
         let ops = &t.ops;
-        let mirror = |op: usize, p: usize| {
-            let o = &ops[op];
-            let send = o.send as usize;
-            (p >= send && p < send + o.schedule.send_extent).then(|| p - send + o.recv as usize)
-        };
+        let mirror = |op: usize, p: usize| ops[op].in_recv(p);
         let hazards = match t.ops.as_slice() {
             [op] => {
                 let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
@@ -744,10 +749,7 @@ impl<'a> Exec<'a> {
             copied: step.copied,
             reply_at: match step.hint {
                 Hint::ReplyHere => Some(src.ptr as usize),
-                Hint::ReplyInRecv => {
-                    let o = &self.t.ops[step.op];
-                    Some(src.ptr as usize - o.send as usize + o.recv as usize)
-                }
+                Hint::ReplyInRecv => self.t.ops[step.op].in_recv(src.ptr as usize),
                 _ => None,
             },
         };

@@ -9,9 +9,9 @@ mod copy;
 mod kernels;
 mod stream;
 
+pub(crate) use copy::copy_bytes;
 // The float8 conversions, for the device kernels' test that checks against them (built only
 // where nvcc compiled the kernels).
-pub(crate) use copy::copy_bytes;
 #[cfg(all(test, comm_kernels))]
 pub(crate) use kernels::{f32_to_fp8e4m3, f32_to_fp8e5m2};
 pub(crate) use stream::stream_copy;

@@ -121,7 +121,7 @@ fn copied_threshold(local_ranks: usize, cpus: usize) -> usize {
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender offers a place for the reply (`OutMsg::reply_at`), whose
 /// address is the descriptor's one word of data.
-const FLAG_REPLY_HERE: u32 = 2;
+const FLAG_REPLY_AT: u32 = 2;
 
 /// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
 const PREFAULT_MAX: usize = 16 << 20;
@@ -897,10 +897,17 @@ impl ShmPeer {
         self.remote.ring();
     }
 
-    /// Publishes a header-only slot (a pull descriptor or a notice) at `head` and rings.
-    fn publish(&self, head: u64, h: &SlotHeader) {
-        // A header carries no data: nothing can fail.
-        let _ = self.fill_slot(head, h, |_| Ok(()));
+    /// Publishes a slot of a header and at most one word of data (a pull descriptor, with the
+    /// place offered for the reply, or a notice) at `head` and rings.
+    fn publish(&self, head: u64, h: &SlotHeader, word: Option<u64>) {
+        // Nothing here can fail.
+        let _ = self.fill_slot(head, h, |data| {
+            if let Some(w) = word {
+                // SAFETY: the slot's data area holds slot_bytes >= 8 bytes, line-aligned.
+                unsafe { (data as *mut u64).write(w) };
+            }
+            Ok(())
+        });
         self.remote.ring();
     }
 
@@ -909,7 +916,7 @@ impl ShmPeer {
     fn put_back(&self, d: *const u8, src: usize, off: usize, n: usize) -> Result<()> {
         match self.access {
             // SAFETY: d covers the message's bytes of the sink's result; the sender lent us
-            // [src, src+total) for its reply (FLAG_REPLY_HERE) and touches none of it until we
+            // [src, src+total) for its reply (FLAG_REPLY_AT) and touches none of it until we
             // release the descriptor.
             Access::Direct => unsafe {
                 crate::reduce::copy_bytes((src + off) as *mut u8, d.add(off), n)
@@ -1093,7 +1100,7 @@ impl Link for ShmPeer {
             None => ([0u8; 8], 0),
         };
         if msg.reply_at.is_some() {
-            flags |= FLAG_REPLY_HERE;
+            flags |= FLAG_REPLY_AT;
         }
         let header = |kind, offset: usize, len: usize| SlotHeader {
             kind,
@@ -1125,7 +1132,7 @@ impl Link for ShmPeer {
                     }
                     let mut h = header(KIND_RETURNED, 0, 0);
                     h.src_addr = remote as u64;
-                    self.publish(head, &h);
+                    self.publish(head, &h, None);
                     cur.started = true;
                     cur.sent = msg.len;
                     return Ok(Progress {
@@ -1164,15 +1171,9 @@ impl Link for ShmPeer {
                     moved: false,
                 });
             }
-            // The reply's place, where the sender offers one, is the descriptor's one word of data.
-            let _ = self.fill_slot(head, &header(KIND_PULL, 0, msg.len), |data| {
-                if let Some(at) = msg.reply_at {
-                    // SAFETY: the slot's data area holds slot_bytes >= 8 bytes, line-aligned.
-                    unsafe { (data as *mut u64).write(at as u64) };
-                }
-                Ok(())
-            });
-            self.remote.ring();
+            // The reply's place, where the sender offers one, is the descriptor's word of data.
+            let reply_at = msg.reply_at.map(|at| at as u64);
+            self.publish(head, &header(KIND_PULL, 0, msg.len), reply_at);
             cur.started = true;
             cur.sent = msg.len;
             cur.await_release = Some(head);
@@ -1353,7 +1354,7 @@ impl Link for ShmPeer {
                         total: h.msg_len as usize,
                         scale,
                         // SAFETY: the descriptor's data word, published with it.
-                        reply_at: (h.flags & FLAG_REPLY_HERE != 0).then(|| unsafe {
+                        reply_at: (h.flags & FLAG_REPLY_AT != 0).then(|| unsafe {
                             (self.local.slot(self.peer, tail).add(SLOT_HEADER) as *const u64).read()
                                 as usize
                         }),
