@@ -7,6 +7,7 @@ use crate::comm::ops::Call;
 use crate::comm::registry::Entry;
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
+use crate::exec::host::Repeat;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -176,18 +177,20 @@ pub(crate) fn simulate_end() -> Result<f32> {
 /// Queues a call in the current group, or runs it now outside of one. `call` comes straight
 /// from `Comm::check_call`, which also found the communicator usable; a collective of zero
 /// elements never gets here (`ffi::coll::submit` stops it after `Comm::check_kind`).
-pub(crate) fn submit(comm: &Arc<Comm>, call: Call) -> Result<()> {
+/// `repeat`: the call's key as its entry point saw it, for running it again the short way
+/// (`Comm::again`).
+pub(crate) fn submit(comm: &Arc<Comm>, call: Call, repeat: Option<Repeat>) -> Result<()> {
     if in_group() {
         GROUP.with(|g| g.borrow_mut().calls.push((comm.clone(), call)));
         Ok(())
     } else {
-        run_one(comm, &call)
+        run_one(comm, &call, repeat)
     }
 }
 
 /// A call outside any group, just checked (`Comm::check_call`, which found the communicator
 /// usable): straight to its executor, without a group's bookkeeping.
-fn run_one(c: &Arc<Comm>, call: &Call) -> Result<()> {
+fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     if call.device {
         if c.spans_hosts() {
             return run_calls(vec![(c.clone(), call.clone())]);
@@ -196,7 +199,7 @@ fn run_one(c: &Arc<Comm>, call: &Call) -> Result<()> {
     }
     let op = c.prepare(call)?;
     let _scope = crate::log::rank_scope(c.rank as i32);
-    let result = crate::exec::host::run_one(&c.wiring, op);
+    let result = crate::exec::host::run_one(&c.wiring, op, repeat);
     if let Err(e) = &result {
         crate::warn!("{}", e.msg);
         c.fail(e);

@@ -21,6 +21,7 @@ const SCENARIOS: &[(&str, Body)] = &[
     ("matrix", matrix_at_level),
     ("large", large),
     ("passed_on", passed_on),
+    ("repeats", repeats),
 ];
 
 /// The collective x datatype x op matrix: "full" or the small set.
@@ -47,6 +48,118 @@ fn passed_on(ctx: &Ctx, _level: &str) -> Result<(), String> {
     for (dt, op) in [(9, SUM), (2, AVG), (8, PREMULSUM), (0, MAX), (5, PROD)] {
         let count = (32 << 20) / size_of(dt) + 3;
         run_case(ctx, Coll::AllReduce, dt, op, count, false)?;
+    }
+    Ok(())
+}
+
+/// Calls repeated on the same buffers, which run again without being checked and built anew
+/// (`Comm::again`), and calls that differ from the one before in one respect only: a datatype
+/// of the same width, the op, in place or not. Every output is cleared before the call and
+/// checked element by element. Then a PreMulSum scalar whose value changes between two equal
+/// calls, and sends and receives outside a group, repeated.
+fn repeats(ctx: &Ctx, _level: &str) -> Result<(), String> {
+    let n = ctx.n;
+    // Pairs of one width: float and int32, double and int64, half and bfloat16, int8 and uint8.
+    let pairs = [(7, 2), (8, 4), (6, 9), (0, 1)];
+    for coll in COLLS.into_iter().filter(|&c| c != Coll::SendRecv) {
+        let ops: &[i32] = if reduces(coll) {
+            &[SUM, SUM, MAX, MAX, AVG]
+        } else {
+            &[SUM]
+        };
+        for count in [1, 5 * n + 1] {
+            for (a, b) in pairs {
+                let mut bufs = CaseBufs::new(coll, count, n, size_of(a));
+                for in_place in [false, true] {
+                    for &op in ops {
+                        for dt in [a, a, a, b, b, a] {
+                            run_case_on(ctx, &mut bufs, coll, dt, op, count, in_place)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    changing_scalar(ctx)?;
+    repeated_sends(ctx)
+}
+
+/// A PreMulSum op whose scalar lives at a host address: a call reads the value in force when
+/// it runs, so the same call again after the value changed scales by the new one.
+fn changing_scalar(ctx: &Ctx) -> Result<(), String> {
+    let (c, count) = (ctx.comm, 5usize);
+    // Written through the pointer the op holds, behind the compiler's back.
+    let scalar: *mut f32 = Box::into_raw(Box::new(2.0f32));
+    let mut op = 0;
+    nccl!(ncclRedOpCreatePreMulSum(
+        &mut op,
+        scalar as *mut std::os::raw::c_void,
+        7,
+        0,
+        c
+    ));
+    let send: Vec<f32> = (0..count).map(|j| (ctx.rank + j) as f32).collect();
+    let mut recv = vec![0f32; count];
+    for s in [2.0f32, 3.0, 3.0, 5.0] {
+        unsafe { scalar.write_volatile(s) };
+        recv.fill(-1.0);
+        nccl!(ncclAllReduce(
+            send.as_ptr() as *const _,
+            recv.as_mut_ptr() as *mut _,
+            count,
+            7,
+            op,
+            c,
+            std::ptr::null_mut()
+        ));
+        for (j, &got) in recv.iter().enumerate() {
+            let want = s * (0..ctx.n).map(|r| (r + j) as f32).sum::<f32>();
+            if got != want {
+                return Err(format!(
+                    "PreMulSum with scalar {s}: element {j} is {got}, expected {want}"
+                ));
+            }
+        }
+    }
+    nccl!(ncclRedOpDestroy(op, c));
+    drop(unsafe { Box::from_raw(scalar) });
+    Ok(())
+}
+
+/// Ranks in pairs (0 with 1, 2 with 3, ...; an odd last rank sits out) exchange a message each
+/// way with plain sends and receives, the lower rank sending first, several times over the
+/// same buffers.
+fn repeated_sends(ctx: &Ctx) -> Result<(), String> {
+    let (c, rank) = (ctx.comm, ctx.rank);
+    let peer = rank ^ 1;
+    if peer >= ctx.n {
+        return Ok(());
+    }
+    let count = 7usize;
+    let mut send = vec![0i32; count];
+    let mut recv = vec![0i32; count];
+    for round in 0..4i32 {
+        for (j, v) in send.iter_mut().enumerate() {
+            *v = round * 1000 + rank as i32 * 100 + j as i32;
+        }
+        recv.fill(-1);
+        let s = std::ptr::null_mut();
+        let (sp, rp) = (send.as_ptr() as *const _, recv.as_mut_ptr() as *mut _);
+        if rank < peer {
+            nccl!(ncclSend(sp, count, 2, peer as i32, c, s));
+            nccl!(ncclRecv(rp, count, 2, peer as i32, c, s));
+        } else {
+            nccl!(ncclRecv(rp, count, 2, peer as i32, c, s));
+            nccl!(ncclSend(sp, count, 2, peer as i32, c, s));
+        }
+        for (j, &got) in recv.iter().enumerate() {
+            let want = round * 1000 + peer as i32 * 100 + j as i32;
+            if got != want {
+                return Err(format!(
+                    "round {round}: element {j} from rank {peer} is {got}, expected {want}"
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -176,6 +289,21 @@ fn large_float_2_processes() {
 #[test]
 fn passed_on_2_processes() {
     processes(2, "passed_on", "", 10);
+}
+
+#[test]
+fn repeats_1_process() {
+    processes(1, "repeats", "", 5);
+}
+
+#[test]
+fn repeats_3_processes() {
+    processes(3, "repeats", "", 5);
+}
+
+#[test]
+fn repeats_4_threads() {
+    threads(4, "repeats", "", 5);
 }
 
 #[test]

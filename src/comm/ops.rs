@@ -5,7 +5,7 @@
 use super::Comm;
 use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
-use crate::exec::host::{HostOp, Reduction};
+use crate::exec::host::{run_again, HostOp, Reduction, Repeat};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
 use once_cell::sync::Lazy;
@@ -152,6 +152,43 @@ fn bytes_of(count: usize, times: usize, dtype: DataType, what: &str) -> Result<u
             },
             Ok,
         )
+}
+
+/// The key of a call for `Comm::again`, where it may take the short way: not an all-to-all-v
+/// (its counts are the caller's arrays, read anew by each call), and its op, if any, a
+/// built-in one (a PreMulSum op reads its scalar when the call is built, and may be destroyed
+/// and its number given to another op).
+pub(crate) fn repeat_key(
+    coll: &Collective,
+    send: usize,
+    recv: usize,
+    dtype: i32,
+    op: Option<i32>,
+    stream: usize,
+) -> Option<Repeat> {
+    use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BXOR};
+    let builtin = |op: i32| {
+        (0..FIRST_DYNAMIC_OP).contains(&op) || (COMM_OP_BAND..=COMM_OP_BXOR).contains(&op)
+    };
+    if matches!(coll, Collective::AlltoAllv(_)) || op.is_some_and(|op| !builtin(op)) {
+        return None;
+    }
+    Some(Repeat {
+        coll: coll.clone(),
+        send,
+        recv,
+        dtype,
+        op,
+        stream,
+    })
+}
+
+/// The tag of the messages of a collective numbered `seq`; point-to-point calls match by order.
+fn tag_of(coll: &Collective, seq: u64) -> u64 {
+    match coll {
+        Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
+        _ => tag(coll.kind(), seq),
+    }
 }
 
 fn check_ptr(name: &str, p: usize, bytes: usize) -> Result<()> {
@@ -486,10 +523,34 @@ impl Comm {
         }
     }
 
+    /// Runs a call outside any group the short way when it repeats the last call this
+    /// communicator ran (`key`, see `Repeat`): that call's checks passed and give the same
+    /// answers now (the communicator is still usable, and no device memory exists in the
+    /// process that its buffers could have become), its operation and steps are kept, and
+    /// only its number in the sequence is new. None, having done nothing, where the full path
+    /// must take the call.
+    pub(crate) fn again(&self, key: &Repeat) -> Option<Result<()>> {
+        if self.device.is_some()
+            || crate::group::in_group()
+            || crate::cuda::any_device_memory()
+            || self.check_usable().is_err()
+        {
+            return None;
+        }
+        let r = run_again(&self.wiring, key, || {
+            tag_of(&key.coll, self.number(&key.coll))
+        })?;
+        if let Err(e) = &r {
+            crate::warn!("{}", e.msg);
+            self.fail(e);
+        }
+        Some(r)
+    }
+
     /// Turns a validated call into an operation, numbering it. Called in issue order when the
     /// group runs, identically on every rank.
     pub(crate) fn prepare(&self, call: &Call) -> Result<HostOp> {
-        let seq = self.number(call);
+        let seq = self.number(&call.coll);
         self.build(call, seq)
     }
 
@@ -497,8 +558,8 @@ impl Comm {
     /// calls, which match by order). Calls on one communicator are issued one at a time, as
     /// NCCL requires, so a plain load and store do: no locked instruction, which would wait
     /// for the previous call's stores into a peer's FIFO to reach that peer's core.
-    fn number(&self, call: &Call) -> u64 {
-        match call.coll {
+    fn number(&self, coll: &Collective) -> u64 {
+        match coll {
             Collective::Send { .. } | Collective::Recv { .. } => 0,
             _ => {
                 let s = self.seq.load(Ordering::Relaxed);
@@ -529,7 +590,7 @@ impl Comm {
         let mut offsets = Vec::with_capacity(calls.len());
         let mut scratch = 0usize;
         for call in calls {
-            let seq = self.number(call);
+            let seq = self.number(&call.coll);
             let op = self.build_with_slice(call, seq, world.slot_bytes)?;
             offsets.push(scratch);
             scratch += op.schedule.scratch.next_multiple_of(256);
@@ -637,10 +698,7 @@ impl Comm {
     }
 
     fn build_with_slice(&self, call: &Call, seq: u64, slice_bytes: usize) -> Result<HostOp> {
-        let tag = match call.coll {
-            Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
-            _ => tag(call.coll.kind(), seq),
-        };
+        let tag = tag_of(&call.coll, seq);
         let reduction = call.op.map(|op| self.reduction(op, call.dtype));
         {
             let memo = self.schedules.lock();

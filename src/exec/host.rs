@@ -317,6 +317,23 @@ pub(crate) struct ExecCache {
     tables: Tables,
     /// What `tables.steps` was last built for, when that was one operation alone.
     built: Option<Built>,
+    /// The call the last run served, when it was one operation alone that ran to the end and
+    /// its entry point gave it a key (`run_again`): `tables.ops[0]` is its operation.
+    repeat: Option<Repeat>,
+}
+
+/// A call outside any group as its entry point received it: the collective, the buffers'
+/// addresses and the raw datatype and (built-in) op. Two calls with equal keys on one
+/// communicator passed the same checks and are built into the same operation, but for the
+/// number of the collective in the communicator's sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Repeat {
+    pub coll: crate::algo::Collective,
+    pub send: usize,
+    pub recv: usize,
+    pub dtype: i32,
+    pub op: Option<i32>,
+    pub stream: usize,
 }
 
 /// One cache line of scratch.
@@ -478,6 +495,7 @@ impl<'a> Exec<'a> {
             scratch,
             tables: t,
             built,
+            repeat: _,
         } = cache;
         let need: usize = t
             .ops
@@ -1119,6 +1137,7 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
         if ops.iter().map(HostOp::extent).sum::<usize>() >= WARM_AFTER {
             large.push(wiring);
         }
+        cache.repeat = None;
         cache.tables.ops = ops;
         execs.push(Exec::new(wiring, cache)?);
     }
@@ -1129,18 +1148,44 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     Ok(())
 }
 
-/// Runs one operation of one communicator (a call outside any group).
-pub(crate) fn run_one(wiring: &Wiring, op: HostOp) -> Result<()> {
+/// Runs one operation of one communicator (a call outside any group); `repeat`, the call's
+/// key, lets the same call run again without being built (`run_again`).
+pub(crate) fn run_one(wiring: &Wiring, op: HostOp, repeat: Option<Repeat>) -> Result<()> {
     let large = op.extent() >= WARM_AFTER;
     let mut cache = wiring.cache.lock();
+    cache.repeat = None;
     cache.tables.ops.clear();
     cache.tables.ops.push(op);
-    let mut e = Exec::new(wiring, &mut cache)?;
-    drive(std::slice::from_mut(&mut e))?;
+    drive(std::slice::from_mut(&mut Exec::new(wiring, &mut cache)?))?;
+    if cache.built.is_some() {
+        cache.repeat = repeat;
+    }
     if large {
         wiring.warm_links();
     }
     Ok(())
+}
+
+/// Runs the last call again when `key` is its key (`run_one`), numbered `tag()`: the
+/// operation and its steps are kept, only their progress is reset. None, having done
+/// nothing, when the last run was another call (or failed).
+pub(crate) fn run_again(
+    wiring: &Wiring,
+    key: &Repeat,
+    tag: impl FnOnce() -> u64,
+) -> Option<Result<()>> {
+    let mut cache = wiring.cache.lock();
+    let repeat = cache.repeat.take_if(|r| *r == *key)?;
+    cache.tables.ops[0].tag = tag();
+    let large = cache.tables.ops[0].extent() >= WARM_AFTER;
+    let r = Exec::new(wiring, &mut cache).and_then(|mut e| drive(std::slice::from_mut(&mut e)));
+    if r.is_ok() {
+        cache.repeat = Some(repeat);
+        if large {
+            wiring.warm_links();
+        }
+    }
+    Some(r)
 }
 
 /// Operations of at least this many bytes leave the links' small-message lines and pages out
@@ -1646,6 +1691,7 @@ mod tests {
                 tag: crate::tag::tag(crate::tag::kind::ALL_REDUCE, 1),
                 reduction: None,
             },
+            None,
         )
     }
 
@@ -1960,6 +2006,7 @@ mod tests {
                 tag: ALL_REDUCE_TAG,
                 reduction: Some(reduction),
             },
+            None,
         )?;
         Ok(if in_place { send } else { recv })
     }
@@ -2089,11 +2136,11 @@ mod tests {
                     tag: ALL_REDUCE_TAG + k as u64,
                     reduction: Some(reduction),
                 };
-                run_one(w, op(&schedule, &mut recv))?;
+                run_one(w, op(&schedule, &mut recv), None)?;
                 results.push(as_f32s(&recv));
                 if k == 1 {
                     let mut elsewhere = vec![0u8; count * 4];
-                    run_one(w, op(&other, &mut elsewhere))?;
+                    run_one(w, op(&other, &mut elsewhere), None)?;
                 }
             }
             Ok(results)
@@ -2106,6 +2153,78 @@ mod tests {
                         .map(|q| (value(q, i) + k as i32) as f32 * scale.unwrap_or(1.0))
                         .sum();
                     assert_eq!(g, want, "rank {r} repetition {k} element {i}");
+                }
+            }
+        }
+    }
+
+    /// `run_again` runs the last call again, on the inputs its buffers hold now and with the
+    /// number it is given, only when its key is the last run's: not for another key, not after
+    /// a run without a key, not after a group's run.
+    #[test]
+    fn only_the_call_that_ran_last_runs_again() {
+        let (n, count) = (3, 300);
+        let m = mesh(n, 256, Duration::from_secs(20));
+        let out = on_threads(&m.wirings, |r, w| {
+            let shape = shape(r, n, 4, false, 64);
+            let schedule = Arc::new(ring::all_reduce(count, &shape));
+            let mut send = vec![0u8; count * 4];
+            let mut recv = vec![0u8; count * 4];
+            let key = |coll| Repeat {
+                coll,
+                send: send.as_ptr() as usize,
+                recv: recv.as_ptr() as usize,
+                dtype: 7,
+                op: Some(0),
+                stream: 0,
+            };
+            let (a, b) = (
+                key(crate::algo::Collective::AllReduce { count }),
+                key(crate::algo::Collective::AllReduce { count: count + 1 }),
+            );
+            let op = |send: &Vec<u8>, recv: &mut Vec<u8>, seq: u64| HostOp {
+                schedule: schedule.clone(),
+                send: send.as_ptr(),
+                recv: recv.as_mut_ptr(),
+                tag: ALL_REDUCE_TAG + seq,
+                reduction: Some(plain(DataType::Float32)),
+            };
+            let fill = |send: &mut Vec<u8>, k: i32| {
+                send.copy_from_slice(&f32s((0..count).map(|i| (value(r, i) + k) as f32)))
+            };
+            let mut results = Vec::new();
+            let again = |send: &mut Vec<u8>, recv: &mut Vec<u8>, k: i32, key: &Repeat| {
+                fill(send, k);
+                recv.fill(0);
+                run_again(w, key, || ALL_REDUCE_TAG + k as u64).map(|r| r.map(|()| as_f32s(recv)))
+            };
+            fill(&mut send, 0);
+            run_one(w, op(&send, &mut recv, 0), Some(a.clone()))?;
+            results.push(as_f32s(&recv));
+            for k in 1..3 {
+                results.push(again(&mut send, &mut recv, k, &a).expect("a repeat runs")?);
+            }
+            assert!(again(&mut send, &mut recv, 3, &b).is_none(), "another key");
+            run_one(w, op(&send, &mut recv, 3), None)?;
+            assert!(
+                again(&mut send, &mut recv, 4, &a).is_none(),
+                "after a run without key"
+            );
+            run_one(w, op(&send, &mut recv, 4), Some(a.clone()))?;
+            run(vec![(w, vec![op(&send, &mut recv, 5)])])?;
+            assert!(
+                again(&mut send, &mut recv, 6, &a).is_none(),
+                "after a group"
+            );
+            Ok(results)
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let res = res.unwrap_or_else(|e: Error| panic!("rank {r}: {}", e.msg));
+            assert_eq!(res.len(), 3);
+            for (k, got) in res.iter().enumerate() {
+                for (i, &g) in got.iter().enumerate() {
+                    let want: f32 = (0..n).map(|q| (value(q, i) + k as i32) as f32).sum();
+                    assert_eq!(g, want, "rank {r} run {k} element {i}");
                 }
             }
         }
@@ -2191,6 +2310,7 @@ mod tests {
                 tag: ALL_REDUCE_TAG,
                 reduction: None,
             },
+            None,
         )
     }
 
@@ -2219,6 +2339,7 @@ mod tests {
                         tag: ALL_REDUCE_TAG,
                         reduction: None,
                     },
+                    None,
                 )?;
                 Ok(if in_place { send } else { recv })
             });
@@ -2272,6 +2393,7 @@ mod tests {
                     tag: ALL_REDUCE_TAG,
                     reduction: None,
                 },
+                None,
             )
             .unwrap();
             (send, recv)
@@ -2328,6 +2450,7 @@ mod tests {
                 tag: ALL_REDUCE_TAG,
                 reduction: None,
             },
+            None,
         )
         .expect_err("nobody sends");
         let took = t.elapsed();
@@ -2373,6 +2496,7 @@ mod tests {
                     tag: ALL_REDUCE_TAG,
                     reduction: None,
                 },
+                None,
             )
         })
         .expect_err("aborted");

@@ -1,9 +1,9 @@
 //! Collectives, point-to-point, custom reduction ops and groups.
 
 use super::types::*;
-use super::{guard, guard_comm, input_slice, lane, nonneg, out, write_out};
+use super::{guard, guard_comm, input_slice, lane, nonneg, out, outcome, write_out};
 use crate::algo::{Collective, PerPeer};
-use crate::comm::ops::{parse_dtype, ScalarSrc};
+use crate::comm::ops::{parse_dtype, repeat_key, ScalarSrc};
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::group;
@@ -31,6 +31,22 @@ fn call(
         if k.moves_nothing() && lane::with_kept(comm, |c| c.check_kind(k, dtype, op).is_ok()) {
             return ncclResult_t::ncclSuccess;
         }
+        if let Some(key) = &repeat_key(k, send as usize, recv as usize, dtype, op, stream as usize)
+        {
+            let mut rank = None;
+            let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                lane::kept(comm, |c| {
+                    rank = Some(c.rank as i32);
+                    let _scope = crate::log::rank_scope(c.rank as i32);
+                    c.again(key)
+                })
+            }));
+            match again {
+                Ok(None) => {}
+                Ok(Some(r)) => return outcome(func, comm, Ok(r), rank),
+                Err(p) => return outcome(func, comm, Err(p), rank),
+            }
+        }
     }
     guard_comm(func, comm, |c| {
         submit(c, coll?, send, recv, dtype, op, stream)
@@ -51,6 +67,14 @@ fn submit(
         // A collective of zero elements: its buffers are never looked at (see check_kind).
         return c.check_kind(&coll, dtype, op).map(drop);
     }
+    let repeat = repeat_key(
+        &coll,
+        send as usize,
+        recv as usize,
+        dtype,
+        op,
+        stream as usize,
+    );
     let call = c.check_call(
         coll,
         send as *const u8,
@@ -59,7 +83,7 @@ fn submit(
         op,
         stream as usize,
     )?;
-    group::submit(c, call)
+    group::submit(c, call, repeat)
 }
 
 fn root_of(root: c_int) -> Result<usize> {

@@ -99,15 +99,22 @@ pub(crate) fn with_comm<T>(
 /// `with_comm` body). Borrows what is kept instead of taking it out as `with_comm` does: for
 /// calls that only look (a collective of zero elements).
 pub(crate) fn with_kept(comm: ncclComm_t, f: impl FnOnce(&Comm) -> bool) -> bool {
+    kept(comm, |c| f(c).then_some(())).is_some()
+}
+
+/// `f` on the communicator behind `comm` as `with_kept` finds it; None, without calling `f`,
+/// where `with_kept` would not call it.
+pub(crate) fn kept<T>(comm: ncclComm_t, f: impl FnOnce(&Comm) -> Option<T>) -> Option<T> {
     let epoch = EPOCH.load(Ordering::Acquire);
     KEPT.try_with(|k| {
-        k.try_borrow().is_ok_and(|k| {
-            k.call
-                .as_ref()
-                .is_some_and(|k| k.epoch == epoch && k.comm == comm as usize && f(&k.c))
-        })
+        let k = k.try_borrow().ok()?;
+        let k = k.call.as_ref()?;
+        (k.epoch == epoch && k.comm == comm as usize)
+            .then(|| f(&k.c))
+            .flatten()
     })
-    .unwrap_or(false)
+    .ok()
+    .flatten()
 }
 
 /// Makes every thread's kept entries stale (a communicator or window is going away) and drops

@@ -69,6 +69,35 @@ pub fn make_op(
     Ok(out)
 }
 
+/// The buffers of a case of one collective, count and element size: kept from call to call
+/// by a test that repeats calls on the same buffers (`run_case_on`).
+pub struct CaseBufs {
+    /// In place, one buffer holds both sides.
+    big: Buf,
+    recv: Buf,
+    send: Buf,
+    shape: (Coll, usize, usize),
+}
+
+impl CaseBufs {
+    pub fn new(coll: Coll, count: usize, n: usize, es: usize) -> CaseBufs {
+        let (send_elems, recv_elems) = elems(coll, count, n);
+        CaseBufs {
+            big: Buf::new(send_elems.max(recv_elems) * es),
+            recv: Buf::new(recv_elems * es),
+            send: Buf::new(send_elems * es),
+            shape: (coll, count, es),
+        }
+    }
+
+    /// Every byte back to the canary: nothing a call left there can pass for its output.
+    fn clear(&mut self) {
+        for b in [&mut self.big, &mut self.recv, &mut self.send] {
+            b.data_mut().fill(CANARY);
+        }
+    }
+}
+
 /// Runs one case and checks every element of the result (and the canaries).
 pub fn run_case(
     ctx: &Ctx,
@@ -78,8 +107,31 @@ pub fn run_case(
     count: usize,
     in_place: bool,
 ) -> Result<(), String> {
+    let mut bufs = CaseBufs::new(coll, count, ctx.n, size_of(dt));
+    run_case_on(ctx, &mut bufs, coll, dt, op, count, in_place)
+}
+
+/// `run_case` on buffers made for `coll`, `count` and the element size of `dt`, which may
+/// have served earlier calls: they are cleared first.
+pub fn run_case_on(
+    ctx: &Ctx,
+    bufs: &mut CaseBufs,
+    coll: Coll,
+    dt: i32,
+    op: i32,
+    count: usize,
+    in_place: bool,
+) -> Result<(), String> {
     let (rank, n) = (ctx.rank, ctx.n);
     let es = size_of(dt);
+    if bufs.shape != (coll, count, es) {
+        return Err(format!(
+            "buffers made for {:?} are used for {:?}",
+            bufs.shape,
+            (coll, count, es)
+        ));
+    }
+    bufs.clear();
     let root = root_for(count, n);
     let what =
         format!("{coll:?} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}");
@@ -96,9 +148,12 @@ pub fn run_case(
         0
     };
     // In place: one buffer, with the send part where NCCL's rule puts it.
-    let mut big = Buf::new(send_elems.max(recv_elems) * es);
-    let mut recv_buf = Buf::new(recv_elems * es);
-    let mut send_buf = Buf::new(send_elems * es);
+    let CaseBufs {
+        big,
+        recv: recv_buf,
+        send: send_buf,
+        ..
+    } = bufs;
     let (sendp, recvp): (*const c_void, *mut c_void);
     if in_place {
         let base = big.ptr() as *mut u8;
