@@ -199,6 +199,7 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     }
     let op = c.prepare(call)?;
     let _scope = crate::log::rank_scope(c.rank as i32);
+    let repeat = repeat.map(|r| (r, call.footprint));
     let result = crate::exec::host::run_one(&c.wiring, op, repeat);
     if let Err(e) = &result {
         crate::warn!("{}", e.msg);

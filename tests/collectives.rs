@@ -52,10 +52,10 @@ fn passed_on(ctx: &Ctx, _level: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Calls repeated on the same buffers, which run again without being checked and built anew
-/// (`Comm::again`), and calls that differ from the one before in one respect only: a datatype
-/// of the same width, the op, in place or not. Every output is cleared before the call and
-/// checked element by element. Then a PreMulSum scalar whose value changes between two equal
+/// Calls repeated on the same buffers and on others, which run again without being checked and
+/// built anew (`Comm::again`), and calls that differ from the one before in one respect only:
+/// a datatype of the same width, the op, in place or not. Every output is cleared before the
+/// call and checked element by element. Then a PreMulSum scalar whose value changes between two equal
 /// calls, and sends and receives outside a group, repeated.
 fn repeats(ctx: &Ctx, _level: &str) -> Result<(), String> {
     let n = ctx.n;
@@ -69,11 +69,13 @@ fn repeats(ctx: &Ctx, _level: &str) -> Result<(), String> {
         };
         for count in [1, 5 * n + 1] {
             for (a, b) in pairs {
-                let mut bufs = CaseBufs::new(coll, count, n, size_of(a));
-                for in_place in [false, true] {
+                // Two sets of buffers: a call repeated on other buffers takes the short way too.
+                let mut bufs = [0, 1].map(|_| CaseBufs::new(coll, count, n, size_of(a)));
+                for in_place in [false, true, false] {
                     for &op in ops {
-                        for dt in [a, a, a, b, b, a] {
-                            run_case_on(ctx, &mut bufs, coll, dt, op, count, in_place)?;
+                        for (i, dt) in [a, a, a, a, b, b, a].into_iter().enumerate() {
+                            let on = &mut bufs[i / 2 % 2];
+                            run_case_on(ctx, on, coll, dt, op, count, in_place)?;
                         }
                     }
                 }

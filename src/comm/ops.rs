@@ -5,7 +5,7 @@
 use super::Comm;
 use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
-use crate::exec::host::{run_again, HostOp, Reduction, Repeat};
+use crate::exec::host::{run_again, Footprint, HostOp, Reduction, Repeat};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
 use once_cell::sync::Lazy;
@@ -111,6 +111,8 @@ pub(crate) struct Call {
     pub op: Option<OpChoice>,
     /// Whether the send and receive buffers overlap (as NCCL's in-place rules allow).
     pub in_place: bool,
+    /// What the checks found the call reads and writes, and where (`Comm::again`).
+    pub footprint: Footprint,
     /// For a send: copy the data aside before offering it, because a receive of the same group
     /// writes over it (see `group::stage_overwritten_sends`).
     pub stage: bool,
@@ -160,8 +162,6 @@ fn bytes_of(count: usize, times: usize, dtype: DataType, what: &str) -> Result<u
 /// and its number given to another op).
 pub(crate) fn repeat_key(
     coll: &Collective,
-    send: usize,
-    recv: usize,
     dtype: i32,
     op: Option<i32>,
     stream: usize,
@@ -175,8 +175,6 @@ pub(crate) fn repeat_key(
     }
     Some(Repeat {
         coll: coll.clone(),
-        send,
-        recv,
         dtype,
         op,
         stream,
@@ -470,6 +468,11 @@ impl Comm {
                 );
             }
         }
+        let footprint = Footprint {
+            send_bytes,
+            recv_bytes,
+            in_place: in_place.then(|| s as isize - r as isize),
+        };
         Ok(Call {
             coll,
             send,
@@ -477,6 +480,7 @@ impl Comm {
             dtype,
             op,
             in_place,
+            footprint,
             stage: false,
             stream,
             device,
@@ -523,13 +527,14 @@ impl Comm {
         }
     }
 
-    /// Runs a call outside any group the short way when it repeats the last call this
-    /// communicator ran (`key`, see `Repeat`): that call's checks passed and give the same
-    /// answers now (the communicator is still usable, and no device memory exists in the
-    /// process that its buffers could have become), its operation and steps are kept, and
-    /// only its number in the sequence is new. None, having done nothing, where the full path
-    /// must take the call.
-    pub(crate) fn again(&self, key: &Repeat) -> Option<Result<()>> {
+    /// Runs a call outside any group on `send` and `recv` the short way when it repeats the
+    /// last call this communicator ran (`key`, see `Repeat`) on buffers that lie alike
+    /// (`Footprint::admits`): that call's checks passed and give the same answers now (the
+    /// communicator is still usable, and no device memory exists in the process that the
+    /// buffers could be), its operation is kept and takes the new buffers, and only its
+    /// number in the sequence is new. None, having done nothing, where the full path must take
+    /// the call.
+    pub(crate) fn again(&self, key: &Repeat, send: *const u8, recv: *mut u8) -> Option<Result<()>> {
         if self.device.is_some()
             || crate::group::in_group()
             || crate::cuda::any_device_memory()
@@ -537,7 +542,7 @@ impl Comm {
         {
             return None;
         }
-        let r = run_again(&self.wiring, key, || {
+        let r = run_again(&self.wiring, key, send, recv, || {
             tag_of(&key.coll, self.number(&key.coll))
         })?;
         if let Err(e) = &r {

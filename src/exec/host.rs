@@ -318,22 +318,50 @@ pub(crate) struct ExecCache {
     /// What `tables.steps` was last built for, when that was one operation alone.
     built: Option<Built>,
     /// The call the last run served, when it was one operation alone that ran to the end and
-    /// its entry point gave it a key (`run_again`): `tables.ops[0]` is its operation.
-    repeat: Option<Repeat>,
+    /// its entry point gave it a key, and where that call's buffers lay (`run_again`):
+    /// `tables.ops[0]` is its operation.
+    repeat: Option<(Repeat, Footprint)>,
 }
 
-/// A call outside any group as its entry point received it: the collective, the buffers'
-/// addresses and the raw datatype and (built-in) op. Two calls with equal keys on one
-/// communicator passed the same checks and are built into the same operation, but for the
-/// number of the collective in the communicator's sequence.
+/// A call outside any group as its entry point received it, but for its buffers: the
+/// collective, the raw datatype and (built-in) op and the stream. Calls with equal keys on one
+/// communicator whose buffers lie alike (`Footprint::admits`) pass the same checks and are
+/// built into the same operation, but for their buffers and their number in the
+/// communicator's sequence.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Repeat {
     pub coll: crate::algo::Collective,
-    pub send: usize,
-    pub recv: usize,
     pub dtype: i32,
     pub op: Option<i32>,
     pub stream: usize,
+}
+
+/// The bytes a checked call reads from its send buffer and writes to its receive buffer, and,
+/// when the two overlap (in place), how far the send buffer lies past the receive buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Footprint {
+    pub send_bytes: usize,
+    pub recv_bytes: usize,
+    pub in_place: Option<isize>,
+}
+
+impl Footprint {
+    /// Whether a call with this footprint's sizes on buffers at `send` and `recv` passes the
+    /// checks of the call it was taken from with the same answers: no NULL buffer that must
+    /// hold bytes, none wrapping around the address space, and in place exactly when that
+    /// call was, at the same distance (any other overlap is an error the full path reports).
+    pub(crate) fn admits(&self, send: usize, recv: usize) -> bool {
+        let fits = |p: usize, n: usize| n == 0 || (p != 0 && p.checked_add(n).is_some());
+        let (sb, rb) = (self.send_bytes, self.recv_bytes);
+        if !fits(send, sb) || !fits(recv, rb) {
+            return false;
+        }
+        let overlap = sb > 0 && rb > 0 && send < recv + rb && recv < send + sb;
+        match self.in_place {
+            Some(d) => overlap && send as isize - recv as isize == d,
+            None => !overlap,
+        }
+    }
 }
 
 /// One cache line of scratch.
@@ -379,30 +407,68 @@ impl StepQueue {
 
 /// A single-operation run's steps depend only on its schedule, its buffers, its input scale and
 /// where scratch is: a call that repeats all of them (a training or benchmark loop) resets the
-/// steps' progress instead of building them and looking up their hazards again.
+/// steps' progress instead of building them and looking up their hazards again, and one that
+/// repeats all but the buffers, on buffers that overlap alike (a loop over the slices of a
+/// buffer, as nccl-tests runs), also resolves the steps' addresses anew.
 struct Built {
     schedule: Arc<Schedule>,
     send: *const u8,
     recv: *mut u8,
+    aliasing: Aliasing,
     input_scale: Option<Scale>,
     scratch: *mut u8,
     hazards: Arc<Hazards>,
 }
 
+/// How much of the last single-operation run's steps a new operation can keep
+/// (`Built::reuse`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reuse {
+    /// Everything: the same operation on the same buffers.
+    All,
+    /// All but the addresses: the same operation on other buffers that overlap alike, so
+    /// its hazards, queues and hints are the same (they depend on the schedule and the
+    /// aliasing only).
+    Structure,
+    Nothing,
+}
+
 impl Built {
-    fn repeated_by(&self, op: &HostOp, scratch: *mut u8, steps: usize) -> bool {
-        Arc::ptr_eq(&self.schedule, &op.schedule)
-            && self.send == op.send
-            && self.recv == op.recv
+    fn reuse(&self, op: &HostOp, scratch: *mut u8, steps: usize) -> Reuse {
+        let same = Arc::ptr_eq(&self.schedule, &op.schedule)
             && self.input_scale == op.reduction.and_then(|r| r.input_scale)
             && self.scratch == scratch
-            && steps == op.schedule.steps.len()
+            && steps == op.schedule.steps.len();
+        if !same {
+            Reuse::Nothing
+        } else if self.send == op.send && self.recv == op.recv {
+            Reuse::All
+        } else if self.aliasing == aliasing(op) {
+            Reuse::Structure
+        } else {
+            Reuse::Nothing
+        }
+    }
+}
+
+/// Where a region of `op`'s buffers lies, its scratch starting at `scratch`.
+fn resolver(op: &HostOp, scratch: *mut u8) -> impl Fn(Region) -> *mut u8 + '_ {
+    move |r: Region| {
+        let base = match r.buf {
+            Buf::Send => op.send as *mut u8,
+            Buf::Recv => op.recv,
+            Buf::Scratch => scratch,
+        };
+        // SAFETY: regions lie inside the buffers the caller validated for this op, and
+        // scratch holds the op's scratch bytes from `scratch`.
+        unsafe { base.add(r.offset) }
     }
 }
 
 // SAFETY: between calls the tables hold the last run's operations and steps, whose addresses
 // are never dereferenced then; a run, under the communicator's lock, either rebuilds them for
-// its own buffers or (`Built::repeated_by`) keeps them because its buffers are the same ones.
+// its own buffers or (`Built::reuse`) keeps them because its buffers are the same ones or
+// re-resolves their addresses for its own.
 unsafe impl Send for ExecCache {}
 
 /// One communicator's share of a run.
@@ -506,9 +572,18 @@ impl<'a> Exec<'a> {
             scratch.resize(need / 64, Line([0; 64]));
         }
         let scratch = scratch.as_mut_ptr() as *mut u8;
-        if let ([op], Some(b)) = (t.ops.as_slice(), built.as_ref()) {
-            if b.repeated_by(op, scratch, t.steps.len()) {
+        if let ([op], Some(b)) = (t.ops.as_slice(), built.as_mut()) {
+            let reuse = b.reuse(op, scratch, t.steps.len());
+            if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
+                if reuse == Reuse::Structure {
+                    let at = resolver(op, scratch);
+                    let input_scale = op.reduction.and_then(|r| r.input_scale);
+                    for (x, step) in t.steps.iter_mut().zip(&op.schedule.steps) {
+                        x.action = Action::of(step, &at, input_scale);
+                    }
+                    (b.send, b.recv) = (op.send, op.recv);
+                }
                 for (i, s) in t.steps.iter_mut().enumerate() {
                     s.waiting_on = b.hazards.waiting_on[i];
                     s.send = SendCursor::default();
@@ -526,21 +601,11 @@ impl<'a> Exec<'a> {
         let mut scratch_at = 0usize;
         for (oi, op) in t.ops.iter().enumerate() {
             op.collapse_to_huge_pages(wiring);
-            let base = |buf: Buf| -> *mut u8 {
-                match buf {
-                    Buf::Send => op.send as *mut u8,
-                    Buf::Recv => op.recv,
-                    // SAFETY: scratch holds the sum of every op's scratch bytes (rounded).
-                    Buf::Scratch => unsafe { scratch.add(scratch_at) },
-                }
-            };
-            let at = |r: Region| -> *mut u8 {
-                // SAFETY: regions lie inside the buffers the caller validated for this op.
-                unsafe { base(r.buf).add(r.offset) }
-            };
+            // SAFETY: scratch holds the sum of every op's scratch bytes (rounded).
+            let at = resolver(op, unsafe { scratch.add(scratch_at) });
             let input_scale = op.reduction.and_then(|r| r.input_scale);
             for step in &op.schedule.steps {
-                let action = Action::of(step, at, input_scale);
+                let action = Action::of(step, &at, input_scale);
                 let copied = op.reduction.is_none()
                     && !matches!(step, Step::Send { src, .. } if src.region.buf == Buf::Scratch);
                 if let Action::Send { peer, .. } | Action::Recv { peer, .. } = action {
@@ -582,6 +647,7 @@ impl<'a> Exec<'a> {
                     schedule: op.schedule.clone(),
                     send: op.send,
                     recv: op.recv,
+                    aliasing: key.1,
                     input_scale: op.reduction.and_then(|r| r.input_scale),
                     scratch,
                     hazards: h.clone(),
@@ -1149,8 +1215,12 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
 }
 
 /// Runs one operation of one communicator (a call outside any group); `repeat`, the call's
-/// key, lets the same call run again without being built (`run_again`).
-pub(crate) fn run_one(wiring: &Wiring, op: HostOp, repeat: Option<Repeat>) -> Result<()> {
+/// key and footprint, lets the same call run again without being built (`run_again`).
+pub(crate) fn run_one(
+    wiring: &Wiring,
+    op: HostOp,
+    repeat: Option<(Repeat, Footprint)>,
+) -> Result<()> {
     let large = op.extent() >= WARM_AFTER;
     let mut cache = wiring.cache.lock();
     cache.repeat = None;
@@ -1166,18 +1236,26 @@ pub(crate) fn run_one(wiring: &Wiring, op: HostOp, repeat: Option<Repeat>) -> Re
     Ok(())
 }
 
-/// Runs the last call again when `key` is its key (`run_one`), numbered `tag()`: the
-/// operation and its steps are kept, only their progress is reset. None, having done
-/// nothing, when the last run was another call (or failed).
+/// Runs the last call again on the buffers `send` and `recv` when `key` is its key and its
+/// footprint admits them (`run_one`), numbered `tag()`: the operation is kept and takes the
+/// new buffers; its steps, on the same buffers, are kept too and only their progress is
+/// reset. None, having done nothing, when the last run was another call (or failed).
 pub(crate) fn run_again(
     wiring: &Wiring,
     key: &Repeat,
+    send: *const u8,
+    recv: *mut u8,
     tag: impl FnOnce() -> u64,
 ) -> Option<Result<()>> {
     let mut cache = wiring.cache.lock();
-    let repeat = cache.repeat.take_if(|r| *r == *key)?;
-    cache.tables.ops[0].tag = tag();
-    let large = cache.tables.ops[0].extent() >= WARM_AFTER;
+    let repeat = cache
+        .repeat
+        .take_if(|(k, f)| *k == *key && f.admits(send as usize, recv as usize))?;
+    let op = &mut cache.tables.ops[0];
+    op.send = send;
+    op.recv = recv;
+    op.tag = tag();
+    let large = op.extent() >= WARM_AFTER;
     let r = Exec::new(wiring, &mut cache).and_then(|mut e| drive(std::slice::from_mut(&mut e)));
     if r.is_ok() {
         cache.repeat = Some(repeat);
@@ -2158,31 +2236,37 @@ mod tests {
         }
     }
 
-    /// `run_again` runs the last call again, on the inputs its buffers hold now and with the
-    /// number it is given, only when its key is the last run's: not for another key, not after
-    /// a run without a key, not after a group's run.
+    /// `run_again` runs the last call again, on the buffers it is given and the inputs they
+    /// hold now, with the number it is given, only when its key is the last run's and the
+    /// buffers lie as that run's did: not for another key, not in place after a run out of
+    /// place (nor on overlapping buffers), not after a run without a key, not after a group's
+    /// run.
     #[test]
     fn only_the_call_that_ran_last_runs_again() {
         let (n, count) = (3, 300);
+        let bytes = count * 4;
         let m = mesh(n, 256, Duration::from_secs(20));
         let out = on_threads(&m.wirings, |r, w| {
             let shape = shape(r, n, 4, false, 64);
             let schedule = Arc::new(ring::all_reduce(count, &shape));
-            let mut send = vec![0u8; count * 4];
-            let mut recv = vec![0u8; count * 4];
-            let key = |coll| Repeat {
-                coll,
-                send: send.as_ptr() as usize,
-                recv: recv.as_ptr() as usize,
+            let key = |count| Repeat {
+                coll: crate::algo::Collective::AllReduce { count },
                 dtype: 7,
                 op: Some(0),
                 stream: 0,
             };
-            let (a, b) = (
-                key(crate::algo::Collective::AllReduce { count }),
-                key(crate::algo::Collective::AllReduce { count: count + 1 }),
-            );
-            let op = |send: &Vec<u8>, recv: &mut Vec<u8>, seq: u64| HostOp {
+            let (a, b) = (key(count), key(count + 1));
+            let footprint = Footprint {
+                send_bytes: bytes,
+                recv_bytes: bytes,
+                in_place: None,
+            };
+            // Two pairs of buffers, used in turn.
+            let mut bufs = [
+                [vec![0u8; bytes], vec![0u8; bytes]],
+                [vec![0u8; bytes], vec![0u8; bytes]],
+            ];
+            let op = |[send, recv]: &mut [Vec<u8>; 2], seq: u64| HostOp {
                 schedule: schedule.clone(),
                 send: send.as_ptr(),
                 recv: recv.as_mut_ptr(),
@@ -2192,35 +2276,43 @@ mod tests {
             let fill = |send: &mut Vec<u8>, k: i32| {
                 send.copy_from_slice(&f32s((0..count).map(|i| (value(r, i) + k) as f32)))
             };
-            let mut results = Vec::new();
-            let again = |send: &mut Vec<u8>, recv: &mut Vec<u8>, k: i32, key: &Repeat| {
+            let again = |[send, recv]: &mut [Vec<u8>; 2], k: i32, key: &Repeat| {
                 fill(send, k);
                 recv.fill(0);
-                run_again(w, key, || ALL_REDUCE_TAG + k as u64).map(|r| r.map(|()| as_f32s(recv)))
+                run_again(w, key, send.as_ptr(), recv.as_mut_ptr(), || {
+                    ALL_REDUCE_TAG + k as u64
+                })
+                .map(|r| r.map(|()| as_f32s(recv)))
             };
-            fill(&mut send, 0);
-            run_one(w, op(&send, &mut recv, 0), Some(a.clone()))?;
-            results.push(as_f32s(&recv));
-            for k in 1..3 {
-                results.push(again(&mut send, &mut recv, k, &a).expect("a repeat runs")?);
+            let mut results = Vec::new();
+            fill(&mut bufs[0][0], 0);
+            run_one(w, op(&mut bufs[0], 0), Some((a.clone(), footprint)))?;
+            results.push(as_f32s(&bufs[0][1]));
+            for k in 1..5 {
+                let got = again(&mut bufs[k as usize % 2], k, &a).expect("a repeat runs")?;
+                results.push(got);
             }
-            assert!(again(&mut send, &mut recv, 3, &b).is_none(), "another key");
-            run_one(w, op(&send, &mut recv, 3), None)?;
+            assert!(again(&mut bufs[0], 5, &b).is_none(), "another key");
+            let [send, _] = &mut bufs[0];
+            let p = send.as_mut_ptr();
+            assert!(run_again(w, &a, p, p, || 0).is_none(), "in place");
             assert!(
-                again(&mut send, &mut recv, 4, &a).is_none(),
+                run_again(w, &a, p, p.wrapping_add(4), || 0).is_none(),
+                "overlapping"
+            );
+            run_one(w, op(&mut bufs[0], 5), None)?;
+            assert!(
+                again(&mut bufs[0], 6, &a).is_none(),
                 "after a run without key"
             );
-            run_one(w, op(&send, &mut recv, 4), Some(a.clone()))?;
-            run(vec![(w, vec![op(&send, &mut recv, 5)])])?;
-            assert!(
-                again(&mut send, &mut recv, 6, &a).is_none(),
-                "after a group"
-            );
+            run_one(w, op(&mut bufs[1], 6), Some((a.clone(), footprint)))?;
+            run(vec![(w, vec![op(&mut bufs[1], 7)])])?;
+            assert!(again(&mut bufs[1], 8, &a).is_none(), "after a group");
             Ok(results)
         });
         for (r, res) in out.into_iter().enumerate() {
             let res = res.unwrap_or_else(|e: Error| panic!("rank {r}: {}", e.msg));
-            assert_eq!(res.len(), 3);
+            assert_eq!(res.len(), 5);
             for (k, got) in res.iter().enumerate() {
                 for (i, &g) in got.iter().enumerate() {
                     let want: f32 = (0..n).map(|q| (value(q, i) + k as i32) as f32).sum();
@@ -2228,6 +2320,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A footprint admits buffers that pass the same checks the same way.
+    #[test]
+    fn footprints_admit_buffers_that_lie_alike() {
+        let out = Footprint {
+            send_bytes: 64,
+            recv_bytes: 128,
+            in_place: None,
+        };
+        assert!(out.admits(0x1000, 0x2000));
+        assert!(out.admits(0x2000, 0x1000 - 128));
+        assert!(!out.admits(0x1000, 0x1000 + 32), "overlap");
+        assert!(!out.admits(0, 0x2000), "NULL send buffer");
+        assert!(!out.admits(usize::MAX - 8, 0x2000), "wraps");
+        let root_only = Footprint {
+            send_bytes: 0,
+            ..out
+        };
+        assert!(
+            root_only.admits(0, 0x2000),
+            "a send buffer that holds nothing"
+        );
+        let in_place = Footprint {
+            send_bytes: 64,
+            recv_bytes: 128,
+            in_place: Some(64),
+        };
+        assert!(in_place.admits(0x1040, 0x1000));
+        assert!(!in_place.admits(0x1000, 0x1000), "another distance");
+        assert!(!in_place.admits(0x4000, 0x1000), "out of place");
     }
 
     /// One thread drives both ranks of a pair in one `run` (a group over two communicators):

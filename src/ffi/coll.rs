@@ -31,14 +31,13 @@ fn call(
         if k.moves_nothing() && lane::with_kept(comm, |c| c.check_kind(k, dtype, op).is_ok()) {
             return ncclResult_t::ncclSuccess;
         }
-        if let Some(key) = &repeat_key(k, send as usize, recv as usize, dtype, op, stream as usize)
-        {
+        if let Some(key) = &repeat_key(k, dtype, op, stream as usize) {
             let mut rank = None;
             let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 lane::kept(comm, |c| {
                     rank = Some(c.rank as i32);
                     let _scope = crate::log::rank_scope(c.rank as i32);
-                    c.again(key)
+                    c.again(key, send as *const u8, recv as *mut u8)
                 })
             }));
             match again {
@@ -67,14 +66,7 @@ fn submit(
         // A collective of zero elements: its buffers are never looked at (see check_kind).
         return c.check_kind(&coll, dtype, op).map(drop);
     }
-    let repeat = repeat_key(
-        &coll,
-        send as usize,
-        recv as usize,
-        dtype,
-        op,
-        stream as usize,
-    );
+    let repeat = repeat_key(&coll, dtype, op, stream as usize);
     let call = c.check_call(
         coll,
         send as *const u8,
