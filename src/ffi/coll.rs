@@ -14,8 +14,10 @@ use std::sync::Arc;
 /// A collective entry point: `coll` (or the error found in its arguments) on `comm`. A call
 /// that moves nothing, on the communicator this thread used last, whose checks pass is done
 /// here with nothing more than those checks (a C loop of zero-element all-gathers on one rank:
-/// 13.6 -> 6.4 ns a call; OpenMPI's MPI_Allgather of nothing takes 3.4); anything else, a
-/// failed check included, takes the full way, which reports what is wrong.
+/// 13.6 -> 6.4 ns a call; OpenMPI's MPI_Allgather of nothing takes 3.4). A call outside any
+/// group that repeats the last one that communicator ran, but for its buffers, runs that
+/// call's kept operation on its own buffers (`Comm::again`). Anything else, a failed check
+/// included, takes the full way, which reports what is wrong.
 #[allow(clippy::too_many_arguments)]
 fn call(
     func: &'static str,
