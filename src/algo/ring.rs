@@ -189,12 +189,15 @@ pub(crate) fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let pos = chain.iter().position(|&r| r == shape.rank).unwrap_or(0);
     let next = chain.get(pos + 1).copied();
     if pos == 0 {
-        s.push(Step::Local {
-            dst: Region::new(Buf::Recv, 0, bytes),
-            a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
-            b: None,
-            last: false,
-        });
+        // In place the root's input already is its output (NCCL allows no other overlap).
+        if !shape.in_place {
+            s.push(Step::Local {
+                dst: Region::new(Buf::Recv, 0, bytes),
+                a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
+                b: None,
+                last: false,
+            });
+        }
         if let Some(next) = next {
             for r in shape.slices(Buf::Send, 0, bytes) {
                 s.push(Step::Send {

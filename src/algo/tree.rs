@@ -127,7 +127,8 @@ fn broadcast_from(s: &mut Schedule, bytes: usize, root: usize, shape: &Shape, sr
 pub(crate) fn broadcast(count: usize, root: usize, shape: &Shape) -> Schedule {
     let bytes = count * shape.elem;
     let mut s = Schedule::default();
-    if shape.rank == root {
+    // In place the root's input already is its output (NCCL allows no other overlap).
+    if shape.rank == root && !shape.in_place {
         s.push(Step::Local {
             dst: Region::new(Buf::Recv, 0, bytes),
             a: Operand::partial(Region::new(Buf::Send, 0, bytes)),
