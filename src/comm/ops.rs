@@ -5,7 +5,7 @@
 use super::Comm;
 use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
-use crate::exec::host::{run_again, Footprint, HostOp, Reduction, Repeat};
+use crate::exec::host::{overlap, run_again, Footprint, HostOp, Reduction, Repeat};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
 use once_cell::sync::Lazy;
@@ -430,23 +430,19 @@ impl Comm {
         let (s, r) = (send as usize, recv as usize);
         check_ptr("sendbuff", s, send_bytes)?;
         check_ptr("recvbuff", r, recv_bytes)?;
-        let mut in_place = false;
-        if send_bytes > 0 && recv_bytes > 0 && s < r + recv_bytes && r < s + send_bytes {
-            match in_place_delta {
-                Some(d) if s as isize - r as isize == d => in_place = true,
-                _ => {
-                    return crate::invalid_arg!(
-                        "sendbuff [{s:#x}, +{send_bytes}) and recvbuff [{r:#x}, +{recv_bytes}) overlap, but not in the way {} allows for in-place use{}",
-                        coll.name(),
-                        match in_place_delta {
-                            Some(0) => " (sendbuff == recvbuff)".to_string(),
-                            Some(d) if d > 0 => format!(" (sendbuff == recvbuff + {d} bytes)"),
-                            Some(d) => format!(" (recvbuff == sendbuff + {} bytes)", -d),
-                            None => String::new(),
-                        }
-                    );
+        // Overlapping buffers are in place only at the distance NCCL's rule puts them.
+        let shared = overlap(s, send_bytes, r, recv_bytes);
+        if shared.is_some() && shared != in_place_delta {
+            return crate::invalid_arg!(
+                "sendbuff [{s:#x}, +{send_bytes}) and recvbuff [{r:#x}, +{recv_bytes}) overlap, but not in the way {} allows for in-place use{}",
+                coll.name(),
+                match in_place_delta {
+                    Some(0) => " (sendbuff == recvbuff)".to_string(),
+                    Some(d) if d > 0 => format!(" (sendbuff == recvbuff + {d} bytes)"),
+                    Some(d) => format!(" (recvbuff == sendbuff + {} bytes)", -d),
+                    None => String::new(),
                 }
-            }
+            );
         }
         let device = self.memory_kind(send, send_bytes, recv, recv_bytes)?;
         if device {
@@ -468,10 +464,11 @@ impl Comm {
                 );
             }
         }
+        let in_place = shared.is_some();
         let footprint = Footprint {
             send_bytes,
             recv_bytes,
-            in_place: in_place.then(|| s as isize - r as isize),
+            in_place: shared,
         };
         Ok(Call {
             coll,

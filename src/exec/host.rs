@@ -353,14 +353,7 @@ impl Footprint {
     pub(crate) fn admits(&self, send: usize, recv: usize) -> bool {
         let fits = |p: usize, n: usize| n == 0 || (p != 0 && p.checked_add(n).is_some());
         let (sb, rb) = (self.send_bytes, self.recv_bytes);
-        if !fits(send, sb) || !fits(recv, rb) {
-            return false;
-        }
-        let overlap = sb > 0 && rb > 0 && send < recv + rb && recv < send + sb;
-        match self.in_place {
-            Some(d) => overlap && send as isize - recv as isize == d,
-            None => !overlap,
-        }
+        fits(send, sb) && fits(recv, rb) && overlap(send, sb, recv, rb) == self.in_place
     }
 }
 
@@ -1179,9 +1172,25 @@ unsafe fn finish(dst: *mut u8, len: usize, last: bool, reduction: Option<Reducti
 
 /// How an operation's send and receive buffers overlap (see `Aliasing`).
 fn aliasing(op: &HostOp) -> Aliasing {
-    let (s, r) = (op.send as usize, op.recv as usize);
-    let (sl, rl) = (op.schedule.send_extent, op.schedule.recv_extent);
-    (sl > 0 && rl > 0 && s < r + rl && r < s + sl).then(|| s as isize - r as isize)
+    overlap(
+        op.send as usize,
+        op.schedule.send_extent,
+        op.recv as usize,
+        op.schedule.recv_extent,
+    )
+}
+
+/// Where `send_bytes` at `send` and `recv_bytes` at `recv` share bytes, how far the send
+/// buffer lies past the receive buffer; None where they share none (an empty one shares
+/// none). Neither may wrap around the address space.
+pub(crate) fn overlap(
+    send: usize,
+    send_bytes: usize,
+    recv: usize,
+    recv_bytes: usize,
+) -> Option<isize> {
+    (send_bytes > 0 && recv_bytes > 0 && send < recv + recv_bytes && recv < send + send_bytes)
+        .then(|| send as isize - recv as isize)
 }
 
 /// Reads a PreMulSum scalar that lives at a host address (ncclScalarDevice residence used with
@@ -1226,10 +1235,17 @@ pub(crate) fn run_one(
     cache.repeat = None;
     cache.tables.ops.clear();
     cache.tables.ops.push(op);
-    drive(std::slice::from_mut(&mut Exec::new(wiring, &mut cache)?))?;
+    run_alone(wiring, &mut cache, large)?;
     if cache.built.is_some() {
         cache.repeat = repeat;
     }
+    Ok(())
+}
+
+/// Runs the one operation in `cache.tables.ops`, then warms the links again after a `large`
+/// one (see `WARM_AFTER`).
+fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> {
+    drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
     if large {
         wiring.warm_links();
     }
@@ -1256,12 +1272,9 @@ pub(crate) fn run_again(
     op.recv = recv;
     op.tag = tag();
     let large = op.extent() >= WARM_AFTER;
-    let r = Exec::new(wiring, &mut cache).and_then(|mut e| drive(std::slice::from_mut(&mut e)));
+    let r = run_alone(wiring, &mut cache, large);
     if r.is_ok() {
         cache.repeat = Some(repeat);
-        if large {
-            wiring.warm_links();
-        }
     }
     Some(r)
 }
