@@ -9,7 +9,7 @@ mod copy;
 mod kernels;
 mod stream;
 
-pub(crate) use copy::copy_bytes;
+pub(crate) use copy::{copy_bytes, just_ahead};
 // The float8 conversions, for the device kernels' test that checks against them (built only
 // where nvcc compiled the kernels).
 #[cfg(all(test, comm_kernels))]

@@ -628,12 +628,36 @@ impl ShmPeer {
                     crate::reduce::copy_bytes(dst.add(off), (src + off) as *const u8, n)
                 },
                 // SAFETY: dst is valid for `total` bytes of writes.
+                Access::Cma(pid)
+                    if crate::reduce::just_ahead(
+                        unsafe { dst.add(off) },
+                        (src + off) as *const u8,
+                    ) =>
+                {
+                    // The kernel's copy would run slow at this distance: pieces land in
+                    // scratch at the source's distance and a loop copies them on.
+                    let mut scratch = self.scratch()?;
+                    let mut k = 0;
+                    while k < n {
+                        let m = PULL_PIECE.min(n - k);
+                        let at = src + off + k;
+                        // SAFETY: scratch holds PULL_PIECE + PAGE_SPAN bytes; dst covers
+                        // `total` bytes, [off + k, off + k + m) among them.
+                        unsafe {
+                            let land = scratch.as_mut_ptr().add(landing(at));
+                            os::cma_read(pid, land, at, m).map_err(|e| self.cma_error(e))?;
+                            crate::reduce::copy_bytes(dst.add(off + k), land, m);
+                        }
+                        k += m;
+                    }
+                }
+                // SAFETY: dst is valid for `total` bytes of writes.
                 Access::Cma(pid) => unsafe { os::cma_read(pid, dst.add(off), src + off, n) }
                     .map_err(|e| self.cma_error(e))?,
             }
             sink.placed(off, n, scale)?;
             if let Some((d, at)) = back {
-                self.put_back(d, at, off, n)?;
+                self.put_back(d, at, off, n, None)?;
             }
             cur.received = end;
             return Ok(());
@@ -645,16 +669,12 @@ impl ShmPeer {
                 let data = unsafe { std::slice::from_raw_parts((src + off) as *const u8, n) };
                 sink.put(off, data, scale)?;
                 if let Some((d, at)) = back {
-                    self.put_back(d, at, off, n)?;
+                    self.put_back(d, at, off, n, None)?;
                 }
                 cur.received = end;
             }
             Access::Cma(pid) => {
-                let mut slot = self.scratch.lock();
-                if slot.is_none() {
-                    *slot = Some(os::HugeMem::new(PULL_PIECE + PAGE_SPAN)?);
-                }
-                let scratch = slot.as_mut().expect("allocated above");
+                let mut scratch = self.scratch()?;
                 while cur.received < end {
                     let n = PULL_PIECE.min(end - cur.received);
                     // SAFETY: scratch holds PULL_PIECE + PAGE_SPAN bytes, so n <= PULL_PIECE
@@ -676,7 +696,7 @@ impl ShmPeer {
                         sink.put(cur.received + done, &data[done..], scale)?;
                     }
                     if let Some((d, at)) = back {
-                        self.put_back(d, at, cur.received, n)?;
+                        self.put_back(d, at, cur.received, n, Some(&mut scratch))?;
                     }
                     cur.received += n;
                 }
@@ -928,8 +948,17 @@ impl ShmPeer {
     }
 
     /// Writes bytes `[off, off+n)` of the sink's result `d` into the sender's memory at `src`
-    /// (the place it offered for its reply).
-    fn put_back(&self, d: *const u8, src: usize, off: usize, n: usize) -> Result<()> {
+    /// (the place it offered for its reply). Where the kernel's copy would run slow
+    /// (`just_ahead`) and `scratch` (of `PULL_PIECE + PAGE_SPAN` bytes, `n <= PULL_PIECE`) is
+    /// at hand, the bytes go through it at the destination's distance.
+    fn put_back(
+        &self,
+        d: *const u8,
+        src: usize,
+        off: usize,
+        n: usize,
+        scratch: Option<&mut os::HugeMem>,
+    ) -> Result<()> {
         match self.access {
             // SAFETY: d covers the message's bytes of the sink's result; the sender lent us
             // [src, src+total) for its reply (FLAG_REPLY_AT) and touches none of it until we
@@ -937,11 +966,36 @@ impl ShmPeer {
             Access::Direct => unsafe {
                 crate::reduce::copy_bytes((src + off) as *mut u8, d.add(off), n)
             },
-            // SAFETY: as above, in the sender's address space.
-            Access::Cma(pid) => unsafe { os::cma_write(pid, d.add(off), src + off, n) }
-                .map_err(|e| self.cma_failed(e, "writing a reply into", "process_vm_writev"))?,
+            // SAFETY: as above, in the sender's address space; the staged copy stays inside
+            // scratch, which the caller sized.
+            Access::Cma(pid) => unsafe {
+                let (from, to) = (d.add(off), src + off);
+                let from = match scratch {
+                    Some(s)
+                        if n <= PULL_PIECE && crate::reduce::just_ahead(to as *const u8, from) =>
+                    {
+                        let stage = s.as_mut_ptr().add(landing(to));
+                        crate::reduce::copy_bytes(stage, from, n);
+                        stage.cast_const()
+                    }
+                    _ => from,
+                };
+                os::cma_write(pid, from, to, n)
+            }
+            .map_err(|e| self.cma_failed(e, "writing a reply into", "process_vm_writev"))?,
         }
         Ok(())
+    }
+
+    /// The scratch that CMA pulls land in (`PULL_PIECE + PAGE_SPAN` bytes), made on first use.
+    fn scratch(&self) -> Result<parking_lot::MappedMutexGuard<'_, os::HugeMem>> {
+        let mut slot = self.scratch.lock();
+        if slot.is_none() {
+            *slot = Some(os::HugeMem::new(PULL_PIECE + PAGE_SPAN)?);
+        }
+        Ok(parking_lot::MutexGuard::map(slot, |s| {
+            s.as_mut().expect("made above")
+        }))
     }
 
     /// This rank lost `rank` (its peer, or the rank the peer lost first): noted in our segment
@@ -2673,6 +2727,62 @@ mod tests {
             return (first, Ok(()));
         }
         panic!("stalled");
+    }
+
+    /// Kernel copies at a distance where `rep movsb` runs slow (the destination 1 to 63 bytes
+    /// past the source modulo a page) go through scratch; the bytes land all the same, pulled
+    /// straight into a receive buffer or folded and written back into the sender's memory.
+    #[test]
+    fn kernel_copies_at_a_slow_distance_land_all_the_same() {
+        let pid = std::process::id();
+        let (probe, _) = pair(2, 4096, true, 0, Access::Direct);
+        if !probe_cma(pid, probe.local.base_addr()) {
+            eprintln!("process_vm_readv is not permitted here; staged CMA copies are not tested");
+            return;
+        }
+        let len = 2 * PULL_PIECE + 100;
+        for skew in [0, 16, 48, 4080] {
+            // Page-aligned sources; the receive buffer `skew` bytes into its page.
+            let (mut sbuf, mut fbuf, mut rbuf) = (
+                vec![0u8; len + 2 * PAGE_SPAN],
+                vec![0u8; len + 2 * PAGE_SPAN],
+                vec![0u8; len + 2 * PAGE_SPAN],
+            );
+            let s0 = sbuf.as_ptr().align_offset(PAGE_SPAN);
+            let f0 = fbuf.as_ptr().align_offset(PAGE_SPAN);
+            let r0 = rbuf.as_ptr().align_offset(PAGE_SPAN) + skew;
+            let (a0, b0) = (pattern(len, 7), pattern(len, 8));
+            sbuf[s0..s0 + len].copy_from_slice(&a0);
+            let (a, b) = pair(4, 4096, true, 32 << 10, Access::Cma(pid));
+            let msg = out(&sbuf[s0..s0 + len], TAG, None);
+            let mut land = Fold::landing(&mut rbuf[r0..r0 + len]);
+            let (first, r) = transfer(&a, &b, &msg, &mut land);
+            r.unwrap();
+            assert_eq!(first, SendState::Posted, "skew {skew}: pulled");
+            assert!(rbuf[r0..r0 + len] == a0[..], "skew {skew}: pulled bytes");
+
+            // The receiver folds into fbuf (page-aligned) and writes the result back into
+            // rbuf, `skew` bytes past it modulo a page.
+            rbuf.fill(0);
+            fbuf[f0..f0 + len].copy_from_slice(&b0);
+            let (a, b) = pair(4, 4096, true, 32 << 10, Access::Cma(pid));
+            let mut msg = out(&sbuf[s0..s0 + len], TAG, None);
+            msg.reply_at = Some(rbuf[r0..].as_ptr() as usize);
+            let mut fold = Fold::returning(&mut fbuf[f0..f0 + len]);
+            let (first, r) = transfer(&a, &b, &msg, &mut fold);
+            r.unwrap();
+            assert_eq!(first, SendState::Posted, "skew {skew}: folded");
+            let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
+            assert!(
+                fbuf[f0..f0 + len] == folded[..],
+                "skew {skew}: folded bytes"
+            );
+            assert!(
+                rbuf[r0..r0 + len] == folded[..],
+                "skew {skew}: written back"
+            );
+            assert!(rbuf[..r0].iter().chain(&rbuf[r0 + len..]).all(|&x| x == 0));
+        }
     }
 
     /// A folding receiver whose result goes straight back writes it where the sender offered
