@@ -569,6 +569,8 @@ impl<'a> Exec<'a> {
             let reuse = b.reuse(op, scratch, t.steps.len());
             if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
+                // Collapsed the second time it comes (`os::collapse_to_huge_pages`).
+                wiring.collapse_if_large(scratch as usize, need);
                 if reuse == Reuse::Structure {
                     let at = resolver(op, scratch);
                     let input_scale = op.reduction.and_then(|r| r.input_scale);
@@ -586,8 +588,7 @@ impl<'a> Exec<'a> {
             }
         }
         *built = None;
-        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there). A
-        // repeated call has the same scratch, collapsed when its steps were built.
+        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there).
         wiring.collapse_if_large(scratch as usize, need);
         let steps = &mut t.steps;
         steps.clear();

@@ -146,34 +146,45 @@ impl Drop for HugeMem {
 /// for pages not faulted in yet, MADV_COLLAPSE (Linux 6.1+) for those already there. Contents
 /// are unchanged; failure (older kernel, no free huge pages) only means the optimisation does
 /// not apply. Regions already done are remembered.
+///
+/// The collapse copies every page it gathers, which costs more than a call pinning 4 KiB pages
+/// saves: a buffer used once (a broadcast of weights at start-up, a tensor made for one call)
+/// would pay it for nothing. So a range is only advised the first time it comes, and collapsed
+/// the second time (`Regions`).
 pub(crate) fn collapse_to_huge_pages(ptr: usize, len: usize) {
-    use std::collections::HashSet;
-    static DONE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+    static REGIONS: Mutex<Option<Regions>> = Mutex::new(None);
     const MADV_COLLAPSE: i32 = 25;
     let start = ptr.next_multiple_of(HUGE_PAGE);
     let end = (ptr + len) & !(HUGE_PAGE - 1);
     if end <= start {
         return;
     }
-    let mut done = DONE.lock();
-    let set = done.get_or_insert_with(HashSet::new);
-    if (start..end).step_by(HUGE_PAGE).all(|p| set.contains(&p)) {
+    let mut regions = REGIONS.lock();
+    let advice = regions
+        .get_or_insert_with(Regions::default)
+        .sighted(start, end);
+    let Some(collapse) = advice else {
         return;
-    }
-    // Bounded: a process that churns through buffers must not grow this forever.
-    if set.len() > 1 << 16 {
-        set.clear();
-    }
+    };
     // SAFETY: the range lies inside memory the caller hands us for an operation; the advice
     // leaves its contents as they are.
     let r = unsafe {
         let p = start as *mut libc::c_void;
         libc::madvise(p, end - start, libc::MADV_HUGEPAGE);
-        // EINVAL when nothing is faulted in yet: MADV_HUGEPAGE covers that case.
-        libc::madvise(p, end - start, MADV_COLLAPSE)
+        if collapse {
+            // EINVAL when nothing is faulted in yet: MADV_HUGEPAGE covers that case.
+            libc::madvise(p, end - start, MADV_COLLAPSE)
+        } else {
+            0
+        }
     };
     crate::trace!(
-        "MADV_COLLAPSE of {} MiB at {start:#x}: {}",
+        "{} of {} MiB at {start:#x}: {}",
+        if collapse {
+            "MADV_COLLAPSE"
+        } else {
+            "MADV_HUGEPAGE"
+        },
         (end - start) >> 20,
         if r == 0 {
             "done".to_string()
@@ -181,7 +192,43 @@ pub(crate) fn collapse_to_huge_pages(ptr: usize, len: usize) {
             std::io::Error::last_os_error().to_string()
         }
     );
-    set.extend((start..end).step_by(HUGE_PAGE));
+}
+
+/// The 2 MiB regions of buffers seen once (advised) and twice (collapsed).
+#[derive(Default)]
+struct Regions {
+    seen: std::collections::HashSet<usize>,
+    done: std::collections::HashSet<usize>,
+}
+
+impl Regions {
+    /// Records a sighting of the huge pages `[start, end)`: None when every one of them is
+    /// collapsed already, Some(false) to advise them (some come for the first time), Some(true)
+    /// to collapse them.
+    fn sighted(&mut self, start: usize, end: usize) -> Option<bool> {
+        let mut pages = (start..end).step_by(HUGE_PAGE);
+        if pages.clone().all(|p| self.done.contains(&p)) {
+            return None;
+        }
+        // Bounded: a process that churns through buffers must not grow these forever.
+        for set in [&mut self.seen, &mut self.done] {
+            if set.len() > 1 << 16 {
+                set.clear();
+            }
+        }
+        if pages
+            .clone()
+            .any(|p| !self.seen.contains(&p) && !self.done.contains(&p))
+        {
+            self.seen.extend(pages);
+            return Some(false);
+        }
+        for p in pages.by_ref() {
+            self.seen.remove(&p);
+            self.done.insert(p);
+        }
+        Some(true)
+    }
 }
 
 /// Sleeps while `word` holds `expected`, at most `timeout`. Works across processes because the
@@ -451,6 +498,25 @@ pub(crate) fn dup(fd: RawFd) -> Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A buffer's huge pages are advised the first time it comes, collapsed the second, and
+    /// left alone after; a range reaching into pages not seen before starts over for them.
+    #[test]
+    fn regions_are_collapsed_when_they_come_again() {
+        let mut r = Regions::default();
+        let (a, b) = (16 * HUGE_PAGE, 20 * HUGE_PAGE);
+        assert_eq!(r.sighted(a, b), Some(false));
+        assert_eq!(r.sighted(a, b), Some(true));
+        assert_eq!(r.sighted(a, b), None);
+        assert_eq!(r.sighted(a + HUGE_PAGE, b - HUGE_PAGE), None);
+        // Grown by two pages: advised, then collapsed as a whole.
+        assert_eq!(r.sighted(a, b + 2 * HUGE_PAGE), Some(false));
+        assert_eq!(r.sighted(a, b + 2 * HUGE_PAGE), Some(true));
+        assert_eq!(r.sighted(b, b + 2 * HUGE_PAGE), None);
+        // Another buffer is on its own.
+        assert_eq!(r.sighted(64 * HUGE_PAGE, 65 * HUGE_PAGE), Some(false));
+        assert_eq!(r.sighted(a, b), None);
+    }
 
     fn affinity() -> Vec<u32> {
         // SAFETY: as in move_off_cpu.
