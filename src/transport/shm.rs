@@ -627,15 +627,15 @@ impl ShmPeer {
                 Access::Direct => unsafe {
                     crate::reduce::copy_bytes(dst.add(off), (src + off) as *const u8, n)
                 },
-                // SAFETY: dst is valid for `total` bytes of writes.
+                // The kernel's copy would run slow at this distance (`just_ahead`): pieces
+                // land in scratch at the source's offset within a page and a loop copies them on.
                 Access::Cma(pid)
                     if crate::reduce::just_ahead(
+                        // SAFETY: dst covers `total` bytes, `off` among them.
                         unsafe { dst.add(off) },
                         (src + off) as *const u8,
                     ) =>
                 {
-                    // The kernel's copy would run slow at this distance: pieces land in
-                    // scratch at the source's distance and a loop copies them on.
                     let mut scratch = self.scratch()?;
                     let mut k = 0;
                     while k < n {
