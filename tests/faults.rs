@@ -782,6 +782,7 @@ fn soak(w: &Worker) -> Result<(), String> {
     let total = Duration::from_secs(secs);
     let mut baseline: Option<(usize, usize, usize)> = None;
     let mut ops = 0usize;
+    let mut slowest = (Duration::ZERO, String::new());
     // Every rank must take every decision the same way: stop after a number of ops agreed on
     // by all (the slowest rank's view of time decides, through an all-reduce of a flag).
     loop {
@@ -838,7 +839,14 @@ fn soak(w: &Worker) -> Result<(), String> {
                 n: w.nranks,
             }
         };
+        let t = Instant::now();
         run_case(&ctx, coll, dt, op, count, in_place).map_err(|e| format!("op {ops}: {e}"))?;
+        if t.elapsed() > slowest.0 {
+            slowest = (
+                t.elapsed(),
+                format!("op {ops}: {coll:?} of {count} x type {dt}, op {op}, in place {in_place}, half {on_half}"),
+            );
+        }
         if lifecycle {
             let (r, child) = split(c, 0, (w.nranks - w.rank) as i32);
             if r != OK {
@@ -853,7 +861,14 @@ fn soak(w: &Worker) -> Result<(), String> {
             nccl!(ncclCommDestroy(child));
         }
     }
-    let (fd0, th0, rss0) = baseline.ok_or("the soak ended before its warm-up")?;
+    let (fd0, th0, rss0) = baseline.ok_or_else(|| {
+        format!(
+            "the soak ended before its warm-up: {ops} operations in {:.1} s, the slowest {:.2} s ({})",
+            started.elapsed().as_secs_f64(),
+            slowest.0.as_secs_f64(),
+            slowest.1
+        )
+    })?;
     let (fd1, th1, rss1) = resources();
     println!(
         "rank {}: {ops} operations in {:.0} s; fds {fd0} -> {fd1}, threads {th0} -> {th1}, rss {} -> {} MiB",
@@ -1066,7 +1081,11 @@ fn teardown_cycles_3_processes_oversubscribed() {
 
 fn soak_for(n: usize) {
     let secs = std::env::var("COMM_TEST_SOAK_SECS").unwrap_or_else(|_| "40".into());
-    let seed = now_ns() as u64;
+    // COMM_TEST_SOAK_SEED replays a soak whose seed a failure printed.
+    let seed = std::env::var("COMM_TEST_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or_else(|| now_ns() as u64);
     println!("soak on {n} processes for {secs} s, seed {seed}");
     let limit = secs.parse::<u64>().unwrap_or(40) * 3 + 120;
     run("soak", n, &format!("{seed}|{secs}"), &[], limit);
