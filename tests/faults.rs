@@ -841,9 +841,10 @@ fn soak(w: &Worker) -> Result<(), String> {
         };
         let t = Instant::now();
         run_case(&ctx, coll, dt, op, count, in_place).map_err(|e| format!("op {ops}: {e}"))?;
-        if t.elapsed() > slowest.0 {
+        let took = t.elapsed();
+        if took > slowest.0 {
             slowest = (
-                t.elapsed(),
+                took,
                 format!("op {ops}: {coll:?} of {count} x type {dt}, op {op}, in place {in_place}, half {on_half}"),
             );
         }

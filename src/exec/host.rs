@@ -565,12 +565,14 @@ impl<'a> Exec<'a> {
             scratch.resize(need / 64, Line([0; 64]));
         }
         let scratch = scratch.as_mut_ptr() as *mut u8;
+        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there); it
+        // is collapsed the second time it comes (`os::collapse_to_huge_pages`), so repeated
+        // calls look at it as well.
+        wiring.collapse_if_large(scratch as usize, need);
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_mut()) {
             let reuse = b.reuse(op, scratch, t.steps.len());
             if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
-                // Collapsed the second time it comes (`os::collapse_to_huge_pages`).
-                wiring.collapse_if_large(scratch as usize, need);
                 if reuse == Reuse::Structure {
                     let at = resolver(op, scratch);
                     let input_scale = op.reduction.and_then(|r| r.input_scale);
@@ -588,8 +590,6 @@ impl<'a> Exec<'a> {
             }
         }
         *built = None;
-        // Peers pull from scratch too (an in-place all-to-all sends its blocks from there).
-        wiring.collapse_if_large(scratch as usize, need);
         let steps = &mut t.steps;
         steps.clear();
         let mut scratch_at = 0usize;

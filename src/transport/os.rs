@@ -206,7 +206,7 @@ impl Regions {
     /// collapsed already, Some(false) to advise them (some come for the first time), Some(true)
     /// to collapse them.
     fn sighted(&mut self, start: usize, end: usize) -> Option<bool> {
-        let mut pages = (start..end).step_by(HUGE_PAGE);
+        let pages = (start..end).step_by(HUGE_PAGE);
         if pages.clone().all(|p| self.done.contains(&p)) {
             return None;
         }
@@ -223,7 +223,7 @@ impl Regions {
             self.seen.extend(pages);
             return Some(false);
         }
-        for p in pages.by_ref() {
+        for p in pages {
             self.seen.remove(&p);
             self.done.insert(p);
         }
