@@ -137,6 +137,8 @@ knobs! {
         "move large buffers onto huge pages before other processes copy them";
     SHM_HUGEPAGES_FROM: Size "COMM_SHM_HUGEPAGES_FROM" = "4194304",
         "smallest buffer moved onto huge pages";
+    SHM_REPLY: Text "COMM_SHM_REPLY" = "auto",
+        "two-rank all-reduce of 32 MiB or more out of place on one host: folded bytes go back forwarded through the slots (forward), into the peer's buffer (writeback), or whichever measured faster lately (auto)";
     DEVICE: Flag "COMM_DEVICE" = "1",
         "0 keeps every communicator on host memory";
     DEVICE_SLOT_BYTES: Size "COMM_DEVICE_SLOT_BYTES" = "8388608",

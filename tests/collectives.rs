@@ -44,10 +44,18 @@ fn large(ctx: &Ctx, _level: &str) -> Result<(), String> {
 /// non-temporal stores, into the receive buffer as they are folded: a narrow float, an
 /// integer average (its division comes after the fold), a scaled sum, one-byte elements and a
 /// product.
+/// Then one such call again and again on the same buffers, which the default setting
+/// (COMM_SHM_REPLY=auto) times and sends back one way and the other (`exec::replies`); the
+/// tests run it with each way set too.
 fn passed_on(ctx: &Ctx, _level: &str) -> Result<(), String> {
     for (dt, op) in [(9, SUM), (2, AVG), (8, PREMULSUM), (0, MAX), (5, PROD)] {
         let count = (32 << 20) / size_of(dt) + 3;
         run_case(ctx, Coll::AllReduce, dt, op, count, false)?;
+    }
+    let count = (32 << 20) / 4 + 3;
+    let mut bufs = CaseBufs::new(Coll::AllReduce, count, ctx.n, 4);
+    for op in [SUM, SUM, MAX, SUM, SUM, SUM, MAX, SUM] {
+        run_case_on(ctx, &mut bufs, Coll::AllReduce, 7, op, count, false)?;
     }
     Ok(())
 }
@@ -291,6 +299,16 @@ fn large_float_2_processes() {
 #[test]
 fn passed_on_2_processes() {
     processes(2, "passed_on", "", 10);
+}
+
+#[test]
+fn passed_on_2_processes_forwarded() {
+    processes_with(2, "passed_on", "", 10, &[("COMM_SHM_REPLY", "forward")]);
+}
+
+#[test]
+fn passed_on_2_processes_written_back() {
+    processes_with(2, "passed_on", "", 10, &[("COMM_SHM_REPLY", "writeback")]);
 }
 
 #[test]

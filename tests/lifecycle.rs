@@ -435,7 +435,24 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("shrink_dead", shrink_dead),
     ("nonblocking", nonblocking),
     ("scalable", scalable),
+    ("bad_knob", bad_knob),
 ];
+
+/// An unknown value of a knob read at init (COMM_SHM_REPLY, set by the launcher) fails the
+/// init with ncclInvalidArgument and a message naming the knob and the values it takes.
+fn bad_knob(w: &Worker) -> Result<(), String> {
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    // SAFETY: plain init; the handle is only written on success.
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    let msg = last_error();
+    if r != ncclResult_t::ncclInvalidArgument {
+        return Err(format!("init with COMM_SHM_REPLY=sideways: {r:?} ({msg})"));
+    }
+    if !(msg.contains("COMM_SHM_REPLY=sideways") && msg.contains("writeback")) {
+        return Err(format!("the refusal does not say what is wrong: {msg}"));
+    }
+    Ok(())
+}
 
 /// The last rank dies; the survivors shrink it away and carry on.
 fn shrink_dead(w: &Worker) -> Result<(), String> {
@@ -538,6 +555,11 @@ fn registration_processes() {
 #[test]
 fn registration_threads() {
     with_threads(2, Duration::from_secs(120), registration);
+}
+
+#[test]
+fn a_bad_knob_fails_init_and_says_why() {
+    procs("bad_knob", 2, &[("COMM_SHM_REPLY", "sideways")]);
 }
 
 #[test]

@@ -164,6 +164,7 @@ impl Comm {
                 .size_if_set()
                 .unwrap_or(if nhosts == 2 { usize::MAX } else { 64 << 10 }),
         );
+        let replies = crate::exec::replies::Setting::from_env()?;
         let crate::transport::Links {
             links,
             doorbell,
@@ -214,7 +215,7 @@ impl Comm {
                 .flatten()
                 .or_else(|| crate::env::WARN_AFTER.default_seconds())
                 .expect("COMM_WARN_AFTER declares a limit"),
-            cache: Mutex::new(Default::default()),
+            cache: Mutex::new(crate::exec::host::ExecCache::new(replies)),
             spin: Duration::from_micros(spin_us.max(0) as u64),
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
             spread: !oversubscribed,

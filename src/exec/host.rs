@@ -7,12 +7,13 @@
 //! send/recv pairs never deadlock whatever order the caller issued them in. One call can drive
 //! several communicators (a group over several communicators from one thread).
 
+use super::replies::{Replies, Way};
 use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
 use crate::tag::describe_tag;
 use crate::transport::{
-    Activity, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    os, Activity, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -321,6 +322,18 @@ pub(crate) struct ExecCache {
     /// its entry point gave it a key, and where that call's buffers lay (`run_again`):
     /// `tables.ops[0]` is its operation.
     repeat: Option<(Repeat, Footprint)>,
+    /// How folded bytes went back in calls that forward, and how long those took.
+    replies: Replies,
+}
+
+impl ExecCache {
+    /// An empty cache whose calls send folded bytes back as COMM_SHM_REPLY says.
+    pub(crate) fn new(replies: super::replies::Setting) -> ExecCache {
+        ExecCache {
+            replies: Replies::new(replies),
+            ..Default::default()
+        }
+    }
 }
 
 /// A call outside any group as its entry point received it, but for its buffers: the
@@ -378,6 +391,11 @@ struct Tables {
     /// The steps' dependents (`Hazards::edges`) as last built: a repeated call keeps them
     /// without touching a reference count.
     edges: Arc<[u32]>,
+    /// Receives that may forward (`Sink::forwards`) do so rather than write back
+    /// (`Sink::forward_first`): the way `ExecCache::replies` chose for this run.
+    forward_first: bool,
+    /// Some receive of this run could forward.
+    could_forward: bool,
 }
 
 /// One peer's sends or receives in schedule order, and how many are done. The list stays
@@ -555,6 +573,7 @@ impl<'a> Exec<'a> {
             tables: t,
             built,
             repeat: _,
+            replies: _,
         } = cache;
         let need: usize = t
             .ops
@@ -862,6 +881,8 @@ impl<'a> Exec<'a> {
                     && matches!(s.action, Action::Send { src, len: l, .. }
                         if src.ptr == dst.cast_const() && l == len)
             });
+        self.t.could_forward |= forwards;
+        let forward_first = self.t.forward_first;
         let step = &mut self.t.steps[i as usize];
         let mut sink = RecvSink {
             dst,
@@ -871,6 +892,7 @@ impl<'a> Exec<'a> {
             last,
             returns,
             forwards,
+            forward_first,
             stream,
         };
         let p = self.wiring.links[peer].recv(&InExpect { len, tag }, &mut step.recv, &mut sink)?;
@@ -1015,6 +1037,8 @@ struct RecvSink {
     returns: bool,
     /// ... as the very next message to that peer (`Sink::forwards`).
     forwards: bool,
+    /// ... and should go that way rather than be written back (`Sink::forward_first`).
+    forward_first: bool,
     /// The operation's output is too large to stay in cache: bytes that are not read again
     /// during the run are written with non-temporal stores (`stream_copy`).
     stream: bool,
@@ -1064,6 +1088,10 @@ impl Sink for RecvSink {
 
     fn forwards(&self) -> bool {
         self.forwards && self.returns().is_some()
+    }
+
+    fn forward_first(&self) -> bool {
+        self.forward_first && self.forwards()
     }
 
     fn put_also(
@@ -1215,6 +1243,9 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
         }
         cache.repeat = None;
         cache.tables.ops = ops;
+        // Groups write folded bytes back: their runs mix operations, whose times say nothing
+        // of one way.
+        cache.tables.forward_first = false;
         execs.push(Exec::new(wiring, cache)?);
     }
     drive(&mut execs)?;
@@ -1244,9 +1275,28 @@ pub(crate) fn run_one(
 }
 
 /// Runs the one operation in `cache.tables.ops`, then warms the links again after a `large`
-/// one (see `WARM_AFTER`).
+/// one (see `WARM_AFTER`). An operation out of place large enough to forward its folded bytes
+/// (`STREAM_FROM`) goes the way `ExecCache::replies` chooses and is timed for it; in place,
+/// folded bytes are written back into the lines the pull just read and the schedule does not
+/// forward, and smaller calls cannot afford a look at the clock.
 fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> {
-    drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
+    let op = &cache.tables.ops[0];
+    if op.schedule.recv_extent < STREAM_FROM || std::ptr::eq(op.send, op.recv) {
+        cache.tables.forward_first = false;
+        drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
+    } else {
+        let way = cache.replies.choose();
+        cache.tables.forward_first = way == Way::Forward;
+        cache.tables.could_forward = false;
+        let advised = os::PAGES_ADVISED.load(Ordering::Relaxed);
+        let start = Instant::now();
+        drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
+        // A call that moved pages onto huge pages is slow for that, whichever way it took.
+        if cache.tables.could_forward && os::PAGES_ADVISED.load(Ordering::Relaxed) == advised {
+            let bytes = cache.tables.ops[0].extent();
+            cache.replies.record(way, start.elapsed(), bytes);
+        }
+    }
     if large {
         wiring.warm_links();
     }

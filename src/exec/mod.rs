@@ -4,3 +4,4 @@
 pub(crate) mod anysource;
 pub(crate) mod device;
 pub(crate) mod host;
+pub(crate) mod replies;

@@ -243,6 +243,12 @@ pub(crate) trait Sink {
     fn forwards(&self) -> bool {
         false
     }
+    /// Where the sender also offered a place for the reply (`OutMsg::reply_at`), forward
+    /// (`forwards`) rather than write back: which is faster depends on where the two ranks run
+    /// (`exec::replies`), and the executor chooses. False by default.
+    fn forward_first(&self) -> bool {
+        false
+    }
     /// `put`, leaving a copy of the combined bytes at `out` as well (`len` bytes of memory
     /// that nothing else touches meanwhile).
     fn put_also(

@@ -141,6 +141,12 @@ impl Drop for HugeMem {
     }
 }
 
+/// How many times `collapse_to_huge_pages` advised or collapsed a range in this process: a
+/// call that did runs slower for it (the collapse copies every page; the advised range is
+/// still on small pages), which timing `exec::replies` leaves out.
+pub(crate) static PAGES_ADVISED: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
 /// Asks the kernel to back the whole 2 MiB pages inside `[ptr, ptr+len)` with huge pages, so
 /// that process_vm_readv pins them in a few steps instead of one per 4 KiB page: MADV_HUGEPAGE
 /// for pages not faulted in yet, MADV_COLLAPSE (Linux 6.1+) for those already there. Contents
@@ -166,6 +172,7 @@ pub(crate) fn collapse_to_huge_pages(ptr: usize, len: usize) {
     let Some(collapse) = advice else {
         return;
     };
+    PAGES_ADVISED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: the range lies inside memory the caller hands us for an operation; the advice
     // leaves its contents as they are.
     let r = unsafe {

@@ -1131,17 +1131,21 @@ fn tail_step(nslots: usize) -> u64 {
 }
 
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
-/// them there as it pulls: the sender offered a place (`OutMsg::reply_at`) and the sink sends
-/// the bytes straight back (`Sink::returns`). Out of place this wins over forwarding them
-/// through the slots (`Sink::forwards`) too. Two processes pinned, 6 alternating runs of a
-/// 64 MiB all-reduce out of place: forwarding took 14.5-15.4 ms in half the runs and
-/// 29-31 ms in the others (the slow runs spend a third of their samples in the non-temporal
-/// copies into and out of the slots, the fast ones a tenth), writing back 19.5-24.5 ms in
-/// every run (median 20.4 against 22); 32 MiB 8.9-11.0 ms against 7.4-15.0 (medians 10.0
-/// and 10.6). Below the sizes that forward: 512 KiB 115-130 us against 176-235 through the
-/// slots, 2-8 MiB within noise to 0.8x the time.
+/// them there as it pulls: the sender offered a place (`OutMsg::reply_at`), the sink sends the
+/// bytes straight back (`Sink::returns`) and would not rather forward them through the slots
+/// (`Sink::forward_first`, the executor's choice by measured times, see `exec::replies`).
+/// Forwarding costs less memory traffic (the folded bytes go to the receive buffers with
+/// non-temporal stores and between the cores' caches, where a write-back writes lines no cache
+/// holds, each first read) but depends on the cores sharing a cache: two processes pinned,
+/// 64 MiB all-reduce out of place, forwarding 12.4-13.9 ms with a 140 ns round trip of a cache
+/// line between the two vCPUs and 20-30 ms in runs where it took 560 ns; writing back
+/// 16-20 ms in every run. Below the sizes that forward: 512 KiB 115-130 us written back
+/// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time.
 fn write_back(p: Pulling, sink: &dyn Sink) -> Option<(*const u8, usize)> {
     let at = p.reply_at?;
+    if sink.forward_first() {
+        return None;
+    }
     sink.returns().map(|d| (d, at))
 }
 
@@ -2644,6 +2648,7 @@ mod tests {
         direct: bool,
         returns: bool,
         forwards: bool,
+        forward_first: bool,
         pieces: Vec<(usize, usize)>,
     }
 
@@ -2665,6 +2670,7 @@ mod tests {
                 direct,
                 returns,
                 forwards: false,
+                forward_first: false,
                 pieces: Vec::new(),
             }
         }
@@ -2696,6 +2702,10 @@ mod tests {
 
         fn forwards(&self) -> bool {
             self.forwards
+        }
+
+        fn forward_first(&self) -> bool {
+            self.forward_first
         }
     }
 
@@ -2945,6 +2955,44 @@ mod tests {
                 assert_eq!(offsets, want, "{what}: in order, slot by slot");
             }
             assert!(b.carried.list.lock().is_empty(), "{what}");
+        }
+    }
+
+    /// Where the sender offered a place for the reply and the folded bytes may also be
+    /// forwarded, the sink's choice (`Sink::forward_first`, the executor's by measured times)
+    /// decides: forwarding fills the slots and leaves the offered place untouched, otherwise
+    /// the bytes are written back there and no slot fills.
+    #[test]
+    fn an_offered_place_is_written_back_unless_the_sink_would_rather_forward() {
+        let pid = std::process::id();
+        let (probe, _) = pair(2, 4096, true, 0, Access::Direct);
+        if !probe_cma(pid, probe.local.base_addr()) {
+            eprintln!("process_vm_readv is not permitted here; the choice is not tested");
+            return;
+        }
+        let (len, slot) = (2 * PULL_PIECE + 100, 4096);
+        for first in [true, false] {
+            let (a, b) = pair(256, slot, true, 32 << 10, Access::Cma(pid));
+            let (a0, b0) = (pattern(len, 3), pattern(len, 4));
+            let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
+            let mut bbuf = b0.clone();
+            let arecv = vec![0u8; len];
+            let mut msg = out(&a0, TAG, None);
+            msg.reply_at = Some(arecv.as_ptr() as usize);
+            let mut fold = Fold::returning(&mut bbuf);
+            fold.forwards = true;
+            fold.forward_first = first;
+            let before = b.remote.head(1).load(Ordering::Relaxed);
+            transfer(&a, &b, &msg, &mut fold).1.unwrap();
+            assert_eq!(bbuf, folded, "forward first {first}: folded");
+            let went = (b.remote.head(1).load(Ordering::Relaxed) - before) as usize;
+            let need = if first { len.div_ceil(slot) } else { 0 };
+            assert_eq!(went, need, "forward first {first}: slots filled");
+            if first {
+                assert!(arecv.iter().all(|&x| x == 0), "written back all the same");
+            } else {
+                assert_eq!(arecv, folded, "not written back");
+            }
         }
     }
 
