@@ -302,6 +302,11 @@ fn passed_on_2_processes() {
 }
 
 #[test]
+fn passed_on_2_threads() {
+    threads(2, "passed_on", "", 10);
+}
+
+#[test]
 fn passed_on_2_processes_forwarded() {
     processes_with(2, "passed_on", "", 10, &[("COMM_SHM_REPLY", "forward")]);
 }

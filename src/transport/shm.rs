@@ -616,7 +616,7 @@ impl ShmPeer {
         let Pulling {
             src, total, scale, ..
         } = p;
-        let back = write_back(p, &*sink);
+        let back = write_back(p, &*sink, self.access);
         let forward = back.is_none() && sink.forwards();
         let end = total.min(cur.received + PULL_BUDGET);
         if let Some(dst) = sink.direct() {
@@ -1141,9 +1141,11 @@ fn tail_step(nslots: usize) -> u64 {
 /// line between the two vCPUs and 20-30 ms in runs where it took 560 ns; writing back
 /// 16-20 ms in every run. Below the sizes that forward: 512 KiB 115-130 us written back
 /// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time.
-fn write_back(p: Pulling, sink: &dyn Sink) -> Option<(*const u8, usize)> {
+/// Only pulls through the kernel forward (`ShmPeer::forward`); between threads of one process
+/// the bytes are written back whatever the sink would rather.
+fn write_back(p: Pulling, sink: &dyn Sink, access: Access) -> Option<(*const u8, usize)> {
     let at = p.reply_at?;
-    if sink.forward_first() {
+    if sink.forward_first() && matches!(access, Access::Cma(_)) {
         return None;
     }
     sink.returns().map(|d| (d, at))
@@ -1315,7 +1317,7 @@ impl Link for ShmPeer {
                     });
                 }
                 cur.pulling = None;
-                if let Some((d, at)) = write_back(p, sink) {
+                if let Some((d, at)) = write_back(p, sink, self.access) {
                     self.carried.push(Carried {
                         tag: expect.tag,
                         local: d as usize,
@@ -2961,7 +2963,8 @@ mod tests {
     /// Where the sender offered a place for the reply and the folded bytes may also be
     /// forwarded, the sink's choice (`Sink::forward_first`, the executor's by measured times)
     /// decides: forwarding fills the slots and leaves the offered place untouched, otherwise
-    /// the bytes are written back there and no slot fills.
+    /// the bytes are written back there and no slot fills. Between threads (plain copies,
+    /// which never forward) they are written back whatever the sink would rather.
     #[test]
     fn an_offered_place_is_written_back_unless_the_sink_would_rather_forward() {
         let pid = std::process::id();
@@ -2971,8 +2974,12 @@ mod tests {
             return;
         }
         let (len, slot) = (2 * PULL_PIECE + 100, 4096);
-        for first in [true, false] {
-            let (a, b) = pair(256, slot, true, 32 << 10, Access::Cma(pid));
+        for (first, access) in [
+            (true, Access::Cma(pid)),
+            (false, Access::Cma(pid)),
+            (true, Access::Direct),
+        ] {
+            let (a, b) = pair(256, slot, true, 32 << 10, access);
             let (a0, b0) = (pattern(len, 3), pattern(len, 4));
             let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
             let mut bbuf = b0.clone();
@@ -2984,11 +2991,14 @@ mod tests {
             fold.forward_first = first;
             let before = b.remote.head(1).load(Ordering::Relaxed);
             transfer(&a, &b, &msg, &mut fold).1.unwrap();
-            assert_eq!(bbuf, folded, "forward first {first}: folded");
+            let what = format!("forward first {first}, {access:?}");
+            assert_eq!(bbuf, folded, "{what}: folded");
             let went = (b.remote.head(1).load(Ordering::Relaxed) - before) as usize;
-            let need = if first { len.div_ceil(slot) } else { 0 };
-            assert_eq!(went, need, "forward first {first}: slots filled");
-            if first {
+            // Between threads nothing forwards: the bytes are written back all the same.
+            let forwarded = first && access != Access::Direct;
+            let need = if forwarded { len.div_ceil(slot) } else { 0 };
+            assert_eq!(went, need, "{what}: slots filled");
+            if forwarded {
                 assert!(arecv.iter().all(|&x| x == 0), "written back all the same");
             } else {
                 assert_eq!(arecv, folded, "not written back");
