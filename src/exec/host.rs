@@ -1281,16 +1281,15 @@ pub(crate) fn run_one(
 /// forward, and smaller calls cannot afford a look at the clock.
 fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> {
     let op = &cache.tables.ops[0];
-    if op.schedule.recv_extent < STREAM_FROM || std::ptr::eq(op.send, op.recv) {
-        cache.tables.forward_first = false;
-        drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
-    } else {
-        let way = cache.replies.choose();
-        cache.tables.forward_first = way == Way::Forward;
-        cache.tables.could_forward = false;
-        let advised = os::PAGES_ADVISED.load(Ordering::Relaxed);
-        let start = Instant::now();
-        drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
+    let timed =
+        (op.schedule.recv_extent >= STREAM_FROM && !std::ptr::eq(op.send, op.recv)).then(|| {
+            let advised = os::PAGES_ADVISED.load(Ordering::Relaxed);
+            (cache.replies.choose(), advised, Instant::now())
+        });
+    cache.tables.forward_first = matches!(timed, Some((Way::Forward, ..)));
+    cache.tables.could_forward = false;
+    drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
+    if let Some((way, advised, start)) = timed {
         // A call that moved pages onto huge pages is slow for that, whichever way it took.
         if cache.tables.could_forward && os::PAGES_ADVISED.load(Ordering::Relaxed) == advised {
             let bytes = cache.tables.ops[0].extent();

@@ -244,7 +244,7 @@ pub(crate) trait Sink {
         false
     }
     /// Where the sender also offered a place for the reply (`OutMsg::reply_at`), forward
-    /// (`forwards`) rather than write back: which is faster depends on where the two ranks run
+    /// (`forwards`) rather than write back: which is faster changes from run to run
     /// (`exec::replies`), and the executor chooses. False by default.
     fn forward_first(&self) -> bool {
         false

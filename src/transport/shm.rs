@@ -1133,14 +1133,10 @@ fn tail_step(nslots: usize) -> u64 {
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
 /// them there as it pulls: the sender offered a place (`OutMsg::reply_at`), the sink sends the
 /// bytes straight back (`Sink::returns`) and would not rather forward them through the slots
-/// (`Sink::forward_first`, the executor's choice by measured times, see `exec::replies`).
-/// Forwarding costs less memory traffic (the folded bytes go to the receive buffers with
-/// non-temporal stores and between the cores' caches, where a write-back writes lines no cache
-/// holds, each first read) but depends on the cores sharing a cache: two processes pinned,
-/// 64 MiB all-reduce out of place, forwarding 12.4-13.9 ms with a 140 ns round trip of a cache
-/// line between the two vCPUs and 20-30 ms in runs where it took 560 ns; writing back
-/// 16-20 ms in every run. Below the sizes that forward: 512 KiB 115-130 us written back
+/// (`Sink::forward_first`: the executor's choice by measured times, whose measurements are in
+/// `exec::replies`). Below the sizes that forward, writing back wins: 512 KiB 115-130 us
 /// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time.
+///
 /// Only pulls through the kernel forward (`ShmPeer::forward`); between threads of one process
 /// the bytes are written back whatever the sink would rather.
 fn write_back(p: Pulling, sink: &dyn Sink, access: Access) -> Option<(*const u8, usize)> {
