@@ -295,8 +295,15 @@ pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     let mut first_err = None;
     for (entry, h) in handles {
         let _ = h.join();
-        if let Err(e) = entry.init_outcome() {
-            first_err.get_or_insert(e);
+        match entry.init_outcome() {
+            // The calls will come from this thread, not from the one that built the
+            // communicator: it settles on its CPU, and its peers learn where it runs.
+            Ok(c) => {
+                c.wiring.settle();
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
         }
     }
     first_err.map_or(Ok(()), Err)

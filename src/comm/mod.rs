@@ -220,6 +220,12 @@ impl Comm {
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
             spread: !oversubscribed,
             hand_over: spin_us <= 0 && local_ranks > topo::online_cpus(),
+            home: (local_ranks > 1 && !oversubscribed).then(|| {
+                paths[..rank]
+                    .iter()
+                    .filter(|p| **p != Path::Network)
+                    .count()
+            }),
             links,
             huge_pages_from,
         };

@@ -93,6 +93,9 @@ pub(crate) struct Wiring {
     /// was asked for): a rank with nothing to do gives its core away at every look instead of
     /// polling on.
     pub hand_over: bool,
+    /// This rank's place among the communicator's ranks on this host, where there are several
+    /// and they fit its CPUs (`settle`); None otherwise.
+    pub home: Option<usize>,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
     pub huge_pages_from: Option<usize>,
@@ -106,6 +109,37 @@ impl Wiring {
         for l in &self.links {
             l.warm();
         }
+    }
+
+    /// On the application's thread, once the communicator is ready. The first communicator a
+    /// thread creates moves it onto the CPU of its mask that its place among the host's ranks
+    /// numbers (`home`), if it is not there; the mask stays whole, so the scheduler may move
+    /// it later. The wake-ups that end initialisation often left two unpinned ranks on one
+    /// CPU, and `crowded` moved one only once it waited, in its first calls: 60-80 us on the
+    /// 2-vCPU VM (the CPU it goes to is idle, and wakes first), in the first timed calls of
+    /// about half of the 2-rank benchmark runs. Later communicators (a split, say) leave the
+    /// thread where it is: their places need not match the first one's.
+    ///
+    /// Then tells the peers on this host where the rank runs, back in its application, so
+    /// that a peer about to sleep knows which CPUs to keep off (`hold_for_sleep`) from the
+    /// first call on.
+    ///
+    /// Returns the CPU the thread moved to, if it moved.
+    pub(crate) fn settle(&self) -> Option<u32> {
+        thread_local! {
+            static SETTLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        }
+        let moved = match self.home {
+            Some(i) if !SETTLED.replace(true) => os::move_to_nth_cpu(i),
+            _ => {
+                SETTLED.set(true);
+                None
+            }
+        };
+        if let Some(cpu) = this_cpu() {
+            self.doorbell.set_running_on(cpu, Activity::Outside);
+        }
+        moved
     }
 
     /// Moves `[ptr, ptr + len)` onto huge pages when it is at least `huge_pages_from` long.
@@ -1504,6 +1538,41 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
     true
 }
 
+/// Before this rank sleeps, where it has peers on this host and the host's ranks fit its CPUs
+/// (`Wiring::spread`): holds it on its CPU while it sleeps, or, where a peer runs there
+/// (polling or in its application), off the CPUs its peers run on (`os::hold_for_sleep`).
+/// Unpinned ranks were woken onto their waker's CPU, waiting 100-160 us behind it with the
+/// other CPU idle, in the first milliseconds of about half the runs of a 2-rank benchmark on
+/// the 2-vCPU VM.
+fn hold_for_sleep(execs: &[Exec]) -> Option<os::Narrowed> {
+    if !execs.iter().all(|e| e.wiring.spread) {
+        return None;
+    }
+    let cpu = this_cpu()?;
+    let mut avoid: Vec<u32> = Vec::new();
+    let mut local = false;
+    for e in execs {
+        let me = e.wiring.rank;
+        for (p, l) in e.wiring.links.iter().enumerate() {
+            match l.peer_running_on() {
+                Some((c, what)) if p != me => {
+                    local = true;
+                    if what != Activity::Sleeping {
+                        avoid.push(c);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    // Peers only across the network wake this rank from a progress thread, wherever that
+    // runs: the kernel's choice stands.
+    if !local {
+        return None;
+    }
+    os::hold_for_sleep(cpu, &avoid)
+}
+
 /// Tells the peers on this host what this rank does now, where it runs.
 fn publish(execs: &[Exec], what: Activity) {
     if let Some(cpu) = this_cpu() {
@@ -1718,7 +1787,13 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
                 let seen = d.prepare_sleep();
                 match pass_all(execs) {
                     Ok((false, false)) => {
+                        let narrowed = hold_for_sleep(execs);
+                        if narrowed.is_some() {
+                            // It may have moved: peers must see where it sleeps.
+                            publish(execs, Activity::Sleeping);
+                        }
                         d.sleep(seen, Duration::from_millis(20));
+                        drop(narrowed);
                         publish(execs, Activity::Polling);
                     }
                     Ok((_, done)) => {
@@ -1749,6 +1824,7 @@ mod tests {
     /// A peer whose bytes become visible only after the executor has noticed that the peer
     /// left: the order a slow receiver sees when the sender finishes and destroys its end
     /// between two of the receiver's passes.
+    #[derive(Default)]
     struct DepartedAfterSending {
         payload: Vec<u8>,
         checks: AtomicUsize,
@@ -1798,6 +1874,11 @@ mod tests {
     }
 
     fn wiring(peer: Arc<DepartedAfterSending>) -> Wiring {
+        wiring_at(peer, None)
+    }
+
+    /// `wiring` for a rank whose place among its host's ranks is `home`.
+    fn wiring_at(peer: Arc<DepartedAfterSending>, home: Option<usize>) -> Wiring {
         Wiring {
             rank: 0,
             links: vec![Arc::new(Loopback::default()), peer],
@@ -1810,6 +1891,7 @@ mod tests {
             yield_for: Duration::ZERO,
             spread: false,
             hand_over: false,
+            home,
             huge_pages_from: None,
         }
     }
@@ -1834,6 +1916,54 @@ mod tests {
             },
             None,
         )
+    }
+
+    /// The first communicator a thread creates moves it onto the CPU its place numbers among
+    /// those of its mask; the thread's later communicators leave it where it is.
+    #[test]
+    fn a_thread_settles_where_its_first_communicator_places_it() {
+        std::thread::spawn(|| {
+            let mask = crate::transport::os::cpus_allowed();
+            // SAFETY: no preconditions.
+            let here = unsafe { libc::sched_getcpu() } as u32;
+            let peer = || Arc::new(DepartedAfterSending::default());
+            let Some(k) = mask.iter().position(|&c| c != here) else {
+                assert_eq!(
+                    wiring_at(peer(), Some(0)).settle(),
+                    None,
+                    "one CPU: nowhere to go"
+                );
+                return;
+            };
+            let to = wiring_at(peer(), Some(k)).settle();
+            // SAFETY: no preconditions.
+            let now = unsafe { libc::sched_getcpu() } as u32;
+            // The scheduler may have put the thread there meanwhile: then it need not move.
+            assert!(
+                to == Some(mask[k]) || (to.is_none() && now == mask[k]),
+                "placed on {}, moved to {to:?}, runs on {now}",
+                mask[k]
+            );
+            assert_eq!(
+                crate::transport::os::cpus_allowed(),
+                mask,
+                "the mask stays whole"
+            );
+            let other = (k + 1) % mask.len();
+            assert_eq!(
+                wiring_at(peer(), Some(other)).settle(),
+                None,
+                "a second communicator moved the thread"
+            );
+        })
+        .join()
+        .unwrap();
+        std::thread::spawn(|| {
+            let peer = Arc::new(DepartedAfterSending::default());
+            assert_eq!(wiring_at(peer, None).settle(), None, "no place, no move");
+        })
+        .join()
+        .unwrap();
     }
 
     /// Which peers count as waiting for this rank's CPU (3 here): any that last ran on it;
@@ -2078,6 +2208,7 @@ mod tests {
                 yield_for: Duration::ZERO,
                 spread: false,
                 hand_over: false,
+                home: None,
                 huge_pages_from: None,
             })
             .collect();

@@ -264,33 +264,126 @@ pub(crate) fn futex_wake_all(word: &AtomicU32) {
     }
 }
 
+/// The calling thread's affinity mask; None where the kernel does not say.
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
+    let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `mask` is a valid cpu_set_t of its size; 0 names the calling thread.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&mask), &mut mask) };
+    (r == 0).then_some(mask)
+}
+
+/// The CPUs the calling thread may run on, in order (empty where the kernel does not say).
+#[cfg(test)]
+pub(crate) fn cpus_allowed() -> Vec<u32> {
+    affinity().map_or_else(Vec::new, |m| cpus_of(&m).collect())
+}
+
+/// The CPUs of `mask`, in order.
+fn cpus_of(mask: &libc::cpu_set_t) -> impl Iterator<Item = u32> + '_ {
+    // SAFETY: c is below CPU_SETSIZE.
+    (0..libc::CPU_SETSIZE as u32).filter(move |&c| unsafe { libc::CPU_ISSET(c as usize, mask) })
+}
+
+/// Moves the calling thread onto `to`, then gives it back `mask`, its own affinity mask (it
+/// stays where it landed until the scheduler moves it). Whether it moved.
+fn hop(to: u32, mask: &libc::cpu_set_t) -> bool {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
+    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `to` is below CPU_SETSIZE (a CPU of a mask).
+    unsafe { libc::CPU_SET(to as usize, &mut one) };
+    // SAFETY: valid sets of `size` bytes for the calling thread. The first call returns once
+    // the thread runs on `to`; the second gives the caller's own mask back.
+    let moved = unsafe { libc::sched_setaffinity(0, size, &one) } == 0;
+    // SAFETY: as above.
+    unsafe { libc::sched_setaffinity(0, size, mask) };
+    moved
+}
+
 /// Moves the calling thread off CPU `from` onto another CPU of its affinity mask that is not in
 /// `avoid`, and gives the mask back (the thread stays where it landed until the scheduler moves
 /// it). `announce` is told the CPU before the move, which takes tens of microseconds. Returns
 /// the CPU it moved to, or None where there is no such CPU or the kernel refused.
 pub(crate) fn move_off_cpu(from: u32, avoid: &[u32], announce: impl FnOnce(u32)) -> Option<u32> {
-    // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
-    let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: `mask` is a valid cpu_set_t of `size` bytes; 0 names the calling thread.
-    if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
+    let mask = affinity()?;
+    let to = cpus_of(&mask).find(|&c| c != from && !avoid.contains(&c))?;
+    announce(to);
+    hop(to, &mask).then_some(to)
+}
+
+/// Moves the calling thread onto the CPU numbered `n` (modulo their count) among those of its
+/// affinity mask, and gives the mask back. Returns the CPU, or None where it ran there already,
+/// the mask has one CPU or the kernel refused.
+pub(crate) fn move_to_nth_cpu(n: usize) -> Option<u32> {
+    let mask = affinity()?;
+    // SAFETY: a valid cpu_set_t.
+    let count = unsafe { libc::CPU_COUNT(&mask) } as usize;
+    if count <= 1 {
         return None;
     }
-    let to = (0..libc::CPU_SETSIZE as u32).find(|&c| {
-        // SAFETY: c is below CPU_SETSIZE.
-        c != from && !avoid.contains(&c) && unsafe { libc::CPU_ISSET(c as usize, &mask) }
-    })?;
-    // SAFETY: as above.
-    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `to` is below CPU_SETSIZE.
-    unsafe { libc::CPU_SET(to as usize, &mut one) };
-    announce(to);
-    // SAFETY: valid sets of `size` bytes for the calling thread. The first call returns once
-    // the thread runs on `to`; the second gives the caller's own mask back.
-    let moved = unsafe { libc::sched_setaffinity(0, size, &one) } == 0;
-    // SAFETY: as above.
-    unsafe { libc::sched_setaffinity(0, size, &mask) };
-    moved.then_some(to)
+    let to = cpus_of(&mask).nth(n % count)?;
+    // SAFETY: sched_getcpu has no preconditions.
+    if unsafe { libc::sched_getcpu() } == to as i32 {
+        return None;
+    }
+    hop(to, &mask).then_some(to)
+}
+
+/// The calling thread's CPU affinity mask as it was before `hold_for_sleep` narrowed it;
+/// dropping this gives the mask back.
+pub(crate) struct Narrowed {
+    mask: libc::cpu_set_t,
+}
+
+impl Drop for Narrowed {
+    fn drop(&mut self) {
+        // SAFETY: a valid cpu_set_t for the calling thread (0); the thread runs on a CPU of
+        // the narrowed mask, which the whole one holds, so nothing moves.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.mask) };
+    }
+}
+
+/// Narrows the calling thread's affinity mask, which it runs under on `cpu`, for a sleep,
+/// until the returned guard is dropped: to `cpu` alone where `avoid` does not hold it, else to
+/// the mask without the CPUs in `avoid` (the thread moves at once). None, having changed
+/// nothing, where the mask has one CPU, where no CPU would be left or none taken away, or
+/// where the kernel refuses.
+///
+/// A wake-up goes to the waker's CPU when the kernel deems the sleeper's own CPU no better
+/// (on a VM it cannot tell an idle virtual CPU from one its host took away, and picks the
+/// waker's): a rank woken by its peer would wait behind that peer, on its CPU, while its own
+/// CPU idles. With the mask narrowed the wake-up lands where the rank slept, or at least off
+/// the CPUs in `avoid`, where its peers run.
+pub(crate) fn hold_for_sleep(cpu: u32, avoid: &[u32]) -> Option<Narrowed> {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    let below = |c: u32| (c as usize) < libc::CPU_SETSIZE as usize;
+    let mask = affinity()?;
+    // SAFETY: a valid cpu_set_t.
+    if unsafe { libc::CPU_COUNT(&mask) } <= 1 {
+        return None;
+    }
+    // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
+    let mut narrow: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is below CPU_SETSIZE where it is looked up or set.
+    if below(cpu) && !avoid.contains(&cpu) && unsafe { libc::CPU_ISSET(cpu as usize, &mask) } {
+        // SAFETY: as above.
+        unsafe { libc::CPU_SET(cpu as usize, &mut narrow) };
+    } else {
+        narrow = mask;
+        for &c in avoid.iter().filter(|&&c| below(c)) {
+            // SAFETY: c is below CPU_SETSIZE.
+            unsafe { libc::CPU_CLR(c as usize, &mut narrow) };
+        }
+        // SAFETY: valid cpu_set_t values.
+        let left = unsafe { libc::CPU_COUNT(&narrow) };
+        // SAFETY: as above.
+        if left == 0 || left == unsafe { libc::CPU_COUNT(&mask) } {
+            return None;
+        }
+    }
+    // SAFETY: a valid, non-empty cpu_set_t of `size` bytes for the calling thread.
+    (unsafe { libc::sched_setaffinity(0, size, &narrow) } == 0).then_some(Narrowed { mask })
 }
 
 /// A handle on another process that says when it has exited, immune to pid reuse.
@@ -526,15 +619,91 @@ mod tests {
     }
 
     fn affinity() -> Vec<u32> {
-        // SAFETY: as in move_off_cpu.
-        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: a valid set of `size` bytes for the calling thread.
-        assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut mask) }, 0);
-        (0..libc::CPU_SETSIZE as u32)
-            // SAFETY: c is below CPU_SETSIZE.
-            .filter(|&c| unsafe { libc::CPU_ISSET(c as usize, &mask) })
-            .collect()
+        cpus_allowed()
+    }
+
+    /// Restricts the calling thread to `cpus`.
+    fn restrict(cpus: &[u32]) {
+        // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            // SAFETY: c is a CPU of a mask, below CPU_SETSIZE.
+            unsafe { libc::CPU_SET(c as usize, &mut set) };
+        }
+        // SAFETY: a valid set for the calling thread.
+        let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+        assert_eq!(r, 0);
+    }
+
+    fn cpu() -> u32 {
+        // SAFETY: no preconditions.
+        unsafe { libc::sched_getcpu() as u32 }
+    }
+
+    /// A thread sent to the n-th CPU of its mask (counted round) lands there and keeps its
+    /// mask.
+    #[test]
+    fn move_to_nth_cpu_lands_there_and_keeps_the_mask() {
+        std::thread::spawn(|| {
+            let mask = affinity();
+            let Some(k) = mask.iter().position(|&c| c != cpu()) else {
+                assert_eq!(move_to_nth_cpu(1), None, "one CPU: nowhere to go");
+                return;
+            };
+            // Counted round: k + the number of CPUs is k. (The scheduler may have put the
+            // thread there meanwhile, when other tests run: then it need not move.)
+            let to = move_to_nth_cpu(k + mask.len());
+            assert!(
+                to == Some(mask[k]) || (to.is_none() && cpu() == mask[k]),
+                "sent to {}, moved to {to:?}, runs on {}",
+                mask[k],
+                cpu()
+            );
+            assert_eq!(affinity(), mask, "the thread's mask was not given back");
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// Held for a sleep, a thread may run only on its CPU; told to avoid that one, on the
+    /// rest of its mask (and it moves off at once); with nothing left, or a mask of one CPU,
+    /// nothing changes. The mask comes back whole when the hold ends.
+    #[test]
+    fn a_thread_held_for_a_sleep_stays_put_or_keeps_off_the_cpus_to_avoid() {
+        std::thread::spawn(|| {
+            let mask = affinity();
+            let here = cpu();
+            if mask.len() < 2 {
+                assert!(
+                    hold_for_sleep(here, &[]).is_none(),
+                    "one CPU: nothing to narrow"
+                );
+                return;
+            }
+            {
+                let _held = hold_for_sleep(here, &[]).expect("held on its CPU");
+                assert_eq!(affinity(), vec![here]);
+            }
+            assert_eq!(affinity(), mask);
+            let rest: Vec<u32> = mask.iter().copied().filter(|&c| c != here).collect();
+            {
+                let _held = hold_for_sleep(here, &[here]).expect("kept off its CPU");
+                assert_eq!(affinity(), rest);
+                assert_ne!(cpu(), here, "still on the CPU to avoid");
+            }
+            assert_eq!(affinity(), mask);
+            assert!(
+                hold_for_sleep(cpu(), &mask).is_none(),
+                "every CPU to be avoided"
+            );
+            assert_eq!(affinity(), mask);
+            restrict(&mask[..1]);
+            assert!(hold_for_sleep(mask[0], &[]).is_none(), "a mask of one CPU");
+            assert_eq!(affinity(), mask[..1].to_vec());
+            restrict(&mask);
+        })
+        .join()
+        .unwrap();
     }
 
     /// A thread moves to another CPU it may use, lands there, and keeps its own mask; with
