@@ -129,13 +129,8 @@ impl Wiring {
         thread_local! {
             static SETTLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
         }
-        let moved = match self.home {
-            Some(i) if !SETTLED.replace(true) => os::move_to_nth_cpu(i),
-            _ => {
-                SETTLED.set(true);
-                None
-            }
-        };
+        let first = !SETTLED.replace(true);
+        let moved = self.home.filter(|_| first).and_then(os::move_to_nth_cpu);
         if let Some(cpu) = this_cpu() {
             self.doorbell.set_running_on(cpu, Activity::Outside);
         }

@@ -360,7 +360,8 @@ pub(crate) fn hold_for_sleep(cpu: u32, avoid: &[u32]) -> Option<Narrowed> {
     let below = |c: u32| (c as usize) < libc::CPU_SETSIZE as usize;
     let mask = affinity()?;
     // SAFETY: a valid cpu_set_t.
-    if unsafe { libc::CPU_COUNT(&mask) } <= 1 {
+    let total = unsafe { libc::CPU_COUNT(&mask) };
+    if total <= 1 {
         return None;
     }
     // SAFETY: cpu_set_t is plain bits; zeroed is an empty set.
@@ -375,10 +376,9 @@ pub(crate) fn hold_for_sleep(cpu: u32, avoid: &[u32]) -> Option<Narrowed> {
             // SAFETY: c is below CPU_SETSIZE.
             unsafe { libc::CPU_CLR(c as usize, &mut narrow) };
         }
-        // SAFETY: valid cpu_set_t values.
+        // SAFETY: a valid cpu_set_t.
         let left = unsafe { libc::CPU_COUNT(&narrow) };
-        // SAFETY: as above.
-        if left == 0 || left == unsafe { libc::CPU_COUNT(&mask) } {
+        if left == 0 || left == total {
             return None;
         }
     }
