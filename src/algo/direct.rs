@@ -3,21 +3,29 @@
 
 use super::{Buf, Operand, Region, Schedule, Shape, Step};
 
+/// The largest in-place one-shot all-reduce that folds straight into its input (see
+/// `all_reduce`): below the smallest size from which a peer reads a folded message from the
+/// sender's buffer (`shm::PULL_FROM_THREAD`, between threads of one process).
+const IN_PLACE_OVER_INPUT: usize = 16 << 10;
+
 /// One-shot all-reduce: every rank sends its input to every other rank and adds up all inputs
 /// itself. Contributions are combined in rank order on every rank, so all ranks get the same
-/// bits even for floating point. The running sum lives in scratch, so the caller's input stays
-/// intact until the last step, whether or not the buffers overlap.
+/// bits even for floating point. Partial sums live in scratch.
 ///
-/// In place, the last step overwrites the input the peers may still be reading (a large
-/// message is read by the peer straight from the sender's buffer): that step would wait for
-/// every peer's read, a round trip per slice. A copy of the input in scratch is sent instead.
+/// In place, the last step overwrites the input that this rank's sends read. Up to
+/// `IN_PLACE_OVER_INPUT` bytes the sends have copied it out (into the peers' FIFOs) by the time
+/// they complete, and the last step writes the sum straight over the input once they have.
+/// A larger message is read by each peer straight from the sender's buffer, so that step
+/// would wait for every peer's read, a round trip per slice: the sum lands in scratch and is
+/// copied over the input once every send is done.
 pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
     let (n, bytes) = (shape.nranks, count * shape.elem);
     let mut s = Schedule::default();
     if n == 1 {
         return Schedule::local_copy(bytes);
     }
-    s.scratch = if shape.in_place { 2 * bytes } else { bytes };
+    let through_scratch = shape.in_place && bytes > IN_PLACE_OVER_INPUT;
+    s.scratch = if through_scratch { 2 * bytes } else { bytes };
     for input in shape.slices(Buf::Send, 0, bytes) {
         let input = Operand::input(input);
         let (off, len) = (input.region.offset, input.region.len);
@@ -29,10 +37,8 @@ pub(crate) fn all_reduce(count: usize, shape: &Shape) -> Schedule {
                 src: input,
             });
         }
-        if shape.in_place {
-            // The input is the output, and peers may still be reading it: the sum lands in
-            // scratch and is copied over the input once every send is done (a send that reads
-            // a copy instead would wait for the copy, a pass later).
+        if through_scratch {
+            // A send that read a copy instead would wait for the copy, a pass later.
             let sum = Region::new(Buf::Scratch, bytes + off, len);
             fold_in_rank_order(&mut s, shape.rank, n, &|q| q, input, acc, sum);
             s.push(Step::Local {
@@ -286,5 +292,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// In place, a one-shot all-reduce folds straight into its input up to
+    /// IN_PLACE_OVER_INPUT bytes and through scratch beyond: both ways give the reference sum,
+    /// at the bound and just past it, in one slice and in many.
+    #[test]
+    fn in_place_one_shot_sums_over_the_input_or_through_scratch() {
+        let at_bound = super::IN_PLACE_OVER_INPUT / 8;
+        for n in [2, 3] {
+            for count in [at_bound, at_bound + 1] {
+                for slice_elems in [at_bound / 3, 4 * at_bound] {
+                    sim::check_all_reduce(n, count, slice_elems, Algorithm::Direct);
+                }
+            }
+        }
+        let shape = |in_place| super::Shape {
+            rank: 0,
+            nranks: 2,
+            elem: 8,
+            in_place,
+            slice_bytes: 1 << 30,
+            ring: None,
+            hosts: None,
+        };
+        let small = super::all_reduce(at_bound, &shape(true));
+        let large = super::all_reduce(at_bound + 1, &shape(true));
+        assert_eq!(
+            small.scratch,
+            at_bound * 8,
+            "no second scratch copy up to the bound"
+        );
+        assert_eq!(
+            small.steps.len(),
+            super::all_reduce(at_bound, &shape(false)).steps.len()
+        );
+        assert_eq!(
+            large.scratch,
+            2 * (at_bound + 1) * 8,
+            "a sum in scratch past it"
+        );
     }
 }
