@@ -84,7 +84,12 @@ fn fp8_encode_exact(v: f64, exp_bits: u32, man_bits: u32) -> u8 {
     use std::sync::OnceLock;
     static TABLES: [OnceLock<HashMap<u64, u8>>; 2] = [OnceLock::new(), OnceLock::new()];
     let key = |x: f64| if x == 0.0 { 0u64 } else { x.to_bits() };
-    let table = TABLES[usize::from(exp_bits == 5)].get_or_init(|| {
+    let format = match (exp_bits, man_bits) {
+        (4, 3) => 0,
+        (5, 2) => 1,
+        _ => unreachable!("no fp8 format e{exp_bits}m{man_bits}"),
+    };
+    let table = TABLES[format].get_or_init(|| {
         let mut t = HashMap::new();
         for b in 0..=255u8 {
             let x = fp8_decode(b, exp_bits, man_bits);
