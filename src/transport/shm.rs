@@ -89,35 +89,20 @@ const PULL_FROM_PROCESS: usize = 1 << 20;
 /// time, all-gather 0.70-0.85x, all-to-all 0.73-0.89x; reduce-scatter and in-place broadcast
 /// 1.1-1.5x slower when they pulled too (so they do not).
 const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
-/// Lower still when the receiver copies the bytes as they are (`OutMsg::copied`: nothing in
-/// the operation reduces) or may write its reply back (`OutMsg::reply_at`): the pull then
-/// replaces both slot copies with one. Two processes, single-size runs alternating against
-/// 512 KiB: all-gather 256-512 KiB 0.37-0.50x the time, all-to-all out of place 0.48-0.50x,
-/// all-reduce in place 0.46-0.52x; a folded message (all-reduce out of place) was 1.29x
-/// slower pulled at 128 KiB, so those keep the threshold above. 64 KiB against 128 KiB:
-/// all-gather 128 KiB 0.45-0.53, all-to-all 128 KiB out of place 0.51, all-reduce 128 KiB in
-/// place 0.56 (4 processes: all-to-all 256 KiB 0.30, all-gather 256 KiB 0.94-1.14, noisy).
-/// This one holds where the host has more ranks than CPUs: with 4 processes on 2 cores,
-/// all-to-all and broadcast of 32-128 KiB were 1.2-1.6x slower pulled from 16 KiB (a pulled
-/// send completes only once the receiver has run, a context switch away when ranks share
-/// cores).
+/// Lower when the receiver copies the bytes as they are (`OutMsg::copied`: nothing in the
+/// operation reduces) or may write its reply back (`OutMsg::reply_at`): the pull then replaces
+/// both slot copies with one. Below this the slots still win: their two copies pipeline, one
+/// on each core, while a pull pays a system call and a walk of the sender's pages, and (where
+/// a host has more ranks than CPUs) completes only once the receiver has been scheduled.
+/// Measured on the project's AMD EPYC VM (2 vCPUs, 2 processes), libraries differing only
+/// here, alternating runs, median time against 16 KiB (which an Intel VM had favoured where
+/// ranks fit the CPUs, before the slots' receivers fetched ahead): on buffers the caches hold
+/// (the benchmark's `-e` at 1-2 MiB), all-gather 32-64 KiB 0.44-0.84x and all-to-all 32-64 KiB
+/// 0.69-0.87x; on buffers that move every call (`-e 64M`, 8 rounds), in place 0.69-0.90x at
+/// 32 KiB, the rest within the noise (+-15 %). Higher thresholds gained more on cached
+/// buffers (128-256 KiB: 128 KiB operations 0.48-0.69x) but were 1.06-1.21x slower out of
+/// place on moving ones, so this stays where both agree.
 const PULL_FROM_BUSY_COPY: usize = 64 << 10;
-/// The same where this host's ranks fit its (online) CPUs, so that a receiver is running when
-/// a descriptor arrives: two processes, alternating against 64 KiB, all-gather 32-64 KiB
-/// 0.59-0.80x the time unpinned and 0.60-0.72 pinned, out-of-place all-to-all 0.67-0.79x,
-/// in-place all-to-all 1.04-1.07x (its blocks go through the slots either way), others
-/// unchanged. Single runs 3-7x slow (a 1-3 ms stall in a 100-call run) come with every
-/// threshold, the slots' path included.
-const PULL_FROM_BUSY_COPY_FITTING: usize = 16 << 10;
-
-/// The copied-message threshold for a host running `local_ranks` ranks on `cpus` CPUs.
-fn copied_threshold(local_ranks: usize, cpus: usize) -> usize {
-    if local_ranks <= cpus {
-        PULL_FROM_BUSY_COPY_FITTING
-    } else {
-        PULL_FROM_BUSY_COPY
-    }
-}
 const FLAG_SCALE: u32 = 1;
 /// On a pull descriptor: the sender offers a place for the reply (`OutMsg::reply_at`), whose
 /// address is the descriptor's one word of data.
@@ -1660,7 +1645,6 @@ pub(crate) fn connect(
         .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
     let nonce = u64::from_ne_bytes(nonce_bytes);
     let local = Arc::new(Segment::create(me, geo, nonce)?);
-    let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
 
     let other_process: Vec<usize> = (0..nranks)
         .filter(|&r| paths[r] == Path::SameHost)
@@ -1781,7 +1765,7 @@ pub(crate) fn connect(
                 Access::Cma(_) => (
                     PULL_FROM_PROCESS,
                     PULL_FROM_BUSY_PROCESS,
-                    copied_threshold(local_ranks, crate::topo::online_cpus()),
+                    PULL_FROM_BUSY_COPY,
                 ),
             };
             // Both ends of both FIFOs with this peer, where the memory that takes stays small
@@ -2501,16 +2485,6 @@ mod tests {
         let got = exchange(&a, &b, &msgs[1..], false);
         assert_eager(&got[0], &below, 4096, "below the threshold");
         assert_eq!(b.local.head(0).load(Ordering::Relaxed), 2 + 8);
-    }
-
-    /// Copied messages are pulled from 16 KiB where the host's ranks fit its CPUs, from 64 KiB
-    /// where they share them.
-    #[test]
-    fn oversubscribed_hosts_pull_copied_messages_later() {
-        assert_eq!(copied_threshold(2, 2), 16 << 10);
-        assert_eq!(copied_threshold(1, 8), 16 << 10);
-        assert_eq!(copied_threshold(3, 2), 64 << 10);
-        assert_eq!(copied_threshold(8, 4), 64 << 10);
     }
 
     /// Which threshold a message meets: the lowest for a busy sender's message that the
