@@ -220,12 +220,7 @@ impl Comm {
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
             spread: !oversubscribed,
             hand_over: spin_us <= 0 && local_ranks > topo::online_cpus(),
-            home: (local_ranks > 1 && !oversubscribed).then(|| {
-                paths[..rank]
-                    .iter()
-                    .filter(|p| **p != Path::Network)
-                    .count()
-            }),
+            home: topo::place_on_host(&paths, rank),
             links,
             huge_pages_from,
         };

@@ -94,7 +94,7 @@ pub(crate) struct Wiring {
     /// polling on.
     pub hand_over: bool,
     /// This rank's place among the communicator's ranks on this host, where there are several
-    /// and they fit its CPUs (`settle`); None otherwise.
+    /// (`settle`); None otherwise.
     pub home: Option<usize>,
     /// Buffers at least this large are moved onto huge pages before peers in other processes
     /// copy from or into them (None: never).
@@ -117,8 +117,11 @@ impl Wiring {
     /// it later. The wake-ups that end initialisation often left two unpinned ranks on one
     /// CPU, and `crowded` moved one only once it waited, in its first calls: 60-80 us on the
     /// 2-vCPU VM (the CPU it goes to is idle, and wakes first), in the first timed calls of
-    /// about half of the 2-rank benchmark runs. Later communicators (a split, say) leave the
-    /// thread where it is: their places need not match the first one's.
+    /// about half of the 2-rank benchmark runs. With more ranks than CPUs the places wrap
+    /// round the mask, so each CPU starts with its share, the same ones in every run: left
+    /// to the scheduler, which pairs it made decided 4 ranks on 2 CPUs (a one-shot
+    /// all-to-all of 128 B-8 KiB took 11-17 us a call, or half that). Later communicators (a
+    /// split, say) leave the thread where it is: their places need not match the first one's.
     ///
     /// Then tells the peers on this host where the rank runs, back in its application, so
     /// that a peer about to sleep knows which CPUs to keep off (`hold_for_sleep`) from the

@@ -104,6 +104,20 @@ impl Placement {
     }
 }
 
+/// `rank`'s place among the ranks on its own host (those its `paths` do not reach over the
+/// network), counted from 0 in rank order; None where it is alone there. Wherever the host
+/// has several ranks, more than its CPUs included, the place picks the CPU a rank starts its
+/// calls on (`Wiring::settle`, round its mask).
+pub(crate) fn place_on_host(paths: &[Path], rank: usize) -> Option<usize> {
+    let local = paths.iter().filter(|p| **p != Path::Network).count();
+    (local > 1).then(|| {
+        paths[..rank]
+            .iter()
+            .filter(|p| **p != Path::Network)
+            .count()
+    })
+}
+
 /// CPUs this process may run on: more local ranks than this means waits must yield the core.
 /// The CPUs this host has online, whatever this process may run on: ranks each pinned to a
 /// CPU of their own see one usable CPU each but do not crowd the host.
@@ -122,6 +136,28 @@ pub(crate) fn usable_cpus() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank's place counts only the ranks on its own host before it, whether or not the
+    /// host has more ranks than CPUs; a rank alone on its host has none.
+    #[test]
+    fn places_on_a_host_skip_ranks_across_the_network() {
+        use Path::*;
+        // Rank 3's view of 6 ranks: 0, 2 and 5 on other hosts, 1 another process here, 4 a
+        // thread of its own process.
+        let paths = [Network, SameHost, Network, SelfRank, SameProcess, Network];
+        assert_eq!(place_on_host(&paths, 3), Some(1));
+        // Rank 4 (a thread beside rank 3) sees the same hosts.
+        let paths4 = [Network, SameHost, Network, SameProcess, SelfRank, Network];
+        assert_eq!(place_on_host(&paths4, 4), Some(2));
+        assert_eq!(place_on_host(&[SelfRank, Network, Network], 0), None);
+        // Eight ranks on one host get eight places, however many CPUs it has.
+        for r in 0..8 {
+            let paths: Vec<Path> = (0..8)
+                .map(|p| if p == r { SelfRank } else { SameHost })
+                .collect();
+            assert_eq!(place_on_host(&paths, r), Some(r));
+        }
+    }
 
     #[test]
     fn paths_follow_host_and_process_identity() {
