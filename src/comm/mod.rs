@@ -180,7 +180,7 @@ impl Comm {
         let registry =
             (shm_world.is_some() && device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
                 .then(|| crate::transport::reg::Registry::new(rank, nranks));
-        let local_ranks = paths.iter().filter(|p| **p != Path::Network).count();
+        let local_ranks = topo::ranks_on_host(&paths);
         // With more ranks than cores, spinning steals the core from the rank we wait for:
         // yield it instead, then sleep.
         let oversubscribed = local_ranks > topo::usable_cpus();

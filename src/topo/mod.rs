@@ -109,13 +109,13 @@ impl Placement {
 /// has several ranks, more than its CPUs included, the place picks the CPU a rank starts its
 /// calls on (`Wiring::settle`, round its mask).
 pub(crate) fn place_on_host(paths: &[Path], rank: usize) -> Option<usize> {
-    let local = paths.iter().filter(|p| **p != Path::Network).count();
-    (local > 1).then(|| {
-        paths[..rank]
-            .iter()
-            .filter(|p| **p != Path::Network)
-            .count()
-    })
+    (ranks_on_host(paths) > 1).then(|| ranks_on_host(&paths[..rank]))
+}
+
+/// How many of the ranks `paths` leads to are on this host (this rank included when the
+/// slice holds its own entry): those not reached over the network.
+pub(crate) fn ranks_on_host(paths: &[Path]) -> usize {
+    paths.iter().filter(|p| **p != Path::Network).count()
 }
 
 /// CPUs this process may run on: more local ranks than this means waits must yield the core.
