@@ -97,8 +97,8 @@ const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 /// Measured on the project's AMD EPYC VM (2 vCPUs, 2 processes), libraries differing only
 /// here, alternating runs, median time against 16 KiB (which an Intel VM had favoured where
 /// ranks fit the CPUs, before the slots' receivers fetched ahead): on buffers the caches hold
-/// (the benchmark's `-e` at 1-2 MiB), all-gather 32-64 KiB 0.44-0.84x and all-to-all 32-64 KiB
-/// 0.69-0.87x; on buffers that move every call (`-e 64M`, 8 rounds), in place 0.69-0.90x at
+/// (the benchmark's `-e` at 1-2 MiB), all-gather 32-64 KiB 0.44-0.92x and all-to-all 32-64 KiB
+/// 0.66-0.87x; on buffers that move every call (`-e 64M`, 8 rounds), in place 0.69-0.90x at
 /// 32 KiB, the rest within the noise (+-15 %). Higher thresholds gained more on cached
 /// buffers (128-256 KiB: 128 KiB operations 0.48-0.69x) but were 1.06-1.21x slower out of
 /// place on moving ones, so this stays where both agree.
