@@ -321,6 +321,13 @@ fn repeats_1_process() {
     processes(1, "repeats", "", 5);
 }
 
+/// Two ranks: broadcasts, reduces, sends and receives are one step per rank, tried straight
+/// on the link when repeated (`exec::host::one_step`).
+#[test]
+fn repeats_2_processes() {
+    processes(2, "repeats", "", 5);
+}
+
 #[test]
 fn repeats_3_processes() {
     processes(3, "repeats", "", 5);
