@@ -480,6 +480,17 @@ enum Reuse {
 }
 
 impl Built {
+    /// Resolves `steps` anew on `op`'s buffers, which overlap as the last run's did
+    /// (`Reuse::Structure`), and keeps those buffers as the ones the steps were built for.
+    fn take_buffers(&mut self, op: &HostOp, scratch: *mut u8, steps: &mut [XStep]) {
+        let at = resolver(op, scratch);
+        let input_scale = op.reduction.and_then(|r| r.input_scale);
+        for (x, step) in steps.iter_mut().zip(&op.schedule.steps) {
+            x.action = Action::of(step, &at, input_scale);
+        }
+        (self.send, self.recv) = (op.send, op.recv);
+    }
+
     fn reuse(&self, op: &HostOp, scratch: *mut u8, steps: usize) -> Reuse {
         let same = Arc::ptr_eq(&self.schedule, &op.schedule)
             && self.input_scale == op.reduction.and_then(|r| r.input_scale)
@@ -628,12 +639,7 @@ impl<'a> Exec<'a> {
             if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
                 if reuse == Reuse::Structure {
-                    let at = resolver(op, scratch);
-                    let input_scale = op.reduction.and_then(|r| r.input_scale);
-                    for (x, step) in t.steps.iter_mut().zip(&op.schedule.steps) {
-                        x.action = Action::of(step, &at, input_scale);
-                    }
-                    (b.send, b.recv) = (op.send, op.recv);
+                    b.take_buffers(op, scratch, &mut t.steps);
                 }
                 if !std::mem::take(&mut t.tried) {
                     for (i, s) in t.steps.iter_mut().enumerate() {
@@ -1354,12 +1360,7 @@ fn one_step(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
         return Ok(false);
     };
     if reuse == Reuse::Structure {
-        let at = resolver(op, scratch);
-        let input_scale = op.reduction.and_then(|r| r.input_scale);
-        for (x, step) in t.steps.iter_mut().zip(&op.schedule.steps) {
-            x.action = Action::of(step, &at, input_scale);
-        }
-        (b.send, b.recv) = (op.send, op.recv);
+        b.take_buffers(op, scratch, &mut t.steps);
     }
     for s in t.steps.iter_mut() {
         s.waiting_on = 0;
