@@ -177,6 +177,35 @@ enum Action {
     },
 }
 
+impl XStep {
+    /// The message of this send step of `op`; `busy`: `OutMsg::sender_busy`.
+    fn message(&self, op: &HostOp, busy: bool) -> OutMsg {
+        let Action::Send { src, len, .. } = self.action else {
+            unreachable!("a message of a step that sends nothing")
+        };
+        OutMsg {
+            src: src.ptr,
+            len,
+            scale: src.scale,
+            tag: op.tag,
+            sender_busy: busy,
+            copied: self.copied,
+            reply_at: match self.hint {
+                Hint::ReplyHere => Some(src.ptr as usize),
+                Hint::ReplyInRecv => op.in_recv(src.ptr as usize),
+                _ => None,
+            },
+        }
+    }
+
+    /// Back to the start: no progress, waiting for `waiting_on` earlier steps.
+    fn restart(&mut self, waiting_on: u32) {
+        self.waiting_on = waiting_on;
+        self.send = SendCursor::default();
+        self.recv = RecvCursor::default();
+    }
+}
+
 struct XStep {
     action: Action,
     op: usize,
@@ -643,9 +672,7 @@ impl<'a> Exec<'a> {
                 }
                 if !std::mem::take(&mut t.tried) {
                     for (i, s) in t.steps.iter_mut().enumerate() {
-                        s.waiting_on = b.hazards.waiting_on[i];
-                        s.send = SendCursor::default();
-                        s.recv = RecvCursor::default();
+                        s.restart(b.hazards.waiting_on[i]);
                     }
                 }
                 return Ok(Exec::rewind(wiring, t));
@@ -876,24 +903,11 @@ impl<'a> Exec<'a> {
     }
 
     fn drive_send(&mut self, i: u32) -> Result<SendState> {
-        let tag = self.tag(i);
         let step = &mut self.t.steps[i as usize];
-        let Action::Send { peer, src, len } = step.action else {
+        let Action::Send { peer, .. } = step.action else {
             unreachable!("send queue holds a non-send step")
         };
-        let msg = OutMsg {
-            src: src.ptr,
-            len,
-            scale: src.scale,
-            tag,
-            sender_busy: self.busy,
-            copied: step.copied,
-            reply_at: match step.hint {
-                Hint::ReplyHere => Some(src.ptr as usize),
-                Hint::ReplyInRecv => self.t.ops[step.op].in_recv(src.ptr as usize),
-                _ => None,
-            },
-        };
+        let msg = step.message(&self.t.ops[step.op], self.busy);
         let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
         Ok(p.state)
     }
@@ -1328,9 +1342,9 @@ fn run_local(action: Action, reduction: Option<Reduction>) -> Result<()> {
 /// first pass would do, without building it, which costs more than the step itself in such
 /// small calls: an 8-byte two-rank broadcast took about 1330 instructions a call at the root
 /// and 1420 at the other rank, of which the link's send or receive 230-390; tried this way,
-/// 890-1010 and 1050 (callgrind). Returns whether
-/// the run is done; when it is not, the steps keep what the try did (`Tables::tried`) and
-/// the executor goes on from there. False, having tried nothing, for any other run.
+/// 890-1010 and 1050 (callgrind). Returns whether the run is done; when it is not, the steps
+/// keep what the try did (`Tables::tried`) and the executor goes on from there. False, having
+/// tried nothing, for any other run.
 fn one_step(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     let ExecCache {
         scratch,
@@ -1362,27 +1376,14 @@ fn one_step(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     if reuse == Reuse::Structure {
         b.take_buffers(op, scratch, &mut t.steps);
     }
+    // Every step waits for nothing (checked above).
     for s in t.steps.iter_mut() {
-        s.waiting_on = 0;
-        s.send = SendCursor::default();
-        s.recv = RecvCursor::default();
+        s.restart(0);
     }
     let x = &mut t.steps[k];
     let done = match x.action {
-        Action::Send { peer, src, len } => {
-            let msg = OutMsg {
-                src: src.ptr,
-                len,
-                scale: src.scale,
-                tag: op.tag,
-                sender_busy: op.schedule.copies_in,
-                copied: x.copied,
-                reply_at: match x.hint {
-                    Hint::ReplyHere => Some(src.ptr as usize),
-                    Hint::ReplyInRecv => op.in_recv(src.ptr as usize),
-                    _ => None,
-                },
-            };
+        Action::Send { peer, .. } => {
+            let msg = x.message(op, op.schedule.copies_in);
             wiring.links[peer].send(&msg, &mut x.send)?.state == SendState::Complete
         }
         Action::Recv {
