@@ -7,7 +7,8 @@
 //   - every op returns a value of the datatype: f16, bf16 and fp8 compute as if in f32 and round
 //     once to nearest-even, so folding n sources rounds n-1 times, as n-1 host calls would;
 //   - a scaled source is s * x rounded to the datatype, before it is combined;
-//   - float max/min return the other operand when one is NaN (C fmax/fmin);
+//   - float max/min return the other operand when one is NaN (C fmax/fmin) and take -0 as below
+//     +0, so that their result does not depend on the operands' order;
 //   - fp8 rounding saturates to the largest finite value (+-448 e4m3, +-57344 e5m2, infinities
 //     included), and NaN stays NaN (S.1111111, keeping the sign, like the host);
 //   - a NaN result is NaN, but its payload may differ from the host's (the GPU's f16/bf16
@@ -84,20 +85,35 @@ COMM_HD double div_f64(double a, double b) {
 }
 
 // max/min that return the other operand when one is NaN, signalling NaNs included: what the
-// device instructions do, and not what a host libm's fmax does with a signalling NaN.
+// device instructions do, and not what a host libm's fmax does with a signalling NaN. The sign of
+// a zero result is left open here (see below).
 template <typename F> COMM_HD F host_max(F a, F b) { return a != a ? b : b != b ? a : a > b ? a : b; }
 template <typename F> COMM_HD F host_min(F a, F b) { return a != a ? b : b != b ? a : a < b ? a : b; }
 #ifdef __CUDA_ARCH__
-COMM_HD float max_ignoring_nan(float a, float b) { return fmaxf(a, b); }
-COMM_HD float min_ignoring_nan(float a, float b) { return fminf(a, b); }
-COMM_HD double max_ignoring_nan(double a, double b) { return fmax(a, b); }
-COMM_HD double min_ignoring_nan(double a, double b) { return fmin(a, b); }
+COMM_HD float any_zero_max(float a, float b) { return fmaxf(a, b); }
+COMM_HD float any_zero_min(float a, float b) { return fminf(a, b); }
+COMM_HD double any_zero_max(double a, double b) { return fmax(a, b); }
+COMM_HD double any_zero_min(double a, double b) { return fmin(a, b); }
 #else
-COMM_HD float max_ignoring_nan(float a, float b) { return host_max(a, b); }
-COMM_HD float min_ignoring_nan(float a, float b) { return host_min(a, b); }
-COMM_HD double max_ignoring_nan(double a, double b) { return host_max(a, b); }
-COMM_HD double min_ignoring_nan(double a, double b) { return host_min(a, b); }
+COMM_HD float any_zero_max(float a, float b) { return host_max(a, b); }
+COMM_HD float any_zero_min(float a, float b) { return host_min(a, b); }
+COMM_HD double any_zero_max(double a, double b) { return host_max(a, b); }
+COMM_HD double any_zero_min(double a, double b) { return host_min(a, b); }
 #endif
+
+// Equal operands, zeros of both signs included, give +0 for max unless both are -0, and -0 for
+// min unless both are +0 (-0 orders below +0, as on the host): the result does not depend on
+// the operands' order, which fmax/fmin and the comparisons above leave to the instruction.
+template <typename U, typename F> COMM_HD F signed_zero_max(F a, F b) {
+  return a == b ? bit_cast<F>(bit_cast<U>(a) & bit_cast<U>(b)) : any_zero_max(a, b);
+}
+template <typename U, typename F> COMM_HD F signed_zero_min(F a, F b) {
+  return a == b ? bit_cast<F>(bit_cast<U>(a) | bit_cast<U>(b)) : any_zero_min(a, b);
+}
+COMM_HD float max_ignoring_nan(float a, float b) { return signed_zero_max<uint32_t>(a, b); }
+COMM_HD float min_ignoring_nan(float a, float b) { return signed_zero_min<uint32_t>(a, b); }
+COMM_HD double max_ignoring_nan(double a, double b) { return signed_zero_max<uint64_t>(a, b); }
+COMM_HD double min_ignoring_nan(double a, double b) { return signed_zero_min<uint64_t>(a, b); }
 
 COMM_HD bool is_nan_bits(uint32_t f32_bits) { return (f32_bits & 0x7fffffffu) > 0x7f800000u; }
 
@@ -251,8 +267,13 @@ struct Dt_f16 {
   static COMM_HD uint16_t from_raw(unsigned long long raw) { return (uint16_t)raw; }
   static COMM_HD uint16_t add(uint16_t x, uint16_t y) { return b(__hadd_rn(h(x), h(y))); }
   static COMM_HD uint16_t mul(uint16_t x, uint16_t y) { return b(__hmul_rn(h(x), h(y))); }
-  static COMM_HD uint16_t max(uint16_t x, uint16_t y) { return b(__hmax(h(x), h(y))); }
-  static COMM_HD uint16_t min(uint16_t x, uint16_t y) { return b(__hmin(h(x), h(y))); }
+  // Equal operands: -0 below +0, as in max_ignoring_nan.
+  static COMM_HD uint16_t max(uint16_t x, uint16_t y) {
+    return __heq(h(x), h(y)) ? (uint16_t)(x & y) : b(__hmax(h(x), h(y)));
+  }
+  static COMM_HD uint16_t min(uint16_t x, uint16_t y) {
+    return __heq(h(x), h(y)) ? (uint16_t)(x | y) : b(__hmin(h(x), h(y)));
+  }
   static COMM_HD uint16_t divide(uint16_t x, unsigned long long d) {
     return b(__float2half_rn(div_f32(__half2float(h(x)), (float)d)));
   }
@@ -265,8 +286,13 @@ struct Dt_bf16 {
   static COMM_HD uint16_t from_raw(unsigned long long raw) { return (uint16_t)raw; }
   static COMM_HD uint16_t add(uint16_t x, uint16_t y) { return b(__hadd_rn(h(x), h(y))); }
   static COMM_HD uint16_t mul(uint16_t x, uint16_t y) { return b(__hmul_rn(h(x), h(y))); }
-  static COMM_HD uint16_t max(uint16_t x, uint16_t y) { return b(__hmax(h(x), h(y))); }
-  static COMM_HD uint16_t min(uint16_t x, uint16_t y) { return b(__hmin(h(x), h(y))); }
+  // Equal operands: -0 below +0, as in max_ignoring_nan.
+  static COMM_HD uint16_t max(uint16_t x, uint16_t y) {
+    return __heq(h(x), h(y)) ? (uint16_t)(x & y) : b(__hmax(h(x), h(y)));
+  }
+  static COMM_HD uint16_t min(uint16_t x, uint16_t y) {
+    return __heq(h(x), h(y)) ? (uint16_t)(x | y) : b(__hmin(h(x), h(y)));
+  }
   static COMM_HD uint16_t divide(uint16_t x, unsigned long long d) {
     return b(__float2bfloat16_rn(div_f32(__bfloat162float(h(x)), (float)d)));
   }

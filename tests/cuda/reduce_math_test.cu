@@ -207,6 +207,23 @@ static void check_max_min_nan() {
   CHECK_EQ(Dt_bf16::max(0x7fc0, 0x3f80), 0x3f80, "bf16 max(NaN, 1)");
   CHECK_EQ(Dt_e4m3::max(0x7f, 0x38), 0x38, "e4m3 max(NaN, 1)");
   CHECK_EQ(Dt_e5m2::min(0x38, 0x7e), 0x38, "e5m2 min(0.5, NaN)");
+  // Zeros of both signs, in both orders: +0 for max, -0 for min.
+  for (int flip = 0; flip < 2; ++flip) {
+    const float pz = flip ? -0.0f : 0.0f, qz = flip ? 0.0f : -0.0f;
+    CHECK_EQ(bits32(Dt_f32::max(pz, qz)), 0u, "f32 max(+0, -0)");
+    CHECK_EQ(bits32(Dt_f32::min(pz, qz)), 0x80000000u, "f32 min(+0, -0)");
+    const double pd = flip ? -0.0 : 0.0, qd = flip ? 0.0 : -0.0;
+    CHECK_EQ(bit_cast<uint64_t>(Dt_f64::max(pd, qd)), 0ull, "f64 max(+0, -0)");
+    CHECK_EQ(bit_cast<uint64_t>(Dt_f64::min(pd, qd)), 0x8000000000000000ull, "f64 min(+0, -0)");
+    const uint16_t p16 = flip ? 0x8000 : 0, q16 = flip ? 0 : 0x8000;
+    CHECK_EQ(Dt_f16::max(p16, q16), 0, "f16 max(+0, -0)");
+    CHECK_EQ(Dt_f16::min(p16, q16), 0x8000, "f16 min(+0, -0)");
+    CHECK_EQ(Dt_bf16::max(p16, q16), 0, "bf16 max(+0, -0)");
+    CHECK_EQ(Dt_bf16::min(p16, q16), 0x8000, "bf16 min(+0, -0)");
+    const uint8_t p8 = flip ? 0x80 : 0, q8 = flip ? 0 : 0x80;
+    CHECK_EQ(Dt_e4m3::max(p8, q8), 0, "e4m3 max(+0, -0)");
+    CHECK_EQ(Dt_e5m2::min(p8, q8), 0x80, "e5m2 min(+0, -0)");
+  }
   ++checks;
   if (!isnan(Dt_f32::add(NAN, 1.0f))) {
     ++failures;
