@@ -1202,6 +1202,9 @@ unsafe fn copy_scaled(dst: *mut u8, a: Src, len: usize, reduction: Option<Reduct
 /// # Safety
 /// All three cover `len` bytes; dst coincides with a, with b, or overlaps neither.
 unsafe fn combine(dst: *mut u8, a: Src, b: Src, len: usize, reducer: &Reducer) {
+    if a.scale.is_none() && b.scale.is_none() && reducer.reduce_small(dst, a.ptr, b.ptr, len) {
+        return;
+    }
     let d = std::slice::from_raw_parts_mut(dst, len);
     if std::ptr::eq(a.ptr, dst) {
         reducer.reduce_in_place(d, a.scale, std::slice::from_raw_parts(b.ptr, len), b.scale);

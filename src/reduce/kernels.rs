@@ -54,6 +54,12 @@ pub(super) fn reduce(
     check_len(r.dtype, "reduce: dst", dst.len());
     assert_eq!(dst.len(), a.len(), "reduce: dst and a differ in length");
     assert_eq!(dst.len(), b.len(), "reduce: dst and b differ in length");
+    // SAFETY: the three cover dst.len() bytes, a whole number of elements; dst is apart from
+    // a and b (it is borrowed mutably).
+    let (d, n) = (dst.as_mut_ptr(), dst.len());
+    if sa.is_none() && sb.is_none() && unsafe { small(r, d, a.as_ptr(), b.as_ptr(), n) } {
+        return;
+    }
     binary(r, Operands::Separate { dst, src: a }, sa, b, sb);
 }
 
@@ -70,6 +76,12 @@ pub(super) fn reduce_in_place(
         b.len(),
         "reduce_in_place: acc and b differ in length"
     );
+    // SAFETY: acc and b cover acc.len() bytes, a whole number of elements; each element of
+    // acc is read before it is written.
+    let at = acc.as_mut_ptr();
+    if sacc.is_none() && sb.is_none() && unsafe { small(r, at, at, b.as_ptr(), b.len()) } {
+        return;
+    }
     binary(r, Operands::InPlace(acc), sacc, b, sb);
 }
 
@@ -304,6 +316,95 @@ fn binary_narrow<F: Narrow>(
         ReduceOp::Max => run_binary(&NarrowCombine::<F, Max>::new(sx, sb), x, b),
         ReduceOp::Min => run_binary(&NarrowCombine::<F, Min>::new(sx, sb), x, b),
         ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => no_bitwise(r),
+    }
+}
+
+/// Unscaled inputs of at most this many bytes in a type computed natively take `small`.
+const SMALL: usize = 64;
+
+/// `dst = op(a, b)` element by element, straight on the bytes, when they are at most `SMALL`
+/// bytes of a type computed natively and the op suits it; false, having done nothing,
+/// otherwise. The views and dispatch of `binary` cost more than the reduction of the one 8-byte
+/// message a small all-reduce folds per peer; the element operations are the same
+/// (`Op::apply`), so the bits are too.
+///
+/// # Safety
+/// `dst`, `a` and `b` cover `len` bytes, a whole number of elements; `dst` is `a`, is `b` or
+/// overlaps neither (each element is read before it is written).
+pub(super) unsafe fn small(
+    r: Reducer,
+    dst: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    len: usize,
+) -> bool {
+    if len > SMALL {
+        return false;
+    }
+    match r.dtype {
+        DataType::Int8 => small_int::<i8>(r.op, dst, a, b, len),
+        DataType::Uint8 => small_int::<u8>(r.op, dst, a, b, len),
+        DataType::Int32 => small_int::<i32>(r.op, dst, a, b, len),
+        DataType::Uint32 => small_int::<u32>(r.op, dst, a, b, len),
+        DataType::Int64 => small_int::<i64>(r.op, dst, a, b, len),
+        DataType::Uint64 => small_int::<u64>(r.op, dst, a, b, len),
+        DataType::Float32 => small_arith::<f32>(r.op, dst, a, b, len),
+        DataType::Float64 => small_arith::<f64>(r.op, dst, a, b, len),
+        _ => false,
+    }
+}
+
+/// `small` for an integer type: the bitwise ops, then the arithmetic ones.
+///
+/// # Safety
+/// As `small`, with `len` bytes.
+unsafe fn small_int<T: Bitwise>(
+    op: ReduceOp,
+    dst: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    len: usize,
+) -> bool {
+    match op {
+        ReduceOp::BitAnd => small_loop::<T, And>(dst, a, b, len),
+        ReduceOp::BitOr => small_loop::<T, Or>(dst, a, b, len),
+        ReduceOp::BitXor => small_loop::<T, Xor>(dst, a, b, len),
+        _ => return small_arith::<T>(op, dst, a, b, len),
+    }
+    true
+}
+
+/// `small` for the arithmetic ops; false for a bitwise one (a float's: `binary` reports it).
+///
+/// # Safety
+/// As `small`, with `len` bytes.
+unsafe fn small_arith<T: Element>(
+    op: ReduceOp,
+    dst: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    len: usize,
+) -> bool {
+    match op {
+        ReduceOp::Sum => small_loop::<T, Add>(dst, a, b, len),
+        ReduceOp::Prod => small_loop::<T, Mul>(dst, a, b, len),
+        ReduceOp::Max => small_loop::<T, Max>(dst, a, b, len),
+        ReduceOp::Min => small_loop::<T, Min>(dst, a, b, len),
+        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => return false,
+    }
+    true
+}
+
+/// # Safety
+/// As `small`, with `len` bytes.
+unsafe fn small_loop<T: Pod, O: Op<T>>(dst: *mut u8, a: *const u8, b: *const u8, len: usize) {
+    let w = std::mem::size_of::<T>();
+    let mut i = 0;
+    while i < len {
+        let x = (a.add(i) as *const T).read_unaligned();
+        let y = (b.add(i) as *const T).read_unaligned();
+        (dst.add(i) as *mut T).write_unaligned(O::apply(x, y));
+        i += w;
     }
 }
 
@@ -1450,6 +1551,62 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The small path gives the general kernels' bits for every native type and op at every
+    /// length it takes, separate and in place, and declines what it does not take: longer
+    /// inputs, narrow floats, bitwise ops on floats.
+    #[test]
+    fn small_reductions_match_the_general_kernels() {
+        let mut rng = Rng(9);
+        for dtype in DataType::ALL {
+            let w = dtype.size();
+            for &op in ops(dtype) {
+                let r = Reducer::new(dtype, op);
+                for n in 1..=SMALL / w + 1 {
+                    let (a, b) = (
+                        random_elements(dtype, n, &mut rng),
+                        random_elements(dtype, n, &mut rng),
+                    );
+                    let mut general = vec![0u8; n * w];
+                    binary(
+                        r,
+                        Operands::Separate {
+                            dst: &mut general,
+                            src: &a,
+                        },
+                        None,
+                        &b,
+                        None,
+                    );
+                    let mut out = vec![0x5au8; n * w];
+                    // SAFETY: all three hold n elements; out is apart from a and b.
+                    let took = unsafe { small(r, out.as_mut_ptr(), a.as_ptr(), b.as_ptr(), n * w) };
+                    let native = !matches!(
+                        dtype,
+                        DataType::Float16
+                            | DataType::Bfloat16
+                            | DataType::Float8e4m3
+                            | DataType::Float8e5m2
+                    );
+                    let what = format!("{} {} of {n}", dtype.name(), op.name());
+                    assert_eq!(took, native && n * w <= SMALL, "{what}: taken");
+                    if !took {
+                        continue;
+                    }
+                    assert_eq!(out, general, "{what}: separate");
+                    let mut acc = a.clone();
+                    let at = acc.as_mut_ptr();
+                    // SAFETY: acc and b hold n elements; acc is both input and output.
+                    assert!(unsafe { small(r, at, at, b.as_ptr(), n * w) });
+                    assert_eq!(acc, general, "{what}: in place");
+                }
+            }
+        }
+        let f = Reducer::new(DataType::Float32, ReduceOp::BitAnd);
+        let (x, mut y) = ([0u8; 8], [0u8; 8]);
+        // SAFETY: two f32 each.
+        assert!(!unsafe { small(f, y.as_mut_ptr(), x.as_ptr(), x.as_ptr(), 8) });
     }
 
     #[test]

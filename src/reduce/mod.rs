@@ -166,6 +166,24 @@ impl Reducer {
         kernels::reduce(*self, dst, a, sa, b, sb)
     }
 
+    /// `dst[i] = op(a[i], b[i])` for a few bytes (at most 64) of a type computed natively
+    /// (integers, f32, f64), with an op that suits it; false, having done nothing, for
+    /// anything else. What a small message's fold takes before the general kernels.
+    ///
+    /// # Safety
+    /// `dst`, `a` and `b` cover `len` bytes, a whole number of elements; `dst` is `a`, is `b`
+    /// or overlaps neither.
+    #[inline]
+    pub(crate) unsafe fn reduce_small(
+        &self,
+        dst: *mut u8,
+        a: *const u8,
+        b: *const u8,
+        len: usize,
+    ) -> bool {
+        kernels::small(*self, dst, a, b, len)
+    }
+
     /// `acc[i] = op(sacc * acc[i], sb * b[i])`.
     pub(crate) fn reduce_in_place(
         &self,
