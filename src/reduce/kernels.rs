@@ -341,35 +341,39 @@ pub(super) unsafe fn small(
     if len > SMALL {
         return false;
     }
+    let x = Raw { dst, a, b, len };
     match r.dtype {
-        DataType::Int8 => small_int::<i8>(r.op, dst, a, b, len),
-        DataType::Uint8 => small_int::<u8>(r.op, dst, a, b, len),
-        DataType::Int32 => small_int::<i32>(r.op, dst, a, b, len),
-        DataType::Uint32 => small_int::<u32>(r.op, dst, a, b, len),
-        DataType::Int64 => small_int::<i64>(r.op, dst, a, b, len),
-        DataType::Uint64 => small_int::<u64>(r.op, dst, a, b, len),
-        DataType::Float32 => small_arith::<f32>(r.op, dst, a, b, len),
-        DataType::Float64 => small_arith::<f64>(r.op, dst, a, b, len),
+        DataType::Int8 => small_int::<i8>(r.op, x),
+        DataType::Uint8 => small_int::<u8>(r.op, x),
+        DataType::Int32 => small_int::<i32>(r.op, x),
+        DataType::Uint32 => small_int::<u32>(r.op, x),
+        DataType::Int64 => small_int::<i64>(r.op, x),
+        DataType::Uint64 => small_int::<u64>(r.op, x),
+        DataType::Float32 => small_arith::<f32>(r.op, x),
+        DataType::Float64 => small_arith::<f64>(r.op, x),
         _ => false,
     }
+}
+
+/// The operands of `small`: `len` bytes at each pointer.
+#[derive(Clone, Copy)]
+struct Raw {
+    dst: *mut u8,
+    a: *const u8,
+    b: *const u8,
+    len: usize,
 }
 
 /// `small` for an integer type: the bitwise ops, then the arithmetic ones.
 ///
 /// # Safety
-/// As `small`, with `len` bytes.
-unsafe fn small_int<T: Bitwise>(
-    op: ReduceOp,
-    dst: *mut u8,
-    a: *const u8,
-    b: *const u8,
-    len: usize,
-) -> bool {
+/// As `small`.
+unsafe fn small_int<T: Bitwise>(op: ReduceOp, x: Raw) -> bool {
     match op {
-        ReduceOp::BitAnd => small_loop::<T, And>(dst, a, b, len),
-        ReduceOp::BitOr => small_loop::<T, Or>(dst, a, b, len),
-        ReduceOp::BitXor => small_loop::<T, Xor>(dst, a, b, len),
-        _ => return small_arith::<T>(op, dst, a, b, len),
+        ReduceOp::BitAnd => small_loop::<T, And>(x),
+        ReduceOp::BitOr => small_loop::<T, Or>(x),
+        ReduceOp::BitXor => small_loop::<T, Xor>(x),
+        _ => return small_arith::<T>(op, x),
     }
     true
 }
@@ -377,33 +381,27 @@ unsafe fn small_int<T: Bitwise>(
 /// `small` for the arithmetic ops; false for a bitwise one (a float's: `binary` reports it).
 ///
 /// # Safety
-/// As `small`, with `len` bytes.
-unsafe fn small_arith<T: Element>(
-    op: ReduceOp,
-    dst: *mut u8,
-    a: *const u8,
-    b: *const u8,
-    len: usize,
-) -> bool {
+/// As `small`.
+unsafe fn small_arith<T: Element>(op: ReduceOp, x: Raw) -> bool {
     match op {
-        ReduceOp::Sum => small_loop::<T, Add>(dst, a, b, len),
-        ReduceOp::Prod => small_loop::<T, Mul>(dst, a, b, len),
-        ReduceOp::Max => small_loop::<T, Max>(dst, a, b, len),
-        ReduceOp::Min => small_loop::<T, Min>(dst, a, b, len),
+        ReduceOp::Sum => small_loop::<T, Add>(x),
+        ReduceOp::Prod => small_loop::<T, Mul>(x),
+        ReduceOp::Max => small_loop::<T, Max>(x),
+        ReduceOp::Min => small_loop::<T, Min>(x),
         ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => return false,
     }
     true
 }
 
 /// # Safety
-/// As `small`, with `len` bytes.
-unsafe fn small_loop<T: Pod, O: Op<T>>(dst: *mut u8, a: *const u8, b: *const u8, len: usize) {
+/// As `small`.
+unsafe fn small_loop<T: Pod, O: Op<T>>(x: Raw) {
     let w = std::mem::size_of::<T>();
     let mut i = 0;
-    while i < len {
-        let x = (a.add(i) as *const T).read_unaligned();
-        let y = (b.add(i) as *const T).read_unaligned();
-        (dst.add(i) as *mut T).write_unaligned(O::apply(x, y));
+    while i < x.len {
+        let p = (x.a.add(i) as *const T).read_unaligned();
+        let q = (x.b.add(i) as *const T).read_unaligned();
+        (x.dst.add(i) as *mut T).write_unaligned(O::apply(p, q));
         i += w;
     }
 }
