@@ -54,12 +54,6 @@ pub(super) fn reduce(
     check_len(r.dtype, "reduce: dst", dst.len());
     assert_eq!(dst.len(), a.len(), "reduce: dst and a differ in length");
     assert_eq!(dst.len(), b.len(), "reduce: dst and b differ in length");
-    // SAFETY: the three cover dst.len() bytes, a whole number of elements; dst is apart from
-    // a and b (it is borrowed mutably).
-    let (d, n) = (dst.as_mut_ptr(), dst.len());
-    if sa.is_none() && sb.is_none() && unsafe { small(r, d, a.as_ptr(), b.as_ptr(), n) } {
-        return;
-    }
     binary(r, Operands::Separate { dst, src: a }, sa, b, sb);
 }
 
@@ -76,12 +70,6 @@ pub(super) fn reduce_in_place(
         b.len(),
         "reduce_in_place: acc and b differ in length"
     );
-    // SAFETY: acc and b cover acc.len() bytes, a whole number of elements; each element of
-    // acc is read before it is written.
-    let at = acc.as_mut_ptr();
-    if sacc.is_none() && sb.is_none() && unsafe { small(r, at, at, b.as_ptr(), b.len()) } {
-        return;
-    }
     binary(r, Operands::InPlace(acc), sacc, b, sb);
 }
 
@@ -1495,9 +1483,9 @@ mod tests {
 
     /// Max and min of zeros of both signs, and of a NaN and a number, come out the same
     /// whatever the operands' order, the buffer's length (scalar loops, vectorised ones and
-    /// their tails), its alignment and the kernel (separate, in place, twice): +0 for max, -0
-    /// for min, the number beside a NaN. Ranks fold their inputs in rank order but in pieces
-    /// of lengths of their own, so anything else gives ranks different bits.
+    /// their tails), its alignment and the kernel (separate, in place, twice, small): +0 for
+    /// max, -0 for min, the number beside a NaN. Ranks fold their inputs in rank order but in
+    /// pieces of lengths of their own, so anything else gives ranks different bits.
     #[test]
     fn max_and_min_of_signed_zeros_and_nans_do_not_depend_on_order_or_length() {
         let floats = DataType::ALL.into_iter().filter(|d| d.is_float());
@@ -1544,6 +1532,12 @@ mod tests {
                             );
                             check(dtype, dst.bytes(), &expect, &format!("{what} twice"));
                             check(dtype, also.bytes(), &expect, &format!("{what} also"));
+                            let d = dst.bytes_mut().as_mut_ptr();
+                            let (pa, pb) = (a.bytes().as_ptr(), b.bytes().as_ptr());
+                            // SAFETY: all three hold len elements; dst is apart from a and b.
+                            if unsafe { small(r, d, pa, pb, len * w) } {
+                                check(dtype, dst.bytes(), &expect, &format!("{what} small"));
+                            }
                         }
                     }
                 }
