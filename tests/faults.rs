@@ -761,28 +761,161 @@ impl Rng {
     }
 }
 
-/// arg: `seed|seconds`. A random mix of collectives, datatypes, ops, sizes (0 to 16 MiB) and
-/// in/out of place, on the communicator and on a split half of it, with sub-communicators
-/// created and destroyed along the way; every result checked element by element. After the
-/// first fifth of the time, descriptors and threads must stay where they were and resident
-/// memory must not keep growing.
+/// One case of the soak: what every rank of its communicator calls.
+#[derive(Clone, Copy, Debug)]
+struct Pick {
+    coll: Coll,
+    dt: i32,
+    op: i32,
+    count: usize,
+    in_place: bool,
+    on_half: bool,
+}
+
+/// Message sizes where the library changes its way (packing, the small fold, pulls between
+/// threads and processes, the busy pull), and one byte to either side.
+const EDGES: [usize; 8] = [
+    64,
+    256,
+    4 << 10,
+    32 << 10,
+    64 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+];
+
+fn pick(rng: &mut Rng, nranks: usize) -> Pick {
+    let coll = COLLS[rng.below(COLLS.len())];
+    let (dt, _, _) = common::values::DTYPES[rng.below(common::values::DTYPES.len())];
+    let op = if reduces(coll) {
+        common::values::OPS[rng.below(common::values::OPS.len())].0
+    } else {
+        SUM
+    };
+    let es = common::values::size_of(dt);
+    let up_to = |bytes: usize, rng: &mut Rng| rng.below(bytes / es / nranks + 1);
+    let mut count = match rng.below(20) {
+        0 | 1 => up_to(16 << 20, rng),
+        2..=7 => up_to(256 << 10, rng),
+        8..=11 => {
+            let edge = EDGES[rng.below(EDGES.len())] / es;
+            (edge + rng.below(3)).saturating_sub(1)
+        }
+        _ => up_to(4 << 10, rng),
+    };
+    if op != SUM && count > 4096 {
+        count = 4096 + count % 7;
+    }
+    Pick {
+        coll,
+        dt,
+        op,
+        count,
+        in_place: coll != Coll::SendRecv && rng.below(2) == 0,
+        on_half: rng.below(4) == 0,
+    }
+}
+
+/// Where a case's buffers begin past the allocator's alignment, on this rank only: whole
+/// elements, mostly a few, sometimes up to a page (buffers at different distances from their
+/// pages, as the kernel's copies and the pulls see them).
+fn offsets(local: &mut Rng, es: usize) -> [usize; 3] {
+    [0; 3].map(|_| match local.below(4) {
+        0 => 0,
+        1 => local.below(8) * es,
+        _ => local.below(4096 / es) * es,
+    })
+}
+
+/// arg: `seed|seconds`. A random mix of collectives, datatypes, ops, sizes (0 to 16 MiB, and
+/// around the sizes where the library changes its way) and in/out of place, on the
+/// communicator and on a split half of it, with sub-communicators created and destroyed along
+/// the way; every result checked element by element. Buffers begin at a distance of this
+/// rank's own from their allocation; a case may run again at once on the same buffers (the
+/// library's short way for a repeated call), and now and then two or three cases, on either
+/// communicator, go in one group. After the first fifth of the time, descriptors and threads
+/// must stay where they were and resident memory must not keep growing.
 fn soak(w: &Worker) -> Result<(), String> {
     let f = fields(w);
-    let mut rng = Rng(f[0].parse::<u64>().map_err(|e| e.to_string())? | 1);
+    let seed = f[0].parse::<u64>().map_err(|e| e.to_string())?;
     let secs: u64 = f[1].parse().map_err(|_| format!("bad seconds {}", f[1]))?;
     let c = init_rank(w)?;
-    let (h, half) = split(c, (w.rank % 2) as i32, w.rank as i32);
+    let rep = soak_on(c, w.rank, w.nranks, seed, secs)?;
+    nccl!(ncclCommDestroy(c));
+    let ((fd0, th0, rss0), (fd1, th1, rss1)) = rep.resources;
+    println!(
+        "rank {}: {}; fds {fd0} -> {fd1}, threads {th0} -> {th1}, rss {} -> {} MiB",
+        w.rank,
+        rep.done,
+        rss0 >> 20,
+        rss1 >> 20
+    );
+    if fd1 > fd0 || th1 > th0 {
+        return Err(format!(
+            "descriptors {fd0} -> {fd1}, threads {th0} -> {th1} after warm-up"
+        ));
+    }
+    if rss1 > rss0 + (96 << 20) {
+        return Err(format!(
+            "resident memory grew from {} to {} MiB",
+            rss0 >> 20,
+            rss1 >> 20
+        ));
+    }
+    Ok(())
+}
+
+/// What a soak did, and the process's resources after its warm-up and at its end.
+struct SoakReport {
+    done: String,
+    resources: ((usize, usize, usize), (usize, usize, usize)),
+}
+
+/// The soak's body on `c` (rank `rank` of `nranks`), a process of its own or a thread.
+fn soak_on(
+    c: ncclComm_t,
+    rank: usize,
+    nranks: usize,
+    seed: u64,
+    secs: u64,
+) -> Result<SoakReport, String> {
+    let mut rng = Rng(seed | 1);
+    // Decisions no other rank needs to share: where buffers begin.
+    let mut local = Rng((seed ^ (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+    let (h, half) = split(c, (rank % 2) as i32, rank as i32);
     if h != OK {
         return Err(format!("split: {}", last_error()));
     }
     let (mut hn, mut hr) = (0i32, 0i32);
     nccl!(ncclCommCount(half, &mut hn));
     nccl!(ncclCommUserRank(half, &mut hr));
+    let ctx_of = |p: &Pick| {
+        if p.on_half {
+            Ctx {
+                comm: half,
+                rank: hr as usize,
+                n: hn as usize,
+            }
+        } else {
+            Ctx {
+                comm: c,
+                rank,
+                n: nranks,
+            }
+        }
+    };
+    let bufs_for = |p: &Pick, local: &mut Rng| {
+        let es = common::values::size_of(p.dt);
+        CaseBufs::at(p.coll, p.count, ctx_of(p).n, es, offsets(local, es))
+    };
     let started = Instant::now();
     let total = Duration::from_secs(secs);
     let mut baseline: Option<(usize, usize, usize)> = None;
-    let mut ops = 0usize;
+    let (mut ops, mut groups, mut again) = (0usize, 0usize, 0usize);
     let mut slowest = (Duration::ZERO, String::new());
+    // The last single case and its buffers, which the next may run on again.
+    let mut kept: Option<(Pick, CaseBufs)> = None;
     // Every rank must take every decision the same way: stop after a number of ops agreed on
     // by all (the slowest rank's view of time decides, through an all-reduce of a flag).
     loop {
@@ -806,63 +939,75 @@ fn soak(w: &Worker) -> Result<(), String> {
             }
         }
         ops += 1;
-        let coll = COLLS[rng.below(COLLS.len())];
-        let (dt, _, _) = common::values::DTYPES[rng.below(common::values::DTYPES.len())];
-        let op = if reduces(coll) {
-            common::values::OPS[rng.below(common::values::OPS.len())].0
-        } else {
-            SUM
-        };
-        let es = common::values::size_of(dt);
-        let max_bytes = match rng.below(10) {
-            0 => 16 << 20,
-            1..=3 => 256 << 10,
-            _ => 4 << 10,
-        };
-        let mut count = rng.below(max_bytes / es / w.nranks + 1);
-        if op != SUM && count > 4096 {
-            count = 4096 + count % 7;
-        }
-        let in_place = coll != Coll::SendRecv && rng.below(2) == 0;
-        let on_half = rng.below(4) == 0;
-        let lifecycle = rng.below(64) == 0;
-        let ctx = if on_half {
-            Ctx {
-                comm: half,
-                rank: hr as usize,
-                n: hn as usize,
-            }
-        } else {
-            Ctx {
-                comm: c,
-                rank: w.rank,
-                n: w.nranks,
-            }
-        };
         let t = Instant::now();
-        run_case(&ctx, coll, dt, op, count, in_place).map_err(|e| format!("op {ops}: {e}"))?;
+        let described;
+        match rng.below(10) {
+            0 => {
+                // A group of cases, each on buffers of its own.
+                let picks: Vec<Pick> = (0..2 + rng.below(2))
+                    .map(|_| pick(&mut rng, nranks))
+                    .collect();
+                let mut bufs: Vec<CaseBufs> =
+                    picks.iter().map(|p| bufs_for(p, &mut local)).collect();
+                let mut cases = Vec::new();
+                for (p, b) in picks.iter().zip(bufs.iter_mut()) {
+                    let ctx = ctx_of(p);
+                    let case = Case::prepare(&ctx, b, p.coll, p.dt, p.op, p.count, p.in_place);
+                    cases.push((ctx, case.map_err(|e| format!("op {ops}: {e}"))?));
+                }
+                nccl!(ncclGroupStart());
+                for (ctx, case) in &cases {
+                    case.launch(ctx)
+                        .map_err(|e| format!("op {ops} (group of {picks:?}): {e}"))?;
+                }
+                nccl!(ncclGroupEnd());
+                for (ctx, case) in cases {
+                    case.check(&ctx)
+                        .map_err(|e| format!("op {ops} (group of {picks:?}): {e}"))?;
+                }
+                groups += 1;
+                described = format!("group of {picks:?}");
+            }
+            1..=3 if kept.is_some() => {
+                // The last case again on its buffers, sometimes in place the other way.
+                let (p, b) = kept.as_mut().expect("kept");
+                if p.coll != Coll::SendRecv && rng.below(3) == 0 {
+                    p.in_place = !p.in_place;
+                }
+                let p = *p;
+                run_case_on(&ctx_of(&p), b, p.coll, p.dt, p.op, p.count, p.in_place)
+                    .map_err(|e| format!("op {ops} (again, {p:?}): {e}"))?;
+                again += 1;
+                described = format!("again {p:?}");
+            }
+            _ => {
+                let p = pick(&mut rng, nranks);
+                let mut b = bufs_for(&p, &mut local);
+                run_case_on(&ctx_of(&p), &mut b, p.coll, p.dt, p.op, p.count, p.in_place)
+                    .map_err(|e| format!("op {ops} ({p:?}): {e}"))?;
+                described = format!("{p:?}");
+                kept = Some((p, b));
+            }
+        }
         let took = t.elapsed();
         if took > slowest.0 {
-            slowest = (
-                took,
-                format!("op {ops}: {coll:?} of {count} x type {dt}, op {op}, in place {in_place}, half {on_half}"),
-            );
+            slowest = (took, format!("op {ops}: {described}"));
         }
-        if lifecycle {
-            let (r, child) = split(c, 0, (w.nranks - w.rank) as i32);
+        if rng.below(64) == 0 {
+            let (r, child) = split(c, 0, (nranks - rank) as i32);
             if r != OK {
                 return Err(format!("op {ops}: split: {}", last_error()));
             }
             let ctx = Ctx {
                 comm: child,
-                rank: w.nranks - 1 - w.rank,
-                n: w.nranks,
+                rank: nranks - 1 - rank,
+                n: nranks,
             };
             run_case(&ctx, Coll::AllReduce, FLOAT, SUM, 1001, false)?;
             nccl!(ncclCommDestroy(child));
         }
     }
-    let (fd0, th0, rss0) = baseline.ok_or_else(|| {
+    let baseline = baseline.ok_or_else(|| {
         format!(
             "the soak ended before its warm-up: {ops} operations in {:.1} s, the slowest {:.2} s ({})",
             started.elapsed().as_secs_f64(),
@@ -870,29 +1015,17 @@ fn soak(w: &Worker) -> Result<(), String> {
             slowest.1
         )
     })?;
-    let (fd1, th1, rss1) = resources();
-    println!(
-        "rank {}: {ops} operations in {:.0} s; fds {fd0} -> {fd1}, threads {th0} -> {th1}, rss {} -> {} MiB",
-        w.rank,
-        started.elapsed().as_secs_f64(),
-        rss0 >> 20,
-        rss1 >> 20
-    );
-    if fd1 > fd0 || th1 > th0 {
-        return Err(format!(
-            "descriptors {fd0} -> {fd1}, threads {th0} -> {th1} after warm-up"
-        ));
-    }
-    if rss1 > rss0 + (96 << 20) {
-        return Err(format!(
-            "resident memory grew from {} to {} MiB",
-            rss0 >> 20,
-            rss1 >> 20
-        ));
-    }
+    let end = resources();
     nccl!(ncclCommDestroy(half));
-    nccl!(ncclCommDestroy(c));
-    Ok(())
+    Ok(SoakReport {
+        done: format!(
+            "{ops} operations ({groups} groups, {again} again) in {:.0} s, the slowest {:.2} s ({})",
+            started.elapsed().as_secs_f64(),
+            slowest.0.as_secs_f64(),
+            slowest.1
+        ),
+        resources: (baseline, end),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1080,16 +1213,33 @@ fn teardown_cycles_3_processes_oversubscribed() {
     teardown_cycles_under_contention(3);
 }
 
-fn soak_for(n: usize) {
-    let secs = std::env::var("COMM_TEST_SOAK_SECS").unwrap_or_else(|_| "40".into());
-    // COMM_TEST_SOAK_SEED replays a soak whose seed a failure printed.
+/// The soak's length (COMM_TEST_SOAK_SECS, 40 s by default) and seed (COMM_TEST_SOAK_SEED
+/// replays a soak whose seed a failure printed).
+fn soak_setting() -> (u64, u64) {
+    let secs = std::env::var("COMM_TEST_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(40);
     let seed = std::env::var("COMM_TEST_SOAK_SEED")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
         .unwrap_or_else(|| now_ns() as u64);
+    (secs, seed)
+}
+
+fn soak_for(n: usize) {
+    let (secs, seed) = soak_setting();
     println!("soak on {n} processes for {secs} s, seed {seed}");
-    let limit = secs.parse::<u64>().unwrap_or(40) * 3 + 120;
-    run("soak", n, &format!("{seed}|{secs}"), &[], limit);
+    let limit = secs * 3 + 120;
+    let arg = format!("{seed}|{secs}");
+    let r = launch("worker", "soak", n, &arg, &[], Duration::from_secs(limit));
+    print!("{}", r[0].stdout);
+    assert_all_ok(&r, &format!("soak ({arg}) with {n} processes"));
+}
+
+#[test]
+fn soak_2_processes() {
+    soak_for(2);
 }
 
 #[test]
@@ -1100,6 +1250,22 @@ fn soak_3_processes() {
 #[test]
 fn soak_4_processes() {
     soak_for(4);
+}
+
+/// The soak with every rank a thread of this process (`ncclCommInitAll`): pulls between ranks
+/// are plain copies there. Descriptors and memory are the process's, shared by the ranks: not
+/// checked here.
+#[test]
+fn soak_3_threads() {
+    let (secs, seed) = soak_setting();
+    println!("soak on 3 threads for {secs} s, seed {seed}");
+    with_threads(3, Duration::from_secs(secs * 3 + 120), move |c, rank, n| {
+        let rep = soak_on(c, rank, n, seed, secs)?;
+        if rank == 0 {
+            println!("rank 0: {}", rep.done);
+        }
+        Ok(())
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

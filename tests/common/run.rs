@@ -11,31 +11,43 @@ use std::os::raw::c_void;
 const GUARD: usize = 64;
 const CANARY: u8 = 0xa5;
 
-/// A buffer with canaries on both sides, to catch writes out of bounds.
+/// A buffer with canaries on both sides, to catch writes out of bounds; its data may begin
+/// some bytes past the allocation's alignment (`Buf::at`), as a tensor's storage offset or a
+/// sub-buffer puts it.
 pub struct Buf {
     bytes: Vec<u8>,
     len: usize,
+    /// Where the data begins: the guard plus the offset asked for.
+    start: usize,
 }
 
 impl Buf {
     pub fn new(len: usize) -> Buf {
+        Buf::at(len, 0)
+    }
+    /// `len` bytes beginning `offset` bytes past where `new` would put them.
+    pub fn at(len: usize, offset: usize) -> Buf {
         Buf {
-            bytes: vec![CANARY; len + 2 * GUARD],
+            bytes: vec![CANARY; len + offset + 2 * GUARD],
             len,
+            start: GUARD + offset,
         }
     }
     pub fn ptr(&mut self) -> *mut c_void {
-        unsafe { self.bytes.as_mut_ptr().add(GUARD) as *mut c_void }
+        unsafe { self.bytes.as_mut_ptr().add(self.start) as *mut c_void }
     }
     pub fn data(&self) -> &[u8] {
-        &self.bytes[GUARD..GUARD + self.len]
+        &self.bytes[self.start..self.start + self.len]
     }
     pub fn data_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes[GUARD..GUARD + self.len]
+        &mut self.bytes[self.start..self.start + self.len]
     }
+    /// Every byte outside the data (the guards and the offset's bytes) as it was made.
     pub fn canaries_intact(&self) -> bool {
-        self.bytes[..GUARD].iter().all(|&b| b == CANARY)
-            && self.bytes[GUARD + self.len..].iter().all(|&b| b == CANARY)
+        self.bytes[..self.start].iter().all(|&b| b == CANARY)
+            && self.bytes[self.start + self.len..]
+                .iter()
+                .all(|&b| b == CANARY)
     }
 }
 
@@ -81,11 +93,17 @@ pub struct CaseBufs {
 
 impl CaseBufs {
     pub fn new(coll: Coll, count: usize, n: usize, es: usize) -> CaseBufs {
+        CaseBufs::at(coll, count, n, es, [0; 3])
+    }
+
+    /// Buffers whose data begin `offsets` bytes (in place, send, receive) past where `new`
+    /// puts them.
+    pub fn at(coll: Coll, count: usize, n: usize, es: usize, offsets: [usize; 3]) -> CaseBufs {
         let (send_elems, recv_elems) = elems(coll, count, n);
         CaseBufs {
-            big: Buf::new(send_elems.max(recv_elems) * es),
-            recv: Buf::new(recv_elems * es),
-            send: Buf::new(send_elems * es),
+            big: Buf::at(send_elems.max(recv_elems) * es, offsets[0]),
+            recv: Buf::at(recv_elems * es, offsets[2]),
+            send: Buf::at(send_elems * es, offsets[1]),
             shape: (coll, count, es),
         }
     }
@@ -122,111 +140,189 @@ pub fn run_case_on(
     count: usize,
     in_place: bool,
 ) -> Result<(), String> {
-    let (rank, n) = (ctx.rank, ctx.n);
-    let es = size_of(dt);
-    if bufs.shape != (coll, count, es) {
-        return Err(format!(
-            "buffers made for {:?} are used for {:?}",
-            bufs.shape,
-            (coll, count, es)
-        ));
-    }
-    bufs.clear();
-    let root = root_for(count, n);
-    let what =
-        format!("{coll:?} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}");
-    let fill = |b: &mut [u8], r: usize| {
-        for (j, e) in b.chunks_exact_mut(es).enumerate() {
-            encode(dt, contribution(coll, dt, op, r, j), e);
+    let case = Case::prepare(ctx, bufs, coll, dt, op, count, in_place)?;
+    case.launch(ctx)?;
+    case.check(ctx)
+}
+
+/// One case with its buffers filled and its op made, to be launched (alone, or with others
+/// inside a group) and then checked.
+pub struct Case<'a> {
+    bufs: &'a mut CaseBufs,
+    coll: Coll,
+    dt: i32,
+    op: i32,
+    count: usize,
+    in_place: bool,
+    root: usize,
+    redop: i32,
+    /// A PreMulSum op's scalar, which a call may read where it lies when it runs.
+    _scalar: Box<[u8; 8]>,
+    /// The call's send and receive pointers (the receive one null where `null_recv`), and
+    /// where the receive part begins in its buffer (bytes).
+    sendp: *const c_void,
+    recvp: *mut c_void,
+    recv_at: usize,
+    /// A rank other than the root passes no receive buffer to a reduce or gather.
+    null_recv: bool,
+    what: String,
+}
+
+impl<'a> Case<'a> {
+    /// Clears the buffers, fills the send part and makes the op.
+    pub fn prepare(
+        ctx: &Ctx,
+        bufs: &'a mut CaseBufs,
+        coll: Coll,
+        dt: i32,
+        op: i32,
+        count: usize,
+        in_place: bool,
+    ) -> Result<Case<'a>, String> {
+        let (rank, n) = (ctx.rank, ctx.n);
+        let es = size_of(dt);
+        if bufs.shape != (coll, count, es) {
+            return Err(format!(
+                "buffers made for {:?} are used for {:?}",
+                bufs.shape,
+                (coll, count, es)
+            ));
         }
-    };
-    let (send_elems, recv_elems) = elems(coll, count, n);
-    let mut scalar_store = [0u8; 8];
-    let redop = if reduces(coll) {
-        make_op(ctx, dt, op, count % 2 == 1, &mut scalar_store)?
-    } else {
-        0
-    };
-    // In place: one buffer, with the send part where NCCL's rule puts it.
-    let CaseBufs {
-        big,
-        recv: recv_buf,
-        send: send_buf,
-        ..
-    } = bufs;
-    let (sendp, recvp): (*const c_void, *mut c_void);
-    if in_place {
-        let base = big.ptr() as *mut u8;
-        let (soff, roff) = in_place_offsets(coll, rank, root, count, es);
-        let s = unsafe { std::slice::from_raw_parts_mut(base.add(soff), send_elems * es) };
-        if !(matches!(coll, Coll::Scatter) && rank != root) {
-            fill(s, rank);
-        }
-        sendp = unsafe { base.add(soff) } as *const c_void;
-        recvp = unsafe { base.add(roff) } as *mut c_void;
-    } else {
-        fill(send_buf.data_mut(), rank);
-        sendp = send_buf.ptr();
-        recvp = recv_buf.ptr();
-    }
-    let null_recv =
-        !in_place && matches!(coll, Coll::Reduce | Coll::Gather) && rank != root && count % 2 == 0;
-    let recvp = if null_recv {
-        std::ptr::null_mut()
-    } else {
-        recvp
-    };
-    let c = ctx.comm;
-    let s = std::ptr::null_mut();
-    match coll {
-        Coll::AllReduce => nccl!(ncclAllReduce(sendp, recvp, count, dt, redop, c, s)),
-        Coll::Broadcast => nccl!(ncclBroadcast(sendp, recvp, count, dt, root as i32, c, s)),
-        Coll::Reduce => nccl!(ncclReduce(
+        bufs.clear();
+        let root = root_for(count, n);
+        let what = format!(
+            "{coll:?} count={count} op={op} in_place={in_place} root={root} rank={rank}/{n}"
+        );
+        let fill = |b: &mut [u8], r: usize| {
+            for (j, e) in b.chunks_exact_mut(es).enumerate() {
+                encode(dt, contribution(coll, dt, op, r, j), e);
+            }
+        };
+        let send_elems = elems(coll, count, n).0;
+        let mut scalar = Box::new([0u8; 8]);
+        let redop = if reduces(coll) {
+            make_op(ctx, dt, op, count % 2 == 1, &mut scalar)?
+        } else {
+            0
+        };
+        // In place: one buffer, with the send part where NCCL's rule puts it.
+        let (send_at, recv_at) = if in_place {
+            let (soff, roff) = in_place_offsets(coll, rank, root, count, es);
+            if !(matches!(coll, Coll::Scatter) && rank != root) {
+                fill(&mut bufs.big.data_mut()[soff..soff + send_elems * es], rank);
+            }
+            (soff, roff)
+        } else {
+            fill(bufs.send.data_mut(), rank);
+            (0, 0)
+        };
+        let null_recv = !in_place
+            && matches!(coll, Coll::Reduce | Coll::Gather)
+            && rank != root
+            && count % 2 == 0;
+        let (send_base, recv_base) = if in_place {
+            let big = bufs.big.ptr() as *mut u8;
+            (big, big)
+        } else {
+            (bufs.send.ptr() as *mut u8, bufs.recv.ptr() as *mut u8)
+        };
+        let sendp = unsafe { send_base.add(send_at) } as *const c_void;
+        let recvp = if null_recv {
+            std::ptr::null_mut()
+        } else {
+            unsafe { recv_base.add(recv_at) as *mut c_void }
+        };
+        Ok(Case {
+            bufs,
+            coll,
+            dt,
+            op,
+            count,
+            in_place,
+            root,
+            redop,
+            _scalar: scalar,
             sendp,
             recvp,
-            count,
-            dt,
-            redop,
-            root as i32,
-            c,
-            s
-        )),
-        Coll::AllGather => nccl!(ncclAllGather(sendp, recvp, count, dt, c, s)),
-        Coll::ReduceScatter => nccl!(ncclReduceScatter(sendp, recvp, count, dt, redop, c, s)),
-        Coll::AlltoAll => nccl!(ncclAlltoAll(sendp, recvp, count, dt, c, s)),
-        Coll::Gather => nccl!(ncclGather(sendp, recvp, count, dt, root as i32, c, s)),
-        Coll::Scatter => nccl!(ncclScatter(sendp, recvp, count, dt, root as i32, c, s)),
-        Coll::SendRecv => {
-            // A ring shift inside one group: everyone sends before anyone receives.
-            nccl!(ncclGroupStart());
-            nccl!(ncclSend(sendp, count, dt, ((rank + 1) % n) as i32, c, s));
-            nccl!(ncclRecv(
+            recv_at,
+            null_recv,
+            what,
+        })
+    }
+
+    /// Makes the call (a send and receive pair is a group of its own, which nests in an open
+    /// one).
+    pub fn launch(&self, ctx: &Ctx) -> Result<(), String> {
+        let (rank, n, root) = (ctx.rank, ctx.n, self.root);
+        let (coll, dt, count, redop) = (self.coll, self.dt, self.count, self.redop);
+        let (sendp, recvp) = (self.sendp, self.recvp);
+        let c = ctx.comm;
+        let s = std::ptr::null_mut();
+        match coll {
+            Coll::AllReduce => nccl!(ncclAllReduce(sendp, recvp, count, dt, redop, c, s)),
+            Coll::Broadcast => nccl!(ncclBroadcast(sendp, recvp, count, dt, root as i32, c, s)),
+            Coll::Reduce => nccl!(ncclReduce(
+                sendp,
                 recvp,
                 count,
                 dt,
-                ((rank + n - 1) % n) as i32,
+                redop,
+                root as i32,
                 c,
                 s
-            ));
-            nccl!(ncclGroupEnd());
+            )),
+            Coll::AllGather => nccl!(ncclAllGather(sendp, recvp, count, dt, c, s)),
+            Coll::ReduceScatter => nccl!(ncclReduceScatter(sendp, recvp, count, dt, redop, c, s)),
+            Coll::AlltoAll => nccl!(ncclAlltoAll(sendp, recvp, count, dt, c, s)),
+            Coll::Gather => nccl!(ncclGather(sendp, recvp, count, dt, root as i32, c, s)),
+            Coll::Scatter => nccl!(ncclScatter(sendp, recvp, count, dt, root as i32, c, s)),
+            Coll::SendRecv => {
+                // A ring shift inside one group: everyone sends before anyone receives.
+                nccl!(ncclGroupStart());
+                nccl!(ncclSend(sendp, count, dt, ((rank + 1) % n) as i32, c, s));
+                nccl!(ncclRecv(
+                    recvp,
+                    count,
+                    dt,
+                    ((rank + n - 1) % n) as i32,
+                    c,
+                    s
+                ));
+                nccl!(ncclGroupEnd());
+            }
         }
+        Ok(())
     }
-    if redop >= 5 {
-        nccl!(ncclRedOpDestroy(redop, c));
+
+    /// After the call (or its group) completed: destroys the op, then checks the canaries and
+    /// every element of the output.
+    pub fn check(self, ctx: &Ctx) -> Result<(), String> {
+        if self.redop >= 5 {
+            nccl!(ncclRedOpDestroy(self.redop, ctx.comm));
+        }
+        let CaseBufs {
+            big,
+            recv: recv_buf,
+            send: send_buf,
+            ..
+        } = &*self.bufs;
+        let what = &self.what;
+        if !big.canaries_intact() || !recv_buf.canaries_intact() || !send_buf.canaries_intact() {
+            return Err(format!("{what}: wrote outside its buffers"));
+        }
+        if self.null_recv {
+            return Ok(());
+        }
+        let (coll, dt, count) = (self.coll, self.dt, self.count);
+        let es = size_of(dt);
+        let recv_elems = elems(coll, count, ctx.n).1;
+        let out: &[u8] = if self.in_place {
+            &big.data()[self.recv_at..self.recv_at + recv_elems * es]
+        } else {
+            recv_buf.data()
+        };
+        verify(coll, dt, self.op, ctx.rank, ctx.n, count, what, out)
     }
-    if !big.canaries_intact() || !recv_buf.canaries_intact() || !send_buf.canaries_intact() {
-        return Err(format!("{what}: wrote outside its buffers"));
-    }
-    if null_recv {
-        return Ok(());
-    }
-    let out: &[u8] = if in_place {
-        let roff = recvp as usize - big.ptr() as usize;
-        &big.data()[roff..roff + recv_elems * es]
-    } else {
-        recv_buf.data()
-    };
-    verify(coll, dt, op, rank, n, count, &what, out)
 }
 
 /// Every collective x datatype x op, in place and out of place, at sizes 0, 1, 7 and one not
