@@ -1296,6 +1296,27 @@ fn with_fault_file(tag: &str, run: impl FnOnce(&str)) {
     remove_fault_files(&file);
 }
 
+/// The soak with 3 ranks on 2 hosts (two on the first, sharing memory, one on the other):
+/// the network transport and the algorithms that know hosts, with everything the soak mixes.
+#[test]
+fn soak_across_hosts() {
+    let Some(hosts) = Hosts::up(2) else { return };
+    let (secs, seed) = soak_setting();
+    println!("soak on 3 ranks of 2 hosts for {secs} s, seed {seed}");
+    let arg = format!("{seed}|{secs}");
+    let r = launch_on(
+        &hosts,
+        &[2, 1],
+        "soak",
+        &arg,
+        &[],
+        Duration::from_secs(secs * 3 + 120),
+        || {},
+    );
+    print!("{}", r[0].stdout);
+    assert_all_ok(&r, &format!("soak ({arg}) on 3 ranks of 2 hosts"));
+}
+
 #[test]
 fn kills_across_hosts() {
     let Some(hosts) = Hosts::up(3) else { return };
