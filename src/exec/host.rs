@@ -201,6 +201,7 @@ impl XStep {
     /// Back to the start: no progress, waiting for `waiting_on` earlier steps.
     fn restart(&mut self, waiting_on: u32) {
         self.waiting_on = waiting_on;
+        self.finished = false;
         self.send = SendCursor::default();
         self.recv = RecvCursor::default();
     }
@@ -220,6 +221,8 @@ struct XStep {
     /// in-place all-to-all's blocks, just copied there: 2 processes, 128-512 KiB, 1.1-1.6x
     /// slower when peers pulled them out of this core's cache than through the slots).
     copied: bool,
+    /// `straight` finished it (the executor that takes over skips it).
+    finished: bool,
     send: SendCursor,
     recv: RecvCursor,
 }
@@ -457,8 +460,9 @@ struct Tables {
     forward_first: bool,
     /// Some receive of this run could forward.
     could_forward: bool,
-    /// `one_step` tried the run's steps and left their progress in them: the executor that
-    /// takes over keeps it instead of starting them afresh.
+    /// `straight` tried the run's steps: those it finished are marked so (their dependents'
+    /// counts lowered) and the others kept what the try did. The executor that takes over
+    /// goes on from there instead of starting them afresh.
     tried: bool,
 }
 
@@ -670,12 +674,13 @@ impl<'a> Exec<'a> {
                 if reuse == Reuse::Structure {
                     b.take_buffers(op, scratch, &mut t.steps);
                 }
-                if !std::mem::take(&mut t.tried) {
+                let tried = std::mem::take(&mut t.tried);
+                if !tried {
                     for (i, s) in t.steps.iter_mut().enumerate() {
                         s.restart(b.hazards.waiting_on[i]);
                     }
                 }
-                return Ok(Exec::rewind(wiring, t));
+                return Ok(Exec::rewind(wiring, t, tried));
             }
         }
         *built = None;
@@ -705,6 +710,7 @@ impl<'a> Exec<'a> {
                     dependents: 0,
                     hint: Hint::None,
                     copied,
+                    finished: false,
                     send: SendCursor::default(),
                     recv: RecvCursor::default(),
                 });
@@ -777,19 +783,40 @@ impl<'a> Exec<'a> {
         t.peers.extend(
             (0..npeers).filter(|&p| !send_q[p].steps.is_empty() || !recv_q[p].steps.is_empty()),
         );
-        Exec::rewind(wiring, t)
+        Exec::rewind(wiring, t, false)
     }
 
-    /// The executor over steps queued before (by `queue`), from their start.
-    fn rewind(wiring: &'a Wiring, t: &'a mut Tables) -> Exec<'a> {
+    /// The executor over steps queued before (by `queue`), from their start, or, when
+    /// `straight` `tried` them, past those it finished (their dependents' counts lowered).
+    fn rewind(wiring: &'a Wiring, t: &'a mut Tables, tried: bool) -> Exec<'a> {
+        let steps = &t.steps;
         for &p in &t.peers {
-            t.send_q[p].head = 0;
-            t.recv_q[p].head = 0;
+            // What `straight` finished of a queue comes first in it.
+            for q in [&mut t.send_q[p], &mut t.recv_q[p]] {
+                q.head = if tried {
+                    q.steps
+                        .iter()
+                        .take_while(|&&i| steps[i as usize].finished)
+                        .count()
+                } else {
+                    0
+                };
+            }
         }
         t.ready_local.clear();
-        t.ready_local.extend_from_slice(&t.first_local);
+        let mut remaining = steps.len();
+        if !tried {
+            t.ready_local.extend_from_slice(&t.first_local);
+        } else {
+            remaining -= steps.iter().filter(|s| s.finished).count();
+            // Lowest first off the stack, as `first_local` has them.
+            t.ready_local
+                .extend((0..steps.len() as u32).rev().filter(|&i| {
+                    let s = &steps[i as usize];
+                    !s.finished && s.waiting_on == 0 && matches!(s.action, Action::Local { .. })
+                }));
+        }
         t.posted.clear();
-        let remaining = t.steps.len();
         let busy = t.ops.iter().any(|o| o.schedule.copies_in);
         Exec {
             wiring,
@@ -1339,16 +1366,27 @@ fn run_local(action: Action, reduction: Option<Reduction>) -> Result<()> {
     Ok(())
 }
 
-/// A repeated call whose steps all wait for nothing and talk to one peer once, the rest of
-/// them local (a two-rank broadcast, reduce, send or receive), first tries that send or
-/// receive straight on its link, then the local steps if it finished: what the executor's
-/// first pass would do, without building it, which costs more than the step itself in such
-/// small calls: an 8-byte two-rank broadcast took about 1330 instructions a call at the root
-/// and 1420 at the other rank, of which the link's send or receive 230-390; tried this way,
-/// 890-1010 and 1050 (callgrind). Returns whether the run is done; when it is not, the steps
-/// keep what the try did (`Tables::tried`) and the executor goes on from there. False, having
-/// tried nothing, for any other run.
-fn one_step(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
+/// A repeated call's steps tried in order, each straight on its link or locally, for as long
+/// as each finishes at once: what the executor's passes would do, without building it, which
+/// costs more than the steps themselves in small calls. An 8-byte two-rank broadcast took
+/// about 1330 instructions a call at the root and 1420 at the other rank, of which the link's
+/// send or receive 230-390; tried this way, 890-1010 and 1050 (callgrind). With four ranks the
+/// root sends to two peers and a rank between receives and passes on: tried only when a call
+/// was one send or receive, they took 1820 and 2090 instructions a call; 1240 and 1300 now.
+/// Returns whether the run is done; when it is not, the steps keep what the try did
+/// (`Tables::tried`: which finished, the progress of the others) and the executor goes on
+/// from there. False, having tried nothing, for a run it does not take: one of several
+/// operations, one not run before on this plan, one whose buffers are large enough to move
+/// onto huge pages, or one that forwards folded bytes (only the executor sees which receive
+/// may).
+///
+/// Steps wait only for earlier ones (`Hazards`), so in order each finds what it waits for
+/// done. Past a step that did not finish, the try goes on only with sends that wait for
+/// nothing unfinished, to peers none of whose sends stayed behind: each peer's messages keep
+/// their order, and peers get what they wait for as soon as the executor would give it. A
+/// local step that nothing waits for (an all-gather's own block) runs last, once every link
+/// step finished, as the executor runs local steps after its sends.
+fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     let ExecCache {
         scratch,
         tables: t,
@@ -1360,83 +1398,125 @@ fn one_step(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     };
     // Buffers large enough to move onto huge pages take the executor's way, which moves them
     // (a range is moved the second time it is seen, so it must be seen once a call).
-    if op.schedule.scratch != 0 || wiring.huge_pages_from.is_some_and(|m| op.extent() >= m) {
+    let huge = |len: usize| wiring.huge_pages_from.is_some_and(|m| len >= m);
+    if huge(op.extent()) || huge(op.schedule.scratch) {
+        return Ok(false);
+    }
+    // A receive forwards only when the executor sees the reply queued behind it.
+    let stream = op.schedule.recv_extent >= STREAM_FROM;
+    if stream
+        && t.steps
+            .iter()
+            .filter(|s| !matches!(s.action, Action::Local { .. }))
+            .nth(1)
+            .is_some()
+    {
         return Ok(false);
     }
     let scratch = scratch.as_mut_ptr() as *mut u8;
     let reuse = b.reuse(op, scratch, t.steps.len());
-    if reuse == Reuse::Nothing || b.hazards.waiting_on.iter().any(|&w| w != 0) {
+    if reuse == Reuse::Nothing {
         return Ok(false);
     }
-    let mut link_steps = t
-        .steps
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| !matches!(s.action, Action::Local { .. }));
-    let (Some((k, _)), None) = (link_steps.next(), link_steps.next()) else {
-        return Ok(false);
-    };
     if reuse == Reuse::Structure {
         b.take_buffers(op, scratch, &mut t.steps);
     }
-    // Every step waits for nothing (checked above).
-    for s in t.steps.iter_mut() {
-        s.restart(0);
+    for (s, &w) in t.steps.iter_mut().zip(b.hazards.waiting_on.iter()) {
+        s.restart(w);
     }
-    let x = &mut t.steps[k];
-    let done = match x.action {
-        Action::Send { peer, .. } => {
-            let msg = x.message(op, op.schedule.copies_in);
-            wiring.links[peer].send(&msg, &mut x.send)?.state == SendState::Complete
-        }
-        Action::Recv {
-            peer,
-            dst,
-            len,
-            with,
-            last,
-        } => {
-            // Nothing is sent after it, so nothing forwards (`Exec::drive_recv`).
-            let mut sink = RecvSink {
+    // Peers (a bit each, all from the 128th on) whose next send waits behind one that has
+    // not finished: later sends to them wait too.
+    let bit = |peer: usize| if peer < 128 { 1u128 << peer } else { u128::MAX };
+    let mut closed = 0u128;
+    // Every step so far finished: receives and local steps go on only while so, sends
+    // whose turn and inputs have come go on regardless (the executor posts them first too).
+    let mut all = true;
+    let mut deferred = false;
+    for k in 0..t.steps.len() {
+        let x = &mut t.steps[k];
+        let finished = match x.action {
+            Action::Send { peer, .. } => {
+                let complete = closed & bit(peer) == 0 && x.waiting_on == 0 && {
+                    let msg = x.message(op, op.schedule.copies_in);
+                    wiring.links[peer].send(&msg, &mut x.send)?.state == SendState::Complete
+                };
+                if !complete {
+                    closed |= bit(peer);
+                }
+                complete
+            }
+            Action::Recv {
+                peer,
                 dst,
                 len,
                 with,
-                reduction: op.reduction,
                 last,
-                returns: x.hint == Hint::Returns,
-                forwards: false,
-                forward_first: false,
-                stream: op.schedule.recv_extent >= STREAM_FROM,
-            };
-            let expect = InExpect { len, tag: op.tag };
-            wiring.links[peer]
-                .recv(&expect, &mut x.recv, &mut sink)?
-                .state
+            } => {
+                all && x.waiting_on == 0 && {
+                    let mut sink = RecvSink {
+                        dst,
+                        len,
+                        with,
+                        reduction: op.reduction,
+                        last,
+                        returns: x.hint == Hint::Returns,
+                        forwards: false,
+                        forward_first: false,
+                        stream,
+                    };
+                    let expect = InExpect { len, tag: op.tag };
+                    wiring.links[peer]
+                        .recv(&expect, &mut x.recv, &mut sink)?
+                        .state
+                }
+            }
+            // Last, if every link step finishes (see above).
+            Action::Local { .. } if x.dependents == 0 => {
+                deferred = true;
+                continue;
+            }
+            Action::Local { .. } => {
+                all && x.waiting_on == 0 && {
+                    run_local(x.action, op.reduction)?;
+                    true
+                }
+            }
+        };
+        if !finished {
+            all = false;
+            continue;
         }
-        Action::Local { .. } => unreachable!("a local step among the link steps"),
-    };
+        x.finished = true;
+        let (from, n) = (x.first_dependent as usize, x.dependents as usize);
+        for &d in &t.edges[from..from + n] {
+            t.steps[d as usize].waiting_on -= 1;
+        }
+    }
+    if all && deferred {
+        // Every other step finished, so these wait for nothing.
+        for x in t.steps.iter_mut() {
+            if !x.finished {
+                run_local(x.action, op.reduction)?;
+                x.finished = true;
+            }
+        }
+    }
     #[cfg(test)]
-    ONE_STEP_RUNS.with(|c| {
+    STRAIGHT_RUNS.with(|c| {
         let mut v = c.get();
-        v[usize::from(!done)] += 1;
+        let some = t.steps.iter().any(|s| s.finished);
+        v[if all { 0 } else { 1 + usize::from(some) }] += 1;
         c.set(v);
     });
-    if !done {
-        t.tried = true;
-        return Ok(false);
-    }
-    for s in &t.steps {
-        if matches!(s.action, Action::Local { .. }) {
-            run_local(s.action, op.reduction)?;
-        }
-    }
-    Ok(true)
+    t.tried = !all;
+    Ok(all)
 }
 
 #[cfg(test)]
 thread_local! {
-    /// Runs this thread's `one_step` tried: [finished there, handed over to the executor].
-    static ONE_STEP_RUNS: std::cell::Cell<[u32; 2]> = const { std::cell::Cell::new([0, 0]) };
+    /// Runs this thread's `straight` tried: [finished there, handed over to the executor at
+    /// the first step, handed over later].
+    static STRAIGHT_RUNS: std::cell::Cell<[u32; 3]> = const { std::cell::Cell::new([0; 3]) };
 }
 
 /// Runs the one operation in `cache.tables.ops`, then warms the links again after a `large`
@@ -1454,7 +1534,7 @@ fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> 
     cache.tables.forward_first = matches!(timed, Some((Way::Forward, ..)));
     cache.tables.could_forward = false;
     if timed.is_none() && !large {
-        match one_step(wiring, cache) {
+        match straight(wiring, cache) {
             Ok(false) => {}
             Ok(true) => {
                 if let Some(cpu) = this_cpu() {
@@ -2206,7 +2286,7 @@ mod tests {
     // ---------------------------------------------------------------------------------------
     // The executor over an in-memory mesh: ranks are threads, links hand messages across.
 
-    use crate::algo::{ring, Operand, Shape};
+    use crate::algo::{direct, ring, tree, Operand, Schedule, Shape};
     use crate::reduce::{DataType, ReduceOp};
     use crate::transport::{Closing, LocalDoorbell};
     use std::collections::VecDeque;
@@ -2595,13 +2675,13 @@ mod tests {
     }
 
     /// A repeated two-rank broadcast or reduce is one send or receive per rank (and the
-    /// root's own copy), which `one_step` tries straight on the link. A try that finds
+    /// root's own copy), which `straight` tries on the link. A try that finds
     /// nothing yet (the root starts late) or only part of the message (it arrives in 24-byte
     /// pieces) hands over to the executor, which goes on from where the try stopped: the link
     /// fails a receive that starts over. Every repetition delivers its own inputs, on the same
     /// buffers and on others, in place and out of place.
     #[test]
-    fn a_one_step_call_that_does_not_finish_goes_on_where_it_stopped() {
+    fn a_call_tried_straight_that_does_not_finish_goes_on_where_it_stopped() {
         let n = 2;
         let m = mesh(n, 24, Duration::from_secs(20));
         let out = on_threads(&m.wirings, |r, w| {
@@ -2659,7 +2739,7 @@ mod tests {
                     }
                 }
             }
-            Ok((results, ONE_STEP_RUNS.get()))
+            Ok((results, STRAIGHT_RUNS.get()))
         });
         for (r, res) in out.into_iter().enumerate() {
             let (res, runs) = res.unwrap_or_else(|e: Error| panic!("rank {r}: {}", e.msg));
@@ -2686,7 +2766,190 @@ mod tests {
                 );
             }
             // Sends finish at once on this link; receives of 100 floats never do.
-            assert!(runs[0] > 0 && runs[1] > 0, "rank {r}: {runs:?}");
+            assert!(runs[0] > 0 && runs[1] + runs[2] > 0, "rank {r}: {runs:?}");
+        }
+    }
+
+    /// Three ranks, 64-byte slices, messages in 24-byte pieces: a ring or tree broadcast or
+    /// reduce is a chain of receives and sends on a rank that passes slices on, each send
+    /// waiting for its receive, which `straight` tries in order. Ranks other than the root
+    /// sometimes start late (the slices are all there: the try finishes the chain) and
+    /// sometimes early (it stops at a receive, in the first slice or a later one, partly
+    /// received: the executor goes on from there). Every repetition delivers its own
+    /// inputs, on the same buffers and on others, in place and out of place, from two roots.
+    #[test]
+    fn chains_of_steps_tried_straight_go_on_where_they_stopped() {
+        let n = 3;
+        let m = mesh(n, 24, Duration::from_secs(20));
+        /// What a rank's receive buffer holds after the call.
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Out {
+            Root,
+            SumAtRoot,
+            Sum,
+            Blocks,
+        }
+        type Build = fn(usize, usize, &Shape) -> Schedule;
+        let kinds: [(Build, Out); 6] = [
+            (ring::broadcast, Out::Root),
+            (tree::broadcast, Out::Root),
+            (ring::reduce, Out::SumAtRoot),
+            (tree::reduce, Out::SumAtRoot),
+            (|count, _, shape| ring::all_reduce(count, shape), Out::Sum),
+            (
+                |count, _, shape| direct::all_gather(count, shape),
+                Out::Blocks,
+            ),
+        ];
+        let out = on_threads(&m.wirings, |r, w| {
+            let mut results = Vec::new();
+            let mut tag = 0x0500_0000_0000_0000u64;
+            for (count, slice) in [(5, 64), (100, 64), (100, 16)] {
+                for root in [0, 2] {
+                    for in_place in [false, true] {
+                        let shape = shape(r, n, 4, in_place, slice);
+                        for &(build, out) in &kinds {
+                            let schedule = Arc::new(build(count, root, &shape));
+                            let reduction = matches!(out, Out::SumAtRoot | Out::Sum)
+                                .then(|| plain(DataType::Float32));
+                            // In place the input lies in the receive buffer, a gather's
+                            // at this rank's block.
+                            let (blocks, at) = match out {
+                                Out::Blocks => (n, r * count * 4),
+                                _ => (1, 0),
+                            };
+                            let mut bufs = [0, 1]
+                                .map(|_| [vec![0u8; count * 4], vec![0u8; blocks * count * 4]]);
+                            for k in 0..6 {
+                                // Twice on one pair of buffers, then twice on the other.
+                                let [send, recv] = &mut bufs[k / 2 % 2];
+                                let input =
+                                    f32s((0..count).map(|i| (value(r, i) + k as i32) as f32));
+                                send.copy_from_slice(&input);
+                                recv.fill(0);
+                                if in_place {
+                                    recv[at..at + input.len()].copy_from_slice(&input);
+                                }
+                                let rp = recv.as_mut_ptr();
+                                let sp = if in_place {
+                                    rp.wrapping_add(at).cast_const()
+                                } else {
+                                    send.as_ptr()
+                                };
+                                if r != root && k % 3 == 1 {
+                                    std::thread::sleep(Duration::from_millis(5));
+                                }
+                                tag += 1;
+                                let op = HostOp {
+                                    schedule: schedule.clone(),
+                                    send: sp,
+                                    recv: rp,
+                                    tag,
+                                    reduction,
+                                };
+                                run_one(w, op, None)?;
+                                let got = as_f32s(&bufs[k / 2 % 2][1]);
+                                results.push((out, count, root, in_place, k, got));
+                            }
+                        }
+                    }
+                }
+            }
+            Ok((results, STRAIGHT_RUNS.get()))
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let (res, runs) = res.unwrap_or_else(|e: Error| panic!("rank {r}: {}", e.msg));
+            assert_eq!(res.len(), 3 * 2 * 2 * kinds.len() * 6);
+            for (out, count, root, in_place, k, got) in res {
+                let v = |q: usize, i: usize| (value(q, i) + k as i32) as f32;
+                let want: Vec<f32> = match out {
+                    Out::Root => (0..count).map(|i| v(root, i)).collect(),
+                    Out::SumAtRoot | Out::Sum => {
+                        (0..count).map(|i| (0..n).map(|q| v(q, i)).sum()).collect()
+                    }
+                    Out::Blocks => (0..n * count).map(|j| v(j / count, j % count)).collect(),
+                };
+                // A reduce leaves only the root's output defined.
+                if out != Out::SumAtRoot || r == root {
+                    assert_eq!(
+                        got, want,
+                        "rank {r} {out:?} count {count} root {root} in place {in_place} call {k}"
+                    );
+                }
+            }
+            // Some tries finished the run (a root's sends, a late rank's chain), some
+            // handed it over at a first receive, some past finished steps (an all-reduce's
+            // first send, a gather's own block and sends, a chain whose first slices had
+            // come).
+            assert!(runs.iter().all(|&k| k > 0), "rank {r}: {runs:?}");
+        }
+    }
+
+    /// Rank 0 receives 8 bytes from rank 1 and sends them back, then sends 8 bytes of its
+    /// own: the second send waits for nothing, but its message must not pass the first, which
+    /// waits for the receive. Rank 1 sends late, so each repeated call's `straight` try on
+    /// rank 0 stops at the receive with both sends still to go.
+    #[test]
+    fn a_send_behind_one_that_waits_keeps_its_place() {
+        let m = mesh(2, 1 << 20, Duration::from_secs(20));
+        let region = |buf, at| Region::new(buf, at, 8);
+        let mut echo = Schedule::default();
+        echo.steps.push(Step::Recv {
+            peer: 1,
+            dst: region(Buf::Recv, 0),
+            reduce_with: None,
+            last: false,
+        });
+        for src in [region(Buf::Recv, 0), region(Buf::Send, 0)] {
+            echo.steps.push(Step::Send {
+                peer: 1,
+                src: Operand::partial(src),
+            });
+        }
+        (echo.send_extent, echo.recv_extent) = (8, 8);
+        let mut ask = Schedule::default();
+        ask.steps.push(Step::Send {
+            peer: 0,
+            src: Operand::partial(region(Buf::Send, 0)),
+        });
+        for at in [0, 8] {
+            ask.steps.push(Step::Recv {
+                peer: 0,
+                dst: region(Buf::Recv, at),
+                reduce_with: None,
+                last: false,
+            });
+        }
+        (ask.send_extent, ask.recv_extent) = (8, 16);
+        let schedules = [Arc::new(echo), Arc::new(ask)];
+        let out = on_threads(&m.wirings, |r, w| {
+            let mut got = Vec::new();
+            for k in 0..4u8 {
+                let send = [10 * (r as u8 + 1) + k; 8];
+                let mut recv = vec![0u8; 16];
+                if r == 1 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let op = HostOp {
+                    schedule: schedules[r].clone(),
+                    send: send.as_ptr(),
+                    recv: recv.as_mut_ptr(),
+                    tag: ALL_REDUCE_TAG + u64::from(k),
+                    reduction: None,
+                };
+                run_one(w, op, None)?;
+                got.push(recv);
+            }
+            Ok::<_, Error>((got, STRAIGHT_RUNS.get()))
+        });
+        let mut it = out.into_iter();
+        let (_, runs) = it.next().unwrap().expect("rank 0");
+        assert!(runs[1] > 0, "rank 0 never handed a try over: {runs:?}");
+        let (got, _) = it.next().unwrap().expect("rank 1");
+        for (k, recv) in got.into_iter().enumerate() {
+            let k = k as u8;
+            assert_eq!(recv[..8], [20 + k; 8], "call {k}: its own bytes back first");
+            assert_eq!(recv[8..], [10 + k; 8], "call {k}: then rank 0's");
         }
     }
 
@@ -3131,6 +3394,7 @@ mod tests {
             dependents: 0,
             hint: Hint::None,
             copied: false,
+            finished: false,
             send: SendCursor::default(),
             recv: RecvCursor::default(),
         }
