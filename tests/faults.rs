@@ -761,14 +761,10 @@ impl Rng {
     }
 }
 
-/// One case of the soak: what every rank of its communicator calls.
+/// One case of the soak: what every rank of its communicator calls, and on which.
 #[derive(Clone, Copy, Debug)]
 struct Pick {
-    coll: Coll,
-    dt: i32,
-    op: i32,
-    count: usize,
-    in_place: bool,
+    spec: Spec,
     on_half: bool,
 }
 
@@ -808,11 +804,13 @@ fn pick(rng: &mut Rng, nranks: usize) -> Pick {
         count = 4096 + count % 7;
     }
     Pick {
-        coll,
-        dt,
-        op,
-        count,
-        in_place: coll != Coll::SendRecv && rng.below(2) == 0,
+        spec: Spec {
+            coll,
+            dt,
+            op,
+            count,
+            in_place: coll != Coll::SendRecv && rng.below(2) == 0,
+        },
         on_half: rng.below(4) == 0,
     }
 }
@@ -906,8 +904,14 @@ fn soak_on(
         }
     };
     let bufs_for = |p: &Pick, local: &mut Rng| {
-        let es = common::values::size_of(p.dt);
-        CaseBufs::at(p.coll, p.count, ctx_of(p).n, es, offsets(local, es))
+        let es = common::values::size_of(p.spec.dt);
+        CaseBufs::at(
+            p.spec.coll,
+            p.spec.count,
+            ctx_of(p).n,
+            es,
+            offsets(local, es),
+        )
     };
     let started = Instant::now();
     let total = Duration::from_secs(secs);
@@ -952,7 +956,7 @@ fn soak_on(
                 let mut cases = Vec::new();
                 for (p, b) in picks.iter().zip(bufs.iter_mut()) {
                     let ctx = ctx_of(p);
-                    let case = Case::prepare(&ctx, b, p.coll, p.dt, p.op, p.count, p.in_place);
+                    let case = Case::prepare(&ctx, b, p.spec);
                     cases.push((ctx, case.map_err(|e| format!("op {ops}: {e}"))?));
                 }
                 nccl!(ncclGroupStart());
@@ -971,11 +975,11 @@ fn soak_on(
             1..=3 if kept.is_some() => {
                 // The last case again on its buffers, sometimes in place the other way.
                 let (p, b) = kept.as_mut().expect("kept");
-                if p.coll != Coll::SendRecv && rng.below(3) == 0 {
-                    p.in_place = !p.in_place;
+                if p.spec.coll != Coll::SendRecv && rng.below(3) == 0 {
+                    p.spec.in_place = !p.spec.in_place;
                 }
                 let p = *p;
-                run_case_on(&ctx_of(&p), b, p.coll, p.dt, p.op, p.count, p.in_place)
+                run_spec_on(&ctx_of(&p), b, p.spec)
                     .map_err(|e| format!("op {ops} (again, {p:?}): {e}"))?;
                 again += 1;
                 described = format!("again {p:?}");
@@ -983,7 +987,7 @@ fn soak_on(
             _ => {
                 let p = pick(&mut rng, nranks);
                 let mut b = bufs_for(&p, &mut local);
-                run_case_on(&ctx_of(&p), &mut b, p.coll, p.dt, p.op, p.count, p.in_place)
+                run_spec_on(&ctx_of(&p), &mut b, p.spec)
                     .map_err(|e| format!("op {ops} ({p:?}): {e}"))?;
                 described = format!("{p:?}");
                 kept = Some((p, b));

@@ -140,20 +140,38 @@ pub fn run_case_on(
     count: usize,
     in_place: bool,
 ) -> Result<(), String> {
-    let case = Case::prepare(ctx, bufs, coll, dt, op, count, in_place)?;
+    let spec = Spec {
+        coll,
+        dt,
+        op,
+        count,
+        in_place,
+    };
+    run_spec_on(ctx, bufs, spec)
+}
+
+/// `run_case_on` for one `Spec`.
+pub fn run_spec_on(ctx: &Ctx, bufs: &mut CaseBufs, spec: Spec) -> Result<(), String> {
+    let case = Case::prepare(ctx, bufs, spec)?;
     case.launch(ctx)?;
     case.check(ctx)
+}
+
+/// What one case calls: the collective, datatype, op, count, and in place or not.
+#[derive(Clone, Copy, Debug)]
+pub struct Spec {
+    pub coll: Coll,
+    pub dt: i32,
+    pub op: i32,
+    pub count: usize,
+    pub in_place: bool,
 }
 
 /// One case with its buffers filled and its op made, to be launched (alone, or with others
 /// inside a group) and then checked.
 pub struct Case<'a> {
     bufs: &'a mut CaseBufs,
-    coll: Coll,
-    dt: i32,
-    op: i32,
-    count: usize,
-    in_place: bool,
+    spec: Spec,
     root: usize,
     redop: i32,
     /// A PreMulSum op's scalar, which a call may read where it lies when it runs.
@@ -170,15 +188,14 @@ pub struct Case<'a> {
 
 impl<'a> Case<'a> {
     /// Clears the buffers, fills the send part and makes the op.
-    pub fn prepare(
-        ctx: &Ctx,
-        bufs: &'a mut CaseBufs,
-        coll: Coll,
-        dt: i32,
-        op: i32,
-        count: usize,
-        in_place: bool,
-    ) -> Result<Case<'a>, String> {
+    pub fn prepare(ctx: &Ctx, bufs: &'a mut CaseBufs, spec: Spec) -> Result<Case<'a>, String> {
+        let Spec {
+            coll,
+            dt,
+            op,
+            count,
+            in_place,
+        } = spec;
         let (rank, n) = (ctx.rank, ctx.n);
         let es = size_of(dt);
         if bufs.shape != (coll, count, es) {
@@ -234,11 +251,7 @@ impl<'a> Case<'a> {
         };
         Ok(Case {
             bufs,
-            coll,
-            dt,
-            op,
-            count,
-            in_place,
+            spec,
             root,
             redop,
             _scalar: scalar,
@@ -254,7 +267,10 @@ impl<'a> Case<'a> {
     /// one).
     pub fn launch(&self, ctx: &Ctx) -> Result<(), String> {
         let (rank, n, root) = (ctx.rank, ctx.n, self.root);
-        let (coll, dt, count, redop) = (self.coll, self.dt, self.count, self.redop);
+        let Spec {
+            coll, dt, count, ..
+        } = self.spec;
+        let redop = self.redop;
         let (sendp, recvp) = (self.sendp, self.recvp);
         let c = ctx.comm;
         let s = std::ptr::null_mut();
@@ -313,15 +329,15 @@ impl<'a> Case<'a> {
         if self.null_recv {
             return Ok(());
         }
-        let (coll, dt, count) = (self.coll, self.dt, self.count);
-        let es = size_of(dt);
-        let recv_elems = elems(coll, count, ctx.n).1;
-        let out: &[u8] = if self.in_place {
+        let sp = self.spec;
+        let es = size_of(sp.dt);
+        let recv_elems = elems(sp.coll, sp.count, ctx.n).1;
+        let out: &[u8] = if sp.in_place {
             &big.data()[self.recv_at..self.recv_at + recv_elems * es]
         } else {
             recv_buf.data()
         };
-        verify(coll, dt, self.op, ctx.rank, ctx.n, count, what, out)
+        verify(sp.coll, sp.dt, sp.op, ctx.rank, ctx.n, sp.count, what, out)
     }
 }
 
