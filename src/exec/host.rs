@@ -13,7 +13,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::{Reducer, Scale};
 use crate::tag::describe_tag;
 use crate::transport::{
-    os, Activity, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    os, Activity, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState,
+    Sink,
 };
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -196,6 +197,41 @@ impl XStep {
                 _ => None,
             },
         }
+    }
+
+    /// Receives what more of this receive step has come on its link, numbered `tag`, folding
+    /// with `reduction`; `stream`, `forwards` and `forward_first` as `RecvSink` has them.
+    fn receive(
+        &mut self,
+        links: &[Arc<dyn Link>],
+        tag: u64,
+        reduction: Option<Reduction>,
+        stream: bool,
+        forwards: bool,
+        forward_first: bool,
+    ) -> Result<Progress<bool>> {
+        let Action::Recv {
+            peer,
+            dst,
+            len,
+            with,
+            last,
+        } = self.action
+        else {
+            unreachable!("a receive of a step that receives nothing")
+        };
+        let mut sink = RecvSink {
+            dst,
+            len,
+            with,
+            reduction,
+            last,
+            returns: self.hint == Hint::Returns,
+            forwards,
+            forward_first,
+            stream,
+        };
+        links[peer].recv(&InExpect { len, tag }, &mut self.recv, &mut sink)
     }
 
     /// Back to the start: no progress, waiting for `waiting_on` earlier steps.
@@ -942,14 +978,7 @@ impl<'a> Exec<'a> {
     fn drive_recv(&mut self, i: u32) -> Result<(bool, bool)> {
         let tag = self.tag(i);
         let reduction = self.reduction(i);
-        let Action::Recv {
-            peer,
-            dst,
-            len,
-            with,
-            last,
-        } = self.t.steps[i as usize].action
-        else {
+        let Action::Recv { peer, dst, len, .. } = self.t.steps[i as usize].action else {
             unreachable!("receive queue holds a non-receive step")
         };
         let (hint, op) = (self.t.steps[i as usize].hint, self.t.steps[i as usize].op);
@@ -968,19 +997,14 @@ impl<'a> Exec<'a> {
             });
         self.t.could_forward |= forwards;
         let forward_first = self.t.forward_first;
-        let step = &mut self.t.steps[i as usize];
-        let mut sink = RecvSink {
-            dst,
-            len,
-            with,
+        let p = self.t.steps[i as usize].receive(
+            &self.wiring.links,
+            tag,
             reduction,
-            last,
-            returns,
+            stream,
             forwards,
             forward_first,
-            stream,
-        };
-        let p = self.wiring.links[peer].recv(&InExpect { len, tag }, &mut step.recv, &mut sink)?;
+        )?;
         Ok((p.state, p.moved))
     }
 
@@ -1445,28 +1469,10 @@ fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
                 }
                 complete
             }
-            Action::Recv {
-                peer,
-                dst,
-                len,
-                with,
-                last,
-            } => {
+            Action::Recv { .. } => {
                 all && x.waiting_on == 0 && {
-                    let mut sink = RecvSink {
-                        dst,
-                        len,
-                        with,
-                        reduction: op.reduction,
-                        last,
-                        returns: x.hint == Hint::Returns,
-                        forwards: false,
-                        forward_first: false,
-                        stream,
-                    };
-                    let expect = InExpect { len, tag: op.tag };
-                    wiring.links[peer]
-                        .recv(&expect, &mut x.recv, &mut sink)?
+                    let links = &wiring.links;
+                    x.receive(links, op.tag, op.reduction, stream, false, false)?
                         .state
                 }
             }
