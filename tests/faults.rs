@@ -769,7 +769,7 @@ struct Pick {
 }
 
 /// Message sizes where the library changes its way (packing, the small fold, pulls between
-/// threads and processes, the busy pull), and one byte to either side.
+/// threads and processes, the busy pull), and one element to either side.
 const EDGES: [usize; 8] = [
     64,
     256,
@@ -1217,6 +1217,11 @@ fn teardown_cycles_3_processes_oversubscribed() {
     teardown_cycles_under_contention(3);
 }
 
+/// How long a soak of `secs` seconds may take before its test fails.
+fn soak_limit(secs: u64) -> Duration {
+    Duration::from_secs(secs * 3 + 120)
+}
+
 /// The soak's length (COMM_TEST_SOAK_SECS, 40 s by default) and seed (COMM_TEST_SOAK_SEED
 /// replays a soak whose seed a failure printed).
 fn soak_setting() -> (u64, u64) {
@@ -1234,9 +1239,8 @@ fn soak_setting() -> (u64, u64) {
 fn soak_for(n: usize) {
     let (secs, seed) = soak_setting();
     println!("soak on {n} processes for {secs} s, seed {seed}");
-    let limit = secs * 3 + 120;
     let arg = format!("{seed}|{secs}");
-    let r = launch("worker", "soak", n, &arg, &[], Duration::from_secs(limit));
+    let r = launch("worker", "soak", n, &arg, &[], soak_limit(secs));
     print!("{}", r[0].stdout);
     assert_all_ok(&r, &format!("soak ({arg}) with {n} processes"));
 }
@@ -1263,7 +1267,7 @@ fn soak_4_processes() {
 fn soak_3_threads() {
     let (secs, seed) = soak_setting();
     println!("soak on 3 threads for {secs} s, seed {seed}");
-    with_threads(3, Duration::from_secs(secs * 3 + 120), move |c, rank, n| {
+    with_threads(3, soak_limit(secs), move |c, rank, n| {
         let rep = soak_on(c, rank, n, seed, secs)?;
         if rank == 0 {
             println!("rank 0: {}", rep.done);
@@ -1308,15 +1312,7 @@ fn soak_across_hosts() {
     let (secs, seed) = soak_setting();
     println!("soak on 3 ranks of 2 hosts for {secs} s, seed {seed}");
     let arg = format!("{seed}|{secs}");
-    let r = launch_on(
-        &hosts,
-        &[2, 1],
-        "soak",
-        &arg,
-        &[],
-        Duration::from_secs(secs * 3 + 120),
-        || {},
-    );
+    let r = launch_on(&hosts, &[2, 1], "soak", &arg, &[], soak_limit(secs), || {});
     print!("{}", r[0].stdout);
     assert_all_ok(&r, &format!("soak ({arg}) on 3 ranks of 2 hosts"));
 }

@@ -3,6 +3,9 @@
 //! lives, what each rank contributes and what every output element must be.
 
 use super::values::*;
+use comm::ffi::types::*;
+use comm::ffi::*;
+use std::os::raw::c_void;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Coll {
@@ -111,5 +114,65 @@ pub fn verify(
         }),
         Coll::Scatter => check(dt, op, n, what, out, |i| val(root, rank * count + i)),
         Coll::SendRecv => check(dt, op, n, what, out, |i| val((rank + n - 1) % n, i)),
+    }
+}
+
+/// The call a case makes, on rank `rank` of `n`: the collective `coll` of `count` elements of
+/// `dt`, with `redop` where it reduces and the case's `root`.
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    pub coll: Coll,
+    pub dt: i32,
+    pub count: usize,
+    pub redop: i32,
+    pub root: usize,
+    pub rank: usize,
+    pub n: usize,
+}
+
+impl Call {
+    /// Makes the call from `send` into `recv` on `comm` and `stream`: the first result that
+    /// is not a success, as the C API gives it. A send and receive is a ring shift inside a
+    /// group of its own (everyone sends before anyone receives), which nests in an open one.
+    ///
+    /// # Safety
+    /// The buffers and the communicator must be what the C API requires of such a call.
+    pub unsafe fn make(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        let (c, s, root) = (comm, stream, self.root as i32);
+        let (dt, count, redop) = (self.dt, self.count, self.redop);
+        unsafe {
+            match self.coll {
+                Coll::AllReduce => ncclAllReduce(send, recv, count, dt, redop, c, s),
+                Coll::Broadcast => ncclBroadcast(send, recv, count, dt, root, c, s),
+                Coll::Reduce => ncclReduce(send, recv, count, dt, redop, root, c, s),
+                Coll::AllGather => ncclAllGather(send, recv, count, dt, c, s),
+                Coll::ReduceScatter => ncclReduceScatter(send, recv, count, dt, redop, c, s),
+                Coll::AlltoAll => ncclAlltoAll(send, recv, count, dt, c, s),
+                Coll::Gather => ncclGather(send, recv, count, dt, root, c, s),
+                Coll::Scatter => ncclScatter(send, recv, count, dt, root, c, s),
+                Coll::SendRecv => {
+                    let (rank, n) = (self.rank, self.n);
+                    let (next, prev) = (((rank + 1) % n) as i32, ((rank + n - 1) % n) as i32);
+                    let ok = ncclResult_t::ncclSuccess;
+                    let mut r = ncclGroupStart();
+                    if r == ok {
+                        r = ncclSend(send, count, dt, next, c, s);
+                    }
+                    if r == ok {
+                        r = ncclRecv(recv, count, dt, prev, c, s);
+                    }
+                    if r == ok {
+                        r = ncclGroupEnd();
+                    }
+                    r
+                }
+            }
+        }
     }
 }

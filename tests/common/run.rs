@@ -263,50 +263,18 @@ impl<'a> Case<'a> {
         })
     }
 
-    /// Makes the call (a send and receive pair is a group of its own, which nests in an open
-    /// one).
+    /// Makes the call (`Call::make`).
     pub fn launch(&self, ctx: &Ctx) -> Result<(), String> {
-        let (rank, n, root) = (ctx.rank, ctx.n, self.root);
-        let Spec {
-            coll, dt, count, ..
-        } = self.spec;
-        let redop = self.redop;
-        let (sendp, recvp) = (self.sendp, self.recvp);
-        let c = ctx.comm;
-        let s = std::ptr::null_mut();
-        match coll {
-            Coll::AllReduce => nccl!(ncclAllReduce(sendp, recvp, count, dt, redop, c, s)),
-            Coll::Broadcast => nccl!(ncclBroadcast(sendp, recvp, count, dt, root as i32, c, s)),
-            Coll::Reduce => nccl!(ncclReduce(
-                sendp,
-                recvp,
-                count,
-                dt,
-                redop,
-                root as i32,
-                c,
-                s
-            )),
-            Coll::AllGather => nccl!(ncclAllGather(sendp, recvp, count, dt, c, s)),
-            Coll::ReduceScatter => nccl!(ncclReduceScatter(sendp, recvp, count, dt, redop, c, s)),
-            Coll::AlltoAll => nccl!(ncclAlltoAll(sendp, recvp, count, dt, c, s)),
-            Coll::Gather => nccl!(ncclGather(sendp, recvp, count, dt, root as i32, c, s)),
-            Coll::Scatter => nccl!(ncclScatter(sendp, recvp, count, dt, root as i32, c, s)),
-            Coll::SendRecv => {
-                // A ring shift inside one group: everyone sends before anyone receives.
-                nccl!(ncclGroupStart());
-                nccl!(ncclSend(sendp, count, dt, ((rank + 1) % n) as i32, c, s));
-                nccl!(ncclRecv(
-                    recvp,
-                    count,
-                    dt,
-                    ((rank + n - 1) % n) as i32,
-                    c,
-                    s
-                ));
-                nccl!(ncclGroupEnd());
-            }
-        }
+        let call = Call {
+            coll: self.spec.coll,
+            dt: self.spec.dt,
+            count: self.spec.count,
+            redop: self.redop,
+            root: self.root,
+            rank: ctx.rank,
+            n: ctx.n,
+        };
+        nccl!(call.make(self.sendp, self.recvp, ctx.comm, std::ptr::null_mut()));
         Ok(())
     }
 

@@ -238,22 +238,16 @@ impl Rank {
         let s = self.stream.0 as cudaStream_t;
         let sp = sendp as *const c_void;
         let rp = recvp as *mut c_void;
-        match coll {
-            Coll::AllReduce => nccl!(ncclAllReduce(sp, rp, count, dt, redop, c, s)),
-            Coll::Broadcast => nccl!(ncclBroadcast(sp, rp, count, dt, root as i32, c, s)),
-            Coll::Reduce => nccl!(ncclReduce(sp, rp, count, dt, redop, root as i32, c, s)),
-            Coll::AllGather => nccl!(ncclAllGather(sp, rp, count, dt, c, s)),
-            Coll::ReduceScatter => nccl!(ncclReduceScatter(sp, rp, count, dt, redop, c, s)),
-            Coll::AlltoAll => nccl!(ncclAlltoAll(sp, rp, count, dt, c, s)),
-            Coll::Gather => nccl!(ncclGather(sp, rp, count, dt, root as i32, c, s)),
-            Coll::Scatter => nccl!(ncclScatter(sp, rp, count, dt, root as i32, c, s)),
-            Coll::SendRecv => {
-                nccl!(ncclGroupStart());
-                nccl!(ncclSend(sp, count, dt, ((rank + 1) % n) as i32, c, s));
-                nccl!(ncclRecv(rp, count, dt, ((rank + n - 1) % n) as i32, c, s));
-                nccl!(ncclGroupEnd());
-            }
-        }
+        let call = Call {
+            coll,
+            dt,
+            count,
+            redop,
+            root,
+            rank,
+            n,
+        };
+        nccl!(call.make(sp, rp, c, s));
         self.stream.synchronize().map_err(|e| e.msg)?;
         if redop >= 5 {
             nccl!(ncclRedOpDestroy(redop, c));
