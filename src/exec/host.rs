@@ -1667,12 +1667,10 @@ fn stuck(cpu: u32, peer: (u32, Activity), stalled: impl FnOnce() -> bool) -> boo
 }
 
 /// A peer on this host as a waiting rank sees it: the CPU it last said it runs on, whether it
-/// polls there, whether it is stuck behind this rank (`stuck`), and whether its rank is above
-/// this one's.
+/// is stuck behind this rank (`stuck`), and whether its rank is above this one's.
 #[derive(Clone, Copy, Debug)]
 struct PeerSeen {
     cpu: u32,
-    polling: bool,
     stuck: bool,
     above: bool,
 }
@@ -1698,13 +1696,15 @@ fn crowding<I: Iterator<Item = PeerSeen>>(cpu: u32, peers: impl Fn() -> I) -> Cr
     if peers().any(|p| p.cpu == cpu && p.above) {
         return Crowding::GiveWay;
     }
-    // Where a peer polls is taken, even if it shows no sign of life: a peer moving to another
-    // CPU said where to first and is silent until it lands there (tens of microseconds), and
-    // this rank must not land there too.
-    let avoid = peers()
-        .filter(|p| p.polling && p.cpu != cpu)
-        .map(|p| p.cpu)
-        .collect();
+    // Every other CPU a peer said it runs on is taken, whatever the peer does there: one that
+    // polls there may be silent because it is moving there (it says where to first, then
+    // lands tens of microseconds later); one that sleeps there is held there (`hold_for_sleep`)
+    // and wakes there, and one woken a moment ago shows no sign of life until its CPU resumes
+    // (on a VM an idle virtual CPU takes tens of microseconds); one in its application runs
+    // there. Moving onto a sleeping peer's CPU put the two together when it woke; the higher
+    // rank then moved back, found it asleep and stalled again, and moved onto it once more
+    // every `MOVE_EVERY`, for a whole run at 40-100 us a call (traced, unpinned 2-rank runs).
+    let avoid = peers().filter(|p| p.cpu != cpu).map(|p| p.cpu).collect();
     Crowding::Move { avoid }
 }
 
@@ -1713,7 +1713,7 @@ fn crowding<I: Iterator<Item = PeerSeen>>(cpu: u32, peers: impl Fn() -> I) -> Cr
 /// waits for this CPU or moved since), or it polls or sleeps with no sign of life for
 /// `STALLED_AFTER` (it waits in some CPU's queue: moved there by the scheduler after it last
 /// said where it runs, or woken onto a busy CPU). Then this rank moves to another CPU it may
-/// use where no peer polls (`crowding`), and the answer is false; or, where there is none or
+/// use where no peer said it runs (`crowding`), and the answer is false; or, where there is none or
 /// it leaves the move to a peer, true (the caller gives the core up). Also tells the peers
 /// where this rank polls, and that it runs.
 fn crowded(execs: &[Exec], now: Instant) -> bool {
@@ -1734,7 +1734,6 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
                 let (c, what) = l.peer_running_on().filter(|_| p != me)?;
                 Some(PeerSeen {
                     cpu: c,
-                    polling: what == Activity::Polling,
                     stuck: stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER)),
                     above: p > me,
                 })
@@ -2220,39 +2219,37 @@ mod tests {
     }
 
     /// A rank on CPU 3 and what it does about its peers: nothing when none is stuck; when
-    /// two share its CPU only the higher moves; a move avoids every CPU where a peer polls,
-    /// stalled or not (a moving peer is silent), but not CPUs where peers sleep.
+    /// two share its CPU only the higher moves; a move avoids every CPU a peer said it runs on,
+    /// stalled or not (a moving peer is silent, a sleeping one is held where it sleeps).
     #[test]
-    fn only_the_higher_of_two_ranks_on_one_cpu_moves_and_never_onto_a_polling_peer() {
-        let seen = |cpu, polling, stuck, above| PeerSeen {
-            cpu,
-            polling,
-            stuck,
-            above,
-        };
+    fn only_the_higher_of_two_ranks_on_one_cpu_moves_and_never_onto_a_peer() {
+        let seen = |cpu, stuck, above| PeerSeen { cpu, stuck, above };
         let of = |v: Vec<PeerSeen>| crowding(3, move || v.clone().into_iter());
         assert_eq!(of(vec![]), Crowding::Alone);
-        assert_eq!(of(vec![seen(1, true, false, true)]), Crowding::Alone);
+        assert_eq!(of(vec![seen(1, false, true)]), Crowding::Alone);
         // Both on CPU 3: the lower rank gives way, the higher one moves.
-        assert_eq!(of(vec![seen(3, true, true, true)]), Crowding::GiveWay);
+        assert_eq!(of(vec![seen(3, true, true)]), Crowding::GiveWay);
         assert_eq!(
-            of(vec![seen(3, true, true, false)]),
+            of(vec![seen(3, true, false)]),
             Crowding::Move { avoid: vec![] }
         );
-        // A peer that announced CPU 0 and went silent while it moves there: this rank, stuck
-        // behind nobody else, must not follow it to 0.
+        // A peer that announced CPU 0 and went silent while it moves there, or that sleeps on
+        // CPU 0 and was woken a moment ago: this rank must not go to 0.
         assert_eq!(
-            of(vec![seen(0, true, true, false)]),
+            of(vec![seen(0, true, false)]),
             Crowding::Move { avoid: vec![0] }
         );
+        // Where peers sleep (1) or run (0, 2) is taken as well as where they poll.
         assert_eq!(
             of(vec![
-                seen(3, false, true, false),
-                seen(0, true, false, true),
-                seen(1, false, false, true),
-                seen(2, true, true, false),
+                seen(3, true, false),
+                seen(0, false, true),
+                seen(1, false, true),
+                seen(2, true, false),
             ]),
-            Crowding::Move { avoid: vec![0, 2] }
+            Crowding::Move {
+                avoid: vec![0, 1, 2]
+            }
         );
     }
 
