@@ -1653,6 +1653,27 @@ thread_local! {
 /// heartbeat stopped, or it was woken and has not resumed.
 const STALLED_AFTER: Duration = Duration::from_micros(10);
 
+/// How long at most a rank keeps waiting awake, spinning or yielding, while a peer on this
+/// host sleeps on its doorbell (`peer_asleep`). A sleeping peer this rank waits for was rung
+/// by what this rank sent it, or will be by a third rank; waking takes it 100-250 us on an idle
+/// virtual CPU, past the 50 us spin window. Two ranks that each gave up while the other woke
+/// slept in turn at every call: 100-300 us a call for the first milliseconds of a run, on
+/// separate CPUs.
+const WAKE_GRACE: Duration = Duration::from_micros(500);
+
+/// Whether a peer on this host says it sleeps on its doorbell, where this host's ranks fit its
+/// CPUs (otherwise the sleeper may need this rank's CPU to wake on, and this rank's waiting
+/// awake would delay it).
+fn peer_asleep(execs: &[Exec]) -> bool {
+    execs.iter().all(|e| e.wiring.spread)
+        && execs.iter().any(|e| {
+            let me = e.wiring.rank;
+            e.wiring.links.iter().enumerate().any(|(p, l)| {
+                p != me && matches!(l.peer_running_on(), Some((_, Activity::Sleeping)))
+            })
+        })
+}
+
 /// The CPU the caller runs on (None where the kernel does not say).
 fn this_cpu() -> Option<u32> {
     // SAFETY: sched_getcpu has no preconditions (the vDSO answers it).
@@ -1914,14 +1935,15 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         // five). Then sleep, which hands the core over whatever else runs.
         let crowded = crowded(execs, now);
         let w = execs[0].wiring;
-        if idle < w.spin && !crowded {
+        let spin = if idle >= w.spin && idle < WAKE_GRACE && peer_asleep(execs) {
+            WAKE_GRACE
+        } else {
+            w.spin
+        };
+        if idle < spin && !crowded {
             continue;
         }
-        let yield_until = if crowded {
-            w.spin
-        } else {
-            w.spin + w.yield_for
-        };
+        let yield_until = if crowded { spin } else { spin + w.yield_for };
         if idle < yield_until {
             std::thread::yield_now();
             spins = spins.wrapping_add(63);
@@ -2151,6 +2173,140 @@ mod tests {
             },
             None,
         )
+    }
+
+    /// A peer on another CPU that says it sleeps (or polls) and whose message arrives
+    /// `ready_after` the first look for it.
+    struct WakingPeer {
+        asleep: bool,
+        ready_after: Duration,
+        first_look: Mutex<Option<Instant>>,
+    }
+
+    impl Link for WakingPeer {
+        fn send(&self, _: &OutMsg, _: &mut SendCursor) -> Result<Progress<SendState>> {
+            crate::internal_err!("this peer only sends")
+        }
+
+        fn recv(
+            &self,
+            expect: &InExpect,
+            cur: &mut RecvCursor,
+            sink: &mut dyn Sink,
+        ) -> Result<Progress<bool>> {
+            let first = *self.first_look.lock().get_or_insert_with(Instant::now);
+            if first.elapsed() < self.ready_after {
+                return Ok(Progress {
+                    state: false,
+                    moved: false,
+                });
+            }
+            sink.put(0, &vec![7u8; expect.len], None)?;
+            cur.received = expect.len;
+            Ok(Progress {
+                state: true,
+                moved: true,
+            })
+        }
+
+        fn check_peer(&self) -> Result<()> {
+            Ok(())
+        }
+
+        fn peer_running_on(&self) -> Option<(u32, Activity)> {
+            // A CPU no test machine has: never this rank's.
+            let what = if self.asleep {
+                Activity::Sleeping
+            } else {
+                Activity::Polling
+            };
+            Some((4000, what))
+        }
+
+        fn describe(&self) -> String {
+            "test/waking".into()
+        }
+    }
+
+    /// A doorbell that counts the sleeps taken on it.
+    #[derive(Default)]
+    struct CountingDoorbell {
+        inner: crate::transport::LocalDoorbell,
+        sleeps: AtomicUsize,
+    }
+
+    impl crate::transport::Doorbell for CountingDoorbell {
+        fn ring(&self) {
+            self.inner.ring()
+        }
+        fn prepare_sleep(&self) -> u32 {
+            self.inner.prepare_sleep()
+        }
+        fn cancel_sleep(&self) {
+            self.inner.cancel_sleep()
+        }
+        fn sleep(&self, seen: u32, timeout: Duration) {
+            self.sleeps.fetch_add(1, Ordering::SeqCst);
+            self.inner.sleep(seen, timeout)
+        }
+    }
+
+    /// How many times a rank with a 50 us spin window slept while it received from a peer
+    /// that says it sleeps (or polls) and whose message comes `ready_after` the first look.
+    fn sleeps_waiting_for(asleep: bool, ready_after: Duration) -> usize {
+        let doorbell = Arc::new(CountingDoorbell::default());
+        let peer = Arc::new(WakingPeer {
+            asleep,
+            ready_after,
+            first_look: Mutex::new(None),
+        });
+        let w = Wiring {
+            rank: 0,
+            links: vec![Arc::new(Loopback::default()), peer],
+            doorbell: doorbell.clone(),
+            abort: Arc::new(AtomicBool::new(false)),
+            timeout: Some(Duration::from_secs(20)),
+            warn_after: Duration::from_secs(60),
+            cache: Mutex::new(Default::default()),
+            spin: Duration::from_micros(50),
+            yield_for: Duration::ZERO,
+            spread: true,
+            hand_over: false,
+            home: None,
+            huge_pages_from: None,
+        };
+        let mut dst = vec![0u8; 8];
+        receive_from_rank_1(&w, &mut dst).expect("the message comes");
+        assert_eq!(dst, vec![7u8; 8]);
+        doorbell.sleeps.load(Ordering::SeqCst)
+    }
+
+    /// A peer that sleeps on its doorbell is waking (or will be woken): waiting for it, a rank
+    /// stays awake past its spin window, up to `WAKE_GRACE`, instead of sleeping in turn; a
+    /// peer that polls gets the spin window only, and a sleeper that takes longer than the
+    /// grace lets the rank sleep.
+    #[test]
+    fn a_rank_stays_awake_for_a_peer_that_is_waking() {
+        let soon = Duration::from_micros(150);
+        let late = WAKE_GRACE * 4;
+        assert!(
+            sleeps_waiting_for(false, late) >= 1,
+            "a polling peer's message late: the rank sleeps after its spin window"
+        );
+        assert!(
+            sleeps_waiting_for(true, late) >= 1,
+            "a sleeping peer that takes longer than the grace: the rank sleeps"
+        );
+        // Past the 50 us window, within the grace: the rank never slept in at least two of
+        // three tries (a try can lose the CPU for longer than the grace on a busy machine).
+        let awake = (0..3)
+            .filter(|_| sleeps_waiting_for(true, soon) == 0)
+            .count();
+        assert!(
+            awake >= 2,
+            "slept waiting for a waking peer in {} of 3 tries",
+            3 - awake
+        );
     }
 
     /// The first communicator a thread creates moves it onto the CPU its place numbers among
