@@ -1665,13 +1665,28 @@ const WAKE_GRACE: Duration = Duration::from_micros(500);
 /// CPUs (otherwise the sleeper may need this rank's CPU to wake on, and this rank's waiting
 /// awake would delay it).
 fn peer_asleep(execs: &[Exec]) -> bool {
+    spread(execs) && local_peers(execs).any(|(.., (_, what))| what == Activity::Sleeping)
+}
+
+/// Whether this host's ranks fit its CPUs, for every communicator driven (`Wiring::spread`).
+fn spread(execs: &[Exec]) -> bool {
     execs.iter().all(|e| e.wiring.spread)
-        && execs.iter().any(|e| {
-            let me = e.wiring.rank;
-            e.wiring.links.iter().enumerate().any(|(p, l)| {
-                p != me && matches!(l.peer_running_on(), Some((_, Activity::Sleeping)))
-            })
+}
+
+/// Every peer on this host that said where it runs, for every communicator driven: whether
+/// its rank is above this one's, its link, and the CPU it last said it runs on and what it
+/// does there (`Link::peer_running_on`).
+fn local_peers<'e>(
+    execs: &'e [Exec],
+) -> impl Iterator<Item = (bool, &'e dyn Link, (u32, Activity))> + 'e {
+    execs.iter().flat_map(|e| {
+        let me = e.wiring.rank;
+        let links = e.wiring.links.iter().enumerate();
+        links.filter_map(move |(p, l)| {
+            let seen = l.peer_running_on().filter(|_| p != me)?;
+            Some((p > me, &**l, seen))
         })
+    })
 }
 
 /// The CPU the caller runs on (None where the kernel does not say).
@@ -1738,27 +1753,20 @@ fn crowding<I: Iterator<Item = PeerSeen>>(cpu: u32, peers: impl Fn() -> I) -> Cr
 /// it leaves the move to a peer, true (the caller gives the core up). Also tells the peers
 /// where this rank polls, and that it runs.
 fn crowded(execs: &[Exec], now: Instant) -> bool {
-    if !execs.iter().all(|e| e.wiring.spread) {
+    if !spread(execs) {
         return false;
     }
     let Some(cpu) = this_cpu() else {
         return false;
     };
-    // Every peer on this host that said where it runs: its CPU, whether it polls, whether it
-    // is stuck, and whether its rank is above this one's (the common answer, nobody here,
-    // allocates nothing).
+    // Every peer on this host that said where it runs: its CPU, whether it is stuck, and
+    // whether its rank is above this one's (the common answer, nobody here, allocates
+    // nothing).
     let peers = || {
-        execs.iter().flat_map(|e| {
-            let me = e.wiring.rank;
-            let links = e.wiring.links.iter().enumerate();
-            links.filter_map(move |(p, l)| {
-                let (c, what) = l.peer_running_on().filter(|_| p != me)?;
-                Some(PeerSeen {
-                    cpu: c,
-                    stuck: stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER)),
-                    above: p > me,
-                })
-            })
+        local_peers(execs).map(|(above, l, (c, what))| PeerSeen {
+            cpu: c,
+            stuck: stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER)),
+            above,
         })
     };
     for e in execs {
@@ -1801,24 +1809,16 @@ fn crowded(execs: &[Exec], now: Instant) -> bool {
 /// other CPU idle, in the first milliseconds of about half the runs of a 2-rank benchmark on
 /// the 2-vCPU VM.
 fn hold_for_sleep(execs: &[Exec]) -> Option<os::Narrowed> {
-    if !execs.iter().all(|e| e.wiring.spread) {
+    if !spread(execs) {
         return None;
     }
     let cpu = this_cpu()?;
     let mut avoid: Vec<u32> = Vec::new();
     let mut local = false;
-    for e in execs {
-        let me = e.wiring.rank;
-        for (p, l) in e.wiring.links.iter().enumerate() {
-            match l.peer_running_on() {
-                Some((c, what)) if p != me => {
-                    local = true;
-                    if what != Activity::Sleeping {
-                        avoid.push(c);
-                    }
-                }
-                _ => {}
-            }
+    for (.., (c, what)) in local_peers(execs) {
+        local = true;
+        if what != Activity::Sleeping {
+            avoid.push(c);
         }
     }
     // Peers only across the network wake this rank from a progress thread, wherever that
@@ -2112,12 +2112,7 @@ mod tests {
                 return Ok(idle);
             }
             assert_eq!(expect.len, self.payload.len());
-            sink.put(0, &self.payload, None)?;
-            cur.received = expect.len;
-            Ok(Progress {
-                state: true,
-                moved: true,
-            })
+            deliver(&self.payload, cur, sink)
         }
 
         fn check_peer(&self) -> Result<()> {
@@ -2130,12 +2125,22 @@ mod tests {
         }
     }
 
+    /// A receive's whole message `bytes` put at once: the receive is complete.
+    fn deliver(bytes: &[u8], cur: &mut RecvCursor, sink: &mut dyn Sink) -> Result<Progress<bool>> {
+        sink.put(0, bytes, None)?;
+        cur.received = bytes.len();
+        Ok(Progress {
+            state: true,
+            moved: true,
+        })
+    }
+
     fn wiring(peer: Arc<DepartedAfterSending>) -> Wiring {
         wiring_at(peer, None)
     }
 
-    /// `wiring` for a rank whose place among its host's ranks is `home`.
-    fn wiring_at(peer: Arc<DepartedAfterSending>, home: Option<usize>) -> Wiring {
+    /// `wiring` for a rank whose place among its host's ranks is `home`, with `peer` as rank 1.
+    fn wiring_at(peer: Arc<dyn Link>, home: Option<usize>) -> Wiring {
         Wiring {
             rank: 0,
             links: vec![Arc::new(Loopback::default()), peer],
@@ -2201,12 +2206,7 @@ mod tests {
                     moved: false,
                 });
             }
-            sink.put(0, &vec![7u8; expect.len], None)?;
-            cur.received = expect.len;
-            Ok(Progress {
-                state: true,
-                moved: true,
-            })
+            deliver(&vec![7u8; expect.len], cur, sink)
         }
 
         fn check_peer(&self) -> Result<()> {
@@ -2261,19 +2261,10 @@ mod tests {
             first_look: Mutex::new(None),
         });
         let w = Wiring {
-            rank: 0,
-            links: vec![Arc::new(Loopback::default()), peer],
             doorbell: doorbell.clone(),
-            abort: Arc::new(AtomicBool::new(false)),
-            timeout: Some(Duration::from_secs(20)),
-            warn_after: Duration::from_secs(60),
-            cache: Mutex::new(Default::default()),
             spin: Duration::from_micros(50),
-            yield_for: Duration::ZERO,
             spread: true,
-            hand_over: false,
-            home: None,
-            huge_pages_from: None,
+            ..wiring_at(peer, None)
         };
         let mut dst = vec![0u8; 8];
         receive_from_rank_1(&w, &mut dst).expect("the message comes");
