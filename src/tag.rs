@@ -47,6 +47,16 @@ pub(crate) mod kind {
     }
 }
 
+/// What to add to a mismatch between a message tagged `sent` and a receive expecting
+/// `expected`: where one is a send/recv call's and the other a collective's, the likely cause.
+pub(crate) fn mismatch_hint(sent: u64, expected: u64) -> &'static str {
+    if (tag_kind(sent) == kind::P2P) != (tag_kind(expected) == kind::P2P) {
+        " (or, in a group, send/recv calls that share a buffer with a collective of the group run in the order called: the ranks must place them alike around it)"
+    } else {
+        ""
+    }
+}
+
 /// "AllReduce #12" or "Send/Recv".
 pub(crate) fn describe_tag(tag: u64) -> String {
     let k = tag_kind(tag);

@@ -124,6 +124,154 @@ fn shrink(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// One group of every rank: a send to the next rank (`S`), a receive from the previous (`R`)
+/// and all-reduces (`A`) in the order `order` gives; every receive and all-reduce checked.
+fn mixed_group(
+    comm: ncclComm_t,
+    rank: usize,
+    n: usize,
+    order: &str,
+    count: usize,
+    reduced: usize,
+) -> Result<(), String> {
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let value = |r: usize, i: usize| (r * 1000 + i % 1000) as f32;
+    let send: Vec<f32> = (0..count).map(|i| value(rank, i)).collect();
+    let mut got = vec![-1f32; count];
+    let alls = order.matches('A').count();
+    let ins: Vec<Vec<f32>> = (0..alls)
+        .map(|a| vec![(rank + 1 + a) as f32; reduced])
+        .collect();
+    let mut outs = vec![vec![0f32; reduced]; alls];
+    nccl!(ncclGroupStart());
+    let mut a = 0;
+    for c in order.chars() {
+        match c {
+            'S' => nccl!(ncclSend(
+                send.as_ptr() as *const c_void,
+                count,
+                FLOAT,
+                next as i32,
+                comm,
+                S
+            )),
+            'R' => nccl!(ncclRecv(
+                got.as_mut_ptr() as *mut c_void,
+                count,
+                FLOAT,
+                prev as i32,
+                comm,
+                S
+            )),
+            _ => {
+                nccl!(ncclAllReduce(
+                    ins[a].as_ptr() as *const c_void,
+                    outs[a].as_mut_ptr() as *mut c_void,
+                    reduced,
+                    FLOAT,
+                    SUM,
+                    comm,
+                    S
+                ));
+                a += 1;
+            }
+        }
+    }
+    nccl!(ncclGroupEnd());
+    let what = format!("group {order} ({count} sent, {reduced} reduced)");
+    if let Some(i) = (0..count).find(|&i| got[i] != value(prev, i)) {
+        return Err(format!(
+            "{what}: element {i} received {} expected {}",
+            got[i],
+            value(prev, i)
+        ));
+    }
+    for (a, out) in outs.iter().enumerate() {
+        // Ranks put in rank + 1 + a.
+        let want = (n * (n + 1) / 2 + n * a) as f32;
+        if let Some(i) = out.iter().position(|&v| v != want) {
+            return Err(format!(
+                "{what}: all-reduce {a} element {i} is {} expected {want}",
+                out[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Send/recv calls and collectives in one group, interleaved differently on different ranks
+/// (collectives match in the order called, send/recv calls between two ranks too, the two
+/// kinds not with each other), small messages and ones pulled by the peer, then one whose
+/// send/recv calls share buffers with its all-reduces (those run in the order called, every
+/// rank calling them alike). The communicator stays usable throughout.
+fn mixed_groups(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let per_rank: &[&[&str]] = &[
+        &["SAR"],
+        &["RAS"],
+        &["ASRA"],
+        &["ARS", "SRA"],
+        &["SAR", "RSA", "ASR"],
+        &["AARS", "SAAR"],
+    ];
+    for orders in per_rank {
+        let order = orders[rank % orders.len()];
+        for (count, reduced) in [(1, 1), (4099, 7), (3 << 20, 1), (5, (1 << 20) + 3)] {
+            mixed_group(comm, rank, n, order, count, reduced)?;
+        }
+    }
+    // y = sum(x), sent on; z received, w = sum(z): each rank's z is its previous rank's y.
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    let x = vec![rank as f32 + 1.0; 1000];
+    let (mut y, mut z, mut w) = (vec![0f32; 1000], vec![0f32; 1000], vec![0f32; 1000]);
+    nccl!(ncclGroupStart());
+    nccl!(ncclAllReduce(
+        x.as_ptr() as *const c_void,
+        y.as_mut_ptr() as *mut c_void,
+        1000,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    nccl!(ncclSend(
+        y.as_ptr() as *const c_void,
+        1000,
+        FLOAT,
+        next as i32,
+        comm,
+        S
+    ));
+    nccl!(ncclRecv(
+        z.as_mut_ptr() as *mut c_void,
+        1000,
+        FLOAT,
+        prev as i32,
+        comm,
+        S
+    ));
+    nccl!(ncclAllReduce(
+        z.as_ptr() as *const c_void,
+        w.as_mut_ptr() as *mut c_void,
+        1000,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupEnd());
+    let total = (n * (n + 1) / 2) as f32;
+    if y.iter().chain(&z).any(|&v| v != total) || w.iter().any(|&v| v != total * n as f32) {
+        return Err(format!(
+            "dependent group: y[0] {} z[0] {} w[0] {}, expected {total}, {total}, {}",
+            y[0],
+            z[0],
+            w[0],
+            total * n as f32
+        ));
+    }
+    sum_check(comm, 1.0, n as f32, 3)
+}
+
 /// Send/recv in a group never deadlocks, whatever the order, even past the FIFO's capacity.
 fn sendrecv_orders(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     for count in [1usize, 4099, 3 << 20] {
@@ -430,6 +578,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("split", |w| on_comm(w, split)),
     ("shrink", |w| on_comm(w, shrink)),
     ("sendrecv", |w| on_comm(w, sendrecv_orders)),
+    ("mixed_groups", |w| on_comm(w, mixed_groups)),
     ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
     ("simulate", |w| on_comm(w, simulate)),
     ("shrink_dead", shrink_dead),
@@ -595,6 +744,22 @@ fn sendrecv_never_deadlocks_processes() {
 #[test]
 fn sendrecv_never_deadlocks_without_pull() {
     procs("sendrecv", 4, &[("COMM_SHM_PULL", "0")]);
+}
+
+#[test]
+fn groups_mixing_sendrecv_and_collectives_processes() {
+    procs("mixed_groups", 2, &[]);
+    procs("mixed_groups", 3, &[]);
+}
+
+#[test]
+fn groups_mixing_sendrecv_and_collectives_socket() {
+    procs("mixed_groups", 3, &[("COMM_SHM_DISABLE", "1")]);
+}
+
+#[test]
+fn groups_mixing_sendrecv_and_collectives_threads() {
+    with_threads(3, Duration::from_secs(120), mixed_groups);
 }
 
 #[test]

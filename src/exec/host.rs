@@ -483,6 +483,11 @@ struct Tables {
     steps: Vec<XStep>,
     send_q: Vec<StepQueue>,
     recv_q: Vec<StepQueue>,
+    /// Per peer: its receives mix send/recv calls with collectives (`match_by_tag`).
+    mixed: Vec<bool>,
+    /// Per peer: the receive at the front of its queue was matched to the message that has
+    /// begun to arrive (`match_by_tag`), so it goes on with it.
+    matched: Vec<bool>,
     peers: Vec<usize>,
     posted: Vec<u32>,
     ready_local: Vec<u32>,
@@ -500,6 +505,51 @@ struct Tables {
     /// counts lowered) and the others kept what the try did. The executor that takes over
     /// goes on from there instead of starting them afresh.
     tried: bool,
+}
+
+fn is_p2p(op: &HostOp) -> bool {
+    crate::tag::tag_kind(op.tag) == crate::tag::kind::P2P
+}
+
+/// Whether a send/recv call of a group shares bytes with a collective of it where either
+/// writes them. Then the receives keep the order called (`Exec::match_by_tag`): one waiting
+/// for a step of the other kind could wait for a message behind the one that arrived.
+fn p2p_meets_collective(ops: &[HostOp]) -> bool {
+    // What each kind reads and writes, as (start, end); [collectives, send/recv].
+    let mut reads: [Vec<(usize, usize)>; 2] = Default::default();
+    let mut writes: [Vec<(usize, usize)>; 2] = Default::default();
+    for op in ops {
+        let k = usize::from(is_p2p(op));
+        let (s, r) = (op.send as usize, op.recv as usize);
+        if op.schedule.send_extent > 0 {
+            reads[k].push((s, s + op.schedule.send_extent));
+        }
+        if op.schedule.recv_extent > 0 {
+            writes[k].push((r, r + op.schedule.recv_extent));
+        }
+    }
+    let mut touched = [reads[0].as_slice(), writes[0].as_slice()].concat();
+    any_overlap(&writes[1], &mut touched) || any_overlap(&reads[1], &mut writes[0])
+}
+
+/// Whether a range of `a` overlaps one of `b` (sorted here).
+fn any_overlap(a: &[(usize, usize)], b: &mut [(usize, usize)]) -> bool {
+    if a.is_empty() || b.is_empty() {
+        return false;
+    }
+    b.sort_unstable();
+    // reach[i]: the furthest end among b[..=i].
+    let reach: Vec<usize> = b
+        .iter()
+        .scan(0, |m, &(_, e)| {
+            *m = e.max(*m);
+            Some(*m)
+        })
+        .collect();
+    a.iter().any(|&(s, e)| {
+        let before = b.partition_point(|&(bs, _)| bs < e);
+        before > 0 && reach[before - 1] > s
+    })
 }
 
 /// One peer's sends or receives in schedule order, and how many are done. The list stays
@@ -819,6 +869,16 @@ impl<'a> Exec<'a> {
         t.peers.extend(
             (0..npeers).filter(|&p| !send_q[p].steps.is_empty() || !recv_q[p].steps.is_empty()),
         );
+        let (ops, steps) = (&t.ops, &t.steps);
+        let p2p = |i: &u32| is_p2p(&ops[steps[*i as usize].op]);
+        let both = ops.iter().any(is_p2p) && !ops.iter().all(is_p2p);
+        let apart = both && !p2p_meets_collective(ops);
+        t.mixed.clear();
+        t.mixed.extend(
+            recv_q
+                .iter()
+                .map(|q| apart && q.steps.iter().any(p2p) && !q.steps.iter().all(p2p)),
+        );
         Exec::rewind(wiring, t, false)
     }
 
@@ -839,6 +899,8 @@ impl<'a> Exec<'a> {
                 };
             }
         }
+        t.matched.clear();
+        t.matched.resize(t.recv_q.len(), false);
         t.ready_local.clear();
         let mut remaining = steps.len();
         if !tried {
@@ -899,8 +961,14 @@ impl<'a> Exec<'a> {
         for pi in 0..self.t.peers.len() {
             let peer = self.t.peers[pi];
             let mut budget = RECV_BYTES_PER_PASS;
-            while let Some(&i) = self.t.recv_q[peer].front() {
-                if self.t.steps[i as usize].waiting_on > 0 || budget == 0 {
+            while budget > 0 {
+                if self.t.mixed[peer] && !self.t.matched[peer] && !self.match_by_tag(peer) {
+                    break;
+                }
+                let Some(&i) = self.t.recv_q[peer].front() else {
+                    break;
+                };
+                if self.t.steps[i as usize].waiting_on > 0 {
                     break;
                 }
                 let (finished, m) = self.drive_recv(i)?;
@@ -911,6 +979,7 @@ impl<'a> Exec<'a> {
                 if let Action::Recv { len, .. } = self.t.steps[i as usize].action {
                     budget = budget.saturating_sub(len.max(1));
                 }
+                self.t.matched[peer] = false;
                 self.t.recv_q[peer].pop_front();
                 self.complete(i);
             }
@@ -921,6 +990,41 @@ impl<'a> Exec<'a> {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// Where a group's receives from `peer` mix send/recv calls with collectives (`mixed`):
+    /// brings the receive that the message now arriving from `peer` belongs to to the front of
+    /// its queue. Collectives match across ranks in the order called, and so do the send/recv
+    /// calls between two ranks, but how a rank interleaves the two is its own: NCCL lets every
+    /// rank's group hold `ncclSend(peer)`, `ncclAllReduce`, `ncclRecv(peer)`, and each rank's
+    /// sends to the peer then arrive in an order its receives do not expect. Returns whether
+    /// the front may go on: not while nothing has arrived, nor while the receive the message
+    /// belongs to waits for an earlier step (one of its own operation's, or of its own kind:
+    /// `mixed` holds only where no send/recv call shares a buffer with a collective of the
+    /// group). A transport that cannot look at the next message, or a message no receive
+    /// expects, leaves the front as called (which then names the mismatch).
+    fn match_by_tag(&mut self, peer: usize) -> bool {
+        let tag = match self.wiring.links[peer].peek() {
+            Ok(Some((_, tag))) => tag,
+            Ok(None) => return false,
+            Err(_) => return true,
+        };
+        let q = &mut self.t.recv_q[peer];
+        let (ops, steps) = (&self.t.ops, &self.t.steps);
+        let Some(k) = q.steps[q.head..]
+            .iter()
+            .position(|&i| ops[steps[i as usize].op].tag == tag)
+        else {
+            return true;
+        };
+        let at = q.head + k;
+        if steps[q.steps[at] as usize].waiting_on > 0 {
+            return false;
+        }
+        // The others keep their order behind it.
+        q.steps[q.head..=at].rotate_right(1);
+        self.t.matched[peer] = true;
+        true
     }
 
     /// Completes posted sends whose buffers the peers have finished reading.
@@ -2077,6 +2181,22 @@ mod tests {
     use crate::transport::loopback::Loopback;
     use crate::transport::Progress;
     use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn ranges_overlap_only_where_they_share_a_byte() {
+        let mut b = vec![(300, 400), (100, 200)];
+        // Touching ends share nothing; one byte in does.
+        assert!(!any_overlap(&[(200, 300), (400, 500), (0, 100)], &mut b));
+        assert!(any_overlap(&[(199, 201)], &mut b));
+        assert!(any_overlap(&[(399, 1000)], &mut b));
+        // Inside one, around one, and past a short one under a long one.
+        assert!(any_overlap(&[(150, 160)], &mut b));
+        assert!(any_overlap(&[(50, 450)], &mut b));
+        let mut nested = vec![(0, 1000), (10, 20)];
+        assert!(any_overlap(&[(500, 600)], &mut nested));
+        assert!(!any_overlap(&[], &mut nested));
+        assert!(!any_overlap(&[(0, 10)], &mut []));
+    }
 
     /// A peer whose bytes become visible only after the executor has noticed that the peer
     /// left: the order a slow receiver sees when the sender finishes and destroys its end

@@ -1040,12 +1040,13 @@ impl ShmPeer {
         Error::new(
             crate::error::ErrorKind::InvalidUsage,
             format!(
-                "rank {} sent {} bytes for {} while this rank expects {} bytes for {}: the ranks called different operations or passed different counts/datatypes",
+                "rank {} sent {} bytes for {} while this rank expects {} bytes for {}: the ranks called different operations or passed different counts/datatypes{}",
                 self.peer,
                 len,
                 crate::tag::describe_tag(tag),
                 expect.len,
-                crate::tag::describe_tag(expect.tag)
+                crate::tag::describe_tag(expect.tag),
+                crate::tag::mismatch_hint(tag, expect.tag)
             ),
         )
     }

@@ -428,13 +428,14 @@ impl Link for SocketLink {
             return Err(Error::new(
                 ErrorKind::InvalidUsage,
                 format!(
-                    "rank {} sent {} bytes for {} where rank {} expects {} bytes for {}: the ranks called different operations or used different counts",
+                    "rank {} sent {} bytes for {} where rank {} expects {} bytes for {}: the ranks called different operations or used different counts{}",
                     self.peer,
                     h.len,
                     crate::tag::describe_tag(h.tag),
                     self.me,
                     expect.len,
-                    crate::tag::describe_tag(expect.tag)
+                    crate::tag::describe_tag(expect.tag),
+                    crate::tag::mismatch_hint(h.tag, expect.tag)
                 ),
             ));
         }

@@ -531,12 +531,13 @@ impl Link for IbLink {
                     return Err(Error::new(
                         ErrorKind::InvalidUsage,
                         format!(
-                            "rank {} sent {} ({} bytes) while this rank expected {} ({} bytes): the ranks called different operations",
+                            "rank {} sent {} ({} bytes) while this rank expected {} ({} bytes): the ranks called different operations{}",
                             self.peer,
                             crate::tag::describe_tag(h.tag),
                             h.msg_len,
                             crate::tag::describe_tag(expect.tag),
-                            expect.len
+                            expect.len,
+                            crate::tag::mismatch_hint(h.tag, expect.tag)
                         ),
                     ));
                 }
