@@ -360,6 +360,37 @@ fn init_arguments_are_checked() {
     init_errors().unwrap();
 }
 
+/// A size that cannot be mapped, whole pages of it wrapping around or not, is refused as an
+/// argument, naming the size asked for; the out-pointer keeps its value.
+#[test]
+fn allocations_too_large_to_map_are_refused() {
+    let mut p = 0x1usize as *mut c_void;
+    for size in [usize::MAX, usize::MAX - 4095, 1usize << 63] {
+        unsafe {
+            expect_err(
+                ncclMemAlloc(&mut p, size),
+                ncclResult_t::ncclInvalidArgument,
+                &[&format!("size {size} bytes"), "more than can be mapped"],
+                "ncclMemAlloc of too much",
+            )
+            .unwrap();
+            expect_err(
+                commMemAllocShared(&mut p, size),
+                ncclResult_t::ncclInvalidArgument,
+                &[&format!("size {size} bytes")],
+                "commMemAllocShared of too much",
+            )
+            .unwrap();
+        }
+        assert_eq!(p as usize, 1, "a refused allocation wrote its out-pointer");
+    }
+    // A plain size still works afterwards.
+    unsafe {
+        assert_eq!(ncclMemAlloc(&mut p, 5000), OK);
+        assert_eq!(ncclMemFree(p), OK);
+    }
+}
+
 /// Each thread keeps the communicator it called last (`ffi::lane::with_comm`): once another
 /// thread destroys it, the kept one must not serve a call, which fails as use after destroy.
 #[test]

@@ -18,12 +18,24 @@ static ALLOCS: Lazy<Mutex<BTreeMap<usize, Alloc>>> = Lazy::new(|| Mutex::new(BTr
 
 /// `size` bytes (rounded up to whole pages; at least one), zero-filled, page aligned.
 pub(crate) fn alloc(size: usize) -> Result<*mut u8> {
-    let len = size.max(1).next_multiple_of(4096);
+    let len = whole_units(size, 4096)?;
     let fd = os::memfd("comm-window", len)?;
     let map = Mapping::map(fd.as_raw_fd(), len)?;
     let ptr = map.ptr();
     ALLOCS.lock().insert(ptr as usize, Alloc { fd, map });
     Ok(ptr)
+}
+
+/// `size` bytes (at least one) rounded up to whole `unit`s, or an error naming the size where
+/// that exceeds what a mapping can be (`isize::MAX` bytes).
+pub(crate) fn whole_units(size: usize, unit: usize) -> Result<usize> {
+    match size.max(1).checked_next_multiple_of(unit.max(1)) {
+        Some(len) if isize::try_from(len).is_ok() => Ok(len),
+        _ => crate::invalid_arg!(
+            "size {size} bytes is more than can be mapped (at most {} bytes)",
+            isize::MAX
+        ),
+    }
 }
 
 /// Frees an allocation made by [`alloc`]; false when `ptr` is not the start of one.
