@@ -144,7 +144,7 @@ pub(crate) fn compile(
     slot_bytes: usize,
     links: &Links,
 ) -> Result<Vec<DevOp>> {
-    let steps = order(ops);
+    let steps = order(ops, bufs);
     let addr = |op: usize, r: Region| bufs[op].base(r.buf) + r.offset as u64;
     let overwritten = if links.describe_to.iter().any(|&d| d) {
         overwritten_later(ops, &steps, &addr)
@@ -391,36 +391,67 @@ impl Intervals {
     }
 }
 
+fn is_p2p(o: &DeviceOp) -> bool {
+    matches!(o.coll, Collective::Send { .. } | Collective::Recv { .. })
+}
+
 /// The order in which a group's steps run on the stream: collectives one after another in
-/// call order; consecutive point-to-point calls interleaved slice by slice, so that a send to a
-/// peer and a receive from it (in either order, in any sizes) both move along.
-fn order(ops: &[DeviceOp]) -> Vec<(usize, usize)> {
-    let is_p2p = |o: &DeviceOp| matches!(o.coll, Collective::Send { .. } | Collective::Recv { .. });
+/// call order; consecutive point-to-point calls interleaved slice by slice, sends before
+/// receives in each round, so that sends and receives (in any order, in any sizes) all move
+/// along.
+///
+/// Messages between two ranks are matched by their place in the program, and ranks may
+/// interleave their point-to-point calls with collectives differently (NCCL allows a group of
+/// `ncclSend(peer)`, `ncclAllReduce`, `ncclRecv(peer)` on every rank: each rank would then send
+/// its point-to-point message before the all-reduce's and expect the peer's after): so all the
+/// group's point-to-point calls run first, as one interleaved run, then the collectives. Where
+/// a point-to-point call shares bytes with a collective of the group and either writes them,
+/// the calls keep the order called instead, and the ranks must place them alike.
+fn order(ops: &[DeviceOp], bufs: &[OpBuffers]) -> Vec<(usize, usize)> {
+    let all: Vec<usize> = (0..ops.len()).collect();
+    let hoist =
+        ops.iter().any(is_p2p) && !ops.iter().all(is_p2p) && !p2p_meets_collective(ops, bufs);
+    let calls = if hoist {
+        let (p2p, colls): (Vec<usize>, Vec<usize>) =
+            all.into_iter().partition(|&i| is_p2p(&ops[i]));
+        [p2p, colls].concat()
+    } else {
+        all
+    };
     let mut out = Vec::new();
     let mut i = 0;
-    while i < ops.len() {
-        if !is_p2p(&ops[i]) {
-            out.extend((0..ops[i].schedule.steps.len()).map(|k| (i, k)));
+    while i < calls.len() {
+        if !is_p2p(&ops[calls[i]]) {
+            let op = calls[i];
+            out.extend((0..ops[op].schedule.steps.len()).map(|k| (op, k)));
             i += 1;
             continue;
         }
         let mut j = i;
-        while j < ops.len() && is_p2p(&ops[j]) {
+        while j < calls.len() && is_p2p(&ops[calls[j]]) {
             j += 1;
         }
+        // Each round, the next slice of every send, then of every receive: a program waits at
+        // a receive until its message is there, so were every rank of a ring to receive first
+        // (each calling ncclRecv before ncclSend), none would ever send.
         let mut cursor = vec![0usize; j - i];
         loop {
             let mut any = false;
-            for (k, c) in cursor.iter_mut().enumerate() {
-                let op = i + k;
-                let steps = &ops[op].schedule.steps;
-                // A staged send's first step (its copy aside) goes with its first slice.
-                while *c < steps.len() {
-                    out.push((op, *c));
-                    *c += 1;
-                    any = true;
-                    if !matches!(steps[*c - 1], Step::Local { .. }) {
-                        break;
+            for sends in [true, false] {
+                for (k, c) in cursor.iter_mut().enumerate() {
+                    let op = calls[i + k];
+                    if matches!(ops[op].coll, Collective::Send { .. }) != sends {
+                        continue;
+                    }
+                    let steps = &ops[op].schedule.steps;
+                    // A staged send's first step (its copy aside) goes with its first slice.
+                    while *c < steps.len() {
+                        out.push((op, *c));
+                        *c += 1;
+                        any = true;
+                        if !matches!(steps[*c - 1], Step::Local { .. }) {
+                            break;
+                        }
                     }
                 }
             }
@@ -431,4 +462,24 @@ fn order(ops: &[DeviceOp]) -> Vec<(usize, usize)> {
         i = j;
     }
     out
+}
+
+/// Whether a point-to-point call of a group shares bytes with a collective of it where either
+/// writes them (its send and receive buffers, as far as its schedule reads and writes them).
+fn p2p_meets_collective(ops: &[DeviceOp], bufs: &[OpBuffers]) -> bool {
+    let ranges = |i: usize| {
+        let (o, b) = (&ops[i], &bufs[i]);
+        let read = (b.send, b.send + o.schedule.send_extent as u64);
+        let write = (b.recv, b.recv + o.schedule.recv_extent as u64);
+        (read, write)
+    };
+    let meet = |a: (u64, u64), b: (u64, u64)| a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1;
+    let (p2p, colls): (Vec<usize>, Vec<usize>) = (0..ops.len()).partition(|&i| is_p2p(&ops[i]));
+    p2p.iter().any(|&p| {
+        let (pr, pw) = ranges(p);
+        colls.iter().any(|&c| {
+            let (cr, cw) = ranges(c);
+            meet(pw, cr) || meet(pw, cw) || meet(pr, cw)
+        })
+    })
 }

@@ -676,3 +676,89 @@ fn intervals_merge_and_answer_overlaps() {
     assert!(iv.overlaps(24, 100));
     assert!(!iv.overlaps(25, 100));
 }
+
+/// Point-to-point calls and all-reduces in one group, interleaved differently on different
+/// ranks (a send before the all-reduce and the receive after it, or the reverse), and a ring
+/// whose every rank receives before it sends: each receive gets its sender's bytes and each
+/// all-reduce the exact sums, one slice or many.
+#[test]
+fn groups_mixing_sendrecv_and_collectives_match_each_kind_alike() {
+    let slot_bytes = 16;
+    let red = Reduction {
+        reducer: Reducer::new(DataType::Float32, ReduceOp::Sum),
+        input_scale: None,
+        input_scale_at: None,
+        divide_by: None,
+    };
+    for n in [2usize, 3] {
+        for count in [1usize, 4, 40] {
+            for orders in [
+                &["SAR"][..],
+                &["RAS"],
+                &["ARS", "SRA"],
+                &["SAR", "RSA", "ASR"],
+                &["RS"],
+            ] {
+                let order = |r: usize| orders[r % orders.len()];
+                let setups: Vec<Setup> = (0..n)
+                    .map(|r| {
+                        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                        let colls: Vec<Collective> = (order(r).chars())
+                            .map(|c| match c {
+                                'S' => Collective::Send { peer: next, count },
+                                'R' => Collective::Recv { peer: prev, count },
+                                _ => Collective::AllReduce { count },
+                            })
+                            .collect();
+                        let s = Some(red);
+                        setup(
+                            &colls,
+                            Algorithm::Ring,
+                            r,
+                            n,
+                            false,
+                            slot_bytes,
+                            s,
+                            11 + r as u64,
+                        )
+                    })
+                    .collect();
+                let links: Vec<Links> = (0..n).map(|_| Links::staged(n)).collect();
+                let mems = run_all(&setups, &links, slot_bytes);
+                let at = |r: usize, c: char| order(r).find(c);
+                let bytes = count * 4;
+                let sum: Vec<f32> = (0..count)
+                    .map(|e| {
+                        (0..n)
+                            .filter_map(|r| {
+                                let a = setups[r].bufs[at(r, 'A')?].send as usize + e * 4;
+                                Some(f32s(&setups[r].mem[a..a + 4])[0])
+                            })
+                            .sum()
+                    })
+                    .collect();
+                for r in 0..n {
+                    let prev = (r + n - 1) % n;
+                    let got = setups[r].bufs[at(r, 'R').unwrap()].recv as usize;
+                    let sent = setups[prev].bufs[at(prev, 'S').unwrap()].send as usize;
+                    assert_eq!(
+                        mems[r][got..got + bytes],
+                        setups[prev].mem[sent..sent + bytes],
+                        "{n} ranks, {count} elements, rank {r} ({}): the receive",
+                        order(r)
+                    );
+                    let Some(a) = at(r, 'A') else {
+                        continue;
+                    };
+                    let ar = setups[r].bufs[a].recv as usize;
+                    assert_eq!(
+                        f32s(&mems[r][ar..ar + bytes]),
+                        sum,
+                        "{n} ranks, {count} elements, rank {r} ({}): the all-reduce",
+                        order(r)
+                    );
+                }
+            }
+        }
+    }
+}
