@@ -10,6 +10,7 @@
 use super::replies::{Replies, Way};
 use crate::algo::{Buf, Operand, Region, Schedule, Step};
 use crate::error::{Error, ErrorKind, Result};
+use crate::exec::ranges::{kinds_apart, OpBytes};
 use crate::reduce::{Reducer, Scale};
 use crate::tag::describe_tag;
 use crate::transport::{
@@ -631,44 +632,13 @@ fn is_p2p(op: &HostOp) -> bool {
     crate::tag::tag_kind(op.tag) == crate::tag::kind::P2P
 }
 
-/// Whether a send/recv call of a group shares bytes with a collective of it where either
-/// writes them. Then the receives keep the order called (`Exec::match_by_tag`): one waiting
-/// for a step of the other kind could wait for a message behind the one that arrived.
-fn p2p_meets_collective(ops: &[HostOp]) -> bool {
-    // What each kind reads and writes, as (start, end); [collectives, send/recv].
-    let mut reads: [Vec<(usize, usize)>; 2] = Default::default();
-    let mut writes: [Vec<(usize, usize)>; 2] = Default::default();
-    for op in ops {
-        let k = usize::from(is_p2p(op));
-        let (s, r) = (op.send as usize, op.recv as usize);
-        if op.schedule.send_extent > 0 {
-            reads[k].push((s, s + op.schedule.send_extent));
-        }
-        if op.schedule.recv_extent > 0 {
-            writes[k].push((r, r + op.schedule.recv_extent));
-        }
-    }
-    let mut touched = [reads[0].as_slice(), writes[0].as_slice()].concat();
-    any_overlap(&writes[1], &mut touched) || any_overlap(&reads[1], &mut writes[0])
-}
-
-/// Whether a range of `a` overlaps one of `b` (sorted here).
-fn any_overlap(a: &[(usize, usize)], b: &mut [(usize, usize)]) -> bool {
-    if a.is_empty() || b.is_empty() {
-        return false;
-    }
-    b.sort_unstable();
-    // reach[i]: the furthest end among b[..=i].
-    let reach: Vec<usize> = b
-        .iter()
-        .scan(0, |m, &(_, e)| {
-            *m = e.max(*m);
-            Some(*m)
-        })
-        .collect();
-    a.iter().any(|&(s, e)| {
-        let before = b.partition_point(|&(bs, _)| bs < e);
-        before > 0 && reach[before - 1] > s
+/// What each operation of a group reads and writes (`ranges::kinds_apart`, without which the
+/// receives keep the order called: `Exec::match_by_tag`).
+fn op_bytes(ops: &[HostOp]) -> impl Iterator<Item = OpBytes> + Clone + '_ {
+    ops.iter().map(|op| OpBytes {
+        p2p: is_p2p(op),
+        read: (op.send as u64, op.schedule.send_extent as u64),
+        write: (op.recv as u64, op.schedule.recv_extent as u64),
     })
 }
 
@@ -991,8 +961,7 @@ impl<'a> Exec<'a> {
         );
         let (ops, steps) = (&t.ops, &t.steps);
         let p2p = |i: &u32| is_p2p(&ops[steps[*i as usize].op]);
-        let both = ops.iter().any(is_p2p) && !ops.iter().all(is_p2p);
-        let apart = both && !p2p_meets_collective(ops);
+        let apart = kinds_apart(op_bytes(ops));
         t.mixed.clear();
         t.mixed.extend(
             recv_q
@@ -2301,22 +2270,6 @@ mod tests {
     use crate::transport::loopback::Loopback;
     use crate::transport::Progress;
     use std::sync::atomic::AtomicUsize;
-
-    #[test]
-    fn ranges_overlap_only_where_they_share_a_byte() {
-        let mut b = vec![(300, 400), (100, 200)];
-        // Touching ends share nothing; one byte in does.
-        assert!(!any_overlap(&[(200, 300), (400, 500), (0, 100)], &mut b));
-        assert!(any_overlap(&[(199, 201)], &mut b));
-        assert!(any_overlap(&[(399, 1000)], &mut b));
-        // Inside one, around one, and past a short one under a long one.
-        assert!(any_overlap(&[(150, 160)], &mut b));
-        assert!(any_overlap(&[(50, 450)], &mut b));
-        let mut nested = vec![(0, 1000), (10, 20)];
-        assert!(any_overlap(&[(500, 600)], &mut nested));
-        assert!(!any_overlap(&[], &mut nested));
-        assert!(!any_overlap(&[(0, 10)], &mut []));
-    }
 
     /// A peer whose bytes become visible only after the executor has noticed that the peer
     /// left: the order a slow receiver sees when the sender finishes and destroys its end

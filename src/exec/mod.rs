@@ -4,4 +4,5 @@
 pub(crate) mod anysource;
 pub(crate) mod device;
 pub(crate) mod host;
+pub(crate) mod ranges;
 pub(crate) mod replies;

@@ -5,6 +5,7 @@ use super::OpBuffers;
 use crate::algo::{Buf, Collective, Operand, Region, Schedule, Step};
 use crate::error::Result;
 use crate::exec::host::Reduction;
+use crate::exec::ranges::{kinds_apart, Intervals, OpBytes};
 use crate::transport::p2p::{Desc, Flag};
 
 /// How the messages of one program travel between this rank and each peer.
@@ -359,38 +360,6 @@ fn overwritten_later(
     out
 }
 
-/// A union of byte ranges, kept as disjoint `start -> end` entries.
-#[derive(Default)]
-pub(super) struct Intervals(pub(super) std::collections::BTreeMap<u64, u64>);
-
-impl Intervals {
-    pub(super) fn insert(&mut self, start: u64, len: u64) {
-        if len == 0 {
-            return;
-        }
-        let (mut lo, mut hi) = (start, start + len);
-        // Absorb every range that touches [lo, hi).
-        while let Some((&s, &e)) = self.0.range(..=hi).next_back() {
-            if e < lo {
-                break;
-            }
-            self.0.remove(&s);
-            lo = lo.min(s);
-            hi = hi.max(e);
-        }
-        self.0.insert(lo, hi);
-    }
-
-    pub(super) fn overlaps(&self, start: u64, len: u64) -> bool {
-        len > 0
-            && self
-                .0
-                .range(..start + len)
-                .next_back()
-                .is_some_and(|(_, &e)| e > start)
-    }
-}
-
 fn is_p2p(o: &DeviceOp) -> bool {
     matches!(o.coll, Collective::Send { .. } | Collective::Recv { .. })
 }
@@ -409,8 +378,7 @@ fn is_p2p(o: &DeviceOp) -> bool {
 /// the calls keep the order called instead, and the ranks must place them alike.
 fn order(ops: &[DeviceOp], bufs: &[OpBuffers]) -> Vec<(usize, usize)> {
     let all: Vec<usize> = (0..ops.len()).collect();
-    let hoist =
-        ops.iter().any(is_p2p) && !ops.iter().all(is_p2p) && !p2p_meets_collective(ops, bufs);
+    let hoist = kinds_apart(op_bytes(ops, bufs));
     let calls = if hoist {
         let (p2p, colls): (Vec<usize>, Vec<usize>) =
             all.into_iter().partition(|&i| is_p2p(&ops[i]));
@@ -464,22 +432,14 @@ fn order(ops: &[DeviceOp], bufs: &[OpBuffers]) -> Vec<(usize, usize)> {
     out
 }
 
-/// Whether a point-to-point call of a group shares bytes with a collective of it where either
-/// writes them (its send and receive buffers, as far as its schedule reads and writes them).
-fn p2p_meets_collective(ops: &[DeviceOp], bufs: &[OpBuffers]) -> bool {
-    let ranges = |i: usize| {
-        let (o, b) = (&ops[i], &bufs[i]);
-        let read = (b.send, b.send + o.schedule.send_extent as u64);
-        let write = (b.recv, b.recv + o.schedule.recv_extent as u64);
-        (read, write)
-    };
-    let meet = |a: (u64, u64), b: (u64, u64)| a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1;
-    let (p2p, colls): (Vec<usize>, Vec<usize>) = (0..ops.len()).partition(|&i| is_p2p(&ops[i]));
-    p2p.iter().any(|&p| {
-        let (pr, pw) = ranges(p);
-        colls.iter().any(|&c| {
-            let (cr, cw) = ranges(c);
-            meet(pw, cr) || meet(pw, cw) || meet(pr, cw)
-        })
+/// What each call of a group reads and writes (`ranges::kinds_apart`).
+fn op_bytes<'a>(
+    ops: &'a [DeviceOp],
+    bufs: &'a [OpBuffers],
+) -> impl Iterator<Item = OpBytes> + Clone + 'a {
+    ops.iter().zip(bufs).map(|(o, b)| OpBytes {
+        p2p: is_p2p(o),
+        read: (b.send, o.schedule.send_extent as u64),
+        write: (b.recv, o.schedule.recv_extent as u64),
     })
 }

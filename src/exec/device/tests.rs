@@ -661,22 +661,6 @@ fn oversized_messages_are_refused() {
     assert!(compile(&s.ops, &s.bufs, 0, 2, SLOTS, 32, &Links::staged(2)).is_err());
 }
 
-#[test]
-fn intervals_merge_and_answer_overlaps() {
-    let mut iv = Intervals::default();
-    iv.insert(10, 5); // [10, 15)
-    iv.insert(20, 5); // [20, 25)
-    assert!(!iv.overlaps(15, 5));
-    assert!(iv.overlaps(14, 1));
-    assert!(iv.overlaps(0, 11));
-    assert!(!iv.overlaps(0, 10));
-    assert!(!iv.overlaps(12, 0));
-    iv.insert(15, 5); // joins both: [10, 25)
-    assert_eq!(iv.0.len(), 1);
-    assert!(iv.overlaps(24, 100));
-    assert!(!iv.overlaps(25, 100));
-}
-
 /// Point-to-point calls and all-reduces in one group, interleaved differently on different
 /// ranks (a send before the all-reduce and the receive after it, or the reverse), and a ring
 /// whose every rank receives before it sends: each receive gets its sender's bytes and each
