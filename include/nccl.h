@@ -381,8 +381,11 @@ ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
 ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr);
 
 /*
- Host memory: the data is in the peer's window and counted by one signal when the call (or
- the group) returns. Unlike NCCL, `localbuff` need not lie in a window. Device memory is
+ Host memory: `localbuff` may be reused when the call (or the group) returns. For a peer on
+ this host the data is in its window and counted by one signal by then; for one on another
+ host it may still be on its way, and lands before the signal counts (the peer's
+ ncclWaitSignal returns with it in place; commWinFlush waits for it here). Unlike NCCL,
+ `localbuff` need not lie in a window. Device memory is
  copied on `stream`; to a peer on another host (GPUDirect RDMA) the call first waits for
  `stream`, so that the device reads `localbuff` after the work queued before it.
  */
@@ -435,6 +438,12 @@ ncclResult_t commWinFlush(int peer, ncclWindow_t win, ncclComm_t comm);
  host's peers); NULL where it cannot (ordinary memory of another process, another host).
  */
 ncclResult_t commWinPeerPtr(ncclComm_t comm, ncclWindow_t win, int peer, void **ptr);
+
+/*
+ comm extension: the size in bytes of `peer`'s part of the window, as `peer` registered it
+ (sizes may differ between ranks).
+ */
+ncclResult_t commWinPeerSize(ncclComm_t comm, ncclWindow_t win, int peer, size_t *size);
 
 /*
  comm extension: `peer`'s signal pads of the window, as PyTorch's SymmetricMemory lays them

@@ -146,14 +146,28 @@ pub(crate) fn end() -> Result<()> {
             run_concurrently(collective)?;
             let (waits, issues): (Vec<OneSided>, Vec<OneSided>) =
                 rest.into_iter().partition(|o| o.phase == Phase::Wait);
+            // A put or signal that fails here (its target deregistered the window, say) was
+            // accepted when it was called, and concerns one peer: the group's collectives and
+            // send/recv calls still run, or this rank would fall out of step with the others
+            // (its next call would meet what they ran in this group).
+            // The other puts and signals run too: their targets wait for them.
+            let mut failed: Option<Error> = None;
             for o in issues {
-                (o.run)()?;
+                if let Err(e) = (o.run)() {
+                    failed.get_or_insert(e);
+                }
             }
             run_calls(calls)?;
             for o in waits {
                 (o.run)()?;
             }
-            Ok(())
+            match failed {
+                Some(mut e) => {
+                    e.msg = format!("{} (the group's other operations ran)", e.msg);
+                    Err(e)
+                }
+                None => Ok(()),
+            }
         }
     }
 }

@@ -998,6 +998,12 @@ fn target_deregistered(w: &Worker) -> Result<(), String> {
                 "deregistered",
                 "channel signal into a deregistered window",
             )?;
+            expect(
+                unsafe { commWinChannelBarrier(0, 100, win, comm) },
+                ncclInvalidUsage,
+                "deregistered",
+                "channel barrier over a window a peer deregistered",
+            )?;
             let mut p: *mut c_void = null_mut();
             expect(
                 unsafe { commWinPeerPtr(comm, win, 1, &mut p) },
@@ -1116,6 +1122,206 @@ fn lock_holder_dies(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
+/// A second communicator over the same ranks (a split of `comm`): the one whose windows a
+/// rank destroys while `comm` carries on.
+fn dup(comm: ncclComm_t) -> Result<ncclComm_t, String> {
+    let mut c: ncclComm_t = null_mut();
+    nccl!(ncclCommSplit(comm, 0, 0, &mut c, null_mut()));
+    Ok(c)
+}
+
+/// Rank 1 destroys a communicator that has a window while rank 0 still holds its own end:
+/// rank 0's puts, atomics and signals into rank 1's part are refused (they used to succeed,
+/// writing into memory rank 1 had reused), and rank 1's memory keeps what it wrote there.
+fn destroyed_target(w: &Worker) -> Result<(), String> {
+    use ncclResult_t::*;
+    let m = mode(w);
+    let world = init(w)?;
+    let comm = dup(world)?;
+    let me = w.rank;
+    let (mem, win) = window(comm, 4096, &m)?;
+    barrier(world)?;
+    if me == 1 {
+        nccl!(ncclCommDestroy(comm));
+        if !m.shared || m.memalloc {
+            // Memory the application registered outlives the communicator: it reuses it.
+            unsafe { std::ptr::write_bytes(mem, 0x11, 4096) };
+        }
+    }
+    barrier(world)?;
+    if me == 0 {
+        let v = [0xdead_beef_u64; 4];
+        let src = v.as_ptr() as *const c_void;
+        expect(
+            unsafe { commWinPut(src, 32, UINT8, 1, win, 0, comm) },
+            ncclInvalidUsage,
+            "destroyed",
+            "a put into the window of a destroyed communicator",
+        )?;
+        expect(
+            unsafe { ncclPutSignal(src, 32, UINT8, 1, win, 64, 0, 0, 0, comm, S) },
+            ncclInvalidUsage,
+            "destroyed",
+            "ncclPutSignal into the window of a destroyed communicator",
+        )?;
+        let mut old = 0u64;
+        expect(
+            unsafe { commWinFetchAdd(1, &mut old, UINT64, 1, win, 128, comm) },
+            ncclInvalidUsage,
+            "destroyed",
+            "a fetch-add on the window of a destroyed communicator",
+        )?;
+        // Rank 2's part is still there.
+        if w.nranks > 2 {
+            nccl!(commWinPut(src, 32, UINT8, 2, win, 0, comm));
+        }
+    }
+    barrier(world)?;
+    if me == 1 && (!m.shared || m.memalloc) {
+        let bytes = unsafe { std::slice::from_raw_parts(mem, 4096) };
+        if let Some(i) = bytes.iter().position(|&b| b != 0x11) {
+            return Err(format!(
+                "byte {i} of the memory of the destroyed communicator's window is {:#x}, not 0x11",
+                bytes[i]
+            ));
+        }
+    }
+    if me == 2 {
+        let got = unsafe { std::ptr::read_volatile(mem as *const u64) };
+        if got != 0xdead_beef {
+            return Err(format!("rank 2's window holds {got:#x} after rank 0's put"));
+        }
+    }
+    if me != 1 {
+        nccl!(ncclCommDestroy(comm));
+    }
+    still_works(world, w.nranks)?;
+    nccl!(ncclCommDestroy(world));
+    Ok(())
+}
+
+/// A group on rank 0 holds a put into rank 1's part of a window rank 1 has deregistered (it
+/// fails at ncclGroupEnd), a put with a signal to rank 2 and an all-reduce. The group's other
+/// operations must still run: the all-reduce gives every rank the right sum (rank 0 used to
+/// skip it, so its next collective met the others' all-reduce), rank 2 gets its data and
+/// signal, and ncclGroupEnd reports the failed put.
+fn group_with_failing_put(w: &Worker) -> Result<(), String> {
+    use ncclResult_t::*;
+    let m = mode(w);
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let (mem, win) = window(comm, 4096, &m)?;
+    barrier(comm)?;
+    if me == 1 {
+        nccl!(ncclCommWindowDeregister(comm, win));
+    }
+    barrier(comm)?;
+    let mut x = [(me + 1) as f32; 5];
+    let sum = (n * (n + 1) / 2) as f32;
+    let v = [0x0123_4567_89ab_cdef_u64; 2];
+    let src = v.as_ptr() as *const c_void;
+    let xp = x.as_mut_ptr() as *mut c_void;
+    if me == 0 {
+        nccl!(ncclGroupStart());
+        nccl!(ncclPutSignal(src, 16, UINT8, 1, win, 0, 0, 0, 0, comm, S));
+        nccl!(ncclPutSignal(src, 16, UINT8, 2, win, 8, 0, 0, 0, comm, S));
+        nccl!(ncclAllReduce(xp, xp, 5, FLOAT32, 0, comm, S));
+        expect(
+            ncclGroupEnd(),
+            ncclInvalidUsage,
+            "other operations ran",
+            "a group whose put fails at its end",
+        )?;
+    } else {
+        nccl!(ncclAllReduce(xp, xp, 5, FLOAT32, 0, comm, S));
+    }
+    if x != [sum; 5] {
+        return Err(format!("the group's all-reduce gave {x:?}, not {sum}"));
+    }
+    if me == 2 {
+        nccl!(ncclWaitSignal(1, [desc(0, 1)].as_mut_ptr(), comm, S));
+        let got = unsafe { std::ptr::read_unaligned(mem.add(8) as *const [u64; 2]) };
+        if got != v {
+            return Err(format!(
+                "rank 2's window holds {got:x?} after the group's put"
+            ));
+        }
+    }
+    still_works(comm, n)?;
+    if me != 1 {
+        nccl!(ncclCommWindowDeregister(comm, win));
+    }
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// One buffer registered as two windows: fetch-adds from every rank on one of rank 0's words,
+/// through either window in turn, must all count (with a lock per window, a third were lost
+/// where the lock serialises them: ordinary memory, and across hosts).
+fn two_windows_one_word(w: &Worker) -> Result<(), String> {
+    let comm = init(w)?;
+    let (n, me) = (w.nranks, w.rank);
+    let v: &'static mut [u64] = Vec::leak(vec![0u64; 512]);
+    let p = v.as_mut_ptr() as *mut c_void;
+    let (mut a, mut b): (ncclWindow_t, ncclWindow_t) = (null_mut(), null_mut());
+    nccl!(ncclCommWindowRegister(comm, p, 4096, &mut a, SYM));
+    nccl!(ncclCommWindowRegister(comm, p, 4096, &mut b, SYM));
+    barrier(comm)?;
+    const ADDS: u64 = 3000;
+    let mut old = 0u64;
+    for i in 0..ADDS {
+        let win = if (i + me as u64) % 2 == 0 { a } else { b };
+        nccl!(commWinFetchAdd(1, &mut old, UINT64, 0, win, 8 * 17, comm));
+    }
+    barrier(comm)?;
+    if me == 0 {
+        let got = unsafe { std::ptr::read_volatile(v.as_ptr().add(17)) };
+        if got != ADDS * n as u64 {
+            return Err(format!(
+                "the word counts {got} after {ADDS} fetch-adds from each of {n} ranks"
+            ));
+        }
+    }
+    barrier(comm)?;
+    nccl!(ncclCommWindowDeregister(comm, b));
+    nccl!(ncclCommWindowDeregister(comm, a));
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+/// A thread of rank 0 waits to signal rank 1 on a channel whose previous signal rank 1 never
+/// consumes (no time limit), while rank 1 stays alive; ncclCommAbort on rank 0's main thread
+/// must end that wait at once (it used to go on until rank 1 exited).
+fn abort_while_signalling(w: &Worker) -> Result<(), String> {
+    let comm = init(w)?;
+    let (_mem, win) = window(comm, 4096, &mode(w))?;
+    barrier(comm)?;
+    if w.rank == 1 {
+        std::thread::sleep(Duration::from_secs(8));
+        return Ok(());
+    }
+    nccl!(commWinChannelSignal(1, 0, 0, win, comm));
+    let (c, wn) = (comm as usize, win as usize);
+    let waiter = std::thread::spawn(move || {
+        let r = unsafe { commWinChannelSignal(1, 0, 0, wn as ncclWindow_t, c as ncclComm_t) };
+        (r, Instant::now(), last_error())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let aborted = Instant::now();
+    nccl!(ncclCommAbort(comm));
+    let (r, at, msg) = waiter.join().map_err(|_| "the waiter panicked")?;
+    if r != ncclResult_t::ncclInvalidUsage || !msg.contains("aborted") {
+        return Err(format!("the blocked signal returned {r:?} ({msg})"));
+    }
+    let late = at.saturating_duration_since(aborted);
+    if late > Duration::from_secs(3) {
+        return Err(format!(
+            "the blocked signal returned {late:?} after the abort"
+        ));
+    }
+    Ok(())
+}
+
 fn scenario(w: &Worker) -> Result<(), String> {
     match w.scenario.as_str() {
         "sleeping" => busy_target(w, false),
@@ -1129,6 +1335,10 @@ fn scenario(w: &Worker) -> Result<(), String> {
         "fresh" => fresh_windows(w),
         "deregistered" => target_deregistered(w),
         "lock_dies" => lock_holder_dies(w),
+        "destroyed" => destroyed_target(w),
+        "group_put_fails" => group_with_failing_put(w),
+        "two_windows" => two_windows_one_word(w),
+        "abort_signal" => abort_while_signalling(w),
         other => Err(format!("unknown scenario {other}")),
     }
 }
@@ -1424,6 +1634,34 @@ fn operations_into_a_window_its_target_deregistered_are_refused() {
         (2, "user,net"),
     ] {
         run("deregistered", n, arg, &[("COMM_TIMEOUT", "2")], 120);
+    }
+}
+
+#[test]
+fn operations_into_a_window_of_a_destroyed_communicator_are_refused() {
+    for (n, arg) in [(2, "shared"), (3, "user"), (3, "memalloc")] {
+        run("destroyed", n, arg, &[("COMM_TIMEOUT", "10")], 120);
+    }
+}
+
+#[test]
+fn a_put_that_fails_at_group_end_leaves_the_rest_of_the_group_running() {
+    for (n, arg) in [(3, "shared"), (3, "user"), (4, "user")] {
+        run("group_put_fails", n, arg, &[("COMM_TIMEOUT", "10")], 120);
+    }
+}
+
+#[test]
+fn atomics_through_two_windows_over_one_word_are_atomic() {
+    for (n, arg) in [(3, "user"), (2, "user"), (3, "user,net")] {
+        run("two_windows", n, arg, &[("COMM_TIMEOUT", "20")], 180);
+    }
+}
+
+#[test]
+fn abort_ends_a_wait_to_signal_a_live_peer() {
+    for arg in ["shared", "user"] {
+        run("abort_signal", 2, arg, &[], 60);
     }
 }
 

@@ -328,8 +328,11 @@ fn one_sided(
     }
 }
 
-/// Host memory: the data is in the peer's window and counted by one signal when the call (or
-/// the group) returns. Unlike NCCL, `localbuff` need not lie in a window. Device memory is
+/// Host memory: `localbuff` may be reused when the call (or the group) returns. For a peer on
+/// this host the data is in its window and counted by one signal by then; for one on another
+/// host it may still be on its way, and lands before the signal counts (the peer's
+/// ncclWaitSignal returns with it in place; commWinFlush waits for it here). Unlike NCCL,
+/// `localbuff` need not lie in a window. Device memory is
 /// copied on `stream`; to a peer on another host (GPUDirect RDMA) the call first waits for
 /// `stream`, so that the device reads `localbuff` after the work queued before it.
 #[no_mangle]
@@ -645,6 +648,23 @@ pub unsafe extern "C" fn commWinPeerPtr(
             window::peer_ptr(&c.window_members(), win as usize, peer)?.unwrap_or(0) as *mut c_void;
         // SAFETY: `ptr` is the C caller's out-parameter.
         unsafe { write_out(ptr, "ptr", p) }
+    })
+}
+
+/// comm extension: the size in bytes of `peer`'s part of the window, as `peer` registered it
+/// (sizes may differ between ranks).
+#[no_mangle]
+pub unsafe extern "C" fn commWinPeerSize(
+    comm: ncclComm_t,
+    win: ncclWindow_t,
+    peer: c_int,
+    size: *mut usize,
+) -> ncclResult_t {
+    guard_comm("commWinPeerSize", comm, |c| {
+        out(size, "size")?;
+        let n = window::peer_size(&c.window_members(), win as usize, peer)?;
+        // SAFETY: `size` is the C caller's out-parameter.
+        unsafe { write_out(size, "size", n) }
     })
 }
 

@@ -1,13 +1,13 @@
 //! A communicator's window control segment: one per rank, in shared memory that the rank's
 //! peers on the host map. It holds what one-sided operations change at the target besides the
 //! data: NCCL's signal counters (one per sending rank), the doorbell a waiting rank sleeps on,
-//! and one slot per window with the signal pads (one word per channel and peer) and the lock
-//! that serialises atomics on window memory that peers cannot reach with loads and stores.
+//! the locks that serialise atomics on window memory that peers cannot reach with loads and
+//! stores, and one slot per window with its signal pads (one word per channel and peer).
 
 use crate::error::Result;
 use crate::transport::os::{self, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Windows one communicator may have registered at once (per rank).
@@ -16,11 +16,31 @@ pub(super) const MAX_WINDOWS: usize = 256;
 const BELL: usize = 0;
 const SLEEPERS: usize = 4;
 const COUNTERS: usize = 64;
-/// In a window's slot: the atomics lock (the holder's pid), the handle of the window that now
-/// owns the slot (0: none), then the signal pads on the next cache line.
-const SLOT_LOCK: usize = 0;
-const SLOT_LIVE: usize = 8;
+/// Atomics locks, one per cache line, each holding its holder's pid (0: free). A word's lock
+/// is chosen by the word's address in the target's memory, not by the window: two windows
+/// over the same memory serialise their atomics on a word with one lock (with a lock per
+/// window, fetch-adds through two of them lost a third of their updates).
+const LOCKS: usize = 64;
+/// In a window's slot: the handle of the window that now owns the slot (0: none), then the
+/// signal pads on the next cache line.
+const SLOT_LIVE: usize = 0;
 const SLOT_PADS: usize = 64;
+
+fn locks_at(nranks: usize) -> usize {
+    (COUNTERS + 8 * nranks).next_multiple_of(64)
+}
+
+/// When a wait for an atomics lock gives up: past `deadline`, or once `abort` is set.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Stop<'a> {
+    pub deadline: Option<Instant>,
+    pub abort: Option<&'a AtomicBool>,
+}
+
+/// The lock (of `LOCKS`) that serialises atomics on the 8-byte word at `addr`.
+fn lock_of(addr: usize) -> usize {
+    ((addr as u64 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize % LOCKS
+}
 
 pub(crate) struct Ctl {
     map: Mapping,
@@ -29,7 +49,7 @@ pub(crate) struct Ctl {
 }
 
 fn slots_at(nranks: usize) -> usize {
-    (COUNTERS + 8 * nranks).next_multiple_of(4096)
+    (locks_at(nranks) + 64 * LOCKS).next_multiple_of(4096)
 }
 
 fn slot_bytes(nranks: usize, channels: usize) -> usize {
@@ -112,8 +132,6 @@ impl Ctl {
 
     /// Clears a window slot for a new window.
     pub(crate) fn reset_slot(&self, slot: usize) {
-        self.word32(self.slot(slot) + SLOT_LOCK)
-            .store(0, Ordering::SeqCst);
         self.live(slot).store(0, Ordering::SeqCst);
         for ch in 0..self.channels {
             for p in 0..self.nranks {
@@ -122,17 +140,14 @@ impl Ctl {
         }
     }
 
-    /// Runs `f` holding the atomics lock of window slot `slot`. The lock word holds the
-    /// holder's pid: a waiter that finds the holder's process gone takes the lock over (the
-    /// holder died between its read and its write of one word, or after both), and one that
-    /// waits past `deadline` gives up with ncclTimeout.
-    pub(crate) fn locked<T>(
-        &self,
-        slot: usize,
-        deadline: Option<Instant>,
-        f: impl FnOnce() -> T,
-    ) -> Result<T> {
-        let word = self.word32(self.slot(slot) + SLOT_LOCK);
+    /// Runs `f` holding the atomics lock of the word at `addr` (its address in this rank's
+    /// memory). The lock word holds the holder's pid: a waiter that finds the holder's process
+    /// gone takes the lock over (the holder died between its read and its write of one word,
+    /// or after both); one that waits past `stop.deadline` gives up with ncclTimeout, and one
+    /// whose communicator is aborted (`stop.abort`) with ncclInvalidUsage.
+    pub(crate) fn locked<T>(&self, addr: usize, stop: Stop, f: impl FnOnce() -> T) -> Result<T> {
+        let Stop { deadline, abort } = stop;
+        let word = self.word32(locks_at(self.nranks) + 64 * lock_of(addr));
         let me = std::process::id().max(1);
         let mut spins = 0u32;
         let mut seen = 0u32;
@@ -157,6 +172,10 @@ impl Ctl {
                         } else if deadline.is_some_and(|d| Instant::now() > d) {
                             return crate::timeout_err!(
                                 "timed out waiting for a window's atomics lock, held by process {holder}"
+                            );
+                        } else if abort.is_some_and(|a| a.load(Ordering::SeqCst)) {
+                            return crate::invalid_usage!(
+                                "the communicator was aborted while waiting for a window's atomics lock, held by process {holder}"
                             );
                         }
                     }

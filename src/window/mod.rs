@@ -48,7 +48,7 @@ use crate::transport::net::ib::IbWorld;
 use crate::transport::os::{self, Mapping};
 use crate::transport::Link;
 use crate::wire::{self, Reader};
-use ctl::Ctl;
+use ctl::{Ctl, Stop};
 use parking_lot::Mutex;
 use remote::{Frame, NetSide};
 use std::os::fd::AsRawFd;
@@ -850,6 +850,10 @@ pub(crate) fn forget(c: &Members) {
         .filter_map(Option::take)
         .collect();
     for w in gone {
+        // As deregistering does: peers on this host that still hold the communicator look at
+        // this word before they reach into the window (puts and atomics into the memory of a
+        // destroyed communicator's windows, reused by then, succeeded).
+        w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
         w.exposed.lock().take();
         if let Some(p) = w.owned {
             shared::free(p as *mut u8);
@@ -940,7 +944,7 @@ fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()> {
     match &cw.ctls[peer] {
         Some(ctl) if peer != cw.rank && ctl.live(p.slot).load(Ordering::Acquire) != p.handle => {
             crate::invalid_usage!(
-                "rank {peer} has deregistered its part of window {:#x}; one-sided operations into it are refused (ncclCommWindowDeregister is local: every rank must be done with a window before any rank deregisters it)",
+                "rank {peer} has deregistered its part of window {:#x} (or destroyed or aborted its communicator); one-sided operations into it are refused (ncclCommWindowDeregister is local: every rank must be done with a window before any rank deregisters it)",
                 w.handle
             )
         }
@@ -1286,7 +1290,8 @@ pub(crate) unsafe fn get(
 
 /// An 8-byte atomic on `peer`'s part of `w` done by this process (the peer is reached
 /// directly or with CMA): fetch-add of `val`, or with `cas` a compare-and-swap to `val`.
-/// Returns the old value. `ctl` is the target's control segment (for the lock).
+/// Returns the old value. `ctl` is the target's control segment (for the lock); `stop` ends a
+/// wait for the lock.
 pub(crate) fn atomic_at(
     w: &Window,
     peer: usize,
@@ -1294,9 +1299,11 @@ pub(crate) fn atomic_at(
     cas: Option<u64>,
     val: u64,
     ctl: &Ctl,
-    deadline: Option<Instant>,
+    stop: Stop,
 ) -> Result<u64> {
     let p = &w.peers[peer];
+    // The lock of the word where it lies in the target's memory, whichever window reaches it.
+    let key = p.addr + off;
     let new = |old: u64| match cas {
         Some(cmp) if old == cmp => val,
         Some(_) => old,
@@ -1308,7 +1315,7 @@ pub(crate) fn atomic_at(
             // (checked too) and is only ever accessed atomically by the library.
             let a = unsafe { &*((base + off) as *const AtomicU64) };
             if p.locked {
-                ctl.locked(p.slot, deadline, || {
+                ctl.locked(key, stop, || {
                     let old = a.load(Ordering::SeqCst);
                     crate::fault::point("window_atomic_locked");
                     a.store(new(old), Ordering::SeqCst);
@@ -1325,7 +1332,7 @@ pub(crate) fn atomic_at(
                 })
             }
         }
-        Reach::Cma { pid, addr } => ctl.locked(p.slot, deadline, || {
+        Reach::Cma { pid, addr } => ctl.locked(key, stop, || {
             let mut old = [0u8; 8];
             // SAFETY: old is 8 writable bytes.
             unsafe { os::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
@@ -1342,7 +1349,7 @@ pub(crate) fn atomic_at(
         })?,
         Reach::Device(base) => {
             let dev = w.device_of()?;
-            ctl.locked(p.slot, deadline, || {
+            ctl.locked(key, stop, || {
                 let mut old = 0u64;
                 let at = (base + off) as u64;
                 crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8)?;
@@ -1410,7 +1417,18 @@ pub(crate) fn atomic(
                 Error::new(ErrorKind::Internal, "no control segment for a local peer")
             })?;
             check_live(&cw, &w, peer)?;
-            atomic_at(&w, peer, off, cas, val, ctl, deadline_of(c.timeout))
+            atomic_at(
+                &w,
+                peer,
+                off,
+                cas,
+                val,
+                ctl,
+                Stop {
+                    deadline: deadline_of(c.timeout),
+                    abort: Some(c.abort),
+                },
+            )
         }
     }
 }
@@ -1455,6 +1473,13 @@ pub(crate) fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<u
         Reach::Direct(a) | Reach::Device(a) => Some(a),
         _ => None,
     })
+}
+
+/// The bytes of `peer`'s part of window `handle` (sizes may differ between ranks).
+pub(crate) fn peer_size(c: &Members, handle: usize, peer: i32) -> Result<usize> {
+    let w = lookup(c, handle)?;
+    let peer = peer_index(c, peer)?;
+    Ok(w.peers[peer].len)
 }
 
 /// ncclGetPeerDevicePointer: the device address at which this rank's GPU reaches `offset` of
@@ -1742,6 +1767,11 @@ fn channel_signal_to(
         if set {
             return Ok(());
         }
+        if c.abort.load(Ordering::SeqCst) {
+            return crate::invalid_usage!(
+                "the communicator was aborted while waiting to signal rank {dst} on channel {ch}"
+            );
+        }
         if dst != me {
             if let Err(e) = c.links[dst].check_peer() {
                 return Err(Error::lost_peer(
@@ -1806,6 +1836,11 @@ pub(crate) fn channel_barrier(
     let cw = w.cw.clone();
     let ch = channel_of(&cw, channel)?;
     let deadline = pad_deadline(c, timeout_ms);
+    // As channel_signal does: a peer's pads that now belong to another window must not be
+    // set (its wait there would end on this rank's signal).
+    for p in (0..c.nranks).filter(|&p| p != c.rank) {
+        check_live(&cw, &w, p)?;
+    }
     for p in (0..c.nranks).filter(|&p| p != c.rank) {
         channel_signal_to(c, &cw, &w, p, ch, deadline)?;
     }

@@ -275,7 +275,7 @@ fn apply(
             let r = target(f.win, tag, me).and_then(|w| {
                 let cas = (f.op == OP_CAS).then_some(f.a);
                 super::check_range(&w.peers[me], f.off as usize, 8, me)?;
-                super::atomic_at(&w, me, f.off as usize, cas, f.b, ctl, None)
+                super::atomic_at(&w, me, f.off as usize, cas, f.b, ctl, Default::default())
             });
             reply(s, r, None)
         }
