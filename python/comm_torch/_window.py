@@ -249,6 +249,13 @@ class Window:
         self.check(self.lib.commWinPeerPtr(self.engine.handle, self.handle, peer, _byref(out)), "commWinPeerPtr")
         return out.value or 0
 
+    def peer_size(self, peer: int) -> int:
+        """The bytes of ``peer``'s part of the window (sizes may differ between ranks)."""
+        self._live()
+        out = ctypes.c_size_t()
+        self.check(self.lib.commWinPeerSize(self.engine.handle, self.handle, peer, _byref(out)), "commWinPeerSize")
+        return out.value
+
     def signal_pads(self, peer: int) -> tuple[int, int]:
         self._live()
         out, nch = ctypes.c_void_p(), ctypes.c_int()

@@ -149,6 +149,16 @@ class SymmetricMemory:
         self.rank: int = engine.rank
         self.world_size: int = engine.size
         self.buffer_size: int = window.nbytes
+        # As PyTorch's rendezvous: the allocations must be the same size on every rank (every
+        # rank sees the same sizes, so every rank raises). Each rank's buffer pointer then
+        # covers buffer_size bytes, which get_buffer and get rely on.
+        sizes = [window.peer_size(r) for r in range(self.world_size)]
+        if any(n != self.buffer_size for n in sizes):
+            raise RuntimeError(
+                "comm_torch.symm_mem.rendezvous: the ranks' allocations differ in size "
+                f"({', '.join(f'rank {r}: {n} bytes' for r, n in enumerate(sizes))}); "
+                "symmetric memory needs the same size on every rank"
+            )
         self.offset: int = offset
         self.device: torch.device = device
         self.buffer_ptrs: list[int] = [window.peer_ptr(r) for r in range(self.world_size)]

@@ -183,7 +183,13 @@ class CommWindow:
                 f"comm: rank {rank}'s window memory is not addressable from this process (another host, or "
                 "memory not allocated with window_allocate / comm_torch.symm_mem.empty); use put/get"
             )
-        return typed_view(bytes_tensor(ptr, win.nbytes, keep=win), self._tensor.shape, self._tensor.dtype)
+        size = win.peer_size(rank)
+        if size < win.nbytes:
+            raise ValueError(
+                f"comm: rank {rank} registered {size} bytes, fewer than this rank's tensor "
+                f"({win.nbytes} bytes), so its memory cannot be seen with this window's shape"
+            )
+        return typed_view(bytes_tensor(ptr, size, keep=win), self._tensor.shape, self._tensor.dtype)
 
     # -- one-sided operations
     def put(
@@ -203,10 +209,11 @@ class CommWindow:
         src = tensor.contiguous()
         elem = src.element_size()
         offset = target_offset_nelems * elem
-        if target_offset_nelems < 0 or offset + src.numel() * elem > win.nbytes:
+        size = win.peer_size(dst_rank)
+        if target_offset_nelems < 0 or offset + src.numel() * elem > size:
             raise ValueError(
-                f"comm: put of {src.numel() * elem} bytes at byte offset {offset} passes the window's "
-                f"{win.nbytes} bytes"
+                f"comm: put of {src.numel() * elem} bytes at byte offset {offset} passes rank {dst_rank}'s "
+                f"window of {size} bytes"
             )
         win.check(
             win.lib.ncclPutSignal(

@@ -1019,6 +1019,31 @@ def torchcomms_backend(ctx):
         shared.wait_signal(prv, False)
         same(mine, torch.full((64,), prv + 1, dtype=torch.uint8), "map_remote_tensor")
         shared.tensor_deregister()
+        # Sizes that differ between ranks: puts are bounded by the target's size, not this
+        # rank's, and a peer's smaller memory is not mapped with this rank's shape (it was,
+        # and writing its end crashed).
+        uneven = ref.window_allocate(64 + 64 * me)
+        theirs = 64 + 64 * nxt
+        try:
+            uneven.put(torch.ones(theirs + 1, dtype=torch.uint8), nxt, 0, False)
+        except ValueError as e:
+            assert f"window of {theirs} bytes" in str(e), str(e)
+        else:
+            raise AssertionError("a put past the end of a smaller peer window was accepted")
+        uneven.put(torch.full((theirs,), me + 1, dtype=torch.uint8), nxt, 0, False)
+        uneven.wait_signal(prv, False)
+        same(uneven.get_tensor(), torch.full((64 + 64 * me,), prv + 1, dtype=torch.uint8), "uneven put")
+        if theirs < 64 + 64 * me:
+            try:
+                uneven.map_remote_tensor(nxt)
+            except ValueError as e:
+                assert f"registered {theirs} bytes" in str(e), str(e)
+            else:
+                raise AssertionError("map_remote_tensor of a smaller peer window succeeded")
+        elif n > 1:
+            assert uneven.map_remote_tensor(nxt).numel() == 64 + 64 * me
+        ref.barrier(False)
+        uneven.tensor_deregister()
 
     ctx.check("windows", windows)
     comm.finalize()

@@ -223,6 +223,16 @@ def symm_mem(ctx):
         assert torch.equal(t[n // 2 :], torch.arange(n // 2, n, dtype=torch.float64) + 1000 * r)
 
     timed("one_sided", one_sided)
+
+    def unequal_sizes():
+        # As PyTorch's rendezvous, allocations that differ in size between ranks are refused,
+        # on every rank (get_buffer over a smaller peer's memory used to crash).
+        u = symm_mem.empty(64 + 32 * r, dtype=torch.float32)
+        err = expect(RuntimeError, symm_mem.rendezvous, u, dist.group.WORLD)
+        assert "differ in size" in str(err) and f"rank {w - 1}: {4 * (64 + 32 * (w - 1))} bytes" in str(err), str(err)
+
+    if w > 1:
+        run_check(ctx, "unequal_sizes", unequal_sizes)
     ctx.values["buffer_ptrs_nonzero"] = sum(1 for p in hdl.buffer_ptrs if p)
     dist.barrier()
     dist.destroy_process_group()

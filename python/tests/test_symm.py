@@ -21,6 +21,7 @@ SYMM_MEM_CHECKS = [
     "module_functions",
     "ptrs_dev",
     "one_sided",
+    "unequal_sizes",
 ]
 
 
