@@ -400,10 +400,15 @@ fn stop_in_bootstrap(w: &Worker) -> Result<(), String> {
 
 /// arg: an operation. The victim never joins it (it sleeps, then exits); a survivor's second
 /// thread aborts the communicator 300 ms into the call, which must then return at once.
+/// With the prefix "destroy:", the second thread calls ncclCommDestroy instead (using a
+/// communicator while destroying it is a mistake, but the blocked call must still end).
 fn abort_while_blocked(w: &Worker) -> Result<(), String> {
-    let op = w.arg.as_str();
+    let (destroy, op) = match w.arg.strip_prefix("destroy:") {
+        Some(op) => (true, op),
+        None => (false, w.arg.as_str()),
+    };
     if op == "init" {
-        return abort_during_init(w);
+        return abort_during_init(w, destroy);
     }
     let c = init_rank(w)?;
     if w.rank == victim(w) {
@@ -416,7 +421,11 @@ fn abort_while_blocked(w: &Worker) -> Result<(), String> {
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
         *stamp.lock().unwrap() = Some(Instant::now());
-        unsafe { ncclCommAbort(handle as ncclComm_t) };
+        if destroy {
+            unsafe { ncclCommDestroy(handle as ncclComm_t) };
+        } else {
+            unsafe { ncclCommAbort(handle as ncclComm_t) };
+        }
     });
     // A rank that needs nothing from the victim may finish before the abort.
     let mut may_finish = false;
@@ -455,7 +464,8 @@ fn abort_while_blocked(w: &Worker) -> Result<(), String> {
         Some(t) => Err(format!("{op}: returned {t:?} after the abort")),
         // The other survivor's abort reached this rank before its own.
         None if last_error().contains("aborted (ncclCommAbort)")
-            || last_error().contains("rank 0 aborted") =>
+            || last_error().contains("rank 0 aborted")
+            || last_error().contains("destroyed its communicator") =>
         {
             Ok(())
         }
@@ -466,9 +476,10 @@ fn abort_while_blocked(w: &Worker) -> Result<(), String> {
     }
 }
 
-/// A non-blocking init that the victim never joins is aborted 300 ms in: ncclCommAbort must
-/// stop it at once rather than wait for COMM_INIT_TIMEOUT, and the handle is gone afterwards.
-fn abort_during_init(w: &Worker) -> Result<(), String> {
+/// A non-blocking init that the victim never joins is aborted (or destroyed) 300 ms in:
+/// ncclCommAbort (ncclCommDestroy) must stop it at once rather than wait for
+/// COMM_INIT_TIMEOUT, and the handle is gone afterwards.
+fn abort_during_init(w: &Worker, destroy: bool) -> Result<(), String> {
     if w.rank == victim(w) {
         return Ok(());
     }
@@ -496,7 +507,11 @@ fn abort_during_init(w: &Worker) -> Result<(), String> {
     let handle = c as usize;
     let (r, took) = std::thread::spawn(move || {
         let t = Instant::now();
-        let r = unsafe { ncclCommAbort(handle as ncclComm_t) };
+        let r = if destroy {
+            unsafe { ncclCommDestroy(handle as ncclComm_t) }
+        } else {
+            unsafe { ncclCommAbort(handle as ncclComm_t) }
+        };
         (r, t.elapsed())
     })
     .join()
@@ -657,6 +672,30 @@ fn stale_errors(w: &Worker) -> Result<(), String> {
             return Err(format!(
                 "{name} returned {r:?} but ncclGetLastError(comm) still says {after:?}"
             ));
+        }
+    }
+    // A later failure that names no communicator is what ncclGetLastError(comm) answers with
+    // (NCCL ignores comm): it used to repeat this communicator's older failure.
+    let unnamed: Vec<(&str, Call)> = vec![
+        ("ncclGroupEnd", Box::new(|_| ncclGroupEnd())),
+        (
+            "ncclAllReduce",
+            Box::new(|_| unsafe { ncclAllReduce(bp, bp, 8, FLOAT, SUM, std::ptr::null_mut(), S) }),
+        ),
+    ];
+    for (name, call) in &unnamed {
+        earlier(c, "");
+        let r = call(c);
+        let after = last(c);
+        if r == OK || !after.starts_with(name) {
+            return Err(format!(
+                "{name} returned {r:?}, then ncclGetLastError(comm) says {after:?}"
+            ));
+        }
+        // A failure of the communicator's own makes it the answer again.
+        earlier(c, "");
+        if !last(c).starts_with("ncclCommCount") {
+            return Err(format!("after {name}: {:?}", last(c)));
         }
     }
     // An asynchronous failure: the peer exits; the survivor's collective fails, then an
@@ -1158,6 +1197,13 @@ fn abort_from_another_thread_unblocks_each_operation() {
         .chain(colls)
     {
         run_with_victim("abort_while_blocked", 3, &op, &[], 60);
+    }
+}
+
+#[test]
+fn destroy_from_another_thread_ends_a_blocked_call_or_a_running_init() {
+    for op in ["init", "AllReduce", "Broadcast", "split"] {
+        run_with_victim("abort_while_blocked", 3, &format!("destroy:{op}"), &[], 60);
     }
 }
 

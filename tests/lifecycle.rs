@@ -451,8 +451,8 @@ fn zero_count_collectives_are_no_ops_threads() {
     with_threads(3, Duration::from_secs(60), zero_count_is_a_no_op);
 }
 
-/// A simulated group estimates and runs nothing.
-fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
+/// A simulated group estimates and runs nothing; ncclGroupSimulateEnd(NULL) runs the group.
+fn simulate(comm: ncclComm_t, _rank: usize, nranks: usize) -> Result<(), String> {
     let send = vec![1f32; 1 << 16];
     let mut recv = vec![-1f32; 1 << 16];
     let mut info = ncclSimInfo_t {
@@ -479,6 +479,38 @@ fn simulate(comm: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
         return Err("a simulated group ran its all-reduce".into());
     }
     println!("estimated {} us", info.estimatedTime);
+    // A struct of an older, shorter layout (size 16: no estimatedTime) is read up to its
+    // size, as NCCL does: accepted, and nothing past it is written.
+    let mut short = [0u64; 3];
+    short[0] = 16;
+    short[1] = 0x74685283 | ((NCCL_VERSION_CODE as u64) << 32);
+    short[2] = u64::MAX;
+    nccl!(ncclGroupStart());
+    nccl!(ncclGroupSimulateEnd(
+        short.as_mut_ptr() as *mut ncclSimInfo_t
+    ));
+    if short[2] != u64::MAX {
+        return Err("ncclGroupSimulateEnd wrote past a 16-byte simInfo".into());
+    }
+    // NULL: the group runs, as with ncclGroupEnd (it used to be dropped without a word).
+    let n = nranks as f32;
+    nccl!(ncclGroupStart());
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        recv.as_mut_ptr() as *mut c_void,
+        1 << 16,
+        FLOAT,
+        SUM,
+        comm,
+        S
+    ));
+    nccl!(ncclGroupSimulateEnd(std::ptr::null_mut()));
+    if let Some(i) = recv.iter().position(|&v| v != n) {
+        return Err(format!(
+            "after ncclGroupSimulateEnd(NULL) element {i} is {}, expected {n}",
+            recv[i]
+        ));
+    }
     Ok(())
 }
 

@@ -398,6 +398,12 @@ impl Comm {
         for l in &self.wiring.links {
             l.close(Closing::Destroyed, None);
         }
+        // A call still waiting on another thread (using a communicator while destroying it is
+        // the application's mistake) stops with an error, as after an abort: it went on
+        // waiting for peers that had been told this rank left, and could wait forever.
+        self.wiring.abort.store(true, Ordering::SeqCst);
+        self.boot.abort_handle().store(true, Ordering::SeqCst);
+        self.wiring.doorbell.ring();
     }
 
     /// Stops any operation in progress (from any thread) and tells the peers.

@@ -92,6 +92,11 @@ impl Entry {
         }
     }
 
+    /// Whether initialisation is still running.
+    pub(crate) fn initializing(&self) -> bool {
+        self.ready.get().is_none() && matches!(*self.state.lock(), State::Initializing)
+    }
+
     /// Blocks until initialisation settles.
     pub(crate) fn wait(&self) -> Result<Arc<Comm>> {
         self.wait_settled();

@@ -1251,7 +1251,7 @@ impl<'a> Exec<'a> {
     fn check_peers(&self) -> Result<()> {
         if self.wiring.abort.load(Ordering::SeqCst) {
             return crate::remote_err!(
-                "the communicator was aborted while an operation was in progress"
+                "the communicator was aborted or destroyed while an operation was in progress"
             );
         }
         let (ranks, _) = self.blocked_on();

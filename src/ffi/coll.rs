@@ -470,29 +470,41 @@ pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     guard("ncclGroupEnd", group::end)
 }
 
+/// NULL runs the group, as ncclGroupEnd (NCCL does the same). Otherwise the struct is read and
+/// written up to its `size`, as NCCL does (an older, shorter struct works): `magic` must be
+/// there and be NCCL_SIM_INFO_INITIALIZER's, and `estimatedTime` is filled where it fits.
 #[no_mangle]
 pub unsafe extern "C" fn ncclGroupSimulateEnd(simInfo: *mut ncclSimInfo_t) -> ncclResult_t {
     guard("ncclGroupSimulateEnd", || {
-        if !simInfo.is_null() {
-            // SAFETY: `simInfo` is not NULL and the C caller's struct, which begins with its
-            // `size`; its `magic` is read only once `size` says the whole struct is there.
-            let (size, magic) = unsafe {
-                let size = std::ptr::read_unaligned(simInfo as *const usize);
-                let whole = size >= std::mem::size_of::<ncclSimInfo_t>();
-                (size, if whole { (*simInfo).magic } else { 0 })
+        if simInfo.is_null() {
+            return group::end();
+        }
+        let magic_end = std::mem::offset_of!(ncclSimInfo_t, magic) + 4;
+        let time_end = std::mem::offset_of!(ncclSimInfo_t, estimatedTime) + 4;
+        // SAFETY: `simInfo` is not NULL and the C caller's struct, which begins with its
+        // `size`; `magic` is read only where `size` says it is there.
+        let (size, magic) = unsafe {
+            let size = std::ptr::read_unaligned(simInfo as *const usize);
+            let magic = if size >= magic_end {
+                std::ptr::read_unaligned(std::ptr::addr_of!((*simInfo).magic))
+            } else {
+                0
             };
-            if size < std::mem::size_of::<ncclSimInfo_t>() || magic != NCCL_SIM_INFO_MAGIC {
-                // Still end the group so the caller's nesting stays balanced.
-                let _ = group::simulate_end();
-                return crate::invalid_arg!(
-                    "simInfo was not initialized with NCCL_SIM_INFO_INITIALIZER"
-                );
-            }
+            (size, magic)
+        };
+        if magic != NCCL_SIM_INFO_MAGIC {
+            // Still end the group so the caller's nesting stays balanced.
+            let _ = group::simulate_end();
+            return crate::invalid_arg!(
+                "simInfo was not initialized with NCCL_SIM_INFO_INITIALIZER (size {size}, magic {magic:#x})"
+            );
         }
         let us = group::simulate_end()?;
-        if !simInfo.is_null() {
-            // SAFETY: `simInfo` is not NULL and the caller's whole ncclSimInfo_t (checked above).
-            unsafe { (*simInfo).estimatedTime = us };
+        if size >= time_end {
+            // SAFETY: `size` says the caller's struct reaches past `estimatedTime`.
+            unsafe {
+                std::ptr::write_unaligned(std::ptr::addr_of_mut!((*simInfo).estimatedTime), us)
+            };
         }
         Ok(())
     })

@@ -257,6 +257,11 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
         }
         let entry = registry::remove(comm as usize)?;
         super::lane::invalidate();
+        // A non-blocking initialisation still running is given up, as ncclCommAbort does:
+        // waiting for it kept the caller until COMM_INIT_TIMEOUT where a peer never came.
+        if entry.initializing() {
+            entry.abort.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         if let Ok(c) = entry.wait() {
             c.destroy();
             crate::window::forget(&c.window_members());

@@ -61,7 +61,8 @@ fn remember(msg: &str) -> *const c_char {
 }
 
 thread_local! {
-    static THREAD_LAST: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+    /// This thread's last failure, and whether its call named a communicator.
+    static THREAD_LAST: std::cell::RefCell<Option<(String, bool)>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The message for `ncclGetLastError`: the communicator's last failure when one is named, else
@@ -70,7 +71,16 @@ pub(crate) fn last_error_ptr(comm: ncclComm_t) -> *const c_char {
     let of_comm = registry::lookup(comm as usize)
         .ok()
         .and_then(|e| e.last_error.lock().clone());
-    if let Some(msg) = of_comm.or_else(|| THREAD_LAST.with(|t| t.borrow().clone())) {
+    let of_thread = THREAD_LAST.with(|t| t.borrow().clone());
+    let msg = match (of_comm, of_thread) {
+        // This thread's latest failure named no communicator (ncclGroupEnd without a start, a
+        // NULL handle): it is what the caller asks about, whatever communicator it names (NCCL
+        // ignores the argument). Answering with that communicator's older failure misled.
+        (_, Some((m, false))) => Some(m),
+        (Some(m), _) => Some(m),
+        (None, t) => t.map(|(m, _)| m),
+    };
+    if let Some(msg) = msg {
         return remember(&msg);
     }
     let l = LAST.lock();
@@ -106,13 +116,13 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// Records a failure of `func` so `ncclGetLastError` can report it: for this thread, for the
 /// process, and for the communicator the call named (`comm`, when the handle is known).
 pub(crate) fn report(func: &str, e: &Error, comm: ncclComm_t) {
-    let msg = match registry::lookup(comm as usize) {
-        Ok(entry) => crate::comm::note_error(&entry.last_error, func, e),
-        Err(_) => format!("{func}: {}", e.msg),
+    let (msg, named) = match registry::lookup(comm as usize) {
+        Ok(entry) => (crate::comm::note_error(&entry.last_error, func, e), true),
+        Err(_) => (format!("{func}: {}", e.msg), false),
     };
     crate::warn!("{msg}");
     remember(&msg);
-    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg));
+    THREAD_LAST.with(|t| *t.borrow_mut() = Some((msg, named)));
     crate::group::record_error(e);
 }
 
@@ -126,7 +136,7 @@ pub(crate) fn note_async_error(entry: &registry::Entry, e: &Error) {
     let msg = format!("asynchronous error: {}", e.msg);
     *slot = Some(msg.clone());
     remember(&msg);
-    THREAD_LAST.with(|t| *t.borrow_mut() = Some(msg));
+    THREAD_LAST.with(|t| *t.borrow_mut() = Some((msg, true)));
 }
 
 /// Runs an entry point's body: no panic crosses the C boundary, every error becomes its code
