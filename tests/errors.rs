@@ -463,6 +463,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("bad_arguments", |w| on_comm(w, bad_arguments)),
     ("dead_peer", dead_peer),
     ("mismatch", mismatch),
+    ("root_mismatch", root_mismatch),
     ("absent_peer", absent_peer),
     ("missing_at_init", missing_at_init),
     ("abort_unblocks", abort_unblocks),
@@ -549,6 +550,57 @@ fn mismatch(w: &Worker) -> Result<(), String> {
         ));
     }
     nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// arg: a rooted collective. Rank 0 passes root 0, the others root 1. Broadcast and scatter
+/// used to succeed everywhere, the third rank silently taking rank 1's data; now the rank that
+/// receives another root's message says the ranks passed different roots. Every rank prints
+/// what its call returned; the test reads it.
+fn root_mismatch(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    let n = w.nranks;
+    let root = if w.rank == 0 { 0 } else { 1 };
+    let count = 100;
+    let send = vec![(w.rank + 1) as f32; count * n];
+    let mut recv = vec![0f32; count * n];
+    let (sp, rp) = (
+        send.as_ptr() as *const c_void,
+        recv.as_mut_ptr() as *mut c_void,
+    );
+    let r = unsafe {
+        match w.arg.as_str() {
+            "Broadcast" => ncclBroadcast(sp, rp, count, FLOAT, root, c, S),
+            "Scatter" => ncclScatter(sp, rp, count, FLOAT, root, c, S),
+            "Reduce" => ncclReduce(sp, rp, count, FLOAT, SUM, root, c, S),
+            "Gather" => ncclGather(sp, rp, count, FLOAT, root, c, S),
+            other => return Err(format!("unknown collective {other}")),
+        }
+    };
+    println!("result {r:?}: {}", last_error());
+    // A rank that succeeded and is no root in its own view received data: it must be its
+    // root's, not another root's.
+    if r == OK && w.rank as i32 != root && matches!(w.arg.as_str(), "Broadcast" | "Scatter") {
+        let want = (root + 1) as f32;
+        if let Some(i) = recv[..count].iter().position(|&v| v != want) {
+            return Err(format!(
+                "{} succeeded with element {i} = {}, not root {root}'s {want}",
+                w.arg, recv[i]
+            ));
+        }
+    }
+    if r == OK {
+        // The other root's message may still be on its way here: the next collective must
+        // not take it for its own, and the error says whose it is.
+        let mut x = [1f32; 4];
+        let xp = x.as_mut_ptr() as *mut c_void;
+        let r = unsafe { ncclAllReduce(xp, xp, 4, FLOAT, SUM, c, S) };
+        println!("next: {r:?}: {}", last_error());
+        if r == OK && x != [n as f32; 4] {
+            return Err(format!("the next all-reduce succeeded with {x:?}"));
+        }
+    }
+    unsafe { ncclCommAbort(c) };
     Ok(())
 }
 
@@ -689,6 +741,31 @@ fn mismatched_collectives_are_reported() {
         Duration::from_secs(60),
     );
     assert_all_ok(&r, "mismatch");
+}
+
+#[test]
+fn ranks_passing_different_roots_are_told_so() {
+    for coll in ["Broadcast", "Scatter", "Reduce", "Gather"] {
+        let t = Instant::now();
+        let r = launch(
+            "worker",
+            "root_mismatch",
+            3,
+            coll,
+            &[("COMM_TIMEOUT", "5")],
+            Duration::from_secs(60),
+        );
+        assert_all_ok(&r, &format!("root_mismatch {coll}"));
+        for x in &r {
+            eprintln!("{coll} rank {}: {}", x.rank, x.stdout.trim());
+        }
+        assert!(
+            r.iter()
+                .any(|x| x.stdout.contains("different roots") || x.stdout.contains("(root ")),
+            "{coll}: no rank was told of the other root"
+        );
+        eprintln!("{coll}: {:?}", t.elapsed());
+    }
 }
 
 #[test]

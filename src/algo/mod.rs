@@ -269,6 +269,17 @@ impl Collective {
     pub(crate) fn name(&self) -> &'static str {
         crate::tag::kind::name(self.kind())
     }
+
+    /// The root of a rooted collective.
+    pub(crate) fn root(&self) -> Option<usize> {
+        match self {
+            Collective::Broadcast { root, .. }
+            | Collective::Reduce { root, .. }
+            | Collective::Gather { root, .. }
+            | Collective::Scatter { root, .. } => Some(*root),
+            _ => None,
+        }
+    }
 }
 
 /// Who runs the schedule: its rank, the rank count, the element size, and whether the caller's

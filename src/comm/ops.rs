@@ -185,7 +185,7 @@ pub(crate) fn repeat_key(
 fn tag_of(coll: &Collective, seq: u64) -> u64 {
     match coll {
         Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
-        _ => tag(coll.kind(), seq),
+        _ => crate::tag::rooted_tag(coll.kind(), coll.root(), seq),
     }
 }
 
