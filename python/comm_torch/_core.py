@@ -22,6 +22,7 @@ import datetime
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -138,6 +139,9 @@ class CommWork(_WorkBase):
 
     # -- completion (executor side)
     def _complete(self, error=None):
+        """Marks the work done. Returns the torch future to complete, if one was asked for:
+        the executor completes it once it no longer holds the communicator, since completing
+        it runs the callbacks chained to it, which may issue operations (Executor._loop)."""
         self._error = error
         with self._lock:
             self._done = True
@@ -145,8 +149,7 @@ class CommWork(_WorkBase):
             event = self._event
         if event is not None:
             event.set()
-        if base is not None:
-            base.set_result(None)
+        return base
 
     # -- torch.distributed.Work interface
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
@@ -277,9 +280,9 @@ class Task:
                 self.work._device = self.cuda[0]
         except BaseException as err:  # noqa: BLE001  surfaced through wait(), never lost in the worker
             error = err if isinstance(err, Exception) else CommError(f"comm: {err!r}")
-        self.work._complete(error)
-        for child in self.children:
-            child._complete(error)
+        futures = [self.work._complete(error)]
+        futures.extend(child._complete(error) for child in self.children)
+        return [f for f in futures if f is not None]
 
 
 # What a synchronous operation that already ran inline returns: torch only waits on it.
@@ -318,6 +321,8 @@ class Executor:
             self._pending -= 1
 
     def run(self, task, async_op):
+        if threading.current_thread() is self._thread:
+            return self._run_from_callback(task)
         if not async_op and self.enter_inline():
             try:
                 end = task.run()
@@ -355,10 +360,36 @@ class Executor:
             task = self._queue.get()
             if task is _STOP:
                 return
-            with self._exec:
-                task.execute()
-            with self._lock:
-                self._pending -= 1
+            self._execute(task)
+
+    def _execute(self, task):
+        with self._exec:
+            futures = task.execute()
+        with self._lock:
+            self._pending -= 1
+        # Callbacks chained to the futures run here, in this thread, and may issue operations
+        # on this communicator (DDP's PowerSGD hook all-reduces from one): they run through
+        # _run_from_callback.
+        for f in futures:
+            f.set_result(None)
+
+    def _run_from_callback(self, task):
+        """An operation issued by a callback that runs in this executor's thread (a future's
+        `then`): it queues behind what was issued before it, and this thread runs the queue up
+        to it before returning, since no other thread would (waiting for it here hung)."""
+        task.work = CommWork(task.result)
+        with self._lock:
+            if self._closed:
+                raise CommError(f"comm: communicator {self._name} was shut down", call="run")
+            self._pending += 1
+            self._queue.put(task)
+        while not task.work._done:
+            queued = self._queue.get()
+            if queued is _STOP:
+                self._queue.put(_STOP)
+                raise CommError(f"comm: communicator {self._name} was shut down", call="run")
+            self._execute(queued)
+        return task.work
 
     def close(self, drain=True):
         with self._lock:
@@ -372,6 +403,25 @@ class Executor:
 
 # ----------------------------------------------------------------------------------------
 # The communicator.
+
+# Per thread: the engines holding point-to-point calls this thread deferred (Engine._dispatch).
+_deferred = threading.local()
+
+
+def _deferred_here() -> weakref.WeakSet:
+    engines = getattr(_deferred, "engines", None)
+    if engines is None:
+        engines = _deferred.engines = weakref.WeakSet()
+    return engines
+
+
+def flush_deferred_p2p() -> None:
+    """Starts the point-to-point calls this thread deferred, on every communicator: an
+    operation on one group must not leave an isend on another unsent (rank 0 isends on the
+    world, then all-reduces on a subgroup while rank 1 receives on the world first: that
+    deadlocked, the send waiting for a wait or another operation on the world)."""
+    for engine in list(_deferred_here()):
+        engine.flush_p2p()
 
 
 def _exchange_unique_id(lib, store, rank, key):
@@ -539,12 +589,14 @@ class Engine:
             # isend and irecv may be posted in any order: an irecv posted before the matching
             # send cannot block the send behind it.
             work = CommWork(task.result)
-            work._flush = self.flush_p2p
+            work._flush = flush_deferred_p2p
             with self._p2p_lock:
                 self._p2p.append((task, work))
+            _deferred_here().add(self)
             if not async_op:
                 work.wait()
             return work
+        flush_deferred_p2p()
         if self._p2p:
             self.flush_p2p()
         return self.executor.run(task, async_op)
@@ -553,6 +605,7 @@ class Engine:
         """Starts the deferred point-to-point calls, as one group."""
         with self._p2p_lock:
             pending, self._p2p = self._p2p, []
+        _deferred_here().discard(self)
         if pending:
             self._run_group([t for t, _ in pending], None, True, children=[w for _, w in pending])
 
@@ -726,7 +779,14 @@ class Engine:
     # Operations. Each returns a CommWork whose future yields ``result``.
 
     def all_reduce(self, tensor, op=SUM, async_op=False, result=None):
-        if not async_op and self._coalescing is None and not self._p2p and tensor.is_cpu and tensor.is_contiguous():
+        if (
+            not async_op
+            and self._coalescing is None
+            and not self._p2p
+            and not getattr(_deferred, "engines", None)
+            and tensor.is_cpu
+            and tensor.is_contiguous()
+        ):
             # The common synchronous case in as few Python steps as possible: small
             # all-reduces are bound by this overhead, not by the library.
             code, opcode = _DTYPES.get(tensor.dtype), _OPS.get(op.kind)
@@ -884,10 +944,19 @@ class Engine:
         if outputs[self.rank].numel() != numel:
             raise ValueError("comm: all_gather output for this rank must match the input's size")
 
+        # This rank broadcasts from a dense buffer it fills when the group runs, then copies
+        # into its own output: broadcasting from that output took a staged copy of a
+        # non-contiguous one before the input was copied in, and sent zeros.
+        mine = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
         def build():
             for i, o in enumerate(outputs):
                 if i == self.rank:
-                    self._wrapped(lambda o=o, i=i: self.broadcast(o, i), before=lambda o=o: o.copy_(input))
+                    self._wrapped(
+                        lambda i=i: self.broadcast(mine, i),
+                        before=lambda: mine.copy_(input),
+                        after=lambda o=o: o.copy_(mine.reshape(o.shape)),
+                    )
                 else:
                     self.broadcast(o, i)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,22 @@ def reduction(op: Any) -> Reduction:
         raise ValueError(f"comm: unsupported reduce op {op}")
     made = _REDUCTIONS[kind_obj] = Reduction(kind)
     return made
+
+
+_tag_warned = False
+
+
+def _note_tag(tag: int) -> None:
+    """Tags do not match messages (as with NCCL, unlike gloo): say so once, the first time a
+    program passes one, since a receive posted out of order then takes another tag's data."""
+    global _tag_warned
+    if tag and not _tag_warned:
+        _tag_warned = True
+        warnings.warn(
+            "comm: point-to-point tags are ignored, as with NCCL: messages between two ranks "
+            "match in the order the sends and receives are called, not by tag",
+            stacklevel=3,
+        )
 
 
 def _timeout_seconds(value: datetime.timedelta | float | None) -> float | None:
@@ -235,14 +252,17 @@ class _Ops:
 
     def send(self, tensors: Tensors, dst: int, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
+        _note_tag(tag)
         return self.engine.send(tensor, dst, True, result=tensors)
 
     def recv(self, tensors: Tensors, src: int, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
+        _note_tag(tag)
         return self.engine.recv(tensor, src, True, result=tensors)
 
     def recv_anysource(self, tensors: Tensors, tag: int = 0) -> dist.Work:
         (tensor,) = tensors
+        _note_tag(tag)
         return self.engine.recv_any_source(tensor, True, result=tensors)
 
     def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:

@@ -773,6 +773,107 @@ def process_group_fallback(ctx):
     dist.destroy_process_group()
 
 
+def user_patterns(ctx):
+    """Patterns found by using the backend as a training script would, each of which hung or
+    gave wrong data: a collective issued from a future's callback on the same group (DDP's
+    PowerSGD hook), an isend left unsent while the thread runs a collective on another group,
+    uneven all_gather into a non-contiguous output, and tags (ignored, with a warning)."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    init_comm(ctx)
+    n, me = ctx.world, ctx.rank
+
+    def collective_in_then():
+        # Asynchronous and synchronous collectives on the same group from a `then`
+        # callback, the future of one waited inside it.
+        def chained(_fut):
+            u = torch.full((3,), float(me + 1))
+            dist.all_reduce(u, async_op=True).get_future().wait()
+            v = torch.full((3,), 2.0)
+            dist.all_reduce(v)
+            return u + v
+
+        t = torch.ones(4)
+        fut = dist.all_reduce(t, async_op=True).get_future().then(chained)
+        got = fut.wait()
+        want = n * (n + 1) / 2 + 2 * n
+        same(got, torch.full((3,), float(want)), "all-reduces from a then callback")
+        same(t, torch.full((4,), float(n)), "the first all-reduce")
+
+    ctx.check("collective_in_then", collective_in_then)
+
+    def powersgd_ddp():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for step in range(5):
+            torch.manual_seed(100 + step * n + me)
+            x, y = torch.randn(8, 16), torch.randn(8, 4)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        # Every rank applied the same averaged gradients: the parameters agree.
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(n)]
+        dist.all_gather(gathered, flat)
+        for r in range(n):
+            same(gathered[r], flat, f"rank {r}'s parameters after PowerSGD steps")
+
+    ctx.check("powersgd_ddp", powersgd_ddp)
+
+    def isend_then_other_group():
+        sub = dist.new_group(list(range(n)))
+        x = torch.full((7,), float(me))
+        if me == 0:
+            req = dist.isend(x, 1)
+            y = torch.ones(2)
+            dist.all_reduce(y, group=sub)
+            req.wait()
+        elif me == 1:
+            got = torch.zeros(7)
+            dist.recv(got, 0)
+            same(got, torch.zeros(7), "the isend's data")
+            y = torch.ones(2)
+            dist.all_reduce(y, group=sub)
+        else:
+            y = torch.ones(2)
+            dist.all_reduce(y, group=sub)
+        same(y, torch.full((2,), float(n)), "the subgroup's all-reduce")
+        dist.destroy_process_group(sub)
+
+    ctx.check("isend_then_other_group", isend_then_other_group)
+
+    def uneven_all_gather_noncontiguous():
+        # Rank r gathers r + 1 elements into columns of a 2-row tensor (non-contiguous).
+        outs = [torch.zeros(2, r + 1).t()[:, 0] for r in range(n)]
+        dist.all_gather(outs, torch.arange(me + 1, dtype=torch.float32) + 10 * me)
+        for r in range(n):
+            same(outs[r], torch.arange(r + 1, dtype=torch.float32) + 10 * r, f"rank {r}'s part")
+
+    ctx.check("uneven_all_gather_noncontiguous", uneven_all_gather_noncontiguous)
+
+    def tags_warn():
+        if n < 2 or me > 1:
+            return
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            x = torch.full((3,), float(me))
+            if me == 0:
+                dist.send(x, 1, tag=5)
+            else:
+                dist.recv(x, 0, tag=5)
+                same(x, torch.zeros(3), "a tagged message")
+        assert any("tags are ignored" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+    ctx.check("tags_warn", tags_warn)
+    dist.destroy_process_group()
+
+
 def work_handles(ctx):
     """What a caller of torch.distributed gets back: on a group that is comm on every device,
     the backend's own work (is_completed() after wait(), the sender of a receive from any
