@@ -271,6 +271,11 @@ ncclResult_t ncclGroupStart(void);
 
 ncclResult_t ncclGroupEnd(void);
 
+/*
+ NULL runs the group, as ncclGroupEnd (NCCL does the same). Otherwise the struct is read and
+ written up to its `size`, as NCCL does (an older, shorter struct works): `magic` must be
+ there and be NCCL_SIM_INFO_INITIALIZER's, and `estimatedTime` is filled where it fits.
+ */
 ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo);
 
 ncclResult_t ncclGetVersion(int *version);
@@ -327,6 +332,14 @@ ncclResult_t ncclCommUserRank(ncclComm_t comm, int *rank);
  The CUDA device of the rank; -1 when the rank runs without a GPU.
  */
 ncclResult_t ncclCommCuDevice(ncclComm_t comm, int *device);
+
+/*
+ comm extension: how long this communicator's collectives, sends and receives may wait
+ without progress before they fail with ncclTimeout (COMM_TIMEOUT sets it when the
+ communicator is made); 0 for no limit. Takes effect from the next wait on. Windows keep the
+ limit they were registered with.
+ */
+ncclResult_t commSetTimeout(ncclComm_t comm, double seconds);
 
 /*
  Re-reads logging settings in NCCL; logging here is configured once per process, so this

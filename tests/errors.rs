@@ -605,8 +605,19 @@ fn root_mismatch(w: &Worker) -> Result<(), String> {
 }
 
 /// Rank 1 never joins the collective: rank 0 times out naming it.
+/// With arg "set": no COMM_TIMEOUT; rank 0 sets its limit with commSetTimeout instead (after
+/// refusing a negative and a NaN limit) and must time out after about that.
 fn absent_peer(w: &Worker) -> Result<(), String> {
     let c = init_rank(w)?;
+    let t = Instant::now();
+    if w.arg == "set" && w.rank == 0 {
+        for bad in [-1.0, f64::NAN] {
+            if commSetTimeout(c, bad) != ncclResult_t::ncclInvalidArgument {
+                return Err(format!("commSetTimeout({bad}) was accepted"));
+            }
+        }
+        nccl!(commSetTimeout(c, 1.5));
+    }
     if w.rank == 1 {
         std::thread::sleep(Duration::from_secs(6));
         nccl!(ncclCommDestroy(c));
@@ -628,6 +639,9 @@ fn absent_peer(w: &Worker) -> Result<(), String> {
     let msg = last_error();
     if r != ncclResult_t::ncclTimeout || !msg.contains("rank 1") {
         return Err(format!("absent peer: {r:?} {msg}"));
+    }
+    if t.elapsed() > Duration::from_secs(4) {
+        return Err(format!("the timeout came after {:?}", t.elapsed()));
     }
     nccl!(ncclCommAbort(c));
     Ok(())
@@ -779,6 +793,15 @@ fn an_absent_peer_times_out_with_its_rank_named() {
         Duration::from_secs(60),
     );
     assert_all_ok(&r, "absent peer");
+    let r = launch(
+        "worker",
+        "absent_peer",
+        2,
+        "set",
+        &[],
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&r, "absent peer, limit set with commSetTimeout");
 }
 
 #[test]

@@ -601,6 +601,11 @@ class Engine:
             self.flush_p2p()
         return self.executor.run(task, async_op)
 
+    def set_timeout(self, seconds: float) -> None:
+        """commSetTimeout: this communicator's operations fail with ncclTimeout after
+        ``seconds`` without progress (0: no limit)."""
+        self.lib.check(self.lib.commSetTimeout(self.handle, float(seconds)), "commSetTimeout", self.handle)
+
     def flush_p2p(self):
         """Starts the deferred point-to-point calls, as one group."""
         with self._p2p_lock:

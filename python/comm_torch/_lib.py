@@ -202,6 +202,7 @@ _WINDOW_PROTOTYPES = {
     "commWinCompareSwap": (c_int, [c_uint64, c_uint64, _P(c_uint64), c_int, c_int, c_void_p, c_size_t, c_void_p]),
     "commWinFlush": (c_int, [c_int, c_void_p, c_void_p]),
     "commWinPeerPtr": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p)]),
+    "commSetTimeout": (c_int, [c_void_p, ctypes.c_double]),
     "commWinPeerSize": (c_int, [c_void_p, c_void_p, c_int, _P(c_size_t)]),
     "commWinSignalPads": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p), _P(c_int)]),
     "commWinChannelSignal": (c_int, [c_int, c_int, c_uint64, c_void_p, c_void_p]),

@@ -123,6 +123,18 @@ def _timeout_seconds(value: datetime.timedelta | float | None) -> float | None:
     return None if seconds < 0 else seconds
 
 
+def _operation_limit(group_timeout: float | None) -> float:
+    """How long the group's operations may wait without progress (commSetTimeout; 0: no
+    limit): the group's timeout, as gloo applies it to every operation, or COMM_TIMEOUT where
+    that is set and shorter."""
+    try:
+        env = float(os.environ.get("COMM_TIMEOUT", "") or 0)
+    except ValueError:
+        env = 0.0
+    limits = [t for t in (group_timeout, env) if t is not None and t > 0]
+    return min(limits) if limits else 0.0
+
+
 def _async(opts: Any) -> bool:
     # AllreduceOptions and friends carry asyncOp on recent torch (dist.* sets it from
     # async_op); without it, treat the call as asynchronous, which is always correct.
@@ -339,6 +351,9 @@ if _C10dBackend is not None:
             _C10dBackend.__init__(self, engine.rank, engine.size)
             self.engine = engine
             self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
+            # A rank that never comes fails the group's operations after the group's timeout
+            # (init_process_group(timeout=...)), as with gloo, instead of blocking them forever.
+            engine.set_timeout(_operation_limit(_timeout_seconds(self._timeout)))
             self._store = store
             self._monitored_seq = 0
             _LIVE.add(self)

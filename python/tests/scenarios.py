@@ -874,6 +874,38 @@ def user_patterns(ctx):
     dist.destroy_process_group()
 
 
+def group_timeout(ctx):
+    """init_process_group(timeout=3 s): rank 0's collective with a rank that comes 12 s late
+    fails after about the timeout, as with gloo (it used to block until the rank came, or
+    forever)."""
+    import datetime
+
+    import comm_torch  # noqa: F401
+
+    dist.init_process_group(
+        "comm", store=ctx.store(), rank=ctx.rank, world_size=ctx.world, timeout=datetime.timedelta(seconds=3)
+    )
+
+    def late_rank():
+        t = torch.ones(4)
+        if ctx.rank == 1:
+            time.sleep(12)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as e:
+            took = time.monotonic() - start
+            if ctx.rank == 0:
+                assert "timed out" in str(e), str(e)
+                assert took < 9, f"the all-reduce failed after {took:.1f} s, not about 3"
+        else:
+            # The late rank may still find what rank 0 sent before it gave up.
+            assert ctx.rank != 0, "rank 0's all-reduce succeeded"
+
+    ctx.check("late_rank", late_rank)
+    dist.destroy_process_group()
+
+
 def work_handles(ctx):
     """What a caller of torch.distributed gets back: on a group that is comm on every device,
     the backend's own work (is_completed() after wait(), the sender of a receive from any

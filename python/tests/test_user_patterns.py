@@ -22,3 +22,9 @@ def test_user_patterns(world):
     for name in CHECKS:
         bad = launcher.failed_checks(results, name)
         assert not bad, "\n".join(bad)
+
+
+def test_group_timeout_bounds_every_operation():
+    results = launcher.run("group_timeout", 2, timeout=120)
+    bad = launcher.failed_checks(results, "late_rank")
+    assert not bad, "\n".join(bad)

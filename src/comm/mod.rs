@@ -208,7 +208,7 @@ impl Comm {
             rank,
             doorbell,
             abort: Arc::new(AtomicBool::new(false)),
-            timeout: op_timeout(),
+            timeout: crate::exec::host::Limit::new(op_timeout()),
             // 0 (no limit) gives the default, as the warning cannot be turned off.
             warn_after: crate::env::WARN_AFTER
                 .seconds_if_set()
@@ -306,7 +306,7 @@ impl Comm {
             links: &self.wiring.links,
             ib: self.net.as_ref().and_then(|n| n.ib()),
             abort: &self.wiring.abort,
-            timeout: self.wiring.timeout,
+            timeout: self.wiring.timeout.get(),
             spin: self.wiring.spin,
             device: self.device.as_ref().map(|d| d.device.clone()),
         }

@@ -79,7 +79,7 @@ pub(crate) fn wait_any_source(wiring: &Wiring, tag: u64, first: usize) -> Result
             );
             warned = true;
         }
-        if let Some(t) = wiring.timeout {
+        if let Some(t) = wiring.timeout.get() {
             if waited >= t {
                 return Err(Error::new(
                     ErrorKind::Timeout,

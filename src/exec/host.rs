@@ -18,7 +18,7 @@ use crate::transport::{
     Sink,
 };
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,6 +66,32 @@ impl HostOp {
     }
 }
 
+/// How long a wait may last without progress (`Wiring::timeout`): COMM_TIMEOUT when the
+/// communicator was made, changed later by commSetTimeout (the torch backend sets a group's
+/// timeout with it). Nanoseconds; 0 for no limit.
+#[derive(Debug, Default)]
+pub(crate) struct Limit(AtomicU64);
+
+impl Limit {
+    pub(crate) fn new(limit: Option<Duration>) -> Limit {
+        let l = Limit::default();
+        l.set(limit);
+        l
+    }
+
+    pub(crate) fn get(&self) -> Option<Duration> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(Duration::from_nanos(n)),
+        }
+    }
+
+    pub(crate) fn set(&self, limit: Option<Duration>) {
+        let n = limit.map_or(0, |d| d.as_nanos().clamp(1, u64::MAX as u128) as u64);
+        self.0.store(n, Ordering::Relaxed);
+    }
+}
+
 /// What the executor needs from a communicator.
 pub(crate) struct Wiring {
     pub rank: usize,
@@ -75,7 +101,7 @@ pub(crate) struct Wiring {
     pub doorbell: Arc<dyn Doorbell>,
     pub abort: Arc<AtomicBool>,
     /// Give up (ncclTimeout) after this long without progress.
-    pub timeout: Option<Duration>,
+    pub timeout: Limit,
     /// Log which ranks we are waiting for after this long without progress.
     pub warn_after: Duration,
     /// Memory reused from call to call: scratch space (so large operations do not fault in
@@ -2171,7 +2197,7 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
             if let Some((i, err)) = blamed {
                 execs[i].give_up(&err);
                 gave_up = Some((
-                    now + grace(execs[i].wiring.timeout.unwrap_or_default()),
+                    now + grace(execs[i].wiring.timeout.get().unwrap_or_default()),
                     err,
                     i,
                 ));
@@ -2202,7 +2228,7 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
                     );
                     warned = true;
                 }
-                if let Some(t) = e.wiring.timeout {
+                if let Some(t) = e.wiring.timeout.get() {
                     if idle >= t {
                         let mut err = Error::new(
                             ErrorKind::Timeout,
@@ -2339,7 +2365,7 @@ mod tests {
             links: vec![Arc::new(Loopback::default()), peer],
             doorbell: Arc::new(crate::transport::LocalDoorbell::default()),
             abort: Arc::new(AtomicBool::new(false)),
-            timeout: Some(Duration::from_secs(20)),
+            timeout: Limit::new(Some(Duration::from_secs(20))),
             warn_after: Duration::from_secs(60),
             cache: Mutex::new(Default::default()),
             spin: Duration::ZERO,
@@ -2788,7 +2814,7 @@ mod tests {
                     .collect(),
                 doorbell: bells[a].clone(),
                 abort: Arc::new(AtomicBool::new(false)),
-                timeout: Some(timeout),
+                timeout: Limit::new(Some(timeout)),
                 warn_after: Duration::from_secs(60),
                 cache: Mutex::new(Default::default()),
                 spin: Duration::ZERO,

@@ -582,6 +582,27 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) 
     })
 }
 
+/// comm extension: how long this communicator's collectives, sends and receives may wait
+/// without progress before they fail with ncclTimeout (COMM_TIMEOUT sets it when the
+/// communicator is made); 0 for no limit. Takes effect from the next wait on. Windows keep the
+/// limit they were registered with.
+#[no_mangle]
+pub extern "C" fn commSetTimeout(comm: ncclComm_t, seconds: f64) -> ncclResult_t {
+    guard_comm("commSetTimeout", comm, |c| {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return crate::invalid_arg!(
+                "seconds is {seconds}; it must be a finite number, 0 for no limit"
+            );
+        }
+        // Beyond what a Duration holds is no limit either.
+        let limit = (seconds > 0.0)
+            .then(|| std::time::Duration::try_from_secs_f64(seconds).ok())
+            .flatten();
+        c.wiring.timeout.set(limit);
+        Ok(())
+    })
+}
+
 /// Re-reads logging settings in NCCL; logging here is configured once per process, so this
 /// does nothing (NCCL itself marks it deprecated).
 #[no_mangle]
