@@ -787,6 +787,9 @@ struct Session {
     departed: BTreeSet<usize>,
     /// Ranks that asked who is missing: their own init timeout expired.
     timed_out: BTreeSet<usize>,
+    /// A rank of this communicator (same unique id) declared another rank count: the
+    /// rendezvous cannot complete, and the ranks already here are told why.
+    conflict: Option<String>,
     /// Until the first check-in, when the unused id expires; after it, when the rendezvous times out.
     deadline: Option<Instant>,
     created: Instant,
@@ -818,6 +821,7 @@ impl Session {
             plan: None,
             departed: BTreeSet::new(),
             timed_out: BTreeSet::new(),
+            conflict: None,
             deadline: init_timeout.map(|t| created + t),
             created,
             init_timeout,
@@ -849,6 +853,11 @@ impl Session {
             );
             crate::warn!("{}: giving up: {msg}", self.label);
             self.fail_all(ErrorKind::Timeout, &msg);
+            return true;
+        }
+        if let Some(msg) = &self.conflict {
+            crate::warn!("{}: giving up: {msg}", self.label);
+            self.fail_all(ErrorKind::InvalidUsage, msg);
             return true;
         }
         if !self.departed.is_empty() && self.departed.is_subset(&self.timed_out) {
@@ -940,15 +949,6 @@ impl Session {
             );
             return Ok(c);
         };
-        if c.nranks as usize != plan.nranks {
-            return Err((
-                ErrorKind::InvalidUsage,
-                format!(
-                    "rank {rank} declares {} ranks but the ranks already here declared {}",
-                    c.nranks, plan.nranks
-                ),
-            ));
-        }
         if c.tag != plan.tag {
             return Err((
                 ErrorKind::InvalidUsage,
@@ -956,6 +956,16 @@ impl Session {
                     "rank {rank} belongs to another communicator (it was given different unique ids)"
                 ),
             ));
+        }
+        if c.nranks as usize != plan.nranks {
+            let msg = format!(
+                "rank {rank} declares {} ranks but the ranks already here declared {}: the ranks passed different nranks to the init",
+                c.nranks, plan.nranks
+            );
+            // The ranks already here would otherwise wait for COMM_INIT_TIMEOUT and then blame
+            // ranks that did arrive.
+            self.conflict.get_or_insert(msg.clone());
+            return Err((ErrorKind::InvalidUsage, msg));
         }
         if c.nroots as usize != plan.nroots || c.root_index as usize != plan.index {
             return Err((

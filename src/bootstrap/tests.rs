@@ -534,20 +534,6 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
         wait_until("a legitimate rank has checked in", || {
             handle.admitted.load(Ordering::Acquire) >= 1
         });
-        // Right secret, but another size of communicator.
-        let e = rogue_check_in(
-            &id,
-            CheckIn {
-                rank: 2,
-                nranks: 5,
-                nroots: 1,
-                root_index: 0,
-                tag,
-                listen: nobody,
-            },
-        );
-        assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
-        assert!(e.msg.contains("declares 5 ranks"), "{}", e.msg);
         // Right secret, right size, another communicator.
         let e = rogue_check_in(
             &id,
@@ -607,6 +593,60 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
             ),
         }
     }
+}
+
+/// A rank of the same communicator (same ids) that declares another rank count: the
+/// rendezvous cannot complete, and the ranks already checked in fail at once, told why (they
+/// used to wait for COMM_INIT_TIMEOUT and then blame ranks that had come).
+#[test]
+fn a_rank_declaring_another_rank_count_fails_the_rendezvous_at_once() {
+    let _w = watchdog(
+        "a_rank_declaring_another_rank_count_fails_the_rendezvous_at_once",
+        Duration::from_secs(60),
+    );
+    let cfg = RootConfig {
+        handshake_timeout: Some(Duration::from_secs(5)),
+        init_timeout: Some(Duration::from_secs(30)),
+    };
+    let (id, handle, service) = loopback_root(cfg);
+    let (_, tag) = comm_identity(std::slice::from_ref(&id));
+    let nobody: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let id = &id;
+        let first = s.spawn(move || Bootstrap::init(std::slice::from_ref(id), 0, 3, T).map(|_| ()));
+        wait_until("rank 0 has checked in", || {
+            handle.admitted.load(Ordering::Acquire) >= 1
+        });
+        let e = rogue_check_in(
+            id,
+            CheckIn {
+                rank: 1,
+                nranks: 2,
+                nroots: 1,
+                root_index: 0,
+                tag,
+                listen: nobody,
+            },
+        );
+        assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
+        assert!(e.msg.contains("declares 2 ranks"), "{}", e.msg);
+        let e = first.join().unwrap().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
+        assert!(
+            e.msg
+                .contains("rank 1 declares 2 ranks but the ranks already here declared 3"),
+            "{}",
+            e.msg
+        );
+    });
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    wait_until("the session has ended", || handle.ended());
+    assert_eq!(service.live_sessions(), 0);
 }
 
 #[test]
