@@ -1303,7 +1303,7 @@ class Engine:
         def expire():
             self.abort()
             return CommError(
-                f"comm: rank {self.rank} of {self.name}: barrier exceeded its timeout of {ms} ms (Timed out "
+                f"comm: rank {self.rank} of group {self.name!r} ({self.size} ranks): barrier exceeded its timeout of {ms} ms (Timed out "
                 f"waiting for the other ranks to arrive); the communicator was aborted, so its later "
                 f"operations fail",
                 call="barrier",

@@ -1319,10 +1319,18 @@ impl<'a> Exec<'a> {
                 others = look();
             }
         }
-        if others.is_empty() {
+        // Peers often report the same loss in the same words ("rank 0 failed after it lost
+        // rank 1" from two of them): each is said once, and not again when the error says it.
+        let mut told: Vec<String> = Vec::new();
+        for o in others {
+            if !e.msg.contains(&o) && !told.contains(&o) {
+                told.push(o);
+            }
+        }
+        if told.is_empty() {
             e
         } else {
-            let mut out = Error::new(e.kind, format!("{}; also {}", e.msg, others.join("; ")));
+            let mut out = Error::new(e.kind, format!("{}; also {}", e.msg, told.join("; ")));
             out.lost = e.lost;
             out
         }
