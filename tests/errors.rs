@@ -464,6 +464,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("dead_peer", dead_peer),
     ("mismatch", mismatch),
     ("root_mismatch", root_mismatch),
+    ("settings_differ", settings_differ),
     ("absent_peer", absent_peer),
     ("missing_at_init", missing_at_init),
     ("abort_unblocks", abort_unblocks),
@@ -601,6 +602,42 @@ fn root_mismatch(w: &Worker) -> Result<(), String> {
         }
     }
     unsafe { ncclCommAbort(c) };
+    Ok(())
+}
+
+/// arg: `VAR=A/B[/ok]`. Rank 1 sets VAR to B, the others to A (unset when empty), before
+/// init. A setting that decides how ranks exchange data must agree: init fails on every rank
+/// naming VAR and rank 1, unless `/ok` says the two values are the same (64K and 65536), and
+/// then a collective is correct.
+fn settings_differ(w: &Worker) -> Result<(), String> {
+    let (var, rest) = w.arg.split_once('=').ok_or("bad arg")?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    let value = if w.rank == 1 { parts[1] } else { parts[0] };
+    if !value.is_empty() {
+        std::env::set_var(var, value);
+    }
+    let same = parts.get(2) == Some(&"ok");
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    let msg = last_error();
+    if same {
+        if r != OK {
+            return Err(format!("init with equal {var} failed: {msg}"));
+        }
+        let n = w.nranks;
+        let mut x = vec![(w.rank + 1) as f32; 1001];
+        let xp = x.as_mut_ptr() as *mut c_void;
+        nccl!(ncclAllReduce(xp, xp, 1001, FLOAT, SUM, c, S));
+        let want = (n * (n + 1) / 2) as f32;
+        if let Some(i) = x.iter().position(|&v| v != want) {
+            return Err(format!("element {i} is {}, expected {want}", x[i]));
+        }
+        nccl!(ncclCommDestroy(c));
+        return Ok(());
+    }
+    if r != ncclResult_t::ncclInvalidUsage || !msg.contains(var) || !msg.contains("on rank 1") {
+        return Err(format!("init with {var} differing on rank 1: {r:?} {msg}"));
+    }
     Ok(())
 }
 
@@ -779,6 +816,28 @@ fn ranks_passing_different_roots_are_told_so() {
             "{coll}: no rank was told of the other root"
         );
         eprintln!("{coll}: {:?}", t.elapsed());
+    }
+}
+
+#[test]
+fn settings_that_shape_the_exchange_must_agree_at_init() {
+    for arg in [
+        "COMM_ALGO=/tree",
+        "COMM_SLICE_BYTES=/4096",
+        "COMM_SHM_DISABLE=0/1",
+        "COMM_RING_BY_HOST=/0",
+        "COMM_DIRECT_MAX_BYTES=64K/65536/ok",
+        "COMM_ALGO=ring,tree/ RING,Tree /ok",
+    ] {
+        let r = launch(
+            "worker",
+            "settings_differ",
+            3,
+            arg,
+            &[("COMM_INIT_TIMEOUT", "30")],
+            Duration::from_secs(60),
+        );
+        assert_all_ok(&r, &format!("settings_differ {arg}"));
     }
 }
 

@@ -167,6 +167,7 @@ _SCALARS = {
     "int": ctypes.c_int,
     "unsigned int": ctypes.c_uint,
     "size_t": ctypes.c_size_t,
+    "double": ctypes.c_double,
     "char": ctypes.c_char,
     "ncclResult_t": ctypes.c_int,
     "ncclDataType_t": ctypes.c_int,

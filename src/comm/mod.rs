@@ -100,6 +100,69 @@ fn hash_tag(parts: impl Hash) -> u64 {
     h.finish()
 }
 
+/// Settings that decide how ranks exchange data: which schedule a collective runs, how it cuts
+/// messages, which transports connect the ranks. A rank whose value differs runs another
+/// schedule against the others' (COMM_ALGO=tree on one of two ranks: its all-reduce returned
+/// success with only its own input), so every rank compares them at init.
+static AGREED: [&crate::env::Knob; 9] = [
+    &crate::env::ALGO,
+    &crate::env::DIRECT_MAX_BYTES,
+    &crate::env::TREE_MAX_BYTES,
+    &crate::env::HIER_DIRECT_MAX_BYTES,
+    &crate::env::RING_BY_HOST,
+    &crate::env::SLICE_BYTES,
+    &crate::env::SHM_DISABLE,
+    &crate::env::DEVICE_ONESHOT_MAX,
+    &crate::env::DEVICE_TWOSHOT_MAX,
+];
+
+/// This process's values of `AGREED`, as the library reads them ("" where unset).
+fn agreed_settings() -> Vec<String> {
+    use crate::env::Kind;
+    AGREED
+        .iter()
+        .map(|k| match k.kind {
+            Kind::Size => k.size_if_set().map(|v| v.to_string()),
+            Kind::Flag => k.set_value().map(|_| k.flag().to_string()),
+            Kind::Int => k.int_if_set().map(|v| v.to_string()),
+            _ => k.text().map(|t| t.trim().to_ascii_lowercase()),
+        })
+        .map(Option::unwrap_or_default)
+        .collect()
+}
+
+/// Fails init, on every rank alike, where the ranks' `AGREED` settings differ.
+fn check_agreement(settings: &[Vec<String>]) -> Result<()> {
+    let Some(first) = settings.first() else {
+        return Ok(());
+    };
+    for (i, knob) in AGREED.iter().enumerate() {
+        if settings.iter().all(|s| s[i] == first[i]) {
+            continue;
+        }
+        let mut by_value: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (r, s) in settings.iter().enumerate() {
+            match by_value.iter_mut().find(|(v, _)| *v == s[i]) {
+                Some((_, ranks)) => ranks.push(r),
+                None => by_value.push((&s[i], vec![r])),
+            }
+        }
+        let sides: Vec<String> = by_value
+            .iter()
+            .map(|(v, ranks)| {
+                let v = if v.is_empty() { "unset" } else { v };
+                format!("{} on {}", v, crate::bootstrap::describe_ranks(ranks))
+            })
+            .collect();
+        return crate::invalid_usage!(
+            "{} differs between ranks ({}): it decides how ranks exchange data, so it must be the same on every rank",
+            knob.env,
+            sides.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// How long waits may last, from COMM_TIMEOUT (seconds; unset or 0 = no limit).
 fn op_timeout() -> Option<Duration> {
     crate::env::TIMEOUT.seconds()
@@ -141,11 +204,24 @@ impl Comm {
         let me = topo::this_process();
         let mut mine = Vec::new();
         me.encode(&mut mine);
+        for v in agreed_settings() {
+            crate::wire::put_blob(&mut mine, v.as_bytes());
+        }
+        let mut settings = Vec::with_capacity(nranks);
         let placements = boot
             .allgather(&mine)?
             .iter()
-            .map(|b| Placement::decode(&mut Reader::new(b)))
+            .map(|b| {
+                let mut r = Reader::new(b);
+                let p = Placement::decode(&mut r)?;
+                let s = (0..AGREED.len())
+                    .map(|_| r.string())
+                    .collect::<Result<Vec<_>>>()?;
+                settings.push(s);
+                Ok(p)
+            })
             .collect::<Result<Vec<_>>>()?;
+        check_agreement(&settings)?;
         let paths: Vec<Path> = placements
             .iter()
             .enumerate()
