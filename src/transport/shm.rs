@@ -1537,16 +1537,24 @@ impl Link for ShmPeer {
             0 => None,
             r => Some(r as usize - 1),
         };
+        // The rank this rank counts as lost first: the one the peer lost, unless the peer lost
+        // this very rank (it timed out waiting for it), which this rank then told its other
+        // peers it had lost itself ("rank 1 timed out waiting for rank 1"): then the peer.
+        let noted = first.filter(|&r| r != self.me).unwrap_or(self.peer);
         let closed = Closing::from_code(self.remote.closed().load(Ordering::SeqCst));
         if let Some(how) = closed {
             let msg = how.describe(self.peer, first);
-            let mut e = self.lost(first.unwrap_or(self.peer), msg);
+            let mut e = self.lost(noted, msg);
             e.kind = how.kind();
+            // The error still says what the peer reported (the blame check reads `lost`).
+            e.lost = Some(first.unwrap_or(self.peer));
             return Err(e);
         }
         if self.watch.as_ref().is_some_and(|w| !w.alive()) {
             let msg = format!("rank {} exited (its process is gone)", self.peer);
-            return Err(self.lost(first.unwrap_or(self.peer), msg));
+            let mut e = self.lost(noted, msg);
+            e.lost = Some(first.unwrap_or(self.peer));
+            return Err(e);
         }
         Ok(())
     }
@@ -3302,6 +3310,11 @@ mod tests {
             "{}",
             e.msg
         );
+        // The error says whom rank 0 waited for (this rank, 1: the blame check reads it), but
+        // what this rank tells its own peers it lost is rank 0, not itself (they said "rank 1
+        // timed out waiting for rank 1").
+        assert_eq!(e.lost, Some(1));
+        assert_eq!(b.local.first_lost().load(Ordering::SeqCst), 1);
 
         let (a, b) = pair(4, 4096, false, usize::MAX, Access::Direct);
         b.close(Closing::Destroyed, None);
