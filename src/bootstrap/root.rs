@@ -631,7 +631,7 @@ impl Service {
             match by_ctx.get(c).and_then(|k| sessions.get(k)) {
                 Some(s) => Ok(s.secret),
                 None if c.starts_with(CONTEXT_LABEL) => Err(
-                    "asks for a unique id this root does not serve (its rendezvous is over, it expired after COMM_INIT_TIMEOUT, or another process made it)"
+                    "asks for a unique id this root does not serve (its rendezvous is over, it expired after COMM_INIT_TIMEOUT, or another process made it; with NCCL_COMM_ID, the ranks' COMM_SECRET most likely differ)"
                         .into(),
                 ),
                 None => {
@@ -1193,7 +1193,14 @@ impl RootSession {
             peer: &who,
         };
         auth::client_on(&mut wire, &id.secret, &root_context(id)).map_err(|e| {
-            if e.kind == ErrorKind::Remote {
+            if e.kind == ErrorKind::Remote && id.root_at_init {
+                // Every rank derives the id from NCCL_COMM_ID and COMM_SECRET: a root that does
+                // not know it was most likely given another secret.
+                e.context(format!(
+                    "the bootstrap root {} does not serve this rank's id: the ranks' COMM_SECRET (or NCCL_COMM_ID strings) most likely differ; else the rendezvous is over or expired after COMM_INIT_TIMEOUT",
+                    id.root
+                ))
+            } else if e.kind == ErrorKind::Remote {
                 e.context(format!(
                     "the bootstrap root {} does not serve this unique id (any more): its rendezvous is over, it expired after COMM_INIT_TIMEOUT, or the process that made it restarted",
                     id.root

@@ -1254,3 +1254,33 @@ fn two_ids_rendezvous_at_once_on_one_service() {
     wait_until("both sessions have ended", || ha.ended() && hb.ended());
     assert_eq!(service.live_sessions(), 0);
 }
+
+/// NCCL_COMM_ID mode with a COMM_SECRET that differs on one rank: that rank is told the
+/// secrets most likely differ (it was told the rendezvous was over or had expired).
+#[test]
+fn a_different_secret_under_nccl_comm_id_is_named() {
+    let _w = watchdog(
+        "a_different_secret_under_nccl_comm_id_is_named",
+        Duration::from_secs(60),
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let spec = format!("127.0.0.1:{port}");
+    let ours = id::id_from_comm_id(&spec, Some("one secret")).unwrap();
+    let theirs = id::id_from_comm_id(&spec, Some("another secret")).unwrap();
+    let short = Some(Duration::from_secs(3));
+    std::thread::scope(|s| {
+        let first =
+            s.spawn(|| Bootstrap::init(std::slice::from_ref(&ours), 0, 2, short).map(|_| ()));
+        // Rank 0 starts the root at init; rank 1 retries its connection until it is up.
+        let e = Bootstrap::init(std::slice::from_ref(&theirs), 1, 2, short)
+            .err()
+            .expect("a rank with another secret must be refused");
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        assert!(e.msg.contains("COMM_SECRET"), "{}", e.msg);
+        assert!(first.join().unwrap().is_err());
+    });
+}
