@@ -138,6 +138,13 @@ pub(crate) fn connect(
                 last = Some(e);
                 std::thread::sleep(w.slice().min(Duration::from_millis(50)));
             }
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && addr.ip().is_loopback() => {
+                // A rank on another host that listens on its loopback interface is reached
+                // here at this host's loopback, where nobody listens.
+                return crate::remote_err!(
+                    "{who} refused the connection: its process has probably exited, or, if it runs on another host, it listens on its loopback interface (check NCCL_SOCKET_IFNAME there)"
+                );
+            }
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 return crate::remote_err!(
                     "{who} refused the connection: its process has probably exited"

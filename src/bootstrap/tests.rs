@@ -1284,3 +1284,20 @@ fn a_different_secret_under_nccl_comm_id_is_named() {
         assert!(first.join().unwrap().is_err());
     });
 }
+
+/// A refused connection to a loopback address may be a rank of another host that listens on
+/// its loopback interface: the error says so, and which knob to look at.
+#[test]
+fn a_refused_loopback_peer_points_at_the_interface_knob() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let w = Waiter::new(Some(Instant::now() + Duration::from_secs(5)), &never);
+    let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let e = super::net::connect(addr, w, false, "rank 1").unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+    assert!(e.msg.contains("NCCL_SOCKET_IFNAME"), "{}", e.msg);
+}
