@@ -42,6 +42,16 @@ double bench_now(void) {
 
 static int is_main(const bench_thread* t) { return bench_w.proc == 0 && t->thread == 0; }
 
+/* A table row is half printed: a failure line must start on a line of its own. */
+static volatile int g_row_open = 0;
+
+static void end_open_row(void) {
+  if (g_row_open) {
+    g_row_open = 0;
+    fputs("\n", stdout);
+  }
+}
+
 /* ---- failures ---------------------------------------------------------------------------------- */
 
 static const char* base_name(const char* path) {
@@ -55,6 +65,7 @@ void bench_fail(int status, const char* fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  end_open_row();
   fputs(msg, stdout);
   bench_json_close(msg);
   bench_exit_now(g_timed_out ? BENCH_ERR_TIMEOUT : status);
@@ -105,6 +116,7 @@ static void* watchdog(void* arg) {
       double d = t->deadline;
       if (d <= 0 || now <= d) continue;
       g_timed_out = 1;
+      end_open_row();
       printf("%s: Test timeout (%ds) %s:%d\n", bench_w.hostname, bench_opt.timeout, base_name(t->wait_file),
              t->wait_line);
       fflush(stdout);
@@ -626,6 +638,7 @@ static void row_begin(const test* x) {
   snprintf(root, sizeof root, "%6i", g_coll->rooted ? x->root : -1);
   const char* op = bench_op_name(g_coll->reduces ? x->op : BENCH_NO_OP);
   printf("%12li  %12li  %8s  %6s  %6s", (long)x->total_bytes, (long)x->cnt.param, x->ti->name, op, root);
+  g_row_open = 1;
   bench_json_begin_object();
   bench_json_key("size");
   bench_json_int((long long)x->total_bytes);
@@ -726,6 +739,7 @@ static void row_end(void) {
     printf("%21s", stamp);
   }
   printf("\n");
+  g_row_open = 0;
   bench_json_key("actual_iterations");
   bench_json_int(bench_opt.iters);
   bench_json_key("experiment_name");
