@@ -214,9 +214,20 @@ static int oob_serve(double deadline) {
     if (fd < 0) continue;
     struct oob_hello h;
     double hello_deadline = bench_now() + 10;
-    if (io_all(fd, &h, sizeof h, 0, hello_deadline) != 0 || memcmp(h.magic, OOB_MAGIC, 8) != 0 ||
-        h.proc <= 0 || h.proc >= bench_w.nprocs || h.nprocs != bench_w.nprocs || oob_fds[h.proc] >= 0) {
+    if (io_all(fd, &h, sizeof h, 0, hello_deadline) != 0 || memcmp(h.magic, OOB_MAGIC, 8) != 0) {
       fprintf(stderr, "%s: ignoring a connection that is not a new process of this job\n", bench_w.hostname);
+      close(fd);
+      continue;
+    }
+    if (h.nprocs != bench_w.nprocs || h.proc <= 0 || h.proc >= bench_w.nprocs || oob_fds[h.proc] >= 0) {
+      /* A process of this job started with another size or rank: say which, here and (by
+       * closing) there, rather than wait for it. */
+      if (h.nprocs != bench_w.nprocs)
+        fprintf(stderr, "%s: ignoring process %d, which was started for %d processes where this one has %d: every process needs the same WORLD_SIZE\n",
+                bench_w.hostname, h.proc, h.nprocs, bench_w.nprocs);
+      else
+        fprintf(stderr, "%s: ignoring a process that claims rank %d, %s\n", bench_w.hostname, h.proc,
+                h.proc <= 0 || h.proc >= bench_w.nprocs ? "out of range" : "which another process has: every process needs its own RANK");
       close(fd);
       continue;
     }
@@ -266,8 +277,9 @@ static int oob_join(double deadline) {
     if (fd < 0) usleep(100 * 1000);
   }
   if (fd < 0) {
-    fprintf(stderr, "%s: process %d could not reach process 0 at %s:%s\n", bench_w.hostname, bench_w.proc,
-            host, port);
+    int local = strncmp(host, "127.", 4) == 0 || strcmp(host, "localhost") == 0 || strcmp(host, "::1") == 0;
+    fprintf(stderr, "%s: process %d could not reach process 0 at %s:%s%s\n", bench_w.hostname, bench_w.proc, host,
+            port, local ? " (a loopback address: with processes on several hosts, set MASTER_ADDR to process 0's host)" : "");
     return -1;
   }
   int one = 1;
@@ -320,7 +332,8 @@ int bench_oob_allgather(const void* mine, void* all, size_t bytes) {
   } else {
     if (io_all(oob_fds[0], &len, 8, 1, deadline) != 0 || io_all(oob_fds[0], (void*)mine, bytes, 1, deadline) != 0 ||
         io_all(oob_fds[0], out, bytes * (size_t)bench_w.nprocs, 0, deadline) != 0) {
-      fprintf(stderr, "%s: process %d lost process 0 during start-up\n", bench_w.hostname, bench_w.proc);
+      fprintf(stderr, "%s: process %d lost process 0 during start-up (did it refuse this process? every process needs the same WORLD_SIZE and its own RANK)\n",
+              bench_w.hostname, bench_w.proc);
       return -1;
     }
   }

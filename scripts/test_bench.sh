@@ -216,6 +216,20 @@ if table_ok "$work/log.$((runs - 1))" >/dev/null; then fail "table_ok missed a c
 expect_fail "-T on a stalled rank, on a line of its own" 4 "^[^ ]*: Test timeout (2s)" \
   env COMM_BENCH_DEBUG_STALL=1 "$bin/all_reduce_perf" -t 2 -T 2 -b 1K -e 1K
 
+# Processes started for different job sizes: process 0 names the mismatch (it used to say only
+# that it ignored "a connection that is not a new process of this job").
+port=$(free_port)
+COMM_BENCH_BOOTSTRAP_TIMEOUT=3 RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+  timeout "$limit" "$bin/all_reduce_perf" -b 8 -e 8 >"$work/ws.0" 2>&1 &
+p0=$!
+COMM_BENCH_BOOTSTRAP_TIMEOUT=3 RANK=1 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+  timeout "$limit" "$bin/all_reduce_perf" -b 8 -e 8 >"$work/ws.1" 2>&1 || true
+wait "$p0" || true
+runs=$((runs + 1))
+if ! grep -q "every process needs the same WORLD_SIZE" "$work/ws.0"; then
+  fail "WORLD_SIZE differing between processes is named" "$work/ws.0" "$work/ws.1"
+fi
+
 echo "compiling against NVIDIA's nccl.h"
 mkdir -p "$work/nvidia/include"
 cp "$COMM_TEST_NVIDIA_NCCL_INCLUDE/nccl.h" "$work/nvidia/include/"
