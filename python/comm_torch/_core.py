@@ -453,6 +453,7 @@ class Engine:
         self._destroyed = False
         self.origin = "init"  # or "split": how the communicator was made
         self._p2p = []  # deferred (task, work) of point-to-point calls, see _dispatch
+        self._anys = []  # deferred (task, work) of receives from any source, see recv_any_source
         self._p2p_lock = threading.Lock()
 
     # -- creation
@@ -597,7 +598,7 @@ class Engine:
                 work.wait()
             return work
         flush_deferred_p2p()
-        if self._p2p:
+        if self._p2p or self._anys:
             self.flush_p2p()
         return self.executor.run(task, async_op)
 
@@ -610,9 +611,16 @@ class Engine:
         """Starts the deferred point-to-point calls, as one group."""
         with self._p2p_lock:
             pending, self._p2p = self._p2p, []
+            anys, self._anys = self._anys, []
         _deferred_here().discard(self)
         if pending:
             self._run_group([t for t, _ in pending], None, True, children=[w for _, w in pending])
+        # Receives from any source each run alone (their source is chosen when they run),
+        # after the group: a send posted after one of them must not wait behind it.
+        for task, work in anys:
+            alone = Task(task.issue, task.finish, task.cleanup, task.result, task.cuda, task.keep)
+            alone.children = (work,)
+            self.executor.run(alone, True)
 
     def _capture(self, make_op):
         """The Task that ``make_op()`` builds, without running it."""
@@ -788,6 +796,7 @@ class Engine:
             not async_op
             and self._coalescing is None
             and not self._p2p
+            and not self._anys
             and not getattr(_deferred, "engines", None)
             and tensor.is_cpu
             and tensor.is_contiguous()
@@ -1263,8 +1272,8 @@ class Engine:
 
     def recv_any_source(self, tensor, async_op=False, result=None):
         """commRecvAny: the next point-to-point message of this size from any rank; the work's
-        source_rank() tells which. It runs on its own, after the deferred sends and receives
-        before it (it cannot join their group: its source is chosen when it runs)."""
+        source_rank() tells which. Deferred like the other sends and receives, it runs on its
+        own after their group (it cannot join it: its source is chosen when it runs)."""
         if self._coalescing is not None:
             raise RuntimeError("comm: a receive from any source cannot be coalesced: its source is chosen when it runs")
         buf, staged = self._dense(tensor)
@@ -1279,10 +1288,20 @@ class Engine:
             if r:
                 lib.check(r, "commRecvAny", handle)
 
-        self.flush_p2p()
         finish = self._copy_back(staged, tensor, buf)
-        work = self._submit([tensor], stream, issue, finish, None, result, True, keep=(buf, source))
+        cuda = self._cuda_context([tensor], (buf, source))
+        if cuda is not None:
+            stream[0] = cuda[1].cuda_stream
+        task = Task(issue, finish, None, result, cuda, ([tensor], (buf, source)))
+        # Deferred like the other point-to-point calls, and started after them: a pending
+        # receive from any source held the group's executor, so an isend posted after it
+        # never left (rank 0: irecv from any source, isend to rank 1, which receives first).
+        work = CommWork(result)
+        work._flush = flush_deferred_p2p
         work._source = source
+        with self._p2p_lock:
+            self._anys.append((task, work))
+        _deferred_here().add(self)
         if not async_op:
             work.wait()
         return work

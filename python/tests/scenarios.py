@@ -871,6 +871,26 @@ def user_patterns(ctx):
         assert any("tags are ignored" in str(w.message) for w in seen), [str(w.message) for w in seen]
 
     ctx.check("tags_warn", tags_warn)
+
+    def any_source_then_send():
+        # Rank 0 posts a receive from any source, then sends to rank 1, which answers only
+        # after it received: the send used to wait behind the pending receive forever.
+        if me > 1:
+            return
+        if me == 0:
+            got = torch.zeros(4)
+            r = dist.irecv(got)
+            s = dist.isend(torch.full((4,), 7.0), 1)
+            s.wait()
+            r.wait()
+            same(got, torch.full((4,), 8.0), "the answer")
+        else:
+            x = torch.zeros(4)
+            dist.recv(x, 0)
+            same(x, torch.full((4,), 7.0), "rank 0's send")
+            dist.send(x + 1, 0)
+
+    ctx.check("any_source_then_send", any_source_then_send)
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ CHECKS = [
     "isend_then_other_group",
     "uneven_all_gather_noncontiguous",
     "tags_warn",
+    "any_source_then_send",
 ]
 
 
