@@ -828,14 +828,22 @@ pub(crate) fn deregister(c: &Members, handle: usize) -> Result<()> {
     if let Some(n) = handle_number(handle) {
         WINDOWS.lock()[n] = None;
     }
-    // Peers on this host look at this word before they reach into the window.
+    retire(&w);
+    Ok(())
+}
+
+/// A window leaves this rank (deregistered, or its communicator destroyed or aborted): peers on
+/// this host look at its live word before they reach into it, so it is cleared first (puts
+/// and atomics into the memory of a destroyed communicator's windows, reused by then,
+/// succeeded while only deregistering cleared it); then its slot, its exposure to peers on
+/// other hosts and the memory allocated with it go.
+fn retire(w: &Window) {
     w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
     w.cw.slots.lock()[w.slot] = false;
     w.exposed.lock().take();
     if let Some(p) = w.owned {
         shared::free(p as *mut u8);
     }
-    Ok(())
 }
 
 /// The communicator is going away (destroy, abort): its windows go with it, memory allocated
@@ -850,14 +858,7 @@ pub(crate) fn forget(c: &Members) {
         .filter_map(Option::take)
         .collect();
     for w in gone {
-        // As deregistering does: peers on this host that still hold the communicator look at
-        // this word before they reach into the window (puts and atomics into the memory of a
-        // destroyed communicator's windows, reused by then, succeeded).
-        w.cw.own().live(w.slot).store(0, Ordering::SeqCst);
-        w.exposed.lock().take();
-        if let Some(p) = w.owned {
-            shared::free(p as *mut u8);
-        }
+        retire(&w);
     }
 }
 
