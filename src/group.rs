@@ -147,10 +147,10 @@ pub(crate) fn end() -> Result<()> {
             let (waits, issues): (Vec<OneSided>, Vec<OneSided>) =
                 rest.into_iter().partition(|o| o.phase == Phase::Wait);
             // A put or signal that fails here (its target deregistered the window, say) was
-            // accepted when it was called, and concerns one peer: the group's collectives and
-            // send/recv calls still run, or this rank would fall out of step with the others
-            // (its next call would meet what they ran in this group).
-            // The other puts and signals run too: their targets wait for them.
+            // accepted when it was called, and concerns one peer: the group's other puts and
+            // signals still run (their targets wait for them), and so do its collectives and
+            // send/recv calls, or this rank would fall out of step with the others (its next
+            // call would meet what they ran in this group).
             let mut failed: Option<Error> = None;
             for o in issues {
                 if let Err(e) = (o.run)() {

@@ -33,7 +33,7 @@ pub(crate) fn tag_seq(tag: u64) -> u64 {
 
 /// The root a tag carries, if its operation has one.
 pub(crate) fn tag_root(tag: u64) -> Option<u64> {
-    match (tag >> SEQ_BITS) & 0xffff {
+    match (tag >> SEQ_BITS) & ROOTS {
         0 => None,
         r => Some(r - 1),
     }

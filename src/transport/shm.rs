@@ -1540,21 +1540,23 @@ impl Link for ShmPeer {
         // The rank this rank counts as lost first: the one the peer lost, unless the peer lost
         // this very rank (it timed out waiting for it), which this rank then told its other
         // peers it had lost itself ("rank 1 timed out waiting for rank 1"): then the peer.
-        let noted = first.filter(|&r| r != self.me).unwrap_or(self.peer);
+        // The error still says what the peer reported (the blame check reads `lost`).
+        let gone = |msg: String| {
+            let mut e = self.lost(first.filter(|&r| r != self.me).unwrap_or(self.peer), msg);
+            e.lost = Some(first.unwrap_or(self.peer));
+            e
+        };
         let closed = Closing::from_code(self.remote.closed().load(Ordering::SeqCst));
         if let Some(how) = closed {
-            let msg = how.describe(self.peer, first);
-            let mut e = self.lost(noted, msg);
+            let mut e = gone(how.describe(self.peer, first));
             e.kind = how.kind();
-            // The error still says what the peer reported (the blame check reads `lost`).
-            e.lost = Some(first.unwrap_or(self.peer));
             return Err(e);
         }
         if self.watch.as_ref().is_some_and(|w| !w.alive()) {
-            let msg = format!("rank {} exited (its process is gone)", self.peer);
-            let mut e = self.lost(noted, msg);
-            e.lost = Some(first.unwrap_or(self.peer));
-            return Err(e);
+            return Err(gone(format!(
+                "rank {} exited (its process is gone)",
+                self.peer
+            )));
         }
         Ok(())
     }
