@@ -25,6 +25,7 @@ mod id;
 pub(crate) mod iface;
 mod listener;
 mod net;
+pub(crate) use net::refused;
 mod ring;
 mod root;
 

@@ -106,6 +106,21 @@ fn wait_fd(fd: RawFd, events: i16, w: &Waiter<'_>) -> Result<()> {
     poll(&mut [pollfd(fd, events)], Some(w.slice())).map(|_| ())
 }
 
+/// `who` at `addr` refused a connection. Its process has probably exited; at a loopback
+/// address it may also be a rank of another host listening on its own loopback interface,
+/// reached here at this host's, where nobody listens.
+pub(crate) fn refused(who: &str, addr: SocketAddr) -> Error {
+    let hint = if addr.ip().is_loopback() {
+        ", or, if it runs on another host, it listens on its loopback interface (check NCCL_SOCKET_IFNAME there)"
+    } else {
+        ""
+    };
+    Error::new(
+        ErrorKind::Remote,
+        format!("{who} refused the connection: its process has probably exited{hint}"),
+    )
+}
+
 /// Connects with TCP_NODELAY and returns a non-blocking stream. A refused connection is retried
 /// only when `retry_refused` (a root that is not up yet); otherwise the peer is gone.
 pub(crate) fn connect(
@@ -138,17 +153,8 @@ pub(crate) fn connect(
                 last = Some(e);
                 std::thread::sleep(w.slice().min(Duration::from_millis(50)));
             }
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused && addr.ip().is_loopback() => {
-                // A rank on another host that listens on its loopback interface is reached
-                // here at this host's loopback, where nobody listens.
-                return crate::remote_err!(
-                    "{who} refused the connection: its process has probably exited, or, if it runs on another host, it listens on its loopback interface (check NCCL_SOCKET_IFNAME there)"
-                );
-            }
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                return crate::remote_err!(
-                    "{who} refused the connection: its process has probably exited"
-                );
+                return Err(refused(who, addr));
             }
             Err(e)
                 if matches!(

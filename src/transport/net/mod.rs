@@ -527,16 +527,12 @@ fn dial(
     let left = remaining(deadline)?;
     let mut s = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(30))).map_err(
         |e| match e.kind() {
-            std::io::ErrorKind::ConnectionRefused if addr.ip().is_loopback() => Error::new(
-                ErrorKind::Remote,
-                format!(
-                    "rank {peer} ({addr}) refused the connection: its process has probably exited, or, if it runs on another host, it listens on its loopback interface (check NCCL_SOCKET_IFNAME there)"
-                ),
-            ),
-            std::io::ErrorKind::ConnectionRefused => Error::new(
-                ErrorKind::Remote,
-                format!("rank {peer} refused the connection: its process has probably exited"),
-            ),
+            std::io::ErrorKind::ConnectionRefused if addr.ip().is_loopback() => {
+                crate::bootstrap::refused(&format!("rank {peer} ({addr})"), addr)
+            }
+            std::io::ErrorKind::ConnectionRefused => {
+                crate::bootstrap::refused(&format!("rank {peer}"), addr)
+            }
             _ => Error::from_io("connect", e),
         },
     )?;
