@@ -333,6 +333,10 @@ class Executor:
             work = CommWork(task.result, done=True)
             work._end_event, work._device = end, task.cuda[0]
             return work
+        return self._enqueue(task)
+
+    def _enqueue(self, task):
+        """Queues ``task`` for the executor's thread (started the first time) and returns its work."""
         task.work = CommWork(task.result)
         with self._lock:
             if self._closed:
@@ -377,19 +381,14 @@ class Executor:
         """An operation issued by a callback that runs in this executor's thread (a future's
         `then`): it queues behind what was issued before it, and this thread runs the queue up
         to it before returning, since no other thread would (waiting for it here hung)."""
-        task.work = CommWork(task.result)
-        with self._lock:
-            if self._closed:
-                raise CommError(f"comm: communicator {self._name} was shut down", call="run")
-            self._pending += 1
-            self._queue.put(task)
-        while not task.work._done:
+        work = self._enqueue(task)
+        while not work._done:
             queued = self._queue.get()
             if queued is _STOP:
                 self._queue.put(_STOP)
                 raise CommError(f"comm: communicator {self._name} was shut down", call="run")
             self._execute(queued)
-        return task.work
+        return work
 
     def close(self, drain=True):
         with self._lock:
@@ -568,7 +567,17 @@ class Engine:
 
     # -- running tasks
     def _submit(
-        self, tensors, stream_box, issue, finish=None, cleanup=None, result=None, async_op=False, keep=(), p2p=False
+        self,
+        tensors,
+        stream_box,
+        issue,
+        finish=None,
+        cleanup=None,
+        result=None,
+        async_op=False,
+        keep=(),
+        p2p=False,
+        alone=False,
     ):
         """Wraps the calls of one operation in a Task and runs it (or records it while
         coalescing). ``stream_box[0]`` receives the stream handle the calls must pass;
@@ -577,9 +586,12 @@ class Engine:
         if cuda is not None:
             stream_box[0] = cuda[1].cuda_stream
         task = Task(issue, finish, cleanup, result, cuda, (tensors, keep))
-        return self._dispatch(task, async_op, p2p)
+        return self._dispatch(task, async_op, p2p, alone)
 
-    def _dispatch(self, task, async_op, p2p=False):
+    def _dispatch(self, task, async_op, p2p=False, alone=False):
+        """Runs ``task``, records it while coalescing, or, for a point-to-point call (``p2p``),
+        defers it (see below); ``alone``: a point-to-point call that cannot join the group of
+        the others and runs after it (a receive from any source)."""
         if self._coalescing is not None:
             self._coalescing.append(task)
             # Valid once the work of end_coalescing completes, as with NCCL.
@@ -592,7 +604,7 @@ class Engine:
             work = CommWork(task.result)
             work._flush = flush_deferred_p2p
             with self._p2p_lock:
-                self._p2p.append((task, work))
+                (self._anys if alone else self._p2p).append((task, work))
             _deferred_here().add(self)
             if not async_op:
                 work.wait()
@@ -1289,21 +1301,13 @@ class Engine:
                 lib.check(r, "commRecvAny", handle)
 
         finish = self._copy_back(staged, tensor, buf)
-        cuda = self._cuda_context([tensor], (buf, source))
-        if cuda is not None:
-            stream[0] = cuda[1].cuda_stream
-        task = Task(issue, finish, None, result, cuda, ([tensor], (buf, source)))
         # Deferred like the other point-to-point calls, and started after them: a pending
         # receive from any source held the group's executor, so an isend posted after it
         # never left (rank 0: irecv from any source, isend to rank 1, which receives first).
-        work = CommWork(result)
-        work._flush = flush_deferred_p2p
+        work = self._submit(
+            [tensor], stream, issue, finish, None, result, async_op, keep=(buf, source), p2p=True, alone=True
+        )
         work._source = source
-        with self._p2p_lock:
-            self._anys.append((task, work))
-        _deferred_here().add(self)
-        if not async_op:
-            work.wait()
         return work
 
     def barrier(self, async_op=False, timeout=None):
