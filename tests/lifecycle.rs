@@ -461,16 +461,20 @@ fn simulate(comm: ncclComm_t, _rank: usize, nranks: usize) -> Result<(), String>
         version: NCCL_VERSION_CODE as u32,
         estimatedTime: -1.0,
     };
+    // The group's one call, into `recv`.
+    let all_reduce = |recv: &mut [f32]| unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            1 << 16,
+            FLOAT,
+            SUM,
+            comm,
+            S,
+        )
+    };
     nccl!(ncclGroupStart());
-    nccl!(ncclAllReduce(
-        send.as_ptr() as *const c_void,
-        recv.as_mut_ptr() as *mut c_void,
-        1 << 16,
-        FLOAT,
-        SUM,
-        comm,
-        S
-    ));
+    nccl!(all_reduce(&mut recv));
     nccl!(ncclGroupSimulateEnd(&mut info));
     if info.estimatedTime.is_nan() || info.estimatedTime <= 0.0 {
         return Err(format!("estimated time {}", info.estimatedTime));
@@ -495,15 +499,7 @@ fn simulate(comm: ncclComm_t, _rank: usize, nranks: usize) -> Result<(), String>
     // NULL: the group runs, as with ncclGroupEnd (it used to be dropped without a word).
     let n = nranks as f32;
     nccl!(ncclGroupStart());
-    nccl!(ncclAllReduce(
-        send.as_ptr() as *const c_void,
-        recv.as_mut_ptr() as *mut c_void,
-        1 << 16,
-        FLOAT,
-        SUM,
-        comm,
-        S
-    ));
+    nccl!(all_reduce(&mut recv));
     nccl!(ncclGroupSimulateEnd(std::ptr::null_mut()));
     if let Some(i) = recv.iter().position(|&v| v != n) {
         return Err(format!(
