@@ -54,6 +54,9 @@ struct Group {
     inits: Vec<InitJob>,
     one_sided: Vec<OneSided>,
     error: Option<Error>,
+    /// Whether the group's communicators are blocking, as the first one met says: NCCL refuses
+    /// a group mixing the two kinds (its end would have to both wait and return InProgress).
+    blocking: Option<bool>,
 }
 
 thread_local! {
@@ -115,6 +118,7 @@ fn close() -> Result<Outcome> {
         let calls = std::mem::take(&mut g.calls);
         let inits = std::mem::take(&mut g.inits);
         let one_sided = std::mem::take(&mut g.one_sided);
+        g.blocking = None;
         match g.error.take() {
             Some(e) => {
                 // Initialisations still have to settle their handles.
@@ -195,8 +199,12 @@ pub(crate) fn simulate_end() -> Result<f32> {
 /// (`Comm::again`).
 pub(crate) fn submit(comm: &Arc<Comm>, call: Call, repeat: Option<Repeat>) -> Result<()> {
     if in_group() {
-        GROUP.with(|g| g.borrow_mut().calls.push((comm.clone(), call)));
-        Ok(())
+        GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            join(&mut g, comm.config.blocking)?;
+            g.calls.push((comm.clone(), call));
+            Ok(())
+        })
     } else {
         run_one(comm, &call, repeat)
     }
@@ -255,28 +263,47 @@ fn run_concurrently(ops: Vec<OneSided>) -> Result<()> {
     })
 }
 
-/// Queues `item` in the current group (in the list `list` picks); gives it back when there is
-/// no group.
-fn defer<T>(item: T, list: fn(&mut Group) -> &mut Vec<T>) -> Option<T> {
+/// Admits to the group a call on a communicator that is `blocking` or not: the first one met
+/// decides for the group, and one of the other kind is refused (as NCCL does).
+fn join(g: &mut Group, blocking: bool) -> Result<()> {
+    let kind = |b: bool| if b { "blocking" } else { "non-blocking" };
+    match g.blocking {
+        Some(b) if b != blocking => crate::invalid_arg!(
+            "a group may not mix blocking and non-blocking communicators: this call's communicator is {}, the group's earlier ones are {}",
+            kind(blocking),
+            kind(b)
+        ),
+        _ => {
+            g.blocking = Some(blocking);
+            Ok(())
+        }
+    }
+}
+
+/// Queues `item`, for a communicator that is `blocking` or not, in the current group (in the
+/// list `list` picks); gives it back when there is no group.
+fn defer<T>(item: T, blocking: bool, list: fn(&mut Group) -> &mut Vec<T>) -> Result<Option<T>> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 {
+            join(&mut g, blocking)?;
             list(&mut g).push(item);
-            None
+            Ok(None)
         } else {
-            Some(item)
+            Ok(Some(item))
         }
     })
 }
 
 /// Queues a one-sided operation in the current group; gives it back when there is no group.
-pub(crate) fn defer_one_sided(op: OneSided) -> Option<OneSided> {
-    defer(op, |g| &mut g.one_sided)
+pub(crate) fn defer_one_sided(op: OneSided, blocking: bool) -> Result<Option<OneSided>> {
+    defer(op, blocking, |g| &mut g.one_sided)
 }
 
 /// Queues an init in the current group; gives it back when there is no group.
-pub(crate) fn defer_init(job: InitJob) -> Option<InitJob> {
-    defer(job, |g| &mut g.inits)
+pub(crate) fn defer_init(job: InitJob) -> Result<Option<InitJob>> {
+    let blocking = job.entry.blocking;
+    defer(job, blocking, |g| &mut g.inits)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;

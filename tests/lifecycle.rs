@@ -680,8 +680,57 @@ fn nonblocking(w: &Worker) -> Result<(), String> {
         }
     }
     sum_check(c, 3.0, 3.0 * w.nranks as f32, 10)?;
+    mixed_kinds_in_one_group(w, c)?;
     nccl!(ncclCommFinalize(c));
     nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
+/// A group may not hold calls on a non-blocking communicator (`c`) and a blocking one (as
+/// NCCL): the call that mixes them fails with ncclInvalidArgument, the group does nothing, and
+/// both communicators stay usable.
+fn mixed_kinds_in_one_group(w: &Worker, c: ncclComm_t) -> Result<(), String> {
+    let mut cfg = config(1, c"blocking-child");
+    let mut b: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(c, 0, w.rank as i32, &mut b, &mut cfg));
+    let send = [1f32; 4];
+    let mut recv = [[0f32; 4]; 2];
+    nccl!(ncclGroupStart());
+    nccl!(ncclAllReduce(
+        send.as_ptr() as *const c_void,
+        recv[0].as_mut_ptr() as *mut c_void,
+        4,
+        FLOAT,
+        SUM,
+        c,
+        S
+    ));
+    let mixed = unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv[1].as_mut_ptr() as *mut c_void,
+            4,
+            FLOAT,
+            SUM,
+            b,
+            S,
+        )
+    };
+    let message = last_error();
+    let end = ncclGroupEnd();
+    if mixed != ncclResult_t::ncclInvalidArgument || !message.contains("non-blocking") {
+        return Err(format!(
+            "a blocking comm's call in a non-blocking comm's group returned {mixed:?}: {message}"
+        ));
+    }
+    if end != ncclResult_t::ncclInvalidArgument || recv != [[0f32; 4]; 2] {
+        return Err(format!(
+            "the mixed group ended with {end:?} and results {recv:?}; it should do nothing"
+        ));
+    }
+    sum_check(c, 1.0, w.nranks as f32, 4)?;
+    sum_check(b, 2.0, 2.0 * w.nranks as f32, 4)?;
+    nccl!(ncclCommDestroy(b));
     Ok(())
 }
 

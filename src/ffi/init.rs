@@ -63,8 +63,15 @@ unsafe fn start_init(
         entry: entry.clone(),
         run: Box::new(run),
     };
-    let Some(job) = group::defer_init(job) else {
-        return Ok(());
+    let job = match group::defer_init(job) {
+        Ok(Some(job)) => job,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            let _ = registry::remove(h);
+            // SAFETY: this function's contract.
+            unsafe { write_out(out_comm, "comm", std::ptr::null_mut()) }?;
+            return Err(e);
+        }
     };
     if blocking {
         entry.settle(job.execute());

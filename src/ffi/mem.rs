@@ -202,12 +202,17 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
             .and_then(|_| window_args(buff, size, winFlags));
         let (b, w) = (buff as usize, win as usize);
         let c = c.clone();
-        one_sided(comm, crate::group::Phase::Collective, move || {
-            let h = window::register(&c.window_members(), b, size, winFlags, false, pre)?;
-            // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
-            unsafe { *(w as *mut ncclWindow_t) = h as ncclWindow_t };
-            Ok(())
-        })
+        one_sided(
+            comm,
+            c.config.blocking,
+            crate::group::Phase::Collective,
+            move || {
+                let h = window::register(&c.window_members(), b, size, winFlags, false, pre)?;
+                // SAFETY: the caller keeps `win` valid until the call (or its group) returns.
+                unsafe { *(w as *mut ncclWindow_t) = h as ncclWindow_t };
+                Ok(())
+            },
+        )
     })
 }
 
@@ -311,6 +316,7 @@ fn buffer_bytes(
 /// Runs a one-sided operation now, or at the end of the current group.
 fn one_sided(
     comm: ncclComm_t,
+    blocking: bool,
     phase: crate::group::Phase,
     run: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Result<()> {
@@ -322,7 +328,7 @@ fn one_sided(
         comm: comm as usize,
         run: Box::new(run),
     };
-    match crate::group::defer_one_sided(op) {
+    match crate::group::defer_one_sided(op, blocking)? {
         Some(op) => (op.run)(),
         None => Ok(()),
     }
@@ -395,14 +401,19 @@ pub unsafe extern "C" fn ncclPutSignal(
             );
         }
         let src = localbuff as usize;
-        one_sided(comm, crate::group::Phase::Issue, move || {
-            // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
-            // which NCCL requires valid until the call, or its group, returns (on a stream:
-            // until the stream has done the copy).
-            unsafe {
-                window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
-            }
-        })
+        one_sided(
+            comm,
+            c.config.blocking,
+            crate::group::Phase::Issue,
+            move || {
+                // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
+                // which NCCL requires valid until the call, or its group, returns (on a stream:
+                // until the stream has done the copy).
+                unsafe {
+                    window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
+                }
+            },
+        )
     })
 }
 
@@ -421,9 +432,12 @@ pub unsafe extern "C" fn ncclSignal(
         let on = crate::cuda::Stream(stream as *mut c_void);
         window::check_peer(&c.window_members(), peer)?;
         let c = c.clone();
-        one_sided(comm, crate::group::Phase::Issue, move || {
-            window::signal(&c.window_members(), peer, Some(on))
-        })
+        one_sided(
+            comm,
+            c.config.blocking,
+            crate::group::Phase::Issue,
+            move || window::signal(&c.window_members(), peer, Some(on)),
+        )
     })
 }
 
@@ -475,9 +489,12 @@ pub unsafe extern "C" fn ncclWaitSignal(
         }
         let descs: Vec<(usize, u64)> = descs.collect();
         let c = c.clone();
-        one_sided(comm, crate::group::Phase::Wait, move || {
-            window::wait_signals(&c.window_members(), descs)
-        })
+        one_sided(
+            comm,
+            c.config.blocking,
+            crate::group::Phase::Wait,
+            move || window::wait_signals(&c.window_members(), descs),
+        )
     })
 }
 
