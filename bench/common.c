@@ -138,14 +138,18 @@ static double parse_size(const char* s) {
   double v;
   char unit;
   int n = sscanf(s, "%lf %1c", &v, &unit);
-  if (n == 1) return v;
-  if (n != 2) return -1;
-  switch (unit) {
-    case 'G': case 'g': return v * 1024 * 1024 * 1024;
-    case 'M': case 'm': return v * 1024 * 1024;
-    case 'K': case 'k': return v * 1024;
-    default: return -1;
+  if (n == 2) {
+    switch (unit) {
+      case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+      case 'M': case 'm': v *= 1024.0 * 1024; break;
+      case 'K': case 'k': v *= 1024.0; break;
+      default: return -1;
+    }
+  } else if (n != 1) {
+    return -1;
   }
+  /* Beyond 2^62 bytes a size is a typing error (and would not fit a size_t sum). */
+  return v >= 0 && v <= 4611686018427387904.0 ? v : -1;
 }
 
 enum { OPT_MEMORY = 1000 };
@@ -352,6 +356,7 @@ static int check_options(int quiet) {
   if (o->agg_iters < 1) BAD(BENCH_ERR_INTERNAL, "invalid -m %d: at least 1\n", o->agg_iters);
   if (o->warmup_iters < 0 || o->run_cycles < 0 || o->check < 0 || o->timeout < 0 || o->unalign < 0)
     BAD(BENCH_ERR_INTERNAL, "invalid negative -w/-N/-c/-T/-u value\n");
+  if (o->root < -1) BAD(BENCH_ERR_INTERNAL, "invalid -r %d: a rank, or -1 for every root in turn\n", o->root);
   if (o->blocking < 0 || o->blocking > 3) BAD(BENCH_ERR_INTERNAL, "invalid -z %d: 0, 1, 2 or 3\n", o->blocking);
   if (o->average < 0 || o->average > 3) BAD(BENCH_ERR_INTERNAL, "invalid -a %d: 0, 1, 2 or 3\n", o->average);
   if (o->per_iter_skip < 0 || (o->per_iter && o->per_iter_skip >= o->iters))
@@ -838,13 +843,17 @@ static void bench_time(bench_thread* t, const test* x, int in_place) {
       double w[2] = {(double)local, local ? 1.0 : 0.0};
       bench_sync_reduce(t, w, 2, SYNC_SUM);
       wrong = w[0];
-      if (is_main(t)) g_errors += (int)w[1]; /* threads that saw wrong elements, as nccl-tests counts */
+      /* Threads that saw wrong elements, as nccl-tests counts; the sum is every process's, so
+       * each process exits with the same status. */
+      if (t->thread == 0) g_errors += (int)w[1];
       if (wrong) break;
     }
   }
   if (is_main(t)) {
     double time_us = (o->report_cputime ? cputime : delta) * 1e6;
     row_body(in_place, time_us, algbw, busbw, checked, wrong, o->per_iter ? t->iter_times : NULL);
+  }
+  if (t->thread == 0) { /* busbw is every process's (delta is combined): so is the average */
     g_bw_sum += busbw;
     g_bw_count++;
   }

@@ -57,6 +57,68 @@ static const struct {
     {"Slurm's srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_JOB_ID"},
 };
 
+/* A PMI-1 exchange on the launcher's descriptor: sends `cmd`, reads one reply line into
+ * `reply`. 0 on success. Bounded by two seconds, so a launcher that does not answer costs
+ * no more than that. */
+static int pmi_ask(int fd, const char* cmd, char* reply, size_t len) {
+  size_t n = strlen(cmd), got = 0;
+  if (send(fd, cmd, n, MSG_NOSIGNAL) != (ssize_t)n && write(fd, cmd, n) != (ssize_t)n) return -1;
+  while (got + 1 < len) {
+    struct pollfd pfd = {fd, POLLIN, 0};
+    if (poll(&pfd, 1, 2000) <= 0) return -1;
+    ssize_t r = read(fd, reply + got, 1);
+    if (r <= 0) return -1;
+    if (reply[got] == '\n') break;
+    got++;
+  }
+  reply[got] = 0;
+  return 0;
+}
+
+/* The job's name as an MPICH-style PMI launcher knows it: PMI_KVSNAME where set, else asked
+ * for over PMI_FD (MPICH's hydra sets only the descriptor). Concurrent jobs have different
+ * names; without one they would all meet on one port. */
+static const char* pmi_job_name(void) {
+  static char name[256];
+  const char* kvs = getenv("PMI_KVSNAME");
+  if (kvs && *kvs) return kvs;
+  const char* fd_s = getenv("PMI_FD");
+  if (!fd_s || !*fd_s) return NULL;
+  int fd = atoi(fd_s);
+  char reply[512];
+  const char* found = NULL;
+  if (pmi_ask(fd, "cmd=init pmi_version=1 pmi_subversion=1\n", reply, sizeof reply) == 0 &&
+      strstr(reply, "rc=0") && pmi_ask(fd, "cmd=get_my_kvsname\n", reply, sizeof reply) == 0) {
+    const char* k = strstr(reply, "kvsname=");
+    if (k) {
+      k += strlen("kvsname=");
+      size_t n = strcspn(k, " \n");
+      if (n > 0 && n < sizeof name) {
+        memcpy(name, k, n);
+        name[n] = 0;
+        found = name;
+      }
+    }
+    pmi_ask(fd, "cmd=finalize\n", reply, sizeof reply);
+  }
+  return found;
+}
+
+/* What tells this job from another of the same launcher on the node: its id, and for Slurm
+ * the step too (the steps of one allocation share the job id). NULL when the launcher gives
+ * none (torchrun: MASTER_PORT tells jobs apart). */
+static const char* job_key(size_t launcher) {
+  static char key[320];
+  const char* var = launchers[launcher].job;
+  if (!var) return NULL;
+  if (strcmp(var, "PMI_KVSNAME") == 0) return pmi_job_name();
+  const char* id = getenv(var);
+  if (!id || !*id) return NULL;
+  const char* step = strcmp(var, "SLURM_JOB_ID") == 0 ? getenv("SLURM_STEP_ID") : NULL;
+  snprintf(key, sizeof key, "%s%s%s", id, step ? "." : "", step ? step : "");
+  return key;
+}
+
 static int parse_nonneg(const char* s, int* out) {
   char* end;
   long v = strtol(s, &end, 10);
@@ -97,7 +159,7 @@ int bench_launch_start(int* argc, char*** argv) {
     bench_w.launcher = LAUNCH_ENV;
     bench_w.launcher_name = launchers[i].name;
     bench_w.local_rank_var = launchers[i].local_rank;
-    bench_w.job_key = launchers[i].job ? getenv(launchers[i].job) : NULL;
+    bench_w.job_key = job_key(i);
     break;
   }
 #endif
@@ -109,7 +171,7 @@ int bench_launch_start(int* argc, char*** argv) {
 
 static int oob_fds[4096]; /* process 0: one connection per process; others: [0] = to process 0 */
 static int oob_ready;
-static const char OOB_MAGIC[8] = "cbench1";
+static const char OOB_MAGIC[8] = "cbench2";
 
 static double oob_deadline(void) {
   return bench_now() + env_int("COMM_BENCH_BOOTSTRAP_TIMEOUT", 120);
@@ -137,31 +199,54 @@ static int io_all(int fd, void* buf, size_t len, int writing, double deadline) {
 struct oob_hello {
   char magic[8];
   int32_t proc, nprocs;
+  uint64_t job; /* job_hash(): processes of another job are refused */
 };
 
-static void oob_endpoint(const char** host, char* port, size_t len) {
+static uint64_t job_hash(void) {
+  uint64_t h = 1469598103934665603ull;
+  if (bench_w.job_key)
+    for (const char* c = bench_w.job_key; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
+  return h;
+}
+
+/* A port from the variable `name`, or `dflt` where it is unset; -1 (said) where it is not one. */
+static int port_var(const char* name, int dflt) {
+  const char* v = getenv(name);
+  if (!v || !*v) return dflt;
+  char* end;
+  long p = strtol(v, &end, 10);
+  if (*end || p < 1 || p > 65535) {
+    fprintf(stderr, "%s: %s=%s is not a TCP port (1-65535)\n", bench_w.hostname, name, v);
+    return -1;
+  }
+  return (int)p;
+}
+
+static int oob_endpoint(const char** host, char* port, size_t len) {
   *host = getenv("MASTER_ADDR");
   if (!*host || !**host) *host = "127.0.0.1";
-  /* Without MASTER_PORT, a port in 20000-29999 from the launcher's job id: two jobs started
-   * at once on one node by mpirun or srun get different ports. */
+  /* Without MASTER_PORT, a port in 20000-29999 from the launcher's job id (job_key): two jobs
+   * started at once on one node by mpirun, mpiexec or srun get different ports. */
   int p = 29500;
   if (bench_w.job_key && *bench_w.job_key) {
     uint32_t h = 2166136261u;
     for (const char* c = bench_w.job_key; *c; c++) h = (h ^ (uint8_t)*c) * 16777619u;
     p = 20000 + (int)(h % 10000);
   }
-  p = env_int("MASTER_PORT", p);
+  p = port_var("MASTER_PORT", p);
   /* Under torchrun the agent's own store listens on MASTER_PORT; take the next one. */
   const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
-  if (agent && strcmp(agent, "True") == 0) p += 1;
-  p = env_int("COMM_BENCH_PORT", p);
+  if (p > 0 && agent && strcmp(agent, "True") == 0) p += 1;
+  if (p > 0) p = port_var("COMM_BENCH_PORT", p > 65535 ? 65535 : p);
+  if (p < 0) return -1;
   snprintf(port, len, "%d", p);
+  return 0;
 }
 
 static int oob_serve(double deadline) {
   const char* host;
   char port[16];
-  oob_endpoint(&host, port, sizeof port);
+  if (oob_endpoint(&host, port, sizeof port) != 0) return -1;
   struct addrinfo hints = {0}, *res = NULL;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
@@ -219,6 +304,12 @@ static int oob_serve(double deadline) {
       close(fd);
       continue;
     }
+    if (h.job != job_hash()) {
+      fprintf(stderr, "%s: ignoring process %d of another job (its launcher's job id differs from this one's), which came to port %s\n",
+              bench_w.hostname, h.proc, port);
+      close(fd);
+      continue;
+    }
     if (h.nprocs != bench_w.nprocs || h.proc <= 0 || h.proc >= bench_w.nprocs || oob_fds[h.proc] >= 0) {
       /* A process of this job started with another size or rank: say which, here and (by
        * closing) there, rather than wait for it. */
@@ -252,7 +343,7 @@ static int connected_to_itself(int fd) {
 static int oob_join(double deadline) {
   const char* host;
   char port[16];
-  oob_endpoint(&host, port, sizeof port);
+  if (oob_endpoint(&host, port, sizeof port) != 0) return -1;
   struct addrinfo hints = {0}, *res = NULL;
   hints.ai_socktype = SOCK_STREAM;
   int fd = -1;
@@ -288,6 +379,7 @@ static int oob_join(double deadline) {
   memcpy(h.magic, OOB_MAGIC, 8);
   h.proc = bench_w.proc;
   h.nprocs = bench_w.nprocs;
+  h.job = job_hash();
   if (io_all(fd, &h, sizeof h, 1, deadline) != 0) {
     close(fd);
     return -1;

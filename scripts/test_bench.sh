@@ -160,8 +160,9 @@ if ! timeout "$limit" "${MPIRUN[@]}" -np 3 "$bin/all_reduce_perf" "${SWEEP[@]}" 
   [ "$(grep -c '^#  Rank  0 ' "$log")" != 1 ] || ! grep -q '^#  Rank  2 ' "$log"; then
   fail "all_reduce_perf under mpirun -np 3 (one job of 3 ranks)" "$log"
 fi
-# srun and MPICH's mpiexec are not installed here: their variables, set as they set them, make
-# one job too (the port comes from the job id when MASTER_PORT is not set).
+# srun is not installed here: its variables, set as it sets them, make one job too, and so do
+# the PMI variables without a launcher's descriptor (the port comes from the job id when
+# MASTER_PORT is not set).
 for vars in "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_JOB_ID" "PMI_RANK PMI_SIZE PMI_KVSNAME"; do
   read -r rank_var size_var job_var <<<"$vars"
   job=$RANDOM$RANDOM
@@ -180,6 +181,43 @@ for vars in "SLURM_PROCID SLURM_STEP_NUM_TASKS SLURM_JOB_ID" "PMI_RANK PMI_SIZE 
     fail "all_reduce_perf with $rank_var and $size_var (exit $rc)" "${logs[@]}"
   fi
 done
+# Two jobs at once on one node stay apart: MPICH's mpiexec sets no job variable (the harness
+# asks its PMI descriptor for the job's name), and two srun steps of one allocation share
+# SLURM_JOB_ID. One rank of each job starts late, so that without a port per job the early
+# ranks would meet the other job's process 0; the jobs differ in datatype, so a mix fails.
+both_jobs() { # NAME LOG_A LOG_B RC
+  if [ "$4" != 0 ] || ! table_ok "$2" || ! table_ok "$3" || grep -q "another job" "$2" "$3"; then
+    fail "$1 (exit $4)" "$2" "$3"
+  fi
+}
+if command -v mpiexec.hydra >/dev/null; then
+  rc=0
+  for job in 0 1; do
+    timeout "$limit" mpiexec.hydra -n 2 bash -c 'sleep $(( (PMI_RANK + '$job') % 2 * 2 )); exec "$@"' sh \
+      "$bin/all_reduce_perf" -b 8 -e 1K -f 4 -n 2 -w 1 -c 1 -d "$([ $job = 0 ] && echo float || echo double)" \
+      >"$work/hydra.$job" 2>&1 </dev/null &
+    pids[job]=$!
+    sleep 0.5
+  done
+  wait "${pids[0]}" || rc=$?
+  wait "${pids[1]}" || rc=$?
+  runs=$((runs + 1))
+  both_jobs "two mpiexec.hydra jobs at once" "$work/hydra.0" "$work/hydra.1" "$rc"
+fi
+rc=0
+for r in 0 1; do
+  for step in 0 1; do
+    [ "$r" = 1 ] && [ "$step" = 1 ] && sleep 2
+    env SLURM_JOB_ID=$$ SLURM_STEP_ID=$step SLURM_PROCID=$r SLURM_STEP_NUM_TASKS=2 SLURM_LOCALID=$r \
+      timeout "$limit" "$bin/all_reduce_perf" -b 8 -e 1K -f 4 -n 2 -w 1 -c 1 \
+      -d "$([ $step = 0 ] && echo float || echo double)" >"$work/step.$step.$r" 2>&1 &
+    spids+=($!)
+  done
+done
+for p in "${spids[@]}"; do wait "$p" || rc=$?; done
+runs=$((runs + 1))
+both_jobs "two srun steps of one job at once" "$work/step.0.0" "$work/step.1.0" "$rc"
+
 # A process that tries to reach process 0 before it listens can have its connect() meet itself
 # when the port is in the ephemeral range, and then held the port process 0 must bind ("Address
 # already in use"). In a network namespace of its own, the ephemeral range is narrowed to the
@@ -213,6 +251,24 @@ expect_fail "mpi_perf -d half" 5 "not supported: -d half" "${MPIRUN[@]}" -np 2 "
 expect_fail "a corrupted result is caught" 7 "Out of bounds values : [1-9].* FAILED" \
   env COMM_BENCH_DEBUG_CORRUPT=2 "$bin/reduce_scatter_perf" -t 3 -c 1 -n 1 -b 1K -e 4K -f 4
 if table_ok "$work/log.$((runs - 1))" >/dev/null; then fail "table_ok missed a corrupted result"; fi
+# Every process of the job exits with the failure, not only process 0 (process 1 is the one
+# that finds the wrong element here).
+port=$(free_port)
+for r in 0 1; do
+  COMM_BENCH_DEBUG_CORRUPT=1 RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    timeout "$limit" "$bin/all_reduce_perf" -b 8 -e 1K -f 4 -n 1 -c 1 >"$work/corrupt.$r" 2>&1 &
+  cpids[r]=$!
+done
+for r in 0 1; do
+  rc=0
+  wait "${cpids[r]}" || rc=$?
+  [ "$rc" = 7 ] || fail "process $r of a job with a wrong result exits 7 (exit $rc)" "$work/corrupt.$r"
+done
+runs=$((runs + 1))
+expect_fail "-r -2" 1 "invalid -r -2" "$bin/broadcast_perf" -r -2 -b 8 -e 8
+expect_fail "a size past 2^62" 1 "invalid size specified for 'maxbytes'" "$bin/all_reduce_perf" -e 99999999999999999999
+expect_fail "MASTER_PORT that is not a port" 1 "MASTER_PORT=abc is not a TCP port" \
+  env RANK=1 WORLD_SIZE=2 MASTER_PORT=abc "$bin/all_reduce_perf" -b 8 -e 8
 expect_fail "-T on a stalled rank, on a line of its own" 4 "^[^ ]*: Test timeout (2s)" \
   env COMM_BENCH_DEBUG_STALL=1 "$bin/all_reduce_perf" -t 2 -T 2 -b 1K -e 1K
 
