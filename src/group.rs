@@ -15,6 +15,10 @@ use std::sync::Arc;
 /// A communicator initialisation to run at the end of the group.
 pub(crate) struct InitJob {
     pub entry: Arc<Entry>,
+    /// The communicator it derives from (split, shrink, grow), as an address: derivations of
+    /// one communicator exchange through it and take their tags from its counters, so those
+    /// of a group run one after the other, in the order called.
+    pub parent: Option<usize>,
     pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
@@ -313,19 +317,33 @@ pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
         return Ok(());
     }
     let all_blocking = inits.iter().all(|j| j.entry.blocking);
-    let mut handles = Vec::new();
+    let entries: Vec<Arc<Entry>> = inits.iter().map(|j| j.entry.clone()).collect();
+    // A thread per chain: the derivations of one parent in order, or one init of its own.
+    let mut chains: Vec<(Option<usize>, Vec<InitJob>)> = Vec::new();
     for job in inits {
-        let entry = job.entry.clone();
-        let done = job.entry.clone();
+        match chains
+            .iter_mut()
+            .find(|(p, _)| p.is_some() && *p == job.parent)
+        {
+            Some((_, chain)) => chain.push(job),
+            None => chains.push((job.parent, vec![job])),
+        }
+    }
+    let mut threads = Vec::new();
+    for (_, chain) in chains {
         let h = std::thread::Builder::new()
             .name("comm-init".into())
             .spawn(move || {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.execute()))
-                    .unwrap_or_else(|_| crate::internal_err!("communicator init panicked"));
-                entry.settle(r);
+                for job in chain {
+                    let entry = job.entry.clone();
+                    let r =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.execute()))
+                            .unwrap_or_else(|_| crate::internal_err!("communicator init panicked"));
+                    entry.settle(r);
+                }
             })
             .map_err(|e| Error::from_io("spawn init thread", e))?;
-        handles.push((done, h));
+        threads.push(h);
     }
     if !all_blocking {
         return Err(Error::new(
@@ -333,9 +351,11 @@ pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
             "communicator initialization in progress",
         ));
     }
-    let mut first_err = None;
-    for (entry, h) in handles {
+    for h in threads {
         let _ = h.join();
+    }
+    let mut first_err = None;
+    for entry in entries {
         match entry.init_outcome() {
             // The calls will come from this thread, not from the one that built the
             // communicator: it settles on its CPU, and its peers learn where it runs.

@@ -99,28 +99,85 @@ fn split(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Excludes the last rank, which does not take part.
+/// Excludes the last rank, which does not take part; then the first (the last takes part),
+/// the last again, and finally every rank splits the parent. The excluded ranks are alive
+/// throughout: a shrink they sit out must not leave them out of step with the others.
 fn shrink(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
-    if rank == n - 1 {
-        return Ok(());
+    for left_out in [n - 1, 0, n - 1] {
+        if rank == left_out {
+            continue;
+        }
+        let mut exclude = [left_out as i32];
+        let mut child: ncclComm_t = std::ptr::null_mut();
+        nccl!(ncclCommShrink(
+            comm,
+            exclude.as_mut_ptr(),
+            1,
+            &mut child,
+            std::ptr::null_mut(),
+            NCCL_SHRINK_DEFAULT
+        ));
+        let mut cn = 0;
+        nccl!(ncclCommCount(child, &mut cn));
+        if cn as usize != n - 1 {
+            return Err(format!("shrunk comm has {cn} ranks"));
+        }
+        let want: usize = (0..n).filter(|&r| r != left_out).map(|r| r + 1).sum();
+        sum_check(child, (rank + 1) as f32, want as f32, 77)?;
+        nccl!(ncclCommDestroy(child));
     }
-    let mut exclude = [(n - 1) as i32];
-    let mut child: ncclComm_t = std::ptr::null_mut();
-    nccl!(ncclCommShrink(
+    let mut all: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(
         comm,
-        exclude.as_mut_ptr(),
-        1,
-        &mut child,
-        std::ptr::null_mut(),
-        NCCL_SHRINK_DEFAULT
+        0,
+        rank as i32,
+        &mut all,
+        std::ptr::null_mut()
     ));
-    let mut cn = 0;
-    nccl!(ncclCommCount(child, &mut cn));
-    if cn as usize != n - 1 {
-        return Err(format!("shrunk comm has {cn} ranks"));
+    sum_check(all, 1.0, n as f32, 9)?;
+    nccl!(ncclCommDestroy(all));
+    Ok(())
+}
+
+/// Two splits of one communicator in one group, as tensor- and data-parallel groups are made
+/// (`rank / 2` and `rank % 2`): each child has the members and order its colors and keys say.
+fn grouped_splits(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
+    let colors = [|r: usize| r / 2, |r: usize| r % 2];
+    let mut kids = [std::ptr::null_mut(); 2];
+    nccl!(ncclGroupStart());
+    for (k, color) in colors.iter().enumerate() {
+        // Keys reverse the order in the second split.
+        let key = if k == 0 { rank as i32 } else { -(rank as i32) };
+        nccl!(ncclCommSplit(
+            comm,
+            color(rank) as i32,
+            key,
+            &mut kids[k],
+            std::ptr::null_mut()
+        ));
     }
-    sum_check(child, 1.0, (n - 1) as f32, 77)?;
-    nccl!(ncclCommDestroy(child));
+    nccl!(ncclGroupEnd());
+    for (k, color) in colors.iter().enumerate() {
+        let mut members: Vec<usize> = (0..n).filter(|&r| color(r) == color(rank)).collect();
+        if k == 1 {
+            members.reverse();
+        }
+        let (mut cn, mut cr) = (0, 0);
+        nccl!(ncclCommCount(kids[k], &mut cn));
+        nccl!(ncclCommUserRank(kids[k], &mut cr));
+        let expect_rank = members.iter().position(|&m| m == rank).unwrap();
+        if cn as usize != members.len() || cr as usize != expect_rank {
+            return Err(format!(
+                "split {k} of rank {rank}: {cn} ranks, rank {cr}; expected {} and {expect_rank}",
+                members.len()
+            ));
+        }
+        let want: usize = members.iter().map(|m| m + 1).sum();
+        sum_check(kids[k], (rank + 1) as f32, want as f32, 513)?;
+    }
+    for kid in kids {
+        nccl!(ncclCommDestroy(kid));
+    }
     Ok(())
 }
 
@@ -605,6 +662,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("registration", |w| on_comm(w, registration)),
     ("split", |w| on_comm(w, split)),
     ("shrink", |w| on_comm(w, shrink)),
+    ("grouped_splits", |w| on_comm(w, grouped_splits)),
     ("sendrecv", |w| on_comm(w, sendrecv_orders)),
     ("mixed_groups", |w| on_comm(w, mixed_groups)),
     ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
@@ -796,6 +854,50 @@ fn split_processes() {
 #[test]
 fn split_threads() {
     with_threads(5, Duration::from_secs(120), split);
+}
+
+#[test]
+fn two_splits_of_one_communicator_in_a_group() {
+    for _ in 0..3 {
+        procs("grouped_splits", 4, &[]);
+    }
+    procs("grouped_splits", 3, &[]);
+}
+
+#[test]
+fn two_splits_of_one_communicator_in_a_group_threads() {
+    with_threads(4, Duration::from_secs(120), grouped_splits);
+}
+
+/// One thread drives every rank: two splits per rank in one group. Each rank's splits run in
+/// order while the ranks' run side by side (they wait for each other).
+#[test]
+fn two_splits_per_rank_in_one_group_of_one_thread() {
+    let n = 3;
+    let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, std::ptr::null()) };
+    assert_eq!(r, OK, "ncclCommInitAll: {}", last_error());
+    let mut kids = vec![[std::ptr::null_mut(); 2]; n];
+    assert_eq!(ncclGroupStart(), OK);
+    for (rank, c) in comms.iter().enumerate() {
+        for (k, kid) in kids[rank].iter_mut().enumerate() {
+            let key = if k == 0 { rank as i32 } else { -(rank as i32) };
+            let r = unsafe { ncclCommSplit(*c, 0, key, kid, std::ptr::null_mut()) };
+            assert_eq!(r, OK, "split {k} of rank {rank}: {}", last_error());
+        }
+    }
+    assert_eq!(ncclGroupEnd(), OK, "{}", last_error());
+    for (rank, pair) in kids.iter().enumerate() {
+        for (k, kid) in pair.iter().enumerate() {
+            let mut cr = 0;
+            assert_eq!(unsafe { ncclCommUserRank(*kid, &mut cr) }, OK);
+            let want = if k == 0 { rank } else { n - 1 - rank };
+            assert_eq!(cr as usize, want, "split {k} of rank {rank}");
+        }
+    }
+    for c in kids.into_iter().flatten().chain(comms) {
+        assert_eq!(unsafe { ncclCommDestroy(c) }, OK);
+    }
 }
 
 #[test]

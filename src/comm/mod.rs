@@ -70,8 +70,12 @@ pub(crate) struct Comm {
     pub cuda_device: i32,
     /// Operations issued so far; tags every message so that mismatched calls are detected.
     pub seq: AtomicU64,
-    /// Children created so far, to derive every child's tag identically on all ranks.
+    /// Splits made so far, to derive every child's tag identically on all ranks (every rank
+    /// takes part in a split, NCCL_SPLIT_NOCOLOR too).
     pub children: AtomicU64,
+    /// Shrinks made so far, by the list of ranks they left out: an excluded rank takes no
+    /// part in its shrink, so only the ranks that shrank by the same list count alike.
+    shrinks: Mutex<std::collections::HashMap<Vec<usize>, u64>>,
     pub custom_ops: CustomOps,
     /// Schedules built so far, reused by calls of the same shape.
     pub schedules: ops::ScheduleCache,
@@ -341,6 +345,7 @@ impl Comm {
             cuda_device: device,
             seq: AtomicU64::new(0),
             children: AtomicU64::new(0),
+            shrinks: Mutex::new(Default::default()),
             custom_ops: CustomOps::default(),
             schedules: Default::default(),
             life: AtomicU8::new(Life::Active as u8),
@@ -574,7 +579,13 @@ impl Comm {
         let members: Vec<usize> = (0..self.nranks).filter(|r| !exclude.contains(r)).collect();
         let mut sorted = exclude.to_vec();
         sorted.sort_unstable();
-        let tag = self.child_tag("shrink", hash_tag(&sorted) as i64);
+        let n = {
+            let mut shrinks = self.shrinks.lock();
+            let n = shrinks.entry(sorted.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let tag = hash_tag((self.tag, "shrink", &sorted, n));
         self.child(&members, tag, config)
     }
 

@@ -9,6 +9,7 @@ use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use crate::group::{self, InitJob};
 use std::os::raw::{c_char, c_int};
+use std::sync::Arc;
 
 /// The CUDA device a host-only rank reports: there is none.
 pub const NO_CUDA_DEVICE: c_int = -1;
@@ -53,6 +54,7 @@ fn default_config() -> Result<Config> {
 unsafe fn start_init(
     out_comm: *mut ncclComm_t,
     blocking: bool,
+    parent: Option<usize>,
     run: impl FnOnce() -> Result<Comm> + Send + 'static,
 ) -> Result<()> {
     let entry = Entry::new(blocking);
@@ -61,6 +63,7 @@ unsafe fn start_init(
     unsafe { write_out(out_comm, "comm", h as ncclComm_t) }?;
     let job = InitJob {
         entry: entry.clone(),
+        parent,
         run: Box::new(run),
     };
     let job = match group::defer_init(job) {
@@ -152,7 +155,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
         let blocking = cfg.blocking;
         // SAFETY: `comm` is the C caller's out-parameter.
         unsafe {
-            start_init(comm, blocking, move || {
+            start_init(comm, blocking, None, move || {
                 Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
             })
         }
@@ -190,7 +193,7 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
         let blocking = cfg.blocking;
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe {
-            start_init(newcomm, blocking, move || {
+            start_init(newcomm, blocking, None, move || {
                 Comm::init(&ids, r, n, cfg, crate::cuda::current_device())
             })
         }
@@ -315,13 +318,14 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
 /// `newcomm` is NULL or writable (the caller's out-parameter).
 unsafe fn start_derive(
     newcomm: *mut ncclComm_t,
+    parent: usize,
     blocking: bool,
     run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
 ) -> Result<()> {
     if group::depth() > 0 {
         // SAFETY: this function's contract is `start_init`'s.
         return unsafe {
-            start_init(newcomm, blocking, move || {
+            start_init(newcomm, blocking, Some(parent), move || {
                 run()?.ok_or_else(|| {
                     Error::new(
                         ErrorKind::InvalidUsage,
@@ -354,7 +358,11 @@ pub unsafe extern "C" fn ncclCommSplit(
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
         let c = c.clone();
         // SAFETY: `newcomm` is the C caller's out-parameter.
-        unsafe { start_derive(newcomm, blocking, move || c.split(color, key, cfg)) }
+        unsafe {
+            start_derive(newcomm, Arc::as_ptr(&c) as usize, blocking, move || {
+                c.split(color, key, cfg)
+            })
+        }
     })
 }
 
@@ -406,7 +414,7 @@ pub unsafe extern "C" fn ncclCommShrink(
         let c = c.clone();
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe {
-            start_derive(newcomm, blocking, move || {
+            start_derive(newcomm, Arc::as_ptr(&c) as usize, blocking, move || {
                 c.shrink(&exclude, cfg, abort_first).map(Some)
             })
         }
@@ -459,7 +467,7 @@ pub unsafe extern "C" fn ncclCommGrow(
             let blocking = cfg.blocking;
             // SAFETY: `newcomm` is the C caller's out-parameter.
             return unsafe {
-                start_init(newcomm, blocking, move || {
+                start_init(newcomm, blocking, None, move || {
                     Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
                 })
             };
@@ -471,7 +479,7 @@ pub unsafe extern "C" fn ncclCommGrow(
         let blocking = cfg.as_ref().unwrap_or(&c.config).blocking;
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe {
-            start_derive(newcomm, blocking, move || {
+            start_derive(newcomm, Arc::as_ptr(&c) as usize, blocking, move || {
                 c.grow(n, id.as_ref(), cfg).map(Some)
             })
         }
