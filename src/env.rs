@@ -163,6 +163,13 @@ impl Knob {
             .find_map(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()))
     }
 
+    /// Which of the knob's variables is set (the comm name first), for messages.
+    pub(crate) fn set_name(&self) -> Option<&'static str> {
+        std::iter::once(self.env)
+            .chain(self.nccl)
+            .find(|name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty()))
+    }
+
     /// The value in effect as text: the environment's, else the default (empty: none).
     pub(crate) fn value(&self) -> String {
         self.set_value().unwrap_or_else(|| self.default.to_string())

@@ -351,6 +351,22 @@ fn init_errors() -> Result<(), String> {
             &["ndev"],
             "InitAll with 0 ranks",
         )?;
+        // A network that does not exist fails the init (as NCCL's "network ... not found"),
+        // even for a communicator that needs no network; one that does is taken.
+        let mut cfg = config(1, c"net");
+        cfg.netName = c"Bogus".as_ptr();
+        expect_err(
+            ncclCommInitRankConfig(&mut c, 1, unique_id(), 0, &mut cfg),
+            invalid,
+            &["netName \"Bogus\"", "not found"],
+            "an unknown netName",
+        )?;
+        cfg.netName = c"Socket".as_ptr();
+        let r = ncclCommInitRankConfig(&mut c, 1, unique_id(), 0, &mut cfg);
+        if r != OK {
+            return Err(format!("netName Socket: {r:?} {}", last_error()));
+        }
+        ncclCommDestroy(c);
     }
     Ok(())
 }

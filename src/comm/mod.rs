@@ -205,6 +205,7 @@ impl Comm {
         let rank = boot.rank();
         let nranks = boot.nranks();
         let _scope = crate::log::rank_scope(rank as i32);
+        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
         let me = topo::this_process();
         let mut mine = Vec::new();
         me.encode(&mut mine);
@@ -250,7 +251,7 @@ impl Comm {
             doorbell,
             shm: shm_world,
             net: net_world,
-        } = crate::transport::establish(&boot, &placements, tag, deadline)?;
+        } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
         let device_world = crate::transport::p2p::DeviceWorld::connect(
             &boot,
             (device >= 0 && crate::cuda::device_count() > 0).then_some(device),

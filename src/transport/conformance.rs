@@ -68,6 +68,7 @@ impl Pair {
                             0xc0ffee,
                             deadline,
                             kind == Kind::Shm,
+                            &super::net::NetChoice::resolve(None).expect("net"),
                         )
                         .expect("links");
                         (boot, links)

@@ -47,9 +47,10 @@ pub(crate) fn establish(
     placements: &[Placement],
     comm_tag: u64,
     deadline: Option<Instant>,
+    net: &net::NetChoice,
 ) -> Result<Links> {
     let shm_on = !crate::env::SHM_DISABLE.flag();
-    establish_with(boot, placements, comm_tag, deadline, shm_on)
+    establish_with(boot, placements, comm_tag, deadline, shm_on, net)
 }
 
 /// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says.
@@ -59,6 +60,7 @@ pub(crate) fn establish_with(
     comm_tag: u64,
     deadline: Option<Instant>,
     shm_on: bool,
+    net: &net::NetChoice,
 ) -> Result<Links> {
     let me = boot.rank();
     let n = placements.len();
@@ -113,6 +115,7 @@ pub(crate) fn establish_with(
             direct,
             comm_tag,
             deadline,
+            net,
         )?
     } else {
         None

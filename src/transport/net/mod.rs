@@ -92,13 +92,39 @@ enum Net {
     Ib,
 }
 
-/// Which network transport to use, from COMM_NET / NCCL_NET.
-fn chosen() -> Result<Net> {
-    match crate::env::NET.text().as_deref() {
-        None | Some("") => Ok(Net::Auto),
-        Some(n) if n.eq_ignore_ascii_case("socket") => Ok(Net::Socket),
-        Some(n) if n.eq_ignore_ascii_case("ib") => Ok(Net::Ib),
-        Some(n) => crate::invalid_arg!("COMM_NET={n} is not a network transport (socket, ib)"),
+/// Which network transport a communicator uses, and who said so (for messages).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct NetChoice {
+    net: Net,
+    from: String,
+}
+
+impl NetChoice {
+    /// As NCCL: the environment (COMM_NET / NCCL_NET) where set, else the config's `netName`,
+    /// else the best there is. A name that is no transport of this library fails the init,
+    /// whether or not the communicator needs the network.
+    pub(crate) fn resolve(config_name: Option<&str>) -> Result<NetChoice> {
+        let (name, from) = match crate::env::NET.text() {
+            Some(n) => {
+                let var = crate::env::NET.set_name().unwrap_or("COMM_NET");
+                (Some(n.clone()), format!("{var}={n}"))
+            }
+            None => match config_name.filter(|n| !n.is_empty()) {
+                Some(n) => (Some(n.to_string()), format!("config netName \"{n}\"")),
+                None => (None, String::new()),
+            },
+        };
+        let net = match name.as_deref() {
+            None => Net::Auto,
+            Some(n) if n.eq_ignore_ascii_case("socket") => Net::Socket,
+            Some(n) if n.eq_ignore_ascii_case("ib") => Net::Ib,
+            Some(_) => {
+                return crate::invalid_arg!(
+                    "{from}: network not found; this library's are Socket and IB"
+                )
+            }
+        };
+        Ok(NetChoice { net, from })
     }
 }
 
@@ -337,16 +363,17 @@ pub(crate) fn connect(
     direct: Option<Arc<Waker>>,
     comm_tag: u64,
     deadline: Option<Instant>,
+    choice: &NetChoice,
 ) -> Result<Option<NetWorld>> {
     let me = boot.rank();
     let nranks = boot.nranks();
-    let want = chosen()?;
+    let want = choice.net;
     // Every rank votes: 2 without network peers (either will do), 1 with a usable InfiniBand
     // device, 0 without one (or with sockets asked for).
     let (vote, device, why) = if peers.is_empty() {
         (2u8, None, String::new())
     } else if want == Net::Socket {
-        (0, None, "COMM_NET=socket".to_string())
+        (0, None, choice.from.clone())
     } else if crate::env::IB_DISABLE.flag() {
         (0, None, "COMM_IB_DISABLE=1".to_string())
     } else {
@@ -379,7 +406,8 @@ pub(crate) fn connect(
     let use_ib = without.is_empty() && addrs.iter().any(|a| a.first() == Some(&1));
     if want == Net::Ib && !use_ib && !without.is_empty() {
         return crate::invalid_usage!(
-            "COMM_NET=ib, but {} {} no usable InfiniBand device{}",
+            "{}, but {} {} no usable InfiniBand device{}",
+            choice.from,
             crate::bootstrap::describe_ranks(&without),
             if without.len() == 1 { "has" } else { "have" },
             if why.is_empty() {
