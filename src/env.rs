@@ -57,6 +57,8 @@ macro_rules! knobs {
 knobs! {
     DEBUG: Text "COMM_DEBUG" or "NCCL_DEBUG" = "",
         "log level: VERSION, WARN, INFO or TRACE";
+    DEBUG_SUBSYS: Text "COMM_DEBUG_SUBSYS" or "NCCL_DEBUG_SUBSYS" = "",
+        "INFO and TRACE lines of these subsystems only (INIT, COLL, P2P, SHM, NET, GRAPH, TUNING, ENV, ALLOC, REG, BOOTSTRAP, ALL; ^ leaves them out); unset: all";
     DEBUG_FILE: Text "COMM_DEBUG_FILE" or "NCCL_DEBUG_FILE" = "",
         "log to this file instead of stderr (%h host, %p pid)";
     ALGO: Text "COMM_ALGO" or "NCCL_ALGO" = "",

@@ -205,6 +205,7 @@ impl Comm {
         let rank = boot.rank();
         let nranks = boot.nranks();
         let _scope = crate::log::rank_scope(rank as i32);
+        crate::log::version_once();
         let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
         let me = topo::this_process();
         let mut mine = Vec::new();

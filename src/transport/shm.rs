@@ -1040,7 +1040,7 @@ impl ShmPeer {
         Error::new(
             crate::error::ErrorKind::InvalidUsage,
             format!(
-                "rank {} sent {} bytes for {} while this rank expects {} bytes for {}: the ranks called different operations or passed different counts/datatypes{}",
+                "rank {} sent {} bytes in a message of {} where this rank expects {} bytes for {} (a message is one piece of an operation's data, not all of it): the ranks called different operations or passed different counts/datatypes{}",
                 self.peer,
                 len,
                 crate::tag::describe_tag(tag),

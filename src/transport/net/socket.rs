@@ -428,7 +428,7 @@ impl Link for SocketLink {
             return Err(Error::new(
                 ErrorKind::InvalidUsage,
                 format!(
-                    "rank {} sent {} bytes for {} where rank {} expects {} bytes for {}: the ranks called different operations or used different counts{}",
+                    "rank {} sent {} bytes in a message of {} where rank {} expects {} bytes for {} (a message is one piece of an operation's data, not all of it): the ranks called different operations or used different counts{}",
                     self.peer,
                     h.len,
                     crate::tag::describe_tag(h.tag),
