@@ -27,14 +27,21 @@ pub(crate) struct Logger {
 
 /// NCCL's subsystem names, a bit each.
 const SUBSYS: &[&str] = &[
-    "INIT", "COLL", "P2P", "SHM", "NET", "GRAPH", "TUNING", "ENV", "ALLOC", "REG", "BOOTSTRAP",
+    "INIT",
+    "COLL",
+    "P2P",
+    "SHM",
+    "NET",
+    "GRAPH",
+    "TUNING",
+    "ENV",
+    "ALLOC",
+    "REG",
+    "BOOTSTRAP",
 ];
 
 fn subsys_bit(name: &str) -> u32 {
-    SUBSYS
-        .iter()
-        .position(|s| *s == name)
-        .map_or(0, |i| 1 << i)
+    SUBSYS.iter().position(|s| *s == name).map_or(0, |i| 1 << i)
 }
 
 /// A `COMM_DEBUG_SUBSYS` value as a mask: names separated by commas, ALL for every one, a
@@ -47,7 +54,11 @@ fn parse_subsys(v: &str) -> u32 {
     };
     let mut mask = 0;
     for name in list.split(',').map(|n| n.trim().to_ascii_uppercase()) {
-        mask |= if name == "ALL" { u32::MAX } else { subsys_bit(&name) };
+        mask |= if name == "ALL" {
+            u32::MAX
+        } else {
+            subsys_bit(&name)
+        };
     }
     if invert {
         !mask

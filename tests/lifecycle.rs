@@ -663,6 +663,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("split", |w| on_comm(w, split)),
     ("shrink", |w| on_comm(w, shrink)),
     ("grouped_splits", |w| on_comm(w, grouped_splits)),
+    ("fork_then_destroy", fork_then_destroy),
     ("sendrecv", |w| on_comm(w, sendrecv_orders)),
     ("mixed_groups", |w| on_comm(w, mixed_groups)),
     ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
@@ -672,6 +673,47 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("scalable", scalable),
     ("bad_knob", bad_knob),
 ];
+
+/// A child forked after init (a data-loader worker, say) that never uses the library holds
+/// copies of its descriptors; destroy and abort must not wait for it to exit.
+fn fork_then_destroy(w: &Worker) -> Result<(), String> {
+    let parent = init_rank(w)?;
+    let mut child: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommSplit(
+        parent,
+        0,
+        w.rank as i32,
+        &mut child,
+        std::ptr::null_mut()
+    ));
+    let comms = [parent, child];
+    sum_check(comms[1], 1.0, w.nranks as f32, 3)?;
+    // SAFETY: the child only sleeps and exits, both async-signal-safe.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        unsafe {
+            libc::sleep(20);
+            libc::_exit(0);
+        }
+    }
+    if child < 0 {
+        return Err("fork failed".into());
+    }
+    let t = Instant::now();
+    // SAFETY: both handles are live and used by this thread only.
+    let r = unsafe { (ncclCommDestroy(comms[1]), ncclCommAbort(comms[0])) };
+    let took = t.elapsed();
+    unsafe {
+        libc::kill(child, libc::SIGKILL);
+        libc::waitpid(child, std::ptr::null_mut(), 0);
+    }
+    if r != (OK, OK) || took > Duration::from_secs(5) {
+        return Err(format!(
+            "destroy and abort with a forked child alive: {r:?} in {took:?}"
+        ));
+    }
+    Ok(())
+}
 
 /// An unknown value of a knob read at init (COMM_SHM_REPLY, set by the launcher) fails the
 /// init with ncclInvalidArgument and a message naming the knob and the values it takes.
@@ -898,6 +940,11 @@ fn two_splits_per_rank_in_one_group_of_one_thread() {
     for c in kids.into_iter().flatten().chain(comms) {
         assert_eq!(unsafe { ncclCommDestroy(c) }, OK);
     }
+}
+
+#[test]
+fn a_forked_child_does_not_hold_up_destroy() {
+    procs("fork_then_destroy", 2, &[]);
 }
 
 #[test]

@@ -272,7 +272,7 @@ struct Shared {
 pub(crate) struct Listener {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    /// Dropping it wakes the thread (its end of the pair reads EOF) and tells it to stop.
+    /// Shutting it down wakes the thread (its end of the pair reads EOF) and tells it to stop.
     stop: Option<UnixStream>,
     thread: Option<JoinHandle<()>>,
 }
@@ -354,7 +354,11 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        drop(self.stop.take());
+        // Shut down, not only closed: a child forked since holds a copy of the descriptor,
+        // and the thread would read no end of file until that child exited.
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.shutdown(std::net::Shutdown::Both);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -368,7 +368,10 @@ impl RootService {
 
 impl Drop for RootService {
     fn drop(&mut self) {
-        drop(self.wake.take());
+        // Shut down, not only closed (a forked child's copy would keep it open).
+        if let Some(w) = self.wake.take() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
