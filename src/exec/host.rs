@@ -1293,7 +1293,7 @@ impl<'a> Exec<'a> {
     /// aborted after losing it). Name every peer that is gone, so the error reaches the cause.
     ///
     /// A peer that only hung up, without saying whom it lost (a TCP peer that aborted in the
-    /// middle of a message cannot), may still have failed because of another rank whose own
+    /// middle of a message cannot; a shared-memory peer always can), may still have failed because of another rank whose own
     /// hang-up reaches this rank a moment later: the other links get up to LOSS_GRACE to
     /// show it before the peer alone is blamed. Seen in CI: a rank killed, its neighbour
     /// aborting, and the third rank's send to that neighbour reset 3 ms after the kill, before
@@ -1312,7 +1312,11 @@ impl<'a> Exec<'a> {
                 .collect()
         };
         let mut others = look();
-        if others.is_empty() && e.lost == Some(first) && self.wiring.links.len() > 2 {
+        if others.is_empty()
+            && e.lost == Some(first)
+            && self.wiring.links.len() > 2
+            && !self.wiring.links[first].tells_its_losses()
+        {
             let until = Instant::now() + LOSS_GRACE;
             while others.is_empty() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(1));

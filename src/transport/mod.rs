@@ -312,6 +312,12 @@ pub(crate) trait Link: Send + Sync {
     fn hung_up_reason(&self) -> Option<String> {
         None
     }
+    /// Whether `check_peer`'s error already says whom the peer lost first, if anyone (the peer
+    /// records it where this rank reads it before it fails), so that no other link need be
+    /// waited for to find the cause.
+    fn tells_its_losses(&self) -> bool {
+        false
+    }
     /// The CPU the peer's progress loop last said it runs on, where the transport can tell
     /// (shared memory); None when it cannot or the peer is not polling.
     fn peer_running_on(&self) -> Option<(u32, Activity)> {

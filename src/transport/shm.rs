@@ -1532,6 +1532,10 @@ impl Link for ShmPeer {
         }
     }
 
+    fn tells_its_losses(&self) -> bool {
+        true
+    }
+
     fn check_peer(&self) -> Result<()> {
         let first = match self.remote.first_lost().load(Ordering::SeqCst) {
             0 => None,
