@@ -664,6 +664,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("shrink", |w| on_comm(w, shrink)),
     ("grouped_splits", |w| on_comm(w, grouped_splits)),
     ("fork_then_destroy", fork_then_destroy),
+    ("out_of_descriptors", out_of_descriptors),
     ("sendrecv", |w| on_comm(w, sendrecv_orders)),
     ("mixed_groups", |w| on_comm(w, mixed_groups)),
     ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
@@ -712,6 +713,56 @@ fn fork_then_destroy(w: &Worker) -> Result<(), String> {
             "destroy and abort with a forked child alive: {r:?} in {took:?}"
         ));
     }
+    Ok(())
+}
+
+/// Rank 0 runs out of file descriptors while splitting: its error says so (it used to blame
+/// the peer: "peer sent no file descriptor for its shared segment"), and the communicator it
+/// split from still works once descriptors are free again.
+fn out_of_descriptors(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count()) as u64;
+    let mut kids = Vec::new();
+    let mut failure = None;
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) };
+    if w.rank == 0 {
+        let low = libc::rlimit {
+            rlim_cur: open + 24,
+            rlim_max: old.rlim_max,
+        };
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) };
+    }
+    for _ in 0..40 {
+        let mut kid: ncclComm_t = std::ptr::null_mut();
+        let r = unsafe { ncclCommSplit(c, 0, w.rank as i32, &mut kid, std::ptr::null_mut()) };
+        if r != OK {
+            failure = Some((r, last_error()));
+            break;
+        }
+        kids.push(kid);
+    }
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
+    let kids_made = kids.len();
+    for kid in kids {
+        unsafe { ncclCommDestroy(kid) };
+    }
+    if w.rank == 0 {
+        match failure {
+            None => return Err("40 splits with 24 descriptors to spare all succeeded".into()),
+            Some((r, msg)) => {
+                if !(msg.contains("Too many open files") || msg.contains("no file descriptor left"))
+                {
+                    return Err(format!("out of descriptors: {r:?} {msg}"));
+                }
+                println!("split {kids_made} failed as it should: {msg}");
+            }
+        }
+    }
+    nccl!(ncclCommAbort(c));
     Ok(())
 }
 
@@ -945,6 +996,25 @@ fn two_splits_per_rank_in_one_group_of_one_thread() {
 #[test]
 fn a_forked_child_does_not_hold_up_destroy() {
     procs("fork_then_destroy", 2, &[]);
+}
+
+#[test]
+fn running_out_of_descriptors_says_so() {
+    let r = launch(
+        "worker",
+        "out_of_descriptors",
+        2,
+        "",
+        &[("COMM_INIT_TIMEOUT", "5")],
+        Duration::from_secs(120),
+    );
+    // Rank 1 fails too (its partner gave up), with whatever it saw; rank 0 must say why.
+    assert!(
+        r[0].status == Some(0),
+        "rank 0: {:?} {}",
+        r[0].status,
+        r[0].stdout
+    );
 }
 
 #[test]

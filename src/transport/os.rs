@@ -550,6 +550,16 @@ pub(crate) fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
     if n == 0 {
         return crate::remote_err!("peer closed the socket before sending its shared segment");
     }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        // The kernel could not install the descriptor here: this process is out of them.
+        return Err(Error::new(
+            crate::error::ErrorKind::System,
+            format!(
+                "could not receive a peer's shared segment: this process has no file descriptor left (limit {}; raise it with ulimit -n)",
+                fd_limit().map_or_else(|| "unknown".to_string(), |n| n.to_string())
+            ),
+        ));
+    }
     // SAFETY: the kernel filled msg_control; CMSG_FIRSTHDR/CMSG_DATA stay inside it.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
@@ -562,6 +572,16 @@ pub(crate) fn recv_fd(sock: &UnixStream) -> Result<OwnedFd> {
         let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
         Ok(OwnedFd::from_raw_fd(fd))
     }
+}
+
+/// This process's limit on open file descriptors (RLIMIT_NOFILE's soft limit).
+fn fd_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0).then_some(r.rlim_cur as u64)
 }
 
 /// Duplicates a descriptor of this process (a same-process peer's segment).
