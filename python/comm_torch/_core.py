@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import os
 import queue
 import threading
 import time
@@ -414,6 +415,27 @@ def _deferred_here() -> weakref.WeakSet:
     return engines
 
 
+def timeout_seconds(value: datetime.timedelta | float | None) -> float | None:
+    """Seconds of a torch timeout (timedelta or number); None when unset (torch's unset timeout
+    is -1 ms, kUnsetTimeout)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
+    return None if seconds < 0 else seconds
+
+
+def operation_limit(group_timeout: float | None) -> float:
+    """How long the group's operations may wait without progress (commSetTimeout; 0: no
+    limit): the group's timeout, as gloo applies it to every operation, or COMM_TIMEOUT where
+    that is set and shorter."""
+    try:
+        env = float(os.environ.get("COMM_TIMEOUT", "") or 0)
+    except ValueError:
+        env = 0.0
+    limits = [t for t in (group_timeout, env) if t is not None and t > 0]
+    return min(limits) if limits else 0.0
+
+
 def flush_deferred_p2p() -> None:
     """Starts the point-to-point calls this thread deferred, on every communicator: an
     operation on one group must not leave an isend on another unsent (rank 0 isends on the
@@ -457,17 +479,41 @@ class Engine:
 
     # -- creation
     @classmethod
-    def from_store(cls, store, rank, size, name, key="comm_torch/unique_id"):
+    def from_store(cls, store, rank, size, name, key="comm_torch/unique_id", timeout=None):
         """Creates the communicator of ``size`` ranks; rank 0's unique id travels through the
-        c10d ``store`` under ``key`` (the store is prefixed per process group by torch)."""
+        c10d ``store`` under ``key`` (the store is prefixed per process group by torch).
+        ``timeout`` (seconds): the init fails with TimeoutError when the ranks have not all
+        come by then (without it, COMM_INIT_TIMEOUT bounds it)."""
         lib = _lib.load_library()
         uid = _exchange_unique_id(lib, store, rank, key)
         handle = ctypes.c_void_p()
         config = _lib.Config.new(name)
-        lib.check(
-            lib.ncclCommInitRankConfig(_byref(handle), size, uid, rank, _byref(config)),
-            "ncclCommInitRankConfig",
-        )
+        if timeout is None or timeout <= 0:
+            lib.check(
+                lib.ncclCommInitRankConfig(_byref(handle), size, uid, rank, _byref(config)),
+                "ncclCommInitRankConfig",
+            )
+        else:
+            # Non-blocking, so that the wait can be bounded here and the init abandoned.
+            config.blocking = 0
+            r = lib.ncclCommInitRankConfig(_byref(handle), size, uid, rank, _byref(config))
+            if r != _lib.IN_PROGRESS:
+                lib.check(r, "ncclCommInitRankConfig")
+            deadline = time.monotonic() + timeout
+            state = ctypes.c_int(_lib.IN_PROGRESS)
+            while True:
+                lib.check(lib.ncclCommGetAsyncError(handle, _byref(state)), "ncclCommGetAsyncError", handle)
+                if state.value != _lib.IN_PROGRESS:
+                    break
+                if time.monotonic() >= deadline:
+                    lib.ncclCommAbort(handle)
+                    raise TimeoutError(
+                        f"comm: communicator {name!r} of {size} ranks was not initialized within "
+                        f"{timeout:g} s: some rank has not come (rank {rank} waited)"
+                    )
+                time.sleep(0.001)
+            if state.value != 0:
+                lib.check(state.value, "ncclCommInitRankConfig", handle)
         if rank == 0:
             # Every rank has read the id once the init returns here; a later group created
             # under the same prefix (a re-initialized world on a long-lived store) must not

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import _lib
-from ._core import SUM, Engine, Reduction
+from ._core import SUM, Engine, Reduction, operation_limit, timeout_seconds
 from ._lib import CommError
 from ._monitored import monitored_barrier as _monitored_barrier
 
@@ -112,27 +112,6 @@ def _note_tag(tag: int) -> None:
             "match in the order the sends and receives are called, not by tag",
             stacklevel=3,
         )
-
-
-def _timeout_seconds(value: datetime.timedelta | float | None) -> float | None:
-    """Seconds of a torch timeout (timedelta or number); None when unset (torch's unset timeout
-    is -1 ms, kUnsetTimeout)."""
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
-    return None if seconds < 0 else seconds
-
-
-def _operation_limit(group_timeout: float | None) -> float:
-    """How long the group's operations may wait without progress (commSetTimeout; 0: no
-    limit): the group's timeout, as gloo applies it to every operation, or COMM_TIMEOUT where
-    that is set and shorter."""
-    try:
-        env = float(os.environ.get("COMM_TIMEOUT", "") or 0)
-    except ValueError:
-        env = 0.0
-    limits = [t for t in (group_timeout, env) if t is not None and t > 0]
-    return min(limits) if limits else 0.0
 
 
 def _async(opts: Any) -> bool:
@@ -279,15 +258,15 @@ class _Ops:
 
     def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
         # The call's own timeout, else the group's (as gloo does); 0 means none.
-        timeout = _timeout_seconds(getattr(opts, "timeout", None))
+        timeout = timeout_seconds(getattr(opts, "timeout", None))
         if timeout is None:
-            timeout = _timeout_seconds(self._timeout)
+            timeout = timeout_seconds(self._timeout)
         return self.engine.barrier(_async(opts) if opts is not None else True, timeout or None)
 
     def monitored_barrier(self, opts: BarrierOptions | None = None, wait_all_ranks: bool = False) -> None:
         """Over the group's store; see _monitored.py."""
-        timeout = _timeout_seconds(getattr(opts, "timeout", None))
-        group_timeout = _timeout_seconds(self._timeout) or 1800.0
+        timeout = timeout_seconds(getattr(opts, "timeout", None))
+        group_timeout = timeout_seconds(self._timeout) or 1800.0
         if timeout is None:
             timeout = group_timeout
         if self._store is None:
@@ -353,7 +332,7 @@ if _C10dBackend is not None:
             self._timeout = timeout if timeout is not None else datetime.timedelta(minutes=30)
             # A rank that never comes fails the group's operations after the group's timeout
             # (init_process_group(timeout=...)), as with gloo, instead of blocking them forever.
-            engine.set_timeout(_operation_limit(_timeout_seconds(self._timeout)))
+            engine.set_timeout(operation_limit(timeout_seconds(self._timeout)))
             self._store = store
             self._monitored_seq = 0
             _LIVE.add(self)

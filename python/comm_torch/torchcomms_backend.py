@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import _lib
-from ._core import CommWork, Engine, Reduction
+from ._core import CommWork, Engine, Reduction, operation_limit, timeout_seconds
 
 try:
     from torchcomms._comms import TorchCommBackend, _is_backend_registered, register_backend
@@ -56,7 +56,11 @@ def reduction(op: Any) -> Reduction:
     if kind == "premul_sum":
         factor = getattr(op, "factor", None)
         if factor is None:
-            raise ValueError("comm: PREMUL_SUM needs a factor")
+            raise ValueError(
+                "comm: PREMUL_SUM reached this backend without its factor (torchcomms passes Python "
+                "backends a ReduceOp whose factor they cannot read); multiply the input by the factor "
+                "and use SUM"
+            )
         return Reduction(kind, factor)
     return Reduction(kind)
 
@@ -288,7 +292,11 @@ class CommTorchCommsBackend(TorchCommBackend):
             raise RuntimeError(f"comm: communicator {name} is already initialized")
         rank, size = _rank_and_size()
         store = torch.distributed.PrefixStore(f"comm_torch/torchcomms/{name}/", _store(options))
-        self._engine = Engine.from_store(store, rank, size, name)
+        # The options' timeout bounds the init (new_comm's "timeout for initialization") and
+        # every operation (CommOptions' "timeout for operations"), or COMM_TIMEOUT where shorter.
+        timeout = timeout_seconds(getattr(options, "timeout", None))
+        self._engine = Engine.from_store(store, rank, size, name, timeout=timeout)
+        self._engine.set_timeout(operation_limit(timeout))
         self._device = torch.device(device)
         self._name = name
         self._options = options
@@ -363,6 +371,14 @@ class CommTorchCommsBackend(TorchCommBackend):
     ) -> CommWork | None:
         engine = self._check()
         inputs = list(input_list)
+        if len(inputs) != engine.size:
+            raise ValueError(f"comm: reduce_scatter_v needs one input per rank ({engine.size}), got {len(inputs)}")
+        mine = inputs[engine.rank]
+        if output.numel() != mine.numel() or any(t.dtype != output.dtype for t in inputs):
+            raise ValueError(
+                f"comm: reduce_scatter_v's output ({output.numel()} x {output.dtype}) must match this rank's "
+                f"input block ({mine.numel()} x {mine.dtype}) and every input's dtype"
+            )
         if all(t.numel() == output.numel() for t in inputs):
             return self.reduce_scatter(output, inputs, op, async_op)
         # Blocks of different sizes: one reduce per block, rooted at its owner, in a group.
@@ -394,10 +410,20 @@ class CommTorchCommsBackend(TorchCommBackend):
         input_split_sizes: Sequence[int],
         async_op: bool,
     ) -> CommWork | None:
-        return self._done(
-            self._check().all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), async_op),
-            async_op,
-        )
+        engine = self._check()
+        outs, ins = [int(s) for s in output_split_sizes], [int(s) for s in input_split_sizes]
+        # As torchcomms' NCCL backend: the splits may cover less than the first dimension (the
+        # rest is left alone), not more.
+        for what, t, splits in (("input", input, ins), ("output", output, outs)):
+            rows = t.shape[0] if t.dim() else 1
+            if sum(splits) > rows:
+                raise ValueError(f"comm: {what} split sizes {splits} add up to more than its {rows} rows")
+            if t.dim() and sum(splits) < rows and len(splits) == engine.size:
+                if what == "input":
+                    input = t.narrow(0, 0, sum(splits))
+                else:
+                    output = t.narrow(0, 0, sum(splits))
+        return self._done(engine.all_to_all_single(output, input, outs, ins, async_op), async_op)
 
     def all_to_all(
         self, output_tensor_list: Sequence[torch.Tensor], input_tensor_list: Sequence[torch.Tensor], async_op: bool
@@ -439,6 +465,7 @@ class CommTorchCommsBackend(TorchCommBackend):
             raise RuntimeError(f"comm: rank {engine.rank} is not in the split ranks {ranks}")
         child = CommTorchCommsBackend()
         child._engine = engine.split(min(ranks), ranks.index(engine.rank), name)
+        child._engine.set_timeout(operation_limit(timeout_seconds(getattr(options, "timeout", None))))
         child._device = self._device
         child._name = name
         child._options = options

@@ -5,6 +5,7 @@ same ranks, give both the same inputs, and compare: gloo is the reference. Input
 integers, so sums and products are exact in every dtype and the results must be equal.
 """
 
+import datetime
 import os
 import sys
 import time
@@ -1018,6 +1019,60 @@ def work_handles(ctx):
 # torchcomms, through a fake of its registration and factory (tests/fake_torchcomms).
 
 
+def torchcomms_timeouts(ctx):
+    """A communicator's timeout bounds its init and its operations: with the last rank
+    absent (init) or late (an all-reduce), the others fail within it, not after
+    COMM_INIT_TIMEOUT or whenever the late rank comes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_torchcomms"))
+    os.environ["TORCHCOMM_RANK"] = str(ctx.rank)
+    os.environ["TORCHCOMM_SIZE"] = str(ctx.world)
+    import torchcomms
+    from torchcomms import ReduceOp
+
+    n, me = ctx.world, ctx.rank
+    last = me == n - 1
+    limit = datetime.timedelta(seconds=2)
+    world = torchcomms.new_comm("comm", torch.device("cpu"), name="world", store=ctx.store())
+
+    def init():
+        if not last:
+            t = time.monotonic()
+            try:
+                torchcomms.new_comm("comm", torch.device("cpu"), name="absent", store=ctx.store(), timeout=limit)
+            except TimeoutError as e:
+                assert "not initialized within 2 s" in str(e), str(e)
+            except RuntimeError as e:
+                # A rank that gave up first (its timeout passed) fails the others' init.
+                assert "left before the rendezvous completed" in str(e), str(e)
+            else:
+                raise AssertionError("an init without the last rank succeeded")
+            took = time.monotonic() - t
+            assert took < 10, f"the init gave up after {took:.1f} s, its timeout is 2 s"
+
+    ctx.check("init", init)
+    world.barrier(async_op=False)
+
+    def operation():
+        timed = torchcomms.new_comm("comm", torch.device("cpu"), name="timed", store=ctx.store(), timeout=limit)
+        if last:
+            time.sleep(8)
+        t = time.monotonic()
+        try:
+            timed.all_reduce(torch.ones(4), ReduceOp.SUM, async_op=False)
+        except RuntimeError as e:
+            failed = str(e)
+        else:
+            failed = None
+        took = time.monotonic() - t
+        if not last:
+            assert failed is not None, "an all-reduce with a rank 8 s late succeeded under a 2 s timeout"
+            assert took < 6, f"the all-reduce gave up after {took:.1f} s, its timeout is 2 s"
+        timed.finalize()
+
+    ctx.check("operation", operation)
+    world.barrier(async_op=False)
+
+
 def torchcomms_backend(ctx):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_torchcomms"))
     os.environ["TORCHCOMM_RANK"] = str(ctx.rank)
@@ -1080,6 +1135,20 @@ def torchcomms_backend(ctx):
         out = torch.zeros(me + 1)
         comm.reduce_scatter_v(out, [torch.full((r + 1,), float(me)) for r in range(n)], ReduceOp.SUM, async_op=False)
         same(out, torch.full((me + 1,), total), "reduce_scatter_v")
+        # A list that does not hold one block per rank, or an output that is not this rank's
+        # block, is refused before anything runs (the list was taken as it came), and the
+        # communicator stays usable.
+        for inputs, output in (
+            ([torch.ones(1)] * (n - 1), torch.zeros(1)),
+            ([torch.ones(1)] * (n + 1), torch.zeros(1)),
+            ([torch.ones(r + 1) for r in range(n)], torch.zeros(me + 2)),
+        ):
+            try:
+                comm.reduce_scatter_v(output, inputs, ReduceOp.SUM, async_op=False)
+            except ValueError as e:
+                assert "reduce_scatter_v" in str(e), str(e)
+            else:
+                raise AssertionError(f"reduce_scatter_v accepted {len(inputs)} inputs, output of {output.numel()}")
         out = torch.zeros(2)
         comm.reduce_scatter_single(out, torch.arange(2 * n).float(), ReduceOp.SUM, async_op=False)
         same(out, torch.arange(2 * me, 2 * me + 2).float() * n, "reduce_scatter_single")
@@ -1091,6 +1160,22 @@ def torchcomms_backend(ctx):
             out, torch.full((n * (me + 1),), float(me)), [p + 1 for p in range(n)], [me + 1] * n, async_op=False
         )
         same(out, torch.cat([torch.full((p + 1,), float(p)) for p in range(n)]), "all_to_all_v_single")
+        # Splits covering less than the first dimension (as torchcomms' NCCL backend allows):
+        # the rows past them are left alone; more than it is refused.
+        out = torch.full((sum(p + 1 for p in range(n)) + 2,), -5.0)
+        comm.all_to_all_v_single(
+            out, torch.full((n * (me + 1) + 3,), float(me)), [p + 1 for p in range(n)], [me + 1] * n, async_op=False
+        )
+        same(
+            out[:-2], torch.cat([torch.full((p + 1,), float(p)) for p in range(n)]), "all_to_all_v_single, short splits"
+        )
+        same(out[-2:], torch.full((2,), -5.0), "all_to_all_v_single, rows past the splits")
+        try:
+            comm.all_to_all_v_single(torch.zeros(n), torch.zeros(n), [1] * n, [2] * n, async_op=False)
+        except ValueError as e:
+            assert "add up to more than" in str(e), str(e)
+        else:
+            raise AssertionError("all_to_all_v_single accepted splits larger than its input")
         outs = [torch.zeros(1) for _ in range(n)]
         comm.all_to_all(outs, [torch.full((1,), float(10 * me + p)) for p in range(n)], async_op=False)
         same(outs, [torch.full((1,), float(10 * p + me)) for p in range(n)], "all_to_all")

@@ -15,3 +15,10 @@ def test_torchcomms_backend(world):
     for name in ("identity", "all_reduce", "collectives", "split", "windows"):
         failures = launcher.failed_checks(results, name)
         assert not failures, "\n".join(failures)
+
+
+def test_torchcomms_timeouts_bound_init_and_operations():
+    results = launcher.run("torchcomms_timeouts", 3, timeout=120)
+    for name in ("init", "operation"):
+        failures = launcher.failed_checks(results, name)
+        assert not failures, "\n".join(failures)
