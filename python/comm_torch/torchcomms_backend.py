@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +99,14 @@ def _store(options):
 class CommWindow:
     """A window of the torchcomms API as it stands on torchcomms main (``new_window``,
     ``tensor_register``, ``put``, ``signal``, ``wait_signal``, ``get_tensor``,
-    ``map_remote_tensor``, ``get_size``), over an NCCL window of libcomm on host memory.
+    ``map_remote_tensor``, ``get_size``), over an NCCL window of libcomm on host memory, and
+    of the seed's older API, told apart by their arguments: ``signal(signal_disp, signal_val,
+    dst_rank, async_op)`` sets word ``signal_disp`` of ``dst_rank``'s signal buffer
+    (``signal_size`` uint64 words, zero at registration) to ``signal_val`` once this rank's
+    puts to it have landed; ``wait_signal(signal_disp, signal_val, cmp_op, async_op)`` waits
+    until this rank's word compares to ``signal_val`` as ``cmp_op`` (EQ, NE, LT, LE, GT, GE)
+    says; ``get_tensor(rank, sizes, dtype, offset)`` is ``rank``'s memory from element
+    ``offset`` (aliasing it where this process can address it, else a copy).
 
     ``put`` is ncclPutSignal (one counted signal per put, as torchcomms' NCCL backend does),
     ``signal`` ncclSignal, ``wait_signal`` ncclWaitSignal for one signal; signals are counted
@@ -107,18 +115,22 @@ class CommWindow:
     work. ``map_remote_tensor`` works for peers on this host whose window memory is shared
     (tensors from ``window_allocate`` or ``comm_torch.symm_mem.empty``), else it raises."""
 
-    def __init__(self, engine: Engine, tensor: torch.Tensor | None = None) -> None:
+    def __init__(self, engine: Engine, tensor: torch.Tensor | None = None, signal_size: int = 256) -> None:
+        if signal_size < 1:
+            raise ValueError(f"comm: signal_size is {signal_size}; a window needs at least one signal word")
         self._engine = engine
         self._tensor: torch.Tensor | None = None
         self._owning = True
         self._window = None
+        self._signal_size = int(signal_size)
+        self._signals = None  # (allocation, its tensor, window): the seed API's signal words
         if tensor is not None:
             self.tensor_register(tensor)
 
     # -- registration
     def tensor_register(self, tensor: torch.Tensor, owning: bool = True) -> None:
         """Collective: registers ``tensor`` (contiguous, CPU) as this window's memory."""
-        from ._window import Window
+        from ._window import Allocation, Window
 
         if self._window is not None:
             raise RuntimeError("comm: this window already has a registered tensor; tensor_deregister first")
@@ -126,13 +138,20 @@ class CommWindow:
             raise ValueError("comm: window tensors must be contiguous CPU tensors")
         self._window = Window.register(self._engine, tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self._tensor, self._owning = tensor, owning
+        # The signal words, shared memory so that peers on this host set them with hardware
+        # atomics (registered here, where every rank is, though only the seed API uses them).
+        alloc, words = Allocation.create(self._signal_size * 8)
+        self._signals = (alloc, words, alloc.window(self._engine))
 
     def tensor_deregister(self) -> None:
         """Collective: barrier, forget the tensor, barrier (as torchcomms' NCCL backend)."""
         self._live()
         self._engine.barrier(False, None)
         win, self._window, self._tensor = self._window, None, None
+        signals, self._signals = self._signals, None
         win.deregister()
+        if signals is not None:
+            signals[0].free()
         self._engine.barrier(False, None)
 
     def _live(self):
@@ -157,9 +176,36 @@ class CommWindow:
         """Registered bytes (0 before tensor_register)."""
         return self._window.nbytes if self._window is not None else 0
 
-    def get_tensor(self) -> torch.Tensor | None:
-        """The registered tensor; None when it was registered with owning=False."""
-        return self._tensor if self._owning else None
+    def get_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """torchcomms main: the registered tensor (None when it was registered with
+        owning=False). The seed's ``get_tensor(rank, sizes, dtype, offset)``: ``rank``'s
+        memory from element ``offset`` as ``dtype`` with shape ``sizes``."""
+        if not args and not kwargs:
+            return self._tensor if self._owning else None
+        return self._remote_tensor(*args, **kwargs)
+
+    def _remote_tensor(self, rank: int, sizes: Any, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        from ._window import bytes_tensor, typed_view
+
+        win = self._live()
+        elem = torch.empty((), dtype=dtype).element_size()
+        shape = torch.Size(sizes)
+        start, nbytes = int(offset) * elem, shape.numel() * elem
+        size = win.peer_size(rank)
+        if offset < 0 or start + nbytes > size:
+            raise ValueError(
+                f"comm: get_tensor of {nbytes} bytes at byte offset {start} passes rank {rank}'s window of {size} bytes"
+            )
+        ptr = win.peer_ptr(rank)
+        if ptr:
+            return typed_view(bytes_tensor(ptr, size, keep=win), shape, dtype, start)
+        out = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            win.check(
+                win.lib.commWinGet(out.data_ptr(), nbytes, _lib.UINT8, rank, win.handle, start, self._engine.handle),
+                "commWinGet",
+            )
+        return out
 
     def get_attr(self, peer_rank: int) -> Any:
         unified = self._live().peer_ptr(peer_rank) != 0
@@ -237,30 +283,102 @@ class CommWindow:
         )
         return _completed(async_op)
 
-    def signal(
+    def signal(self, *args: Any, **kwargs: Any) -> CommWork | None:
+        """torchcomms main: ``signal(dst_rank, async_op=False, hints=None, timeout=None)``
+        counts one signal at ``dst_rank``. The seed: ``signal(signal_disp, signal_val,
+        dst_rank, async_op)`` sets a signal word (see the class)."""
+        if "signal_disp" in kwargs or (len(args) >= 3 and _is_int(args[2])):
+            return self._set_signal(*args, **kwargs)
+        return self._count_signal(*args, **kwargs)
+
+    def _count_signal(
         self,
         dst_rank: int,
         async_op: bool = False,
         hints: dict[str, str] | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> CommWork | None:
-        """Counts one signal at ``dst_rank``."""
         win = self._live()
         win.check(win.lib.ncclSignal(dst_rank, 0, 0, 0, self._engine.handle, None), "ncclSignal")
         return _completed(async_op)
 
-    def wait_signal(
+    def _word(self, disp: int) -> tuple[Any, int]:
+        """The signal window and the byte offset of word ``disp``."""
+        self._live()
+        if not 0 <= disp < self._signal_size:
+            raise ValueError(f"comm: signal_disp {disp} is outside the {self._signal_size} signal words")
+        return self._signals[2], disp * 8
+
+    def _set_signal(self, signal_disp: int, signal_val: int, dst_rank: int, async_op: bool = False) -> CommWork | None:
+        data = self._live()
+        win, off = self._word(signal_disp)
+        lib, comm = win.lib, self._engine.handle
+        # The puts before it land first (across hosts they may still be on their way).
+        data.check(lib.commWinFlush(dst_rank, data.handle, comm), "commWinFlush")
+        want = int(signal_val) & (2**64 - 1)
+        old = ctypes.c_uint64()
+        win.check(
+            lib.commWinFetchAdd(0, ctypes.byref(old), _lib.UINT64, dst_rank, win.handle, off, comm), "commWinFetchAdd"
+        )
+        while True:
+            seen = old.value
+            win.check(
+                lib.commWinCompareSwap(seen, want, ctypes.byref(old), _lib.UINT64, dst_rank, win.handle, off, comm),
+                "commWinCompareSwap",
+            )
+            if old.value == seen:
+                return _completed(async_op)
+
+    def wait_signal(self, *args: Any, **kwargs: Any) -> CommWork | None:
+        """torchcomms main: ``wait_signal(peer_rank, async_op=False, hints=None,
+        timeout=None)`` waits for (and consumes) one signal from ``peer_rank``; the data of the
+        puts before it is in place. The seed: ``wait_signal(signal_disp, signal_val, cmp_op,
+        async_op)`` waits on a signal word (see the class)."""
+        if "cmp_op" in kwargs or (len(args) >= 3 and args[2] is not None and not isinstance(args[2], dict)):
+            return self._wait_word(*args, **kwargs)
+        return self._wait_count(*args, **kwargs)
+
+    def _wait_count(
         self,
         peer_rank: int,
         async_op: bool = False,
         hints: dict[str, str] | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> CommWork | None:
-        """Waits for (and consumes) one signal from ``peer_rank``; the data of the puts before it is in place."""
         win = self._live()
         desc = _lib.WaitSignalDesc(1, peer_rank, 0, 0)
         win.check(win.lib.ncclWaitSignal(1, ctypes.byref(desc), self._engine.handle, None), "ncclWaitSignal")
         return _completed(async_op)
+
+    def _wait_word(
+        self,
+        signal_disp: int,
+        signal_val: int,
+        cmp_op: Any,
+        async_op: bool = False,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> CommWork | None:
+        win, off = self._word(signal_disp)
+        holds = _comparison(cmp_op)
+        want = int(signal_val) & (2**64 - 1)
+        limit = timeout_seconds(timeout) or operation_limit(None)
+        deadline = time.monotonic() + limit if limit else None
+        me, lib, comm = self._engine.rank, win.lib, self._engine.handle
+        seen = ctypes.c_uint64()
+        pause = 0.0
+        while True:
+            win.check(
+                lib.commWinFetchAdd(0, ctypes.byref(seen), _lib.UINT64, me, win.handle, off, comm), "commWinFetchAdd"
+            )
+            if holds(seen.value, want):
+                return _completed(async_op)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"comm: signal word {signal_disp} is {seen.value}, and did not come to {cmp_op} {want} "
+                    f"within {limit:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-6, 1e-3)
 
     def get_device_window(self, signal_count: int = -1, counter_count: int = -1, barrier_count: int = 1) -> int:
         raise NotImplementedError("comm: device windows are not supported (host memory only)")
@@ -270,6 +388,29 @@ class CommWindow:
 
     def deregister_local_buffer(self, handle: int) -> None:
         raise NotImplementedError("comm: register_local_buffer is for device windows, which comm does not support")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_COMPARISONS = {
+    "EQ": lambda a, b: a == b,
+    "NE": lambda a, b: a != b,
+    "LT": lambda a, b: a < b,
+    "LE": lambda a, b: a <= b,
+    "GT": lambda a, b: a > b,
+    "GE": lambda a, b: a >= b,
+}
+
+
+def _comparison(cmp_op: Any):
+    """The test a torchcomms SignalCmpOp (or its name, e.g. "GE" or "SIGNAL_CMP_GE") names."""
+    name = getattr(cmp_op, "name", None) or str(cmp_op)
+    key = name.rsplit(".", 1)[-1].rsplit("_", 1)[-1].upper()
+    if key not in _COMPARISONS:
+        raise ValueError(f"comm: unknown signal comparison {cmp_op!r}; EQ, NE, LT, LE, GT or GE")
+    return _COMPARISONS[key]
 
 
 def _completed(async_op: bool) -> CommWork | None:
@@ -482,12 +623,12 @@ class CommTorchCommsBackend(TorchCommBackend):
 
     def window_allocate(self, window_size: int, cpu_buf: bool = True, signal_size: int = 256) -> CommWindow:
         """Collective: a window over ``window_size`` bytes of shared host memory (zero-filled),
-        so that ``map_remote_tensor`` reaches peers on this host. (The removed torchcomms
-        ``allocate``; ``signal_size`` is unused: signals are counted per peer.)"""
+        so that ``map_remote_tensor`` reaches peers on this host, with ``signal_size`` signal
+        words for the seed API's signal and wait_signal. (The removed torchcomms ``allocate``.)"""
         from ._window import Allocation
 
         _, raw = Allocation.create(window_size)
-        return CommWindow(self._check(), raw)
+        return CommWindow(self._check(), raw, signal_size)
 
 
 if not _is_backend_registered(BACKEND_NAME):

@@ -1282,6 +1282,38 @@ def torchcomms_backend(ctx):
             assert uneven.map_remote_tensor(nxt).numel() == 64 + 64 * me
         ref.barrier(False)
         uneven.tensor_deregister()
+        # The seed's window API on the same windows: words of a signal buffer set and compared,
+        # and get_tensor(rank, sizes, dtype, offset).
+        seed = ref.window_allocate(64, signal_size=4)
+        seed.put(torch.full((8,), float(me + 1), dtype=torch.float64), nxt, 0, False)
+        seed.signal(1, 70 + me, nxt, False)
+        seed.wait_signal(1, 70 + prv, "EQ", False)
+        same(
+            seed.get_tensor(me, (8,), torch.float64, 0),
+            torch.full((8,), float(prv + 1), dtype=torch.float64),
+            "seed put",
+        )
+        same(
+            seed.get_tensor(nxt, (2,), torch.float64, 6),
+            torch.full((2,), float(me + 1), dtype=torch.float64),
+            "seed get",
+        )
+        seed.wait_signal(1, 70, "GE", True).wait()
+        try:
+            seed.wait_signal(2, 1, "EQ", False, timeout=0.2)
+        except TimeoutError as e:
+            assert "signal word 2 is 0" in str(e), str(e)
+        else:
+            raise AssertionError("a wait for a signal nobody sets returned")
+        for bad in (lambda: seed.signal(4, 1, nxt, False), lambda: seed.wait_signal(0, 1, "ABOUT", False)):
+            try:
+                bad()
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a signal word out of range, or an unknown comparison, was accepted")
+        ref.barrier(False)
+        seed.tensor_deregister()
 
     ctx.check("windows", windows)
     comm.finalize()
