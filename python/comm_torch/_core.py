@@ -137,6 +137,7 @@ class CommWork(_WorkBase):
         self._deadline = None
         self._expire = None
         self._source = None  # for a receive from any source: a ctypes int the call fills in
+        self._on_failure = None  # called with the error before wait() raises it
 
     # -- completion (executor side)
     def _complete(self, error=None):
@@ -166,6 +167,8 @@ class CommWork(_WorkBase):
                     raise self._expire()
                 raise CommError(f"comm: operation did not complete within {timeout}", call="wait")
         if self._error is not None:
+            if self._on_failure is not None:
+                self._on_failure(self._error)
             raise self._error
         if self._end_event is not None:
             # Device work: the caller's stream waits for the communication stream.

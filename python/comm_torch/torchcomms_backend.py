@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +37,7 @@ import torch
 
 from . import _lib
 from ._core import CommWork, Engine, Reduction, operation_limit, timeout_seconds
+from ._lib import CommError
 
 try:
     from torchcomms._comms import TorchCommBackend, _is_backend_registered, register_backend
@@ -447,6 +450,17 @@ class CommTorchCommsBackend(TorchCommBackend):
         if engine is not None:
             engine.destroy()
 
+    def _abort_on_failure(self) -> bool:
+        return bool(getattr(self._options, "abort_process_on_timeout_or_error", False))
+
+    def _failed(self, error: BaseException) -> None:
+        """abort_process_on_timeout_or_error: a timeout or a failed communication ends the
+        process (SIGABRT), as torchcomms' NCCL backend does; other errors are raised."""
+        if self._abort_on_failure() and getattr(error, "result", None) in _FATAL_RESULTS:
+            sys.stderr.write(f"comm: aborting the process (abort_process_on_timeout_or_error): {error}\n")
+            sys.stderr.flush()
+            os.abort()
+
     def _check(self) -> Engine:
         if self._engine is None:
             raise RuntimeError("comm: the communicator is not initialized, or was finalized")
@@ -630,6 +644,52 @@ class CommTorchCommsBackend(TorchCommBackend):
         _, raw = Allocation.create(window_size)
         return CommWindow(self._check(), raw, signal_size)
 
+
+# Results after which torchcomms' abort_process_on_timeout_or_error ends the process: a
+# timeout or a failure of the communication, not a call refused for its arguments.
+_FATAL_RESULTS = (2, 3, 6, _lib.RESULT_TIMEOUT)  # system, internal, remote, timeout
+
+_OPERATIONS = (
+    "send",
+    "recv",
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_v",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_v",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "all_to_all_v_single",
+    "all_to_all",
+    "barrier",
+    "scatter",
+    "gather",
+)
+
+
+def _aborting(method):
+    """``method`` of the backend, ending the process on a fatal failure when the options ask
+    for it (abort_process_on_timeout_or_error), whether it fails at once or at ``wait()``."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            work = method(self, *args, **kwargs)
+        except CommError as e:
+            self._failed(e)
+            raise
+        if work is not None and self._abort_on_failure():
+            work._on_failure = self._failed
+        return work
+
+    return run
+
+
+for _name in _OPERATIONS:
+    setattr(CommTorchCommsBackend, _name, _aborting(getattr(CommTorchCommsBackend, _name)))
 
 if not _is_backend_registered(BACKEND_NAME):
     register_backend(BACKEND_NAME, CommTorchCommsBackend)

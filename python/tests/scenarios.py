@@ -1019,6 +1019,35 @@ def work_handles(ctx):
 # torchcomms, through a fake of its registration and factory (tests/fake_torchcomms).
 
 
+def torchcomms_abort(ctx):
+    """abort_process_on_timeout_or_error=True: a call refused for its arguments raises, but
+    losing a peer ends the process with SIGABRT (the launcher expects it), as torchcomms'
+    NCCL backend does."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_torchcomms"))
+    os.environ["TORCHCOMM_RANK"] = str(ctx.rank)
+    os.environ["TORCHCOMM_SIZE"] = str(ctx.world)
+    import torchcomms
+    from torchcomms import ReduceOp
+
+    n, me = ctx.world, ctx.rank
+    comm = torchcomms.new_comm(
+        "comm", torch.device("cpu"), name="world", store=ctx.store(), abort_process_on_timeout_or_error=True
+    )
+    try:
+        comm.reduce_scatter_v(torch.zeros(1), [torch.ones(1)] * (n + 1), ReduceOp.SUM, async_op=False)
+    except ValueError:
+        pass
+    comm.barrier(async_op=False)
+    if me == n - 1:
+        os._exit(0)
+    work = comm.all_reduce(torch.ones(4), ReduceOp.SUM, async_op=True)
+    try:
+        work.wait()
+    except RuntimeError as e:
+        print(f"the process should have aborted, but the wait raised: {e}", flush=True)
+    os._exit(3)
+
+
 def torchcomms_timeouts(ctx):
     """A communicator's timeout bounds its init and its operations: with the last rank
     absent (init) or late (an all-reduce), the others fail within it, not after

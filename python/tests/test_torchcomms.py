@@ -22,3 +22,8 @@ def test_torchcomms_timeouts_bound_init_and_operations():
     for name in ("init", "operation"):
         failures = launcher.failed_checks(results, name)
         assert not failures, "\n".join(failures)
+
+
+def test_torchcomms_abort_process_on_failure():
+    # The last rank leaves; the others' all-reduce fails and ends their processes (SIGABRT).
+    launcher.run("torchcomms_abort", 3, timeout=120, expect_exit={0: -6, 1: -6})
