@@ -581,7 +581,7 @@ fn fd_limit() -> Option<u64> {
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes the struct it is given.
-    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0).then_some(r.rlim_cur as u64)
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0).then_some(r.rlim_cur)
 }
 
 /// Duplicates a descriptor of this process (a same-process peer's segment).
