@@ -228,6 +228,22 @@ impl Handshaking {
     }
 }
 
+/// When a listener of this process last could not accept for want of file descriptors, and the
+/// error: a rendezvous that then times out says so rather than only that ranks never came.
+static OUT_OF_DESCRIPTORS: parking_lot::Mutex<Option<(Instant, String)>> =
+    parking_lot::Mutex::new(None);
+
+/// ", and this process could not accept connections meanwhile: ..." when a listener of this
+/// process ran out of descriptors since `since`; empty otherwise.
+pub(crate) fn accept_trouble_since(since: Instant) -> String {
+    match &*OUT_OF_DESCRIPTORS.lock() {
+        Some((at, e)) if *at >= since => {
+            format!(" (this process could not accept their connections: {e}; raise `ulimit -n`)")
+        }
+        _ => String::new(),
+    }
+}
+
 /// Accepts every queued connection. The flag is false when out of descriptors, in which case the
 /// caller stops watching the listener for a moment instead of spinning on it.
 pub(crate) fn accept_all(
@@ -252,6 +268,7 @@ pub(crate) fn accept_all(
             Err(e) => {
                 let hint = match e.raw_os_error() {
                     Some(libc::EMFILE) | Some(libc::ENFILE) => {
+                        *OUT_OF_DESCRIPTORS.lock() = Some((Instant::now(), e.to_string()));
                         " (out of file descriptors: raise `ulimit -n`, or spread ranks over more roots)"
                     }
                     _ => "",
@@ -470,5 +487,34 @@ fn serve(
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Running out of descriptors while accepting is named by rendezvous that began before it,
+    /// not by later ones.
+    #[test]
+    fn accept_trouble_is_named_since_it_happened() {
+        let before = Instant::now();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        // Simulated: the accept itself is not made to fail (that would need this whole test
+        // process out of descriptors); the record is what accept_all writes when it does.
+        *OUT_OF_DESCRIPTORS.lock() =
+            Some((Instant::now(), "Too many open files (os error 24)".into()));
+        let (fresh, healthy) = accept_all(&l, None, "test");
+        assert!(healthy && fresh.len() == 1);
+        let said = accept_trouble_since(before);
+        assert!(
+            said.contains("Too many open files") && said.contains("ulimit -n"),
+            "{said}"
+        );
+        assert_eq!(accept_trouble_since(Instant::now()), "");
+        *OUT_OF_DESCRIPTORS.lock() = None;
     }
 }

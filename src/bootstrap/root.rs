@@ -1079,10 +1079,11 @@ impl Session {
             format!("all ranks reached the bootstrap root {}", self.addr)
         } else {
             format!(
-                "{} of {} never arrived at the bootstrap root {}",
+                "{} of {} never arrived at the bootstrap root {}{}",
                 describe_ranks(&never),
                 p.nranks,
-                self.addr
+                self.addr,
+                super::listener::accept_trouble_since(self.created)
             )
         };
         if !departed.is_empty() {

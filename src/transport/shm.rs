@@ -1855,6 +1855,13 @@ pub(crate) fn connect(
                 .unwrap_or_else(|_| crate::internal_err!("shm setup thread panicked"))
         })
         .unwrap_or(Ok(()));
+    // This process's own failure to serve (out of descriptors, say) explains the peers'
+    // refusals that the fetches met: it goes first.
+    if let Err(e) = &served {
+        if e.kind == crate::error::ErrorKind::System {
+            return Err(e.clone());
+        }
+    }
     let peers = fetched?;
     served?;
     // Nobody sends before every receiver has published whether it can pull.
