@@ -1,6 +1,6 @@
 //! Fault injection for the failure tests: `COMM_FAULT_INJECT=<point>[:stop]` makes this process
 //! kill itself (SIGKILL), or stop itself (SIGSTOP) with `:stop`, the first time it reaches the
-//! named point. The points sit between the steps of the bootstrap-level operations (init,
+//! named point; `:fail` (where the point asks `fails`) makes that step return an error instead. The points sit between the steps of the bootstrap-level operations (init,
 //! split, shrink, destroy), where a test cannot aim a signal from outside. Unset, a point costs
 //! one comparison with a string read once.
 
@@ -16,6 +16,15 @@ static TARGET: Lazy<Option<(String, libc::c_int)>> = Lazy::new(|| {
 });
 
 static FIRED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the process was told to fail (not die) at `name`: `COMM_FAULT_INJECT=<point>:fail`
+/// makes the first pass there return an error while the process lives on.
+pub(crate) fn fails(name: &str) -> bool {
+    let Ok(spec) = std::env::var("COMM_FAULT_INJECT") else {
+        return false;
+    };
+    spec.strip_suffix(":fail") == Some(name) && !FIRED.swap(true, Ordering::SeqCst)
+}
 
 /// Where the library may be told to die: see the module documentation.
 pub(crate) fn point(name: &str) {

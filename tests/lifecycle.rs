@@ -665,6 +665,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("grouped_splits", |w| on_comm(w, grouped_splits)),
     ("fork_then_destroy", fork_then_destroy),
     ("out_of_descriptors", out_of_descriptors),
+    ("peer_init_fails", peer_init_fails),
     ("sendrecv", |w| on_comm(w, sendrecv_orders)),
     ("mixed_groups", |w| on_comm(w, mixed_groups)),
     ("sendrecv_in_place", |w| on_comm(w, sendrecv_in_place)),
@@ -763,6 +764,35 @@ fn out_of_descriptors(w: &Worker) -> Result<(), String> {
         }
     }
     nccl!(ncclCommAbort(c));
+    Ok(())
+}
+
+/// Rank 1's init fails after it announced its shared memory, while its process lives on: the
+/// others must fail at once (they waited for its segment until COMM_INIT_TIMEOUT, 60 s here).
+fn peer_init_fails(w: &Worker) -> Result<(), String> {
+    if w.rank == 1 {
+        std::env::set_var("COMM_FAULT_INJECT", "shm:announced:fail");
+    }
+    let t = Instant::now();
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    let (took, msg) = (t.elapsed(), last_error());
+    if r == OK {
+        return Err("init succeeded though rank 1's failed".into());
+    }
+    let want = if w.rank == 1 {
+        "COMM_FAULT_INJECT"
+    } else {
+        "stopped serving"
+    };
+    if !msg.contains(want) || took > Duration::from_secs(5) {
+        return Err(format!("{r:?} after {took:?}: {msg}"));
+    }
+    if w.rank == 1 {
+        // Alive after the failure, as an application that goes on would be (an exit would be
+        // seen by the others as one).
+        std::thread::sleep(Duration::from_secs(8));
+    }
     Ok(())
 }
 
@@ -1015,6 +1045,19 @@ fn running_out_of_descriptors_says_so() {
         r[0].status,
         r[0].stdout
     );
+}
+
+#[test]
+fn a_peer_whose_init_fails_fails_the_others_at_once() {
+    let r = launch(
+        "worker",
+        "peer_init_fails",
+        3,
+        "",
+        &[("COMM_INIT_TIMEOUT", "60")],
+        Duration::from_secs(120),
+    );
+    assert_all_ok(&r, "peer_init_fails with 3 processes");
 }
 
 #[test]

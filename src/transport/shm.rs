@@ -1714,6 +1714,12 @@ pub(crate) fn connect(
     };
     let all = boot.allgather(&mine.encode())?;
     crate::fault::point("shm:announced");
+    if crate::fault::fails("shm:announced") {
+        return Err(Error::new(
+            crate::error::ErrorKind::System,
+            "COMM_FAULT_INJECT: failing after the shared-memory announcement",
+        ));
+    }
     let announces = all
         .iter()
         .map(|b| Announce::decode(b))
@@ -1781,6 +1787,10 @@ pub(crate) fn connect(
                     .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")));
                     match fd {
                         Ok(fd) => (fd, Access::Cma(placements[r].pid)),
+                        // A peer that failed its init stays alive, so the server would wait for
+                        // it until the deadline: stop serving too, which tells the other
+                        // peers at once (their fetches from us are refused in turn).
+                        Err(e) if e.msg.contains(STOPPED_SERVING) => return Err(e),
                         Err(e) if e.kind == crate::error::ErrorKind::Remote => {
                             lost.get_or_insert(e);
                             continue;
@@ -1842,11 +1852,11 @@ pub(crate) fn connect(
             None => Ok(peers),
         }
     })();
-    // A lost peer does not stop the server: the living still fetch from us (see above).
-    if fetched
-        .as_ref()
-        .is_err_and(|e| e.kind != crate::error::ErrorKind::Remote)
-    {
+    // A lost peer does not stop the server: the living still fetch from us (see above). A
+    // peer whose init failed does (see the fetch loop).
+    if fetched.as_ref().is_err_and(|e| {
+        e.kind != crate::error::ErrorKind::Remote || e.msg.contains(STOPPED_SERVING)
+    }) {
         stop.store(true, Ordering::SeqCst);
     }
     let served = server
@@ -1960,6 +1970,9 @@ pub(crate) fn serve_segment(
     lost.map_or(Ok(()), Err)
 }
 
+/// How `fetch_segment` words a peer that closed its setup socket: its init failed.
+const STOPPED_SERVING: &str = "stopped serving its shared memory segment before this rank fetched it: its communicator init failed (its own error says why)";
+
 /// Fetches the descriptor a peer serves with [`serve_segment`] on abstract socket `socket`.
 pub(crate) fn fetch_segment(
     socket: &str,
@@ -1979,6 +1992,12 @@ pub(crate) fn fetch_segment(
                 return crate::remote_err!(
                     "rank {peer} exited before it served its shared memory segment"
                 )
+            }
+            // The peer bound its socket before it announced it: refused now means it closed
+            // it, which it does only when its own init failed (it serves until every peer has
+            // fetched). Waiting would last until the deadline (COMM_INIT_TIMEOUT).
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return crate::remote_err!("rank {peer} {STOPPED_SERVING}")
             }
             Err(_) if crate::bootstrap::init_aborted() => {
                 return Err(Error::new(
