@@ -1,37 +1,48 @@
-//! Fault injection for the failure tests: `COMM_FAULT_INJECT=<point>[:stop]` makes this process
-//! kill itself (SIGKILL), or stop itself (SIGSTOP) with `:stop`, the first time it reaches the
-//! named point; `:fail` (where the point asks `fails`) makes that step return an error instead. The points sit between the steps of the bootstrap-level operations (init,
+//! Fault injection for the failure tests: `COMM_FAULT_INJECT=<point>[:stop|:fail]` makes this
+//! process kill itself (SIGKILL), stop itself (SIGSTOP) with `:stop`, or, with `:fail` at a point
+//! that asks `fails`, fail that step with an error while it lives on, the first time it reaches
+//! the named point. The points sit between the steps of the bootstrap-level operations (init,
 //! split, shrink, destroy), where a test cannot aim a signal from outside. Unset, a point costs
 //! one comparison with a string read once.
 
 use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-static TARGET: Lazy<Option<(String, libc::c_int)>> = Lazy::new(|| {
+/// What happens at the point named: a signal raised, or an error returned.
+#[derive(PartialEq, Eq)]
+enum Action {
+    Raise(libc::c_int),
+    Fail,
+}
+
+static TARGET: Lazy<Option<(String, Action)>> = Lazy::new(|| {
     let spec = std::env::var("COMM_FAULT_INJECT").ok()?;
-    Some(match spec.strip_suffix(":stop") {
-        Some(point) => (point.to_string(), libc::SIGSTOP),
-        None => (spec, libc::SIGKILL),
+    Some(if let Some(point) = spec.strip_suffix(":stop") {
+        (point.to_string(), Action::Raise(libc::SIGSTOP))
+    } else if let Some(point) = spec.strip_suffix(":fail") {
+        (point.to_string(), Action::Fail)
+    } else {
+        (spec, Action::Raise(libc::SIGKILL))
     })
 });
 
 static FIRED: AtomicBool = AtomicBool::new(false);
 
-/// Whether the process was told to fail (not die) at `name`: `COMM_FAULT_INJECT=<point>:fail`
-/// makes the first pass there return an error while the process lives on.
+/// Whether the first pass at `name` takes `action`.
+fn fires(name: &str, action: impl Fn(&Action) -> bool) -> Option<&'static Action> {
+    let (target, what) = TARGET.as_ref()?;
+    (target == name && action(what) && !FIRED.swap(true, Ordering::SeqCst)).then_some(what)
+}
+
+/// Whether the process was told to fail (not die) at `name` (`<point>:fail`): the caller then
+/// returns an error from that step.
 pub(crate) fn fails(name: &str) -> bool {
-    let Ok(spec) = std::env::var("COMM_FAULT_INJECT") else {
-        return false;
-    };
-    spec.strip_suffix(":fail") == Some(name) && !FIRED.swap(true, Ordering::SeqCst)
+    fires(name, |a| *a == Action::Fail).is_some()
 }
 
 /// Where the library may be told to die: see the module documentation.
 pub(crate) fn point(name: &str) {
-    let Some((target, signal)) = TARGET.as_ref() else {
-        return;
-    };
-    if target == name && !FIRED.swap(true, Ordering::SeqCst) {
+    if let Some(Action::Raise(signal)) = fires(name, |a| matches!(a, Action::Raise(_))) {
         crate::warn!("COMM_FAULT_INJECT: {name}: raising signal {signal}");
         // SAFETY: raise takes a signal number and affects only this process.
         unsafe { libc::raise(*signal) };

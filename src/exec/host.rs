@@ -1293,9 +1293,9 @@ impl<'a> Exec<'a> {
     /// aborted after losing it). Name every peer that is gone, so the error reaches the cause.
     ///
     /// A peer that only hung up, without saying whom it lost (a TCP peer that aborted in the
-    /// middle of a message cannot; a shared-memory peer always can), may still have failed because of another rank whose own
-    /// hang-up reaches this rank a moment later: the other links get up to LOSS_GRACE to
-    /// show it before the peer alone is blamed. Seen in CI: a rank killed, its neighbour
+    /// middle of a message cannot; a shared-memory peer always can), may still have failed
+    /// because of another rank whose own hang-up reaches this rank a moment later: the other
+    /// links get up to LOSS_GRACE to show it before the peer alone is blamed. Seen in CI: a rank killed, its neighbour
     /// aborting, and the third rank's send to that neighbour reset 3 ms after the kill, before
     /// the victim's connection to it showed the hang-up.
     fn with_other_losses(&self, e: Error, first: usize) -> Error {
