@@ -1775,6 +1775,7 @@ pub(crate) fn connect(
             let (fd, access) = match paths[r] {
                 Path::SameProcess => (os::dup(announces[r].fd)?, Access::Direct),
                 Path::SameHost => {
+                    let watch = watches.iter().find(|w| w.0 == r).map(|w| &w.1);
                     let fd = fetch_segment(
                         &announces[r].socket,
                         boot.secret(),
@@ -1782,15 +1783,22 @@ pub(crate) fn connect(
                         me,
                         r,
                         deadline,
-                        watches.iter().find(|w| w.0 == r).map(|w| &w.1),
+                        watch,
                     )
                     .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")));
                     match fd {
                         Ok(fd) => (fd, Access::Cma(placements[r].pid)),
-                        // A peer that failed its init stays alive, so the server would wait for
-                        // it until the deadline: stop serving too, which tells the other
-                        // peers at once (their fetches from us are refused in turn).
-                        Err(e) if e.msg.contains(STOPPED_SERVING) => return Err(e),
+                        // A peer that failed its init (it refused or dropped the fetch) but
+                        // lives on will not fetch from us either, and the server would wait for
+                        // it until the deadline: stop serving too, which tells the other peers
+                        // at once (their fetches from us fail in turn).
+                        Err(e)
+                            if e.kind == crate::error::ErrorKind::Remote
+                                && watch.is_some_and(lives_on) =>
+                        {
+                            stop.store(true, Ordering::SeqCst);
+                            return crate::remote_err!("rank {r} {STOPPED_SERVING} ({})", e.msg);
+                        }
                         Err(e) if e.kind == crate::error::ErrorKind::Remote => {
                             lost.get_or_insert(e);
                             continue;
@@ -1853,10 +1861,11 @@ pub(crate) fn connect(
         }
     })();
     // A lost peer does not stop the server: the living still fetch from us (see above). A
-    // peer whose init failed does (see the fetch loop).
-    if fetched.as_ref().is_err_and(|e| {
-        e.kind != crate::error::ErrorKind::Remote || e.msg.contains(STOPPED_SERVING)
-    }) {
+    // peer whose init failed does (the fetch loop stopped it).
+    if fetched
+        .as_ref()
+        .is_err_and(|e| e.kind != crate::error::ErrorKind::Remote)
+    {
         stop.store(true, Ordering::SeqCst);
     }
     let served = server
@@ -1970,8 +1979,21 @@ pub(crate) fn serve_segment(
     lost.map_or(Ok(()), Err)
 }
 
-/// How `fetch_segment` words a peer that closed its setup socket: its init failed.
+/// What a failed fetch from a peer that lives on means: its init failed.
 const STOPPED_SERVING: &str = "stopped serving its shared memory segment before this rank fetched it: its communicator init failed (its own error says why)";
+
+/// Whether a peer whose fetch just failed is still alive a moment later: a process being killed
+/// resets its connections before it counts as exited.
+fn lives_on(w: &ProcessWatch) -> bool {
+    let until = Instant::now() + Duration::from_millis(50);
+    while w.alive() {
+        if Instant::now() >= until {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
 
 /// Fetches the descriptor a peer serves with [`serve_segment`] on abstract socket `socket`.
 pub(crate) fn fetch_segment(
@@ -1997,7 +2019,7 @@ pub(crate) fn fetch_segment(
             // it, which it does only when its own init failed (it serves until every peer has
             // fetched). Waiting would last until the deadline (COMM_INIT_TIMEOUT).
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
-                return crate::remote_err!("rank {peer} {STOPPED_SERVING}")
+                return crate::remote_err!("rank {peer} closed its shared memory setup socket")
             }
             Err(_) if crate::bootstrap::init_aborted() => {
                 return Err(Error::new(
