@@ -202,6 +202,9 @@ class Allocation:
             self._finalizer()
 
 
+_U64 = (1 << 64) - 1
+
+
 class Window:
     """A registered window on one communicator."""
 
@@ -255,6 +258,32 @@ class Window:
         out = ctypes.c_size_t()
         self.check(self.lib.commWinPeerSize(self.engine.handle, self.handle, peer, _byref(out)), "commWinPeerSize")
         return out.value
+
+    def fetch_add(self, peer: int, offset: int, value: int) -> int:
+        """commWinFetchAdd: adds ``value`` (mod 2**64) to the 8-byte word at byte ``offset`` of
+        ``peer``'s part; returns the word's previous value."""
+        self._live()
+        old = ctypes.c_uint64()
+        self.check(
+            self.lib.commWinFetchAdd(
+                value & _U64, _byref(old), _lib.UINT64, peer, self.handle, offset, self.engine.handle
+            ),
+            "commWinFetchAdd",
+        )
+        return old.value
+
+    def compare_swap(self, peer: int, offset: int, compare: int, value: int) -> int:
+        """commWinCompareSwap: sets that word to ``value`` if it holds ``compare``; returns the
+        value found (the swap happened when it equals ``compare``)."""
+        self._live()
+        old = ctypes.c_uint64()
+        self.check(
+            self.lib.commWinCompareSwap(
+                compare & _U64, value & _U64, _byref(old), _lib.UINT64, peer, self.handle, offset, self.engine.handle
+            ),
+            "commWinCompareSwap",
+        )
+        return old.value
 
     def signal_pads(self, peer: int) -> tuple[int, int]:
         self._live()

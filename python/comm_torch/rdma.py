@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import threading
 from collections.abc import Generator
 from typing import Any, Generic, TypeVar
@@ -225,19 +224,11 @@ class RDMABuffer:
         previous value lands in the first 8 bytes of ``dst`` (and is the future's result)."""
         local = self._atomic_target(dst, offset)
         win, owner = self._window, self._owner
-        value = add & ((1 << 64) - 1)
 
         def run() -> int:
-            win._live()
-            old = ctypes.c_uint64()
-            self._check(
-                win.lib.commWinFetchAdd(
-                    value, ctypes.byref(old), _lib.UINT64, owner, win.handle, offset, win.engine.handle
-                ),
-                "commWinFetchAdd",
-            )
-            self._store_old(local, old.value)
-            return _signed64(old.value)
+            old = win.fetch_add(owner, offset, add)
+            self._store_old(local, old)
+            return _signed64(old)
 
         return self._submit(run, timeout)
 
@@ -254,20 +245,11 @@ class RDMABuffer:
         ``compare``; the value found lands in ``dst`` (and is the future's result)."""
         local = self._atomic_target(dst, offset)
         win, owner = self._window, self._owner
-        mask = (1 << 64) - 1
-        cmp_v, swap_v = compare & mask, swap & mask
 
         def run() -> int:
-            win._live()
-            old = ctypes.c_uint64()
-            self._check(
-                win.lib.commWinCompareSwap(
-                    cmp_v, swap_v, ctypes.byref(old), _lib.UINT64, owner, win.handle, offset, win.engine.handle
-                ),
-                "commWinCompareSwap",
-            )
-            self._store_old(local, old.value)
-            return _signed64(old.value)
+            old = win.compare_swap(owner, offset, compare, swap)
+            self._store_old(local, old)
+            return _signed64(old)
 
         return self._submit(run, timeout)
 
