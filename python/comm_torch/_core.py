@@ -478,6 +478,7 @@ class Engine:
         self.origin = "init"  # or "split": how the communicator was made
         self._p2p = []  # deferred (task, work) of point-to-point calls, see _dispatch
         self._anys = []  # deferred (task, work) of receives from any source, see recv_any_source
+        self.timeout = operation_limit(None)  # seconds without progress (0: none), see set_timeout
         self._p2p_lock = threading.Lock()
 
     # -- creation
@@ -667,6 +668,7 @@ class Engine:
         """commSetTimeout: this communicator's operations fail with ncclTimeout after
         ``seconds`` without progress (0: no limit)."""
         self.lib.check(self.lib.commSetTimeout(self.handle, float(seconds)), "commSetTimeout", self.handle)
+        self.timeout = float(seconds)
 
     def flush_p2p(self):
         """Starts the deferred point-to-point calls, as one group."""

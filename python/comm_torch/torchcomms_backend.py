@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import functools
+import operator
 import os
 import sys
 import time
@@ -126,7 +127,9 @@ class CommWindow:
         self._owning = True
         self._window = None
         self._signal_size = int(signal_size)
-        self._signals = None  # (allocation, its tensor, window): the seed API's signal words
+        # The seed API's signal words: their allocation, a tensor over it (which keeps it
+        # alive) and their window, while a tensor is registered.
+        self._signal_alloc = self._signal_words = self._signal_win = None
         if tensor is not None:
             self.tensor_register(tensor)
 
@@ -143,18 +146,19 @@ class CommWindow:
         self._tensor, self._owning = tensor, owning
         # The signal words, shared memory so that peers on this host set them with hardware
         # atomics (registered here, where every rank is, though only the seed API uses them).
-        alloc, words = Allocation.create(self._signal_size * 8)
-        self._signals = (alloc, words, alloc.window(self._engine))
+        self._signal_alloc, self._signal_words = Allocation.create(self._signal_size * 8)
+        self._signal_win = self._signal_alloc.window(self._engine)
 
     def tensor_deregister(self) -> None:
         """Collective: barrier, forget the tensor, barrier (as torchcomms' NCCL backend)."""
         self._live()
         self._engine.barrier(False, None)
         win, self._window, self._tensor = self._window, None, None
-        signals, self._signals = self._signals, None
+        alloc = self._signal_alloc
+        self._signal_alloc = self._signal_words = self._signal_win = None
         win.deregister()
-        if signals is not None:
-            signals[0].free()
+        if alloc is not None:
+            alloc.free()
         self._engine.barrier(False, None)
 
     def _live(self):
@@ -310,27 +314,20 @@ class CommWindow:
         self._live()
         if not 0 <= disp < self._signal_size:
             raise ValueError(f"comm: signal_disp {disp} is outside the {self._signal_size} signal words")
-        return self._signals[2], disp * 8
+        return self._signal_win, disp * 8
 
     def _set_signal(self, signal_disp: int, signal_val: int, dst_rank: int, async_op: bool = False) -> CommWork | None:
         data = self._live()
         win, off = self._word(signal_disp)
-        lib, comm = win.lib, self._engine.handle
         # The puts before it land first (across hosts they may still be on their way).
-        data.check(lib.commWinFlush(dst_rank, data.handle, comm), "commWinFlush")
-        want = int(signal_val) & (2**64 - 1)
-        old = ctypes.c_uint64()
-        win.check(
-            lib.commWinFetchAdd(0, ctypes.byref(old), _lib.UINT64, dst_rank, win.handle, off, comm), "commWinFetchAdd"
-        )
+        data.check(win.lib.commWinFlush(dst_rank, data.handle, self._engine.handle), "commWinFlush")
+        # A store as compare-and-swap: each failed swap says what to compare with next.
+        seen = 0
         while True:
-            seen = old.value
-            win.check(
-                lib.commWinCompareSwap(seen, want, ctypes.byref(old), _lib.UINT64, dst_rank, win.handle, off, comm),
-                "commWinCompareSwap",
-            )
-            if old.value == seen:
+            found = win.compare_swap(dst_rank, off, seen, int(signal_val))
+            if found == seen:
                 return _completed(async_op)
+            seen = found
 
     def wait_signal(self, *args: Any, **kwargs: Any) -> CommWork | None:
         """torchcomms main: ``wait_signal(peer_rank, async_op=False, hints=None,
@@ -364,21 +361,16 @@ class CommWindow:
         win, off = self._word(signal_disp)
         holds = _comparison(cmp_op)
         want = int(signal_val) & (2**64 - 1)
-        limit = timeout_seconds(timeout) or operation_limit(None)
+        limit = timeout_seconds(timeout) or self._engine.timeout
         deadline = time.monotonic() + limit if limit else None
-        me, lib, comm = self._engine.rank, win.lib, self._engine.handle
-        seen = ctypes.c_uint64()
         pause = 0.0
         while True:
-            win.check(
-                lib.commWinFetchAdd(0, ctypes.byref(seen), _lib.UINT64, me, win.handle, off, comm), "commWinFetchAdd"
-            )
-            if holds(seen.value, want):
+            seen = win.fetch_add(self._engine.rank, off, 0)
+            if holds(seen, want):
                 return _completed(async_op)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"comm: signal word {signal_disp} is {seen.value}, and did not come to {cmp_op} {want} "
-                    f"within {limit:g} s"
+                    f"comm: signal word {signal_disp} is {seen}, and did not come to {cmp_op} {want} within {limit:g} s"
                 )
             time.sleep(pause)
             pause = min(pause * 2 or 1e-6, 1e-3)
@@ -398,12 +390,12 @@ def _is_int(v: Any) -> bool:
 
 
 _COMPARISONS = {
-    "EQ": lambda a, b: a == b,
-    "NE": lambda a, b: a != b,
-    "LT": lambda a, b: a < b,
-    "LE": lambda a, b: a <= b,
-    "GT": lambda a, b: a > b,
-    "GE": lambda a, b: a >= b,
+    "EQ": operator.eq,
+    "NE": operator.ne,
+    "LT": operator.lt,
+    "LE": operator.le,
+    "GT": operator.gt,
+    "GE": operator.ge,
 }
 
 
