@@ -44,6 +44,10 @@ pub struct Error {
     /// The rank whose loss caused this error, when a peer was lost (the first one known: a
     /// peer that failed because it lost another names that other).
     pub lost: Option<usize>,
+    /// Where ranks were found to call different operations: the tag this rank expected and
+    /// the tag a peer's message carried (`crate::tag`), so the peers told of the failure can
+    /// name both operations too.
+    pub disagreed: Option<(u64, u64)>,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -54,6 +58,7 @@ impl Error {
             kind,
             msg: msg.into(),
             lost: None,
+            disagreed: None,
         }
     }
 
@@ -63,6 +68,7 @@ impl Error {
             kind: ErrorKind::Remote,
             msg: msg.into(),
             lost: Some(lost),
+            disagreed: None,
         }
     }
 
@@ -72,6 +78,7 @@ impl Error {
             kind: self.kind,
             msg: format!("{context}: {}", self.msg),
             lost: self.lost,
+            disagreed: self.disagreed,
         }
     }
 

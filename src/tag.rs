@@ -1,30 +1,62 @@
 //! Message tags: which operation a message belongs to. The schedule layer names operations by
 //! their kind; the transports carry the tag with every message, match receives by it, and name
 //! the operation in their errors. Both use this module, so neither imports the other for it.
+//!
+//! A tag holds everything two ranks must agree on for their messages to mean the same thing
+//! beyond the byte count the receiver checks anyway: the kind of operation, its number in the
+//! communicator's sequence, its root, its datatype and its reduction op. Ranks that disagree on
+//! any of these tag their messages differently, so the receiver refuses the message and names
+//! both operations, instead of folding an int32 into a float or a max into a sum.
 
-/// Bits of a tag that hold the communicator's operation count.
-const SEQ_BITS: u32 = 40;
+use crate::reduce::DataType;
+
+/// Bits of a tag that hold the communicator's operation count (it wraps: only ranks in step
+/// compare counts, and they are at most one operation apart).
+const SEQ_BITS: u32 = 34;
 const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
 /// Roots are told apart up to this many ranks (beyond, they wrap: a mismatch of roots this
 /// far apart goes unnoticed, as every root mismatch did before).
 const ROOTS: u64 = 0xffff;
+const ROOT_SHIFT: u32 = SEQ_BITS;
+/// The reduction op (`op::*`, 0 for none) in 4 bits above the root.
+const OP_SHIFT: u32 = ROOT_SHIFT + 16;
+/// The datatype plus one (0 for none) in 5 bits above the op.
+const DTYPE_SHIFT: u32 = OP_SHIFT + 4;
+/// The kind of operation in the top 5 bits.
+const KIND_SHIFT: u32 = DTYPE_SHIFT + 5;
 
-/// Message tags: the kind of operation in the top byte, the communicator's operation count in
-/// the low 40 bits.
+/// Message tags: the kind of operation and the communicator's operation count.
 pub(crate) fn tag(kind: u8, seq: u64) -> u64 {
     rooted_tag(kind, None, seq)
 }
 
-/// A tag that also carries the root of a rooted collective (plus one, in the 16 bits between
-/// kind and count): ranks that pass different roots tag their messages differently, so the
-/// receiver reports the mismatch instead of taking another root's data.
+/// A tag that also carries the root of a rooted collective (plus one): ranks that pass
+/// different roots tag their messages differently, so the receiver reports the mismatch
+/// instead of taking another root's data.
 pub(crate) fn rooted_tag(kind: u8, root: Option<usize>, seq: u64) -> u64 {
+    op_tag(kind, root, None, 0, seq)
+}
+
+/// The tag of a collective's messages: its kind, root, datatype, reduction op (`op::*`, 0 for
+/// none) and number.
+pub(crate) fn op_tag(
+    kind: u8,
+    root: Option<usize>,
+    dtype: Option<DataType>,
+    op: u8,
+    seq: u64,
+) -> u64 {
     let r = root.map_or(0, |r| r as u64 % ROOTS + 1);
-    ((kind as u64) << 56) | (r << SEQ_BITS) | (seq & SEQ_MASK)
+    let d = dtype.map_or(0, |d| d as u64 + 1);
+    ((kind as u64) << KIND_SHIFT)
+        | (d << DTYPE_SHIFT)
+        | (((op & 0xf) as u64) << OP_SHIFT)
+        | (r << ROOT_SHIFT)
+        | (seq & SEQ_MASK)
 }
 
 pub(crate) fn tag_kind(tag: u64) -> u8 {
-    (tag >> 56) as u8
+    (tag >> KIND_SHIFT) as u8
 }
 
 pub(crate) fn tag_seq(tag: u64) -> u64 {
@@ -33,9 +65,51 @@ pub(crate) fn tag_seq(tag: u64) -> u64 {
 
 /// The root a tag carries, if its operation has one.
 pub(crate) fn tag_root(tag: u64) -> Option<u64> {
-    match (tag >> SEQ_BITS) & ROOTS {
+    match (tag >> ROOT_SHIFT) & ROOTS {
         0 => None,
         r => Some(r - 1),
+    }
+}
+
+/// The datatype a tag carries, if its operation has one.
+pub(crate) fn tag_dtype(tag: u64) -> Option<DataType> {
+    match (tag >> DTYPE_SHIFT) & 0x1f {
+        0 => None,
+        d => DataType::from_raw(d as i32 - 1),
+    }
+}
+
+/// The reduction op a tag carries (`op::*`, 0 for none).
+pub(crate) fn tag_op(tag: u64) -> u8 {
+    ((tag >> OP_SHIFT) & 0xf) as u8
+}
+
+/// Reduction ops as tags carry them. Ops made by `ncclRedOpCreatePreMulSum` are numbered per
+/// communicator and per rank, so they travel as one kind; their scalars may differ by rank.
+pub(crate) mod op {
+    pub(crate) const SUM: u8 = 1;
+    pub(crate) const PROD: u8 = 2;
+    pub(crate) const MAX: u8 = 3;
+    pub(crate) const MIN: u8 = 4;
+    pub(crate) const AVG: u8 = 5;
+    pub(crate) const PREMULSUM: u8 = 6;
+    pub(crate) const BAND: u8 = 7;
+    pub(crate) const BOR: u8 = 8;
+    pub(crate) const BXOR: u8 = 9;
+
+    pub(crate) fn name(op: u8) -> &'static str {
+        match op {
+            SUM => "sum",
+            PROD => "prod",
+            MAX => "max",
+            MIN => "min",
+            AVG => "avg",
+            PREMULSUM => "premulsum",
+            BAND => "band",
+            BOR => "bor",
+            BXOR => "bxor",
+            _ => "no op",
+        }
     }
 }
 
@@ -72,13 +146,16 @@ pub(crate) mod kind {
 }
 
 /// What to add to a mismatch between a message tagged `sent` and a receive expecting
-/// `expected`: where one is a send/recv call's and the other a collective's, the likely cause.
+/// `expected`: what the ranks disagree on, or, where one is a send/recv call's and the other a
+/// collective's, the likely cause.
 pub(crate) fn mismatch_hint(sent: u64, expected: u64) -> &'static str {
-    if tag_kind(sent) == tag_kind(expected)
-        && tag_seq(sent) == tag_seq(expected)
-        && tag_root(sent) != tag_root(expected)
-    {
+    let same_call = tag_kind(sent) == tag_kind(expected) && tag_seq(sent) == tag_seq(expected);
+    if same_call && tag_root(sent) != tag_root(expected) {
         " (the ranks passed different roots)"
+    } else if same_call && tag_dtype(sent) != tag_dtype(expected) {
+        " (the ranks passed different datatypes)"
+    } else if same_call && tag_op(sent) != tag_op(expected) {
+        " (the ranks passed different reduction ops)"
     } else if (tag_kind(sent) == kind::P2P) != (tag_kind(expected) == kind::P2P) {
         " (or, in a group, send/recv calls that share a buffer with a collective of the group run in the order called: the ranks must place them alike around it)"
     } else {
@@ -86,13 +163,27 @@ pub(crate) fn mismatch_hint(sent: u64, expected: u64) -> &'static str {
     }
 }
 
-/// "AllReduce #12", "Broadcast #3 (root 1)" or "Send/Recv".
+/// "AllReduce #12 (float, sum)", "Broadcast #3 (root 1, int32)" or "Send/Recv".
 pub(crate) fn describe_tag(tag: u64) -> String {
     let k = tag_kind(tag);
-    match tag_root(tag) {
-        _ if k == kind::P2P => kind::name(k).to_string(),
-        Some(r) => format!("{} #{} (root {r})", kind::name(k), tag_seq(tag)),
-        None => format!("{} #{}", kind::name(k), tag_seq(tag)),
+    if k == kind::P2P {
+        return kind::name(k).to_string();
+    }
+    let mut what = Vec::new();
+    if let Some(r) = tag_root(tag) {
+        what.push(format!("root {r}"));
+    }
+    if let Some(d) = tag_dtype(tag) {
+        what.push(d.name().to_string());
+    }
+    if tag_op(tag) != 0 {
+        what.push(op::name(tag_op(tag)).to_string());
+    }
+    let head = format!("{} #{}", kind::name(k), tag_seq(tag));
+    if what.is_empty() {
+        head
+    } else {
+        format!("{head} ({})", what.join(", "))
     }
 }
 
@@ -102,7 +193,7 @@ mod tests {
 
     #[test]
     fn tags_carry_kind_count_and_root() {
-        let t = rooted_tag(kind::BROADCAST, Some(3), (1 << 40) + 17);
+        let t = rooted_tag(kind::BROADCAST, Some(3), (1 << SEQ_BITS) + 17);
         assert_eq!(
             (tag_kind(t), tag_seq(t), tag_root(t)),
             (kind::BROADCAST, 17, Some(3))
@@ -117,5 +208,36 @@ mod tests {
             (None, "AllReduce #5")
         );
         assert_eq!(mismatch_hint(a, tag(kind::ALL_REDUCE, 6)), "");
+    }
+
+    #[test]
+    fn tags_carry_datatype_and_op() {
+        let f = op_tag(kind::ALL_REDUCE, None, Some(DataType::Float32), op::SUM, 9);
+        let i = op_tag(kind::ALL_REDUCE, None, Some(DataType::Int32), op::SUM, 9);
+        let m = op_tag(kind::ALL_REDUCE, None, Some(DataType::Float32), op::MAX, 9);
+        assert_eq!(describe_tag(f), "AllReduce #9 (float, sum)");
+        assert_eq!(describe_tag(i), "AllReduce #9 (int32, sum)");
+        assert_ne!(f, i);
+        assert_ne!(f, m);
+        assert!(mismatch_hint(i, f).contains("different datatypes"));
+        assert!(mismatch_hint(m, f).contains("different reduction ops"));
+        // Every field survives every other at its largest value.
+        for d in DataType::ALL {
+            for o in [op::SUM, op::BXOR] {
+                let t = op_tag(kind::BARRIER, Some(0xfffe), Some(d), o, SEQ_MASK);
+                assert_eq!(
+                    (
+                        tag_kind(t),
+                        tag_root(t),
+                        tag_dtype(t),
+                        tag_op(t),
+                        tag_seq(t)
+                    ),
+                    (kind::BARRIER, Some(0xfffe), Some(d), o, SEQ_MASK)
+                );
+            }
+        }
+        let b = op_tag(kind::BROADCAST, Some(2), Some(DataType::Int8), 0, 4);
+        assert_eq!(describe_tag(b), "Broadcast #4 (root 2, int8)");
     }
 }

@@ -455,10 +455,15 @@ impl Comm {
             Closing::Aborted
         } else if e.kind == ErrorKind::Timeout {
             Closing::TimedOut
+        } else if e.kind == ErrorKind::InvalidUsage {
+            Closing::Disagreed
         } else {
             Closing::Failed
         };
         for l in &self.wiring.links {
+            if let (Closing::Disagreed, Some((ours, theirs))) = (how, e.disagreed) {
+                l.tell_disagreement(ours, theirs);
+            }
             l.close(how, e.lost);
         }
     }

@@ -181,11 +181,50 @@ pub(crate) fn repeat_key(
     })
 }
 
-/// The tag of the messages of a collective numbered `seq`; point-to-point calls match by order.
-fn tag_of(coll: &Collective, seq: u64) -> u64 {
+/// The tag of the messages of a collective numbered `seq`, with its datatype and op, so ranks
+/// that pass different ones fail instead of combining unlike bytes; point-to-point calls match
+/// by order.
+fn tag_of(coll: &Collective, dtype: DataType, op: u8, seq: u64) -> u64 {
     match coll {
         Collective::Send { .. } | Collective::Recv { .. } => tag(kind::P2P, 0),
-        _ => crate::tag::rooted_tag(coll.kind(), coll.root(), seq),
+        _ => crate::tag::op_tag(coll.kind(), coll.root(), Some(dtype), op, seq),
+    }
+}
+
+/// An op as tags carry it (`tag::op`).
+fn op_code(op: Option<OpChoice>) -> u8 {
+    use crate::tag::op;
+    match op {
+        None => 0,
+        Some(OpChoice::Avg) => op::AVG,
+        Some(OpChoice::PreMulSum(_)) => op::PREMULSUM,
+        Some(OpChoice::Plain(p)) => match p {
+            ReduceOp::Sum => op::SUM,
+            ReduceOp::Prod => op::PROD,
+            ReduceOp::Max => op::MAX,
+            ReduceOp::Min => op::MIN,
+            ReduceOp::BitAnd => op::BAND,
+            ReduceOp::BitOr => op::BOR,
+            ReduceOp::BitXor => op::BXOR,
+        },
+    }
+}
+
+/// A built-in `ncclRedOp_t` value as tags carry it (`repeat_key` admits only built-ins).
+fn raw_op_code(op: Option<i32>) -> u8 {
+    use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BOR, COMM_OP_BXOR};
+    use crate::tag::op;
+    match op {
+        None => 0,
+        Some(0) => op::SUM,
+        Some(1) => op::PROD,
+        Some(2) => op::MAX,
+        Some(3) => op::MIN,
+        Some(4) => op::AVG,
+        Some(COMM_OP_BAND) => op::BAND,
+        Some(COMM_OP_BOR) => op::BOR,
+        Some(COMM_OP_BXOR) => op::BXOR,
+        Some(_) => op::PREMULSUM,
     }
 }
 
@@ -540,7 +579,13 @@ impl Comm {
             return None;
         }
         let r = run_again(&self.wiring, key, send, recv, || {
-            tag_of(&key.coll, self.number(&key.coll))
+            let dtype = DataType::from_raw(key.dtype).unwrap_or(DataType::Uint8);
+            tag_of(
+                &key.coll,
+                dtype,
+                raw_op_code(key.op),
+                self.number(&key.coll),
+            )
         })?;
         if let Err(e) = &r {
             crate::warn!("{}", e.msg);
@@ -700,7 +745,7 @@ impl Comm {
     }
 
     fn build_with_slice(&self, call: &Call, seq: u64, slice_bytes: usize) -> Result<HostOp> {
-        let tag = tag_of(&call.coll, seq);
+        let tag = tag_of(&call.coll, call.dtype, op_code(call.op), seq);
         let reduction = call.op.map(|op| self.reduction(op, call.dtype));
         {
             let memo = self.schedules.lock();

@@ -1266,6 +1266,18 @@ impl<'a> Exec<'a> {
         (ranks, count_repeats(parts))
     }
 
+    /// The operations of this run, as their tags describe them ("AllReduce #3 (float, sum)").
+    fn called(&self) -> String {
+        let mut seen: Vec<u64> = Vec::new();
+        for op in &self.t.ops {
+            if !seen.contains(&op.tag) {
+                seen.push(op.tag);
+            }
+        }
+        let names: Vec<String> = seen.iter().map(|&t| describe_tag(t)).collect();
+        names.join(", ")
+    }
+
     /// This rank gives up: the peers hear at once that it timed out and whom it suspects, so
     /// that a peer waiting on it can tell its own story instead of blaming it.
     fn give_up(&self, err: &Error) {
@@ -2183,9 +2195,15 @@ fn drive_steps(execs: &mut [Exec]) -> Result<()> {
         if last_check.is_none_or(|t| now - t >= Duration::from_millis(20)) {
             last_check = Some(now);
             let lost = execs.iter().find_map(|e| {
-                e.check_peers()
-                    .err()
-                    .map(|err| err.context(format!("rank {}", e.wiring.rank)))
+                e.check_peers().err().map(|err| {
+                    // A peer that found the ranks disagreeing names the two operations it
+                    // saw; this rank adds its own, so every rank's error says what it called.
+                    if err.kind == ErrorKind::InvalidUsage {
+                        err.context(format!("rank {} (in {})", e.wiring.rank, e.called()))
+                    } else {
+                        err.context(format!("rank {}", e.wiring.rank))
+                    }
+                })
             });
             // A peer that gave up waiting for this rank: this rank's own wait is the story.
             let blamed = execs.iter().enumerate().find_map(|(i, e)| {
@@ -2877,7 +2895,7 @@ mod tests {
         }
     }
 
-    const ALL_REDUCE_TAG: u64 = 0x0200_0000_0000_0001;
+    const ALL_REDUCE_TAG: u64 = (crate::tag::kind::ALL_REDUCE as u64) << 59 | 1;
 
     /// This rank's part of a ring all-reduce of `input` (4-byte elements, 64-byte slices): the
     /// bytes of the result.
@@ -3067,7 +3085,7 @@ mod tests {
         let m = mesh(n, 24, Duration::from_secs(20));
         let out = on_threads(&m.wirings, |r, w| {
             let mut results = Vec::new();
-            let mut tag = 0x0300_0000_0000_0000u64;
+            let mut tag = crate::tag::tag(crate::tag::kind::BROADCAST, 0);
             for count in [5, 100] {
                 for in_place in [false, true] {
                     let shape = shape(r, n, 4, in_place, 1 << 20);
@@ -3184,7 +3202,7 @@ mod tests {
         ];
         let out = on_threads(&m.wirings, |r, w| {
             let mut results = Vec::new();
-            let mut tag = 0x0500_0000_0000_0000u64;
+            let mut tag = crate::tag::tag(crate::tag::kind::ALL_GATHER, 0);
             for (count, slice) in [(5, 64), (100, 64), (100, 16)] {
                 for root in [0, 2] {
                     for in_place in [false, true] {

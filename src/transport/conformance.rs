@@ -206,7 +206,12 @@ fn messages(seed: u8) -> Vec<(Vec<u8>, u64)> {
     LENGTHS
         .iter()
         .enumerate()
-        .map(|(i, &l)| (pattern(l, seed + i as u8), 0x0200_0000_0000_0100 + i as u64))
+        .map(|(i, &l)| {
+            (
+                pattern(l, seed + i as u8),
+                crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x100 + i as u64),
+            )
+        })
         .collect()
 }
 
@@ -242,10 +247,19 @@ fn suite(kind: Kind) {
     order_and_lengths(&*a, &*b, false);
 
     // A receive that expects another tag or length is refused, naming both.
-    let msgs = vec![(pattern(64, 1), 0x0200_0000_0000_0042)];
-    let e = transfer(&*a, &*b, &msgs, &[(64, 0x0300_0000_0000_0042)], true)
-        .err()
-        .expect("a tag mismatch is an error");
+    let msgs = vec![(
+        pattern(64, 1),
+        crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x42),
+    )];
+    let e = transfer(
+        &*a,
+        &*b,
+        &msgs,
+        &[(64, crate::tag::tag(crate::tag::kind::BROADCAST, 0x42))],
+        true,
+    )
+    .err()
+    .expect("a tag mismatch is an error");
     assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
     assert!(
         e.msg.contains("AllReduce") && e.msg.contains("Broadcast"),
@@ -258,13 +272,29 @@ fn closing(kind: Kind) {
     let pair = Pair::new(kind);
     let (a, b) = (pair.link(0), pair.link(1));
     // What was sent before the close still arrives; then the close is an error naming it.
-    let msgs = vec![(pattern(1000, 9), 0x0200_0000_0000_0007)];
-    let got = transfer(&*a, &*b, &msgs, &[(1000, 0x0200_0000_0000_0007)], true).unwrap();
+    let msgs = vec![(
+        pattern(1000, 9),
+        crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x07),
+    )];
+    let got = transfer(
+        &*a,
+        &*b,
+        &msgs,
+        &[(1000, crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x07))],
+        true,
+    )
+    .unwrap();
     assert_eq!(got[0].buf, msgs[0].0);
     a.close(Closing::Destroyed, None);
-    let e = transfer(&*a, &*b, &[], &[(8, 0x0200_0000_0000_0008)], true)
-        .err()
-        .expect("a receive after the peer destroyed its end fails");
+    let e = transfer(
+        &*a,
+        &*b,
+        &[],
+        &[(8, crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x08))],
+        true,
+    )
+    .err()
+    .expect("a receive after the peer destroyed its end fails");
     assert_eq!(e.kind, ErrorKind::Remote);
     assert!(e.msg.contains("rank 0 destroyed"), "{}", e.msg);
     assert_eq!(e.lost, Some(0));
@@ -273,9 +303,15 @@ fn closing(kind: Kind) {
     let pair = Pair::new(kind);
     let (a, b) = (pair.link(0), pair.link(1));
     a.close(Closing::Aborted, Some(7));
-    let e = transfer(&*a, &*b, &[], &[(8, 0x0200_0000_0000_0008)], false)
-        .err()
-        .expect("a receive after the peer aborted fails");
+    let e = transfer(
+        &*a,
+        &*b,
+        &[],
+        &[(8, crate::tag::tag(crate::tag::kind::ALL_REDUCE, 0x08))],
+        false,
+    )
+    .err()
+    .expect("a receive after the peer aborted fails");
     assert!(
         e.msg.contains("rank 0 aborted") && e.msg.contains("after it lost rank 7"),
         "{}",

@@ -172,6 +172,25 @@ pub(crate) struct OutMsg {
     pub reply_at: Option<usize>,
 }
 
+/// The error of a receive that expected `expect` from rank `peer` but found a message of `len`
+/// bytes tagged `tag`: the ranks called different operations, or the same with different
+/// counts, datatypes, ops or roots. Every rank that sees it fails with a usage error, and its
+/// peers are told both operations (`Closing::Disagreed`).
+pub(crate) fn mismatch_error(peer: usize, len: u64, tag: u64, expect: &InExpect) -> Error {
+    let mut e = Error::new(
+        crate::error::ErrorKind::InvalidUsage,
+        format!(
+            "rank {peer} sent {len} bytes in a message of {} where this rank expects {} bytes for {} (a message is one piece of an operation's data, not all of it): the ranks called different operations or passed different counts, datatypes, reduction ops or roots{}",
+            crate::tag::describe_tag(tag),
+            expect.len,
+            crate::tag::describe_tag(expect.tag),
+            crate::tag::mismatch_hint(tag, expect.tag)
+        ),
+    );
+    e.disagreed = Some((expect.tag, tag));
+    e
+}
+
 /// What the receiver expects next on a channel.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct InExpect {
@@ -354,6 +373,10 @@ pub(crate) trait Link: Send + Sync {
     /// This end is going away: the peer must stop waiting for it and fail instead, told how
     /// and, when this rank failed because it lost a rank, which one.
     fn close(&self, _how: Closing, _lost: Option<usize>) {}
+    /// Before a `close` as `Closing::Disagreed`: the two operations this rank found the ranks
+    /// disagreeing on (its own tag, the tag it received), for the peer's error to name. Links
+    /// that cannot carry them leave the peer's error more general.
+    fn tell_disagreement(&self, _ours: u64, _theirs: u64) {}
 }
 
 /// How a rank's end of its links went away, as its peers will report it.
@@ -365,6 +388,9 @@ pub(crate) enum Closing {
     Failed = 3,
     /// The communicator timed out waiting (for the rank given as lost): it failed too.
     TimedOut = 4,
+    /// The communicator failed because the ranks called different operations (kind, count,
+    /// datatype, op or root): the peers fail with the usage error too, not a remote one.
+    Disagreed = 5,
 }
 
 impl Closing {
@@ -374,12 +400,32 @@ impl Closing {
             2 => Some(Closing::Aborted),
             3 => Some(Closing::Failed),
             4 => Some(Closing::TimedOut),
+            5 => Some(Closing::Disagreed),
             _ => None,
         }
     }
 
     /// "rank 4 aborted its communicator after it lost rank 3 while this rank still needs it".
     pub(crate) fn describe(self, rank: usize, lost: Option<usize>) -> String {
+        self.describe_with(rank, lost, None)
+    }
+
+    /// `describe`, naming the two operations a rank that closed as `Disagreed` saw, where it
+    /// said (its own tag and the one it received).
+    pub(crate) fn describe_with(
+        self,
+        rank: usize,
+        lost: Option<usize>,
+        disagreed: Option<(u64, u64)>,
+    ) -> String {
+        if let (Closing::Disagreed, Some((ours, theirs))) = (self, disagreed) {
+            return format!(
+                "rank {rank} stopped because the ranks called different operations: it called {} but received a message of {}{}",
+                crate::tag::describe_tag(ours),
+                crate::tag::describe_tag(theirs),
+                crate::tag::mismatch_hint(theirs, ours)
+            );
+        }
         let after = lost
             .map(|l| format!(" after it lost rank {l}"))
             .unwrap_or_default();
@@ -393,6 +439,9 @@ impl Closing {
                 Some(l) => format!("rank {rank} timed out waiting for rank {l}"),
                 None => format!("rank {rank} timed out"),
             },
+            Closing::Disagreed => format!(
+                "rank {rank} stopped because the ranks called different operations (collective, count, datatype, reduction op or root; its own error names the two it saw)"
+            ),
         }
     }
 
@@ -400,6 +449,7 @@ impl Closing {
     pub(crate) fn kind(self) -> crate::error::ErrorKind {
         match self {
             Closing::TimedOut => crate::error::ErrorKind::Timeout,
+            Closing::Disagreed => crate::error::ErrorKind::InvalidUsage,
             _ => crate::error::ErrorKind::Remote,
         }
     }

@@ -331,6 +331,15 @@ impl Segment {
         self.atomic_u32(LINE)
     }
 
+    /// Where this rank closed as `Closing::Disagreed`: the tag it expected and the tag it
+    /// received (0 and 0 until then), written before the close, read by peers after it.
+    fn disagreed(&self) -> (&AtomicU64, &AtomicU64) {
+        (
+            self.atomic_u64(3 * LINE + 8),
+            self.atomic_u64(3 * LINE + 16),
+        )
+    }
+
     /// The CPU the owner's progress loop last ran on, plus one (0: never said), in the low 30
     /// bits; in the top two what it does (`Activity`: 0 polling, 1 sleeping, 2 outside).
     /// Written only when it changes, so the line stays shared between the owner and the peers
@@ -1037,18 +1046,7 @@ impl ShmPeer {
     }
 
     fn mismatch(&self, len: u64, tag: u64, expect: &InExpect) -> Error {
-        Error::new(
-            crate::error::ErrorKind::InvalidUsage,
-            format!(
-                "rank {} sent {} bytes in a message of {} where this rank expects {} bytes for {} (a message is one piece of an operation's data, not all of it): the ranks called different operations or passed different counts/datatypes{}",
-                self.peer,
-                len,
-                crate::tag::describe_tag(tag),
-                expect.len,
-                crate::tag::describe_tag(expect.tag),
-                crate::tag::mismatch_hint(tag, expect.tag)
-            ),
-        )
+        crate::transport::mismatch_error(self.peer, len, tag, expect)
     }
 }
 
@@ -1552,8 +1550,14 @@ impl Link for ShmPeer {
         };
         let closed = Closing::from_code(self.remote.closed().load(Ordering::SeqCst));
         if let Some(how) = closed {
-            let mut e = gone(how.describe(self.peer, first));
+            let (ours, theirs) = self.remote.disagreed();
+            let tags = match (ours.load(Ordering::SeqCst), theirs.load(Ordering::SeqCst)) {
+                (0, 0) => None,
+                pair => Some(pair),
+            };
+            let mut e = gone(how.describe_with(self.peer, first, tags));
             e.kind = how.kind();
+            e.disagreed = tags.filter(|_| how == Closing::Disagreed);
             return Err(e);
         }
         if self.watch.as_ref().is_some_and(|w| !w.alive()) {
@@ -1602,6 +1606,16 @@ impl Link for ShmPeer {
     fn close(&self, how: Closing, lost: Option<usize>) {
         self.local.mark_closed(how, lost);
         self.remote.ring();
+    }
+
+    fn tell_disagreement(&self, ours: u64, theirs: u64) {
+        // The first disagreement this rank found stays: every link shares the segment.
+        let (o, t) = self.local.disagreed();
+        if o.compare_exchange(0, ours, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            t.store(theirs, Ordering::SeqCst);
+        }
     }
 
     /// Reads the number of every slot of both FIFOs with this peer: one line and one page each,
@@ -2064,7 +2078,7 @@ mod tests {
     use super::*;
     use crate::error::ErrorKind;
 
-    const TAG: u64 = 0x0200_0000_0000_0005;
+    const TAG: u64 = (crate::tag::kind::ALL_REDUCE as u64) << 59 | 5;
 
     /// Rank 0's link to rank 1 and rank 1's link to rank 0, over two fresh segments.
     /// `pull`: whether each receiver may pull from the other; `access`: how it reads.

@@ -265,6 +265,15 @@ impl<'a> Case<'a> {
 
     /// Makes the call (`Call::make`).
     pub fn launch(&self, ctx: &Ctx) -> Result<(), String> {
+        nccl!(self.call(ctx));
+        Ok(())
+    }
+
+    /// Makes the call and returns what the C API returned.
+    ///
+    /// # Safety
+    /// As `Call::make`: the buffers are this case's own and `ctx.comm` is a communicator.
+    pub unsafe fn call(&self, ctx: &Ctx) -> ncclResult_t {
         let call = Call {
             coll: self.spec.coll,
             dt: self.spec.dt,
@@ -274,8 +283,8 @@ impl<'a> Case<'a> {
             rank: ctx.rank,
             n: ctx.n,
         };
-        nccl!(call.make(self.sendp, self.recvp, ctx.comm, std::ptr::null_mut()));
-        Ok(())
+        // SAFETY: the caller's promise.
+        unsafe { call.make(self.sendp, self.recvp, ctx.comm, std::ptr::null_mut()) }
     }
 
     /// After the call (or its group) completed: destroys the op, then checks the canaries and

@@ -505,7 +505,7 @@ pub(crate) fn connect(
                 .map_err(|e| Error::from_io("configure a TCP connection", e))?;
             waker.add(s.as_raw_fd(), p)?;
         }
-        let link = SocketLink::new(me, p, ss, waker.clone());
+        let link = SocketLink::new(p, ss, waker.clone());
         crate::info!("rank {me} -> rank {p}: {}", link.describe());
         links[p] = Some(Arc::new(link));
     }

@@ -20,7 +20,7 @@
 //! nothing more will come.
 
 use super::Waker;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::reduce::Scale;
 use crate::transport::{
     Closing, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
@@ -121,7 +121,6 @@ struct Arriving {
 }
 
 pub(crate) struct SocketLink {
-    me: usize,
     peer: usize,
     streams: Vec<TcpStream>,
     waker: Arc<Waker>,
@@ -135,6 +134,10 @@ pub(crate) struct SocketLink {
     state: AtomicU32,
     /// The rank the peer said it lost before closing, plus one (0: none).
     peer_lost: AtomicU32,
+    /// The two operations the peer said it found the ranks disagreeing on (its own tag, the
+    /// one it received), from its close header; and this rank's, for its own close header.
+    peer_disagreed: Mutex<Option<(u64, u64)>>,
+    disagreed: Mutex<Option<(u64, u64)>>,
     closed: AtomicBool,
 }
 
@@ -145,16 +148,10 @@ enum Io {
 }
 
 impl SocketLink {
-    pub(super) fn new(
-        me: usize,
-        peer: usize,
-        streams: Vec<TcpStream>,
-        waker: Arc<Waker>,
-    ) -> SocketLink {
+    pub(super) fn new(peer: usize, streams: Vec<TcpStream>, waker: Arc<Waker>) -> SocketLink {
         let n = streams.len();
         assert!(n >= 1, "a link needs a socket");
         SocketLink {
-            me,
             peer,
             streams,
             waker,
@@ -166,6 +163,8 @@ impl SocketLink {
             mid_message: AtomicBool::new(false),
             state: AtomicU32::new(OPEN),
             peer_lost: AtomicU32::new(0),
+            peer_disagreed: Mutex::new(None),
+            disagreed: Mutex::new(None),
             closed: AtomicBool::new(false),
         }
     }
@@ -302,7 +301,7 @@ impl SocketLink {
         let msg = match how {
             Some(how) => {
                 let lost = (self.first_lost() != self.peer).then(|| self.first_lost());
-                how.describe(self.peer, lost)
+                how.describe_with(self.peer, lost, *self.peer_disagreed.lock())
             }
             None if state == PEER_GONE => format!(
                 "rank {} closed its TCP connection (its process exited, or its host or the link failed)",
@@ -313,6 +312,7 @@ impl SocketLink {
         let mut e = Error::lost_peer(self.first_lost(), msg);
         if let Some(how) = how {
             e.kind = how.kind();
+            e.disagreed = *self.peer_disagreed.lock();
         }
         Some(e)
     }
@@ -337,6 +337,9 @@ impl SocketLink {
             MAGIC_CLOSE => {
                 let how = Closing::from_code(h.flags).unwrap_or(Closing::Destroyed);
                 self.peer_lost.store(h.tag as u32, Ordering::SeqCst);
+                if how == Closing::Disagreed && h.len != 0 {
+                    *self.peer_disagreed.lock() = Some((h.len, u64::from_le_bytes(h.scale)));
+                }
                 self.state.store(how as u32, Ordering::SeqCst);
                 Err(self.gone_error().expect("state set above"))
             }
@@ -425,18 +428,8 @@ impl Link for SocketLink {
             return Ok(idle);
         };
         if h.tag != expect.tag || h.len as usize != expect.len {
-            return Err(Error::new(
-                ErrorKind::InvalidUsage,
-                format!(
-                    "rank {} sent {} bytes in a message of {} where rank {} expects {} bytes for {} (a message is one piece of an operation's data, not all of it): the ranks called different operations or used different counts{}",
-                    self.peer,
-                    h.len,
-                    crate::tag::describe_tag(h.tag),
-                    self.me,
-                    expect.len,
-                    crate::tag::describe_tag(expect.tag),
-                    crate::tag::mismatch_hint(h.tag, expect.tag)
-                ),
+            return Err(crate::transport::mismatch_error(
+                self.peer, h.len, h.tag, expect,
             ));
         }
         cur.started = true;
@@ -575,17 +568,25 @@ impl Link for SocketLink {
         }
     }
 
+    fn tell_disagreement(&self, ours: u64, theirs: u64) {
+        self.disagreed.lock().get_or_insert((ours, theirs));
+    }
+
     fn close(&self, how: Closing, lost: Option<usize>) {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
         if !self.mid_message.load(Ordering::Relaxed) {
+            let (ours, theirs) = match how {
+                Closing::Disagreed => self.disagreed.lock().unwrap_or_default(),
+                _ => (0, 0),
+            };
             let h = Header {
                 magic: MAGIC_CLOSE,
                 flags: how as u32,
                 tag: lost.map_or(0, |l| l as u64 + 1),
-                len: 0,
-                scale: [0; 8],
+                len: ours,
+                scale: theirs.to_le_bytes(),
             };
             // One attempt: a full socket buffer means the peer is not reading, and the
             // shutdown below still tells it we are gone.
@@ -612,7 +613,7 @@ mod tests {
         let mut theirs = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (ours, _) = listener.accept().unwrap();
         ours.set_nonblocking(true).unwrap();
-        let link = SocketLink::new(0, 1, vec![ours], Arc::new(Waker::direct().unwrap()));
+        let link = SocketLink::new(1, vec![ours], Arc::new(Waker::direct().unwrap()));
         assert!(link.hung_up_reason().is_none(), "nothing happened yet");
         let h = Header {
             magic: MAGIC_MSG,

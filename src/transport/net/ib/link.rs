@@ -528,17 +528,8 @@ impl Link for IbLink {
                     || h.len as usize > self.payload()
                     || cur.received + h.len as usize > expect.len
                 {
-                    return Err(Error::new(
-                        ErrorKind::InvalidUsage,
-                        format!(
-                            "rank {} sent {} ({} bytes) while this rank expected {} ({} bytes): the ranks called different operations{}",
-                            self.peer,
-                            crate::tag::describe_tag(h.tag),
-                            h.msg_len,
-                            crate::tag::describe_tag(expect.tag),
-                            expect.len,
-                            crate::tag::mismatch_hint(h.tag, expect.tag)
-                        ),
+                    return Err(crate::transport::mismatch_error(
+                        self.peer, h.msg_len, h.tag, expect,
                     ));
                 }
                 let scale = h.scale.map(Scale);
