@@ -92,12 +92,13 @@ pub(crate) fn depth() -> u32 {
     GROUP.with(|g| g.borrow().depth)
 }
 
-/// Remembers the first failed call of the group: the outermost end reports it and runs nothing.
-pub(crate) fn record_error(e: &Error) {
+/// Remembers the first failed call of the group (`func`, the entry point that failed): the
+/// outermost end reports it, naming the call, and runs nothing.
+pub(crate) fn record_error(func: &str, e: &Error) {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth > 0 && g.error.is_none() {
-            g.error = Some(e.clone());
+            g.error = Some(e.clone().context(func));
         }
     });
 }

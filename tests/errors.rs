@@ -245,6 +245,25 @@ fn bad_arguments(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> 
         {
             return Err(format!("group with a bad call: {r1:?} {r2:?} {end:?}"));
         }
+        // The group's error names the call that failed: its entry point, peer and count.
+        let peer = ((rank + 1) % n) as i32;
+        nccl!(ncclGroupStart());
+        let r1 = ncclRecv(rp, 8, FLOAT, peer, comm, S);
+        let r2 = ncclSend(std::ptr::null(), 8, FLOAT, peer, comm, S);
+        expect_err(
+            ncclGroupEnd(),
+            invalid,
+            &[
+                "group did nothing",
+                "ncclSend",
+                &format!("peer {peer}, count 8"),
+                "sendbuff",
+            ],
+            "group with a bad send",
+        )?;
+        if r1 != OK || r2 != invalid {
+            return Err(format!("group with a bad send: {r1:?} {r2:?}"));
+        }
     }
     still_works(comm, n, rank)?;
     // Op of another communicator.

@@ -69,14 +69,27 @@ fn submit(
         return c.check_kind(&coll, dtype, op).map(drop);
     }
     let repeat = repeat_key(&coll, dtype, op, stream as usize);
-    let call = c.check_call(
-        coll,
-        send as *const u8,
-        recv as *mut u8,
-        dtype,
-        op,
-        stream as usize,
-    )?;
+    // A send or receive that fails is named by its peer and count: in a group of many, its
+    // entry point's name alone does not say which one failed.
+    let p2p = match coll {
+        Collective::Send { peer, count } | Collective::Recv { peer, count } => {
+            Some(format!("peer {peer}, count {count}"))
+        }
+        _ => None,
+    };
+    let call = c
+        .check_call(
+            coll,
+            send as *const u8,
+            recv as *mut u8,
+            dtype,
+            op,
+            stream as usize,
+        )
+        .map_err(|e| match p2p {
+            Some(what) => e.context(what),
+            None => e,
+        })?;
     group::submit(c, call, repeat)
 }
 

@@ -123,7 +123,7 @@ pub(crate) fn report(func: &str, e: &Error, comm: ncclComm_t) {
     crate::warn!("{msg}");
     remember(&msg);
     THREAD_LAST.with(|t| *t.borrow_mut() = Some((msg, named)));
-    crate::group::record_error(e);
+    crate::group::record_error(func, e);
 }
 
 /// ncclCommGetAsyncError found the communicator failed: from now on ncclGetLastError describes
