@@ -835,6 +835,21 @@ fn peer_dies(w: &Worker) -> Result<(), String> {
             t.elapsed()
         ));
     }
+    // Atomics into the dead rank's window fail too: the old value they would return was read
+    // from memory nobody owns any more.
+    let mut old = 0u64;
+    expect(
+        unsafe { commWinFetchAdd(1, &mut old, UINT64, 0, win, 0, comm) },
+        ncclResult_t::ncclRemoteError,
+        "rank 0",
+        "fetch-add into a dead peer",
+    )?;
+    expect(
+        unsafe { commWinCompareSwap(0, 1, &mut old, UINT64, 0, win, 0, comm) },
+        ncclResult_t::ncclRemoteError,
+        "rank 0",
+        "compare-and-swap into a dead peer",
+    )?;
     Ok(())
 }
 

@@ -1418,6 +1418,11 @@ pub(crate) fn atomic(
                 Error::new(ErrorKind::Internal, "no control segment for a local peer")
             })?;
             check_live(&cw, &w, peer)?;
+            // The word is mapped here and outlives its owner: an atomic into a rank that is
+            // gone would succeed and return a value nobody will see change again.
+            if peer != c.rank {
+                c.links[peer].check_peer()?;
+            }
             atomic_at(
                 &w,
                 peer,
