@@ -166,7 +166,8 @@ pub(crate) fn end() -> Result<()> {
                     failed.get_or_insert(e);
                 }
             }
-            run_calls(calls)?;
+            let may_background = waits.is_empty() && failed.is_none();
+            run_calls(calls, may_background)?;
             for o in waits {
                 (o.run)()?;
             }
@@ -218,13 +219,28 @@ pub(crate) fn submit(comm: &Arc<Comm>, call: Call, repeat: Option<Repeat>) -> Re
 /// A call outside any group, just checked (`Comm::check_call`, which found the communicator
 /// usable): straight to its executor, without a group's bookkeeping.
 fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
+    if call.device && c.spans_hosts() {
+        return run_calls(vec![(c.clone(), call.clone())], true);
+    }
+    let held = c.gate.enter()?;
     if call.device {
-        if c.spans_hosts() {
-            return run_calls(vec![(c.clone(), call.clone())]);
-        }
         return c.enqueue_device(std::slice::from_ref(call));
     }
     let op = c.prepare(call)?;
+    if !c.config.blocking {
+        // Numbered here, in call order; run in the background (`in_background`).
+        let op = SendOp(op);
+        return in_background(held, std::slice::from_ref(c), move |c| {
+            let op = op;
+            let _scope = crate::log::rank_scope(c[0].rank as i32);
+            let result = crate::exec::host::run_one(&c[0].wiring, op.0, None);
+            if let Err(e) = &result {
+                crate::warn!("{}", e.msg);
+                c[0].fail(e);
+            }
+            result
+        });
+    }
     let _scope = crate::log::rank_scope(c.rank as i32);
     let repeat = repeat.map(|r| (r, call.footprint));
     let result = crate::exec::host::run_one(&c.wiring, op, repeat);
@@ -233,6 +249,51 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
         c.fail(e);
     }
     result
+}
+
+/// A prepared operation moved to the thread that runs it in the background.
+struct SendOp(crate::exec::host::HostOp);
+// SAFETY: its pointers are addresses of the caller's buffers, which a caller of a non-blocking
+// communicator keeps valid until ncclCommGetAsyncError reports the operation done (NCCL's
+// contract); nothing else in it is tied to a thread.
+unsafe impl Send for SendOp {}
+
+/// Runs `work` on the communicators `comms` (of a non-blocking kind) on a thread of its own,
+/// holding their gates (the first in `held`, already entered) until it ends: the caller gets
+/// InProgress now, ncclCommGetAsyncError reports the end, and destroy or abort waits for it.
+fn in_background(
+    held: crate::comm::gate::Held<'_>,
+    comms: &[Arc<Comm>],
+    work: impl FnOnce(&[Arc<Comm>]) -> Result<()> + Send + 'static,
+) -> Result<()> {
+    let owned: Vec<Arc<Comm>> = comms.to_vec();
+    held.hand_to_background();
+    let spawned = std::thread::Builder::new()
+        .name("comm-nonblocking".into())
+        .spawn(move || {
+            let _ = work(&owned);
+            for c in &owned {
+                c.gate.release_background();
+            }
+        });
+    match spawned {
+        Ok(h) => {
+            *comms[0].background.lock() = Some(h);
+            Err(Error::new(
+                ErrorKind::InProgress,
+                "the operation runs in the background",
+            ))
+        }
+        Err(e) => {
+            for c in comms {
+                c.gate.release_background();
+            }
+            Err(Error::from_io(
+                "starting the thread of a non-blocking operation",
+                e,
+            ))
+        }
+    }
 }
 
 /// Runs collective window operations of a group: those of one communicator in order, those
@@ -427,7 +488,9 @@ fn shared_stream(uses: impl Iterator<Item = (u64, usize, usize)>) -> Option<(usi
 }
 
 /// Runs calls now: per communicator in issue order, all communicators in one executor pass.
-pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
+/// Each communicator admits one call at a time (`comm::gate`); a group of non-blocking ones
+/// runs in the background where `may_background` (nothing of the group waits behind it).
+pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>, may_background: bool) -> Result<()> {
     if calls.is_empty() {
         return Ok(());
     }
@@ -442,14 +505,45 @@ pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>) -> Result<()> {
             }
         }
     }
+    let mut held = Vec::with_capacity(comms.len());
+    for c in &comms {
+        held.push(c.gate.enter()?);
+    }
+    let host_only = per_comm.iter().flatten().all(|call| !call.device);
+    if may_background && host_only && comms.iter().all(|c| !c.config.blocking) {
+        // The first gate goes with the work; the others are handed over as well.
+        let mut held = held.into_iter();
+        let first = held.next().expect("a group with calls has a communicator");
+        for h in held {
+            h.hand_to_background();
+        }
+        let per_comm = SendCalls(per_comm);
+        return in_background(first, &comms, move |comms| {
+            let per_comm = per_comm;
+            let result = run_grouped(comms, per_comm.0);
+            note_group_error(comms, &result);
+            result
+        });
+    }
     let result = run_grouped(&comms, per_comm);
-    if let Err(e) = &result {
-        // Every communicator of the group did nothing or failed with it: its last error says so.
-        for c in &comms {
+    note_group_error(&comms, &result);
+    drop(held);
+    result
+}
+
+/// A group's calls moved to the thread that runs them in the background.
+struct SendCalls(Vec<Vec<Call>>);
+// SAFETY: as `SendOp`; `Call` itself is Send for the same reason.
+unsafe impl Send for SendCalls {}
+
+/// Every communicator of a group that failed did nothing or failed with it: its last error
+/// says so.
+fn note_group_error(comms: &[Arc<Comm>], result: &Result<()>) {
+    if let Err(e) = result {
+        for c in comms {
             crate::comm::note_error(&c.last_error, "ncclGroupEnd", e);
         }
     }
-    result
 }
 
 /// The calls of a group, by communicator (`per_comm[i]` are `comms[i]`'s).

@@ -18,14 +18,19 @@ const S: cudaStream_t = std::ptr::null_mut();
 fn sum_check(comm: ncclComm_t, value: f32, want: f32, count: usize) -> Result<(), String> {
     let send = vec![value; count];
     let mut recv = vec![0f32; count];
-    nccl!(ncclAllReduce(
-        send.as_ptr() as *const c_void,
-        recv.as_mut_ptr() as *mut c_void,
-        count,
-        FLOAT,
-        SUM,
+    // A non-blocking communicator's call completes in the background.
+    nccl!(settled(
         comm,
-        S
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            count,
+            FLOAT,
+            SUM,
+            comm,
+            S,
+        ),
+        Duration::from_secs(60)
     ));
     if let Some(i) = recv.iter().position(|&v| v != want) {
         return Err(format!("element {i} is {}, expected {want}", recv[i]));

@@ -2,6 +2,7 @@
 //! configuration and state, and turning validated calls into executable operations.
 
 pub(crate) mod config;
+pub(crate) mod gate;
 pub(crate) mod ops;
 pub(crate) mod registry;
 pub(crate) mod staged;
@@ -86,6 +87,11 @@ pub(crate) struct Comm {
     /// entry's hands (a group) lands in the one place ncclGetLastError reads.
     pub last_error: LastError,
     pub suspended: AtomicBool,
+    /// One call at a time (`gate`), and a non-blocking communicator's operation running in
+    /// the background, which destroy and abort wait for (the caller's buffers are in use
+    /// until it ends).
+    pub gate: gate::Gate,
+    pub background: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Where the message of a communicator's last failure is kept (see `Comm::last_error`).
@@ -346,6 +352,8 @@ impl Comm {
             wiring,
             cuda_device: device,
             seq: AtomicU64::new(0),
+            gate: Default::default(),
+            background: Mutex::new(None),
             children: AtomicU64::new(0),
             shrinks: Mutex::new(Default::default()),
             custom_ops: CustomOps::default(),
@@ -492,6 +500,7 @@ impl Comm {
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.boot.abort_handle().store(true, Ordering::SeqCst);
         self.wiring.doorbell.ring();
+        self.join_background();
     }
 
     /// Stops any operation in progress (from any thread) and tells the peers.
@@ -503,6 +512,18 @@ impl Comm {
             l.close(Closing::Aborted, None);
         }
         self.wiring.doorbell.ring();
+        self.join_background();
+    }
+
+    /// Waits for a non-blocking operation still running in the background, stopped by the
+    /// abort flag set before: after destroy or abort returns, the caller may free its buffers.
+    fn join_background(&self) {
+        let handle = self.background.lock().take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
     }
 
     /// ncclCommRevoke: in-flight operations stop; only destroy, split and shrink remain.

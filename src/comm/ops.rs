@@ -572,12 +572,17 @@ impl Comm {
     /// the call.
     pub(crate) fn again(&self, key: &Repeat, send: *const u8, recv: *mut u8) -> Option<Result<()>> {
         if self.device.is_some()
+            || !self.config.blocking
             || crate::group::in_group()
             || crate::cuda::any_device_memory()
             || self.check_usable().is_err()
         {
             return None;
         }
+        let _held = match self.gate.enter() {
+            Ok(h) => h,
+            Err(e) => return Some(Err(e)),
+        };
         let r = run_again(&self.wiring, key, send, recv, || {
             let dtype = DataType::from_raw(key.dtype).unwrap_or(DataType::Uint8);
             tag_of(

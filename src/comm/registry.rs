@@ -131,6 +131,10 @@ impl Entry {
             State::Failed(e) => Err(e.clone()),
             State::Ready(c) => match c.async_error.lock().clone() {
                 Some(e) => Err(e),
+                None if c.gate.in_progress() => Err(Error::new(
+                    ErrorKind::InProgress,
+                    "an operation is in progress",
+                )),
                 None => Ok(()),
             },
         }

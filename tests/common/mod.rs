@@ -95,6 +95,27 @@ pub fn config(blocking: i32, name: &'static CStr) -> ncclConfig_t {
     }
 }
 
+/// What a call on `comm` that returned `r` came to: where it returned ncclInProgress (a
+/// non-blocking communicator), ncclCommGetAsyncError is polled until it reports anything else
+/// (for at most `limit`).
+pub fn settled(comm: ncclComm_t, r: ncclResult_t, limit: Duration) -> ncclResult_t {
+    if r != ncclResult_t::ncclInProgress {
+        return r;
+    }
+    let t = std::time::Instant::now();
+    loop {
+        let mut state = ncclResult_t::ncclInternalError;
+        let q = unsafe { ncclCommGetAsyncError(comm, &mut state) };
+        if q != OK {
+            return q;
+        }
+        if state != ncclResult_t::ncclInProgress || t.elapsed() > limit {
+            return state;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// The environment a worker process finds: which scenario, its rank, the rank count, the id.
 pub struct Worker {
     pub scenario: String,
