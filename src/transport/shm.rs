@@ -1811,7 +1811,7 @@ pub(crate) fn connect(
                                 && watch.is_some_and(lives_on) =>
                         {
                             stop.store(true, Ordering::SeqCst);
-                            return crate::remote_err!("rank {r} {STOPPED_SERVING} ({})", e.msg);
+                            return Err(stopped_serving(r, &e, &watches));
                         }
                         Err(e) if e.kind == crate::error::ErrorKind::Remote => {
                             lost.get_or_insert(e);
@@ -1995,6 +1995,37 @@ pub(crate) fn serve_segment(
 
 /// What a failed fetch from a peer that lives on means: its init failed.
 const STOPPED_SERVING: &str = "stopped serving its shared memory segment before this rank fetched it: its communicator init failed (its own error says why)";
+
+/// The error of a rank whose fetch from rank `r` failed while `r` lives on: `r` stopped
+/// serving because its init failed, most often because another rank died. The rank that died
+/// is named first, as the cause (a peer killed during init made its neighbours give up, and the
+/// rank that found one of them given up blamed it, a live rank, 1 run in 7), where one of
+/// `watches` shows it gone within a moment.
+fn stopped_serving(r: usize, e: &Error, watches: &[(usize, ProcessWatch)]) -> Error {
+    let until = Instant::now() + Duration::from_millis(100);
+    loop {
+        if let Some(&(dead, _)) = watches.iter().find(|(p, w)| *p != r && !w.alive()) {
+            let mut err = Error::lost_peer(
+                dead,
+                format!(
+                    "rank {dead} exited during init (its process is gone); rank {r} then {STOPPED_SERVING} ({})",
+                    e.msg
+                ),
+            );
+            err.lost = Some(dead);
+            return err;
+        }
+        if Instant::now() >= until {
+            let mut err = Error::new(
+                crate::error::ErrorKind::Remote,
+                format!("rank {r} {STOPPED_SERVING} ({})", e.msg),
+            );
+            err.lost = Some(r);
+            return err;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
 
 /// Whether a peer whose fetch just failed is still alive a moment later: a process being killed
 /// resets its connections before it counts as exited.
@@ -3309,6 +3340,25 @@ mod tests {
             .unwrap();
         assert!(b.recv(&expect, &mut rc, &mut sink).unwrap().state);
         assert_eq!(sink.buf, second);
+    }
+
+    /// A rank that finds a live peer stopped serving blames the rank that died, where one did,
+    /// not the live one that gave up because of it.
+    #[test]
+    fn a_peer_that_stopped_serving_is_not_blamed_for_a_rank_that_died() {
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let watch = ProcessWatch::new(dead.id());
+        dead.wait().unwrap();
+        let live = ProcessWatch::new(std::process::id());
+        let cause = Error::new(ErrorKind::Remote, "connection refused");
+        let e = stopped_serving(1, &cause, &[(1, live), (4, watch)]);
+        assert_eq!(e.kind, ErrorKind::Remote);
+        assert_eq!(e.lost, Some(4));
+        assert!(e.msg.starts_with("rank 4 exited"), "{}", e.msg);
+        assert!(e.msg.contains("rank 1 then stopped serving"), "{}", e.msg);
+        let e = stopped_serving(1, &cause, &[(1, ProcessWatch::new(std::process::id()))]);
+        assert_eq!(e.lost, Some(1));
+        assert!(e.msg.starts_with("rank 1 stopped serving"), "{}", e.msg);
     }
 
     /// A packed message that is not what the receiver expects (length or tag) is the same
