@@ -845,7 +845,7 @@ class Engine:
 
     def _peer(self, rank, what):
         if not 0 <= rank < self.size:
-            raise ValueError(f"comm: {what} {rank} is out of range for a group of {self.size} ranks")
+            raise RuntimeError(f"comm: {what} {rank} is out of range for a group of {self.size} ranks")
         return rank
 
     def _copy_back(self, staged, dst, src):
@@ -970,7 +970,7 @@ class Engine:
 
     def all_gather_single(self, output, input, async_op=False, result=None):
         if output.numel() != input.numel() * self.size or output.dtype != input.dtype:
-            raise ValueError(
+            raise RuntimeError(
                 f"comm: all_gather output must hold {self.size} x {input.numel()} elements of "
                 f"{input.dtype}, got {output.numel()} of {output.dtype}"
             )
@@ -1002,10 +1002,10 @@ class Engine:
         of different sizes take a group of broadcasts instead."""
         n = self.size
         if len(outputs) != n:
-            raise ValueError(f"comm: all_gather needs {n} output tensors, got {len(outputs)}")
+            raise RuntimeError(f"comm: all_gather needs {n} output tensors, got {len(outputs)}")
         for o in outputs:
             if o.dtype != input.dtype:
-                raise ValueError(f"comm: all_gather output dtype {o.dtype} differs from the input's {input.dtype}")
+                raise RuntimeError(f"comm: all_gather output dtype {o.dtype} differs from the input's {input.dtype}")
         result = outputs if result is None else result
         numel = input.numel()
         if all(o.numel() == numel for o in outputs):
@@ -1019,7 +1019,7 @@ class Engine:
 
             return self._wrapped(lambda: self.all_gather_single(flat, src), None, after, result, async_op)
         if outputs[self.rank].numel() != numel:
-            raise ValueError("comm: all_gather output for this rank must match the input's size")
+            raise RuntimeError("comm: all_gather output for this rank must match the input's size")
 
         # This rank broadcasts from a dense buffer it fills when the group runs, then copies
         # into its own output: broadcasting from that output took a staged copy of a
@@ -1042,7 +1042,7 @@ class Engine:
     def all_gather_coalesced(self, output_lists, inputs, async_op=False, result=None):
         """``output_lists[r][j]`` receives input ``j`` of rank ``r`` (torch's layout)."""
         if len(output_lists) != self.size or any(len(outs) != len(inputs) for outs in output_lists):
-            raise ValueError(f"comm: all_gather_coalesced needs {self.size} output lists of {len(inputs)} tensors")
+            raise RuntimeError(f"comm: all_gather_coalesced needs {self.size} output lists of {len(inputs)} tensors")
 
         def build():
             for j, inp in enumerate(inputs):
@@ -1059,7 +1059,7 @@ class Engine:
 
     def reduce_scatter_single(self, output, input, op=SUM, async_op=False, result=None):
         if input.numel() != output.numel() * self.size or output.dtype != input.dtype:
-            raise ValueError(
+            raise RuntimeError(
                 f"comm: reduce_scatter input must hold {self.size} x {output.numel()} elements of "
                 f"{output.dtype}, got {input.numel()} of {input.dtype}"
             )
@@ -1093,10 +1093,10 @@ class Engine:
         call returns at once), then one ncclReduceScatter."""
         n = self.size
         if len(inputs) != n:
-            raise ValueError(f"comm: reduce_scatter needs {n} input tensors, got {len(inputs)}")
+            raise RuntimeError(f"comm: reduce_scatter needs {n} input tensors, got {len(inputs)}")
         for t in inputs:
             if t.numel() != output.numel() or t.dtype != output.dtype:
-                raise ValueError("comm: reduce_scatter inputs must each match the output's size and dtype")
+                raise RuntimeError("comm: reduce_scatter inputs must each match the output's size and dtype")
         flat = torch.empty((n * output.numel(),), dtype=output.dtype, device=output.device)
 
         def pack():
@@ -1120,7 +1120,11 @@ class Engine:
     def all_to_all_single(self, output, input, output_splits=None, input_splits=None, async_op=False, result=None):
         """Without split sizes one ncclAlltoAll; with them (rows of dim 0) one commAlltoAllv."""
         if output.dtype != input.dtype:
-            raise ValueError(f"comm: all_to_all output dtype {output.dtype} differs from the input's {input.dtype}")
+            raise RuntimeError(f"comm: all_to_all output dtype {output.dtype} differs from the input's {input.dtype}")
+        if not input.is_contiguous():
+            # As gloo and NCCL refuse it (ValueError, their words): split sizes count rows of
+            # the input as laid out in memory.
+            raise ValueError("comm: all_to_all_single: Tensors must be contiguous (the input is not)")
         n = self.size
         inp, _ = self._dense(input)
         out, staged = self._dense(output)
@@ -1131,7 +1135,7 @@ class Engine:
         stream = [None]
         if not output_splits and not input_splits:
             if inp.numel() != out.numel() or inp.numel() % n:
-                raise ValueError(
+                raise RuntimeError(
                     f"comm: all_to_all_single without split sizes needs input and output of one size "
                     f"divisible by {n}, got {inp.numel()} and {out.numel()}"
                 )
@@ -1150,9 +1154,9 @@ class Engine:
             in_splits = [int(s) for s in input_splits] if input_splits else [in_rows // n] * n
             out_splits = [int(s) for s in output_splits] if output_splits else [out_rows // n] * n
             if len(in_splits) != n or len(out_splits) != n:
-                raise ValueError(f"comm: all_to_all_single split sizes need {n} entries")
+                raise RuntimeError(f"comm: all_to_all_single split sizes need {n} entries")
             if sum(in_splits) != in_rows or sum(out_splits) != out_rows:
-                raise ValueError(
+                raise RuntimeError(
                     f"comm: split sizes {in_splits} and {out_splits} do not add up to the first "
                     f"dimensions {in_rows} and {out_rows}"
                 )
@@ -1188,10 +1192,10 @@ class Engine:
         commAlltoAllv, outputs copied out of one buffer; all in one task."""
         n = self.size
         if len(outputs) != n or len(inputs) != n:
-            raise ValueError(f"comm: all_to_all needs {n} input and {n} output tensors")
+            raise RuntimeError(f"comm: all_to_all needs {n} input and {n} output tensors")
         dtype, device = inputs[0].dtype, inputs[0].device
         if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
-            raise ValueError("comm: all_to_all tensors must share one dtype")
+            raise RuntimeError("comm: all_to_all tensors must share one dtype")
         send = torch.empty((sum(t.numel() for t in inputs),), dtype=dtype, device=device)
         recv = torch.empty((sum(t.numel() for t in outputs),), dtype=dtype, device=device)
         in_splits = [t.numel() for t in inputs]
@@ -1220,7 +1224,7 @@ class Engine:
         is_root = self.rank == root
         if is_root:
             if output is None or output.numel() != inp.numel() * self.size or output.dtype != inp.dtype:
-                raise ValueError(
+                raise RuntimeError(
                     f"comm: gather output on the root must hold {self.size} x {inp.numel()} elements of {inp.dtype}"
                 )
             out, staged = self._dense(output)
@@ -1255,10 +1259,10 @@ class Engine:
         flat = None
         if self.rank == root:
             if len(outputs) != self.size:
-                raise ValueError(f"comm: gather needs {self.size} output tensors on the root, got {len(outputs)}")
+                raise RuntimeError(f"comm: gather needs {self.size} output tensors on the root, got {len(outputs)}")
             for o in outputs:
                 if o.numel() != input.numel() or o.dtype != input.dtype:
-                    raise ValueError("comm: gather outputs must match the input's size and dtype")
+                    raise RuntimeError("comm: gather outputs must match the input's size and dtype")
             flat = torch.empty((self.size * input.numel(),), dtype=input.dtype, device=input.device)
         return self.gather_single(
             flat, input, root, async_op, outputs if result is None else result, outputs if flat is not None else None
@@ -1273,10 +1277,10 @@ class Engine:
         send = None
         if is_root:
             if len(inputs) != self.size:
-                raise ValueError(f"comm: scatter needs {self.size} input tensors on the root, got {len(inputs)}")
+                raise RuntimeError(f"comm: scatter needs {self.size} input tensors on the root, got {len(inputs)}")
             for t in inputs:
                 if t.numel() != out.numel() or t.dtype != out.dtype:
-                    raise ValueError("comm: scatter inputs must match the output's size and dtype")
+                    raise RuntimeError("comm: scatter inputs must match the output's size and dtype")
             send = torch.empty((self.size * out.numel(),), dtype=out.dtype, device=out.device)
         sptr = send.data_ptr() if send is not None else None
         rptr = out.data_ptr()

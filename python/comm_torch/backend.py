@@ -90,10 +90,10 @@ def reduction(op: Any) -> Reduction:
     if kind == "premul_sum":
         factor = getattr(op, "factor", None)
         if factor is None:
-            raise ValueError("comm: PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
+            raise RuntimeError("comm: PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
         return Reduction("premul_sum", factor)
     if kind not in ("sum", "product", "min", "max", "avg", "band", "bor", "bxor"):
-        raise ValueError(f"comm: unsupported reduce op {op}")
+        raise RuntimeError(f"comm: unsupported reduce op {op}")
     made = _REDUCTIONS[kind_obj] = Reduction(kind)
     return made
 
