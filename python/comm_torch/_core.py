@@ -233,12 +233,31 @@ def completed_work(result=None):
 # Tasks and the executor.
 
 
+def _thread_state():
+    """The autograd modes torch keeps per thread, (inference mode, grad mode), as a task
+    takes them from the thread that issues it (see _under)."""
+    return (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+
+def _under(state, fn):
+    """``fn()`` under the autograd modes ``state`` of the thread that issued the operation,
+    wherever it runs, as gloo runs its work under the issuer's thread-local state. On the
+    executor's thread it ran under that thread's own modes: copying an output into an
+    inference tensor failed there ("Inplace update to inference tensor outside
+    InferenceMode"), and so did one into a leaf that requires grad under the caller's
+    no_grad."""
+    if state == _thread_state():
+        return fn()
+    with torch.inference_mode(state[0]), torch.set_grad_enabled(state[1]):
+        return fn()
+
+
 class Task:
     """Library calls for one torch operation. ``issue`` makes the calls (possibly inside an
     enclosing group); ``finish`` runs after the group ended successfully (copy-outs);
     ``cleanup`` runs after the group in any case (reduction ops to destroy)."""
 
-    __slots__ = ("children", "cleanup", "cuda", "finish", "issue", "keep", "result", "work")
+    __slots__ = ("children", "cleanup", "cuda", "finish", "issue", "keep", "result", "state", "work")
 
     def __init__(self, issue, finish=None, cleanup=None, result=None, cuda=None, keep=None):
         self.issue = issue
@@ -251,10 +270,14 @@ class Task:
         # until the task has run.
         self.keep = keep
         self.children = ()  # works of deferred point-to-point calls this group task runs
+        self.state = _thread_state()  # the issuing thread's modes, see _under
 
     def run(self):
-        """Runs the calls in this thread; raises the first error. Returns the CUDA end
-        event for device work, else None."""
+        """Runs the calls in this thread (see _under); raises the first error. Returns the
+        CUDA end event for device work, else None."""
+        return _under(self.state, self._run)
+
+    def _run(self):
         try:
             if self.cuda is None:
                 self.issue()
@@ -683,6 +706,7 @@ class Engine:
         for task, work in anys:
             alone = Task(task.issue, task.finish, task.cleanup, task.result, task.cuda, task.keep)
             alone.children = (work,)
+            alone.state = task.state
             self.executor.run(alone, True)
 
     def _capture(self, make_op):
@@ -741,23 +765,25 @@ class Engine:
         lib, handle = self.lib, self.handle
         cuda = next((t.cuda for t in tasks if t.cuda is not None), None)
 
+        # Each task's steps run under its own issuer's modes: deferred point-to-point calls
+        # posted under different modes end up in one group.
         def issue():
             lib.check(lib.ncclGroupStart(), "ncclGroupStart")
             try:
                 for t in tasks:
-                    t.issue()
+                    _under(t.state, t.issue)
             finally:
                 lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", handle)
 
         def finish():
             for t in tasks:
                 if t.finish is not None:
-                    t.finish()
+                    _under(t.state, t.finish)
 
         def cleanup():
             for t in tasks:
                 if t.cleanup is not None:
-                    t.cleanup()
+                    _under(t.state, t.cleanup)
 
         group = Task(issue, finish, cleanup, result, cuda, [t.keep for t in tasks])
         group.children = children
