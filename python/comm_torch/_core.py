@@ -483,6 +483,58 @@ def _exchange_unique_id(lib, store, rank, key):
     return _lib.UniqueId.from_buffer_copy(raw)
 
 
+def _pack(tensors, flat):
+    """Copies ``tensors`` one after another into the 1-d scratch buffer ``flat``. Detached:
+    autograd refuses ``cat(out=...)`` of inputs that require grad, and packing is this
+    library's own step, of which gloo has no autograd-visible counterpart."""
+    if tensors:
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+
+
+def _unpack(flat, tensors):
+    """Copies consecutive pieces of ``flat`` into ``tensors``, in list order."""
+    off = 0
+    for t in tensors:
+        t.copy_(flat[off : off + t.numel()].view(t.shape))
+        off += t.numel()
+
+
+def _same_kind(tensors, what):
+    """The rule of gloo for the tensors of one rank in one call: one layout, dtype, device and
+    shape (RuntimeError naming the first that differs)."""
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if t.layout != first.layout:
+            raise RuntimeError(
+                f"comm: {what}: invalid tensor layout at index {i} (expected {first.layout}, got {t.layout})"
+            )
+        if t.dtype != first.dtype or t.device != first.device:
+            raise RuntimeError(
+                f"comm: {what}: invalid tensor type at index {i} (expected {first.dtype} on {first.device}, "
+                f"got {t.dtype} on {t.device})"
+            )
+        if t.shape != first.shape:
+            raise RuntimeError(
+                f"comm: {what}: invalid tensor size at index {i} (expected {tuple(first.shape)}, got {tuple(t.shape)})"
+            )
+
+
+# How several tensors of one rank combine before the all-reduce (all_reduce_joint). AVG and
+# PREMUL_SUM are linear, so the tensors add up first and the op applies once, across ranks;
+# gloo divides an AVG by the number of ranks only, and so does this.
+_FOLDS = {
+    "sum": lambda acc, t: acc.add_(t),
+    "avg": lambda acc, t: acc.add_(t),
+    "premul_sum": lambda acc, t: acc.add_(t),
+    "product": lambda acc, t: acc.mul_(t),
+    "min": lambda acc, t: torch.minimum(acc, t, out=acc),
+    "max": lambda acc, t: torch.maximum(acc, t, out=acc),
+    "band": lambda acc, t: acc.bitwise_and_(t),
+    "bor": lambda acc, t: acc.bitwise_or_(t),
+    "bxor": lambda acc, t: acc.bitwise_xor_(t),
+}
+
+
 class Engine:
     """One libcomm communicator and the operations on it."""
 
@@ -955,11 +1007,67 @@ class Engine:
         return completed_work([tensor] if result is None else result)
 
     def all_reduce_coalesced(self, tensors, op=SUM, async_op=False, result=None):
-        def build():
-            for t in tensors:
-                self.all_reduce(t, op)
+        """Several tensors reduced the way gloo does it: packed into one buffer (one per dtype
+        and device), each buffer all-reduced once, the results copied back in list order. A
+        tensor listed twice, or views that overlap, are so reduced once, as with gloo; a group
+        of in-place all-reduces reduced an aliased tensor once per appearance."""
+        for i, t in enumerate(tensors):
+            if t.layout != torch.strided:
+                raise RuntimeError(f"comm: all_reduce_coalesced takes dense tensors; tensor {i} is {t.layout}")
+        if len(tensors) == 1:
+            return self.all_reduce(tensors[0], op, async_op, result)
+        kinds = {}
+        for t in tensors:
+            kinds.setdefault((t.dtype, t.device), []).append(t)
 
-        return self.group(build, result, async_op)
+        def build():
+            for (dtype, device), members in kinds.items():
+                flat = torch.empty((sum(t.numel() for t in members),), dtype=dtype, device=device)
+                self._wrapped(
+                    lambda flat=flat: self.all_reduce(flat, op),
+                    lambda flat=flat, members=members: _pack(members, flat),
+                    lambda flat=flat, members=members: _unpack(flat, members),
+                )
+
+        return self.group(build, tensors if result is None else result, async_op)
+
+    def all_reduce_joint(self, tensors, op=SUM, async_op=False, result=None):
+        """Several tensors of one shape and dtype on each rank (one per device, in the
+        ProcessGroup API's old multi-device form), reduced jointly as gloo does: all of them,
+        on every rank, into one result that every tensor receives. Dense tensors are folded
+        into one buffer first and that is all-reduced; sparse ones are summed, then reduced as
+        one (see sparse_all_reduce)."""
+        _same_kind(tensors, "all_reduce")
+        if tensors[0].layout == torch.sparse_coo:
+            if op.kind != "sum":
+                raise RuntimeError(f"comm: sparse all_reduce supports ReduceOp.SUM only, got {op.kind}")
+            with torch.no_grad():
+                total = tensors[0].clone()
+                for t in tensors[1:]:
+                    total = total + t
+                self.sparse_all_reduce(total, op)
+                for t in tensors:
+                    t.copy_(total)
+            return completed_work(tensors if result is None else result)
+        fold = _FOLDS.get(op.kind)
+        if fold is None:
+            raise RuntimeError(f"comm: all_reduce of several tensors per rank does not support {op.kind}")
+        acc = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
+
+        # Detached: gloo folds and writes these tensors in C++, where autograd sees nothing
+        # (its leaves that require grad take the result, for one).
+        def before():
+            acc.copy_(tensors[0].detach())
+            for t in tensors[1:]:
+                fold(acc, t.detach())
+
+        def after():
+            for t in tensors:
+                t.detach().copy_(acc)
+
+        return self._wrapped(
+            lambda: self.all_reduce(acc, op), before, after, tensors if result is None else result, async_op
+        )
 
     def broadcast(self, tensor, root, async_op=False, result=None):
         self._peer(root, "root")
@@ -976,6 +1084,24 @@ class Engine:
 
         finish = self._copy_back(staged and self.rank != root, tensor, buf)
         return self._submit([tensor], stream, issue, finish, None, result, async_op, keep=(buf,))
+
+    def broadcast_joint(self, tensors, root, root_tensor=0, async_op=False, result=None):
+        """Several tensors per rank (the multi-device form): tensor ``root_tensor`` of the
+        root reaches every tensor of every rank, as with gloo."""
+        _same_kind(tensors, "broadcast")
+        if not 0 <= root_tensor < len(tensors):
+            raise RuntimeError(f"comm: broadcast: invalid root tensor: {root_tensor} (a list of {len(tensors)})")
+        result = tensors if result is None else result
+        if len(tensors) == 1:
+            return self.broadcast(tensors[0], root, async_op, result)
+        source = tensors[root_tensor]
+
+        def after():
+            for i, t in enumerate(tensors):
+                if i != root_tensor:
+                    t.copy_(source)
+
+        return self._wrapped(lambda: self.broadcast(source, root), None, after, result, async_op)
 
     def reduce(self, tensor, root, op=SUM, async_op=False, result=None):
         self._peer(root, "root")
@@ -1064,6 +1190,45 @@ class Engine:
                     self.broadcast(o, i)
 
         return self.group(build, result, async_op)
+
+    def all_gather_joint(self, output_lists, inputs, async_op=False, result=None):
+        """Several inputs per rank (the multi-device form), as gloo gathers them: every output
+        list receives, for each rank in order, each of that rank's inputs in order."""
+        k, n = len(inputs), self.size
+        _same_kind(inputs, "all_gather")
+        if len(output_lists) != k:
+            raise RuntimeError(
+                f"comm: all_gather: requires input/output tensor lists to have the same length "
+                f"({k} inputs, {len(output_lists)} output lists)"
+            )
+        if k == 1:
+            return self.all_gather(output_lists[0], inputs[0], async_op, result)
+        numel, dtype = inputs[0].numel(), inputs[0].dtype
+        for i, outs in enumerate(output_lists):
+            if len(outs) != k * n:
+                raise RuntimeError(
+                    f"comm: all_gather: invalid output tensor list at index {i} (expected length {k * n}, got {len(outs)})"
+                )
+            for j, o in enumerate(outs):
+                if o.dtype != dtype or o.numel() != numel:
+                    raise RuntimeError(
+                        f"comm: all_gather: output {j} of list {i} is {o.numel()} elements of {o.dtype}; with several "
+                        f"inputs per rank every output must match the inputs ({numel} of {dtype})"
+                    )
+        send = torch.empty((k * numel,), dtype=dtype, device=inputs[0].device)
+        recv = torch.empty((n * k * numel,), dtype=dtype, device=inputs[0].device)
+
+        def after():
+            for outs in output_lists:
+                _unpack(recv, outs)
+
+        return self._wrapped(
+            lambda: self.all_gather_single(recv, send),
+            lambda: _pack(inputs, send),
+            after,
+            output_lists if result is None else result,
+            async_op,
+        )
 
     def all_gather_coalesced(self, output_lists, inputs, async_op=False, result=None):
         """``output_lists[r][j]`` receives input ``j`` of rank ``r`` (torch's layout)."""
@@ -1228,19 +1393,16 @@ class Engine:
         out_splits = [t.numel() for t in outputs]
         uniform = len(set(in_splits + out_splits)) == 1
 
-        def pack():
-            torch.cat([t.reshape(-1) for t in inputs], out=send)
-
-        def unpack():
-            off = 0
-            for o in outputs:
-                o.copy_(recv[off : off + o.numel()].view(o.shape))
-                off += o.numel()
-
         make = lambda: self.all_to_all_single(
             recv, send, None if uniform else out_splits, None if uniform else in_splits
         )
-        return self._wrapped(make, pack, unpack, outputs if result is None else result, async_op)
+        return self._wrapped(
+            make,
+            lambda: _pack(inputs, send),
+            lambda: _unpack(recv, outputs),
+            outputs if result is None else result,
+            async_op,
+        )
 
     def gather_single(self, output, input, root, async_op=False, result=None, outputs=None):
         """ncclGather into ``output`` (root only); ``outputs`` gets it copied out as a list."""
@@ -1315,7 +1477,7 @@ class Engine:
 
         def issue():
             if send is not None:
-                torch.cat([t.reshape(-1) for t in inputs], out=send)
+                _pack(inputs, send)
             r = lib.ncclScatter(sptr, rptr, count, code, root, handle, stream[0])
             if r:
                 lib.check(r, "ncclScatter", handle)

@@ -120,6 +120,23 @@ def _async(opts: Any) -> bool:
     return getattr(opts, "asyncOp", True)
 
 
+def _single(items: list[Any], what: str, kind: str) -> Any:
+    """The one element of a list that must hold one (RuntimeError naming the rule otherwise;
+    gloo refuses several tensors per rank for these operations too)."""
+    if len(items) != 1:
+        raise RuntimeError(
+            f"comm: {what} requires a single-element {kind}, got {len(items)} elements (one tensor per rank "
+            f"and call; only all_reduce, broadcast and all_gather take several)"
+        )
+    return items[0]
+
+
+def _root_tensor(opts: Any, what: str) -> None:
+    root_tensor = getattr(opts, "rootTensor", 0)
+    if root_tensor != 0:
+        raise RuntimeError(f"comm: {what}: invalid root tensor: {root_tensor} (a list of one tensor)")
+
+
 class _Ops:
     """torch.distributed's backend interface, shared by both plumbing classes below."""
 
@@ -137,14 +154,18 @@ class _Ops:
         return f"<comm backend {self.engine.name!r} rank {self.engine.rank}/{self.engine.size}>"
 
     # -- collectives
+    #
+    # Lists of several tensors per rank (the old one-tensor-per-device form, which the
+    # ProcessGroup API still takes) follow gloo: all_reduce, broadcast and all_gather combine
+    # them as gloo does; the operations gloo refuses them for refuse them here too.
     def allreduce(self, tensors: Tensors, opts: AllreduceOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
         async_op = _async(opts) if opts is not None else True
-        if len(tensors) == 1 and tensors[0].is_sparse:
-            return self.engine.sparse_all_reduce(tensors[0], op, async_op, result=tensors)
         if len(tensors) == 1:
+            if tensors[0].is_sparse:
+                return self.engine.sparse_all_reduce(tensors[0], op, async_op, result=tensors)
             return self.engine.all_reduce(tensors[0], op, async_op, result=tensors)
-        return self.engine.all_reduce_coalesced(tensors, op, async_op, result=tensors)
+        return self.engine.all_reduce_joint(tensors, op, async_op, result=tensors)
 
     def allreduce_coalesced(self, tensors: Tensors, opts: AllreduceCoalescedOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
@@ -152,22 +173,24 @@ class _Ops:
 
     def allreduce_sparse(self, tensors: Tensors, opts: AllreduceOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
-        (tensor,) = tensors
-        return self.engine.sparse_all_reduce(tensor, op, _async(opts) if opts is not None else True, result=tensors)
+        async_op = _async(opts) if opts is not None else True
+        if len(tensors) == 1:
+            return self.engine.sparse_all_reduce(tensors[0], op, async_op, result=tensors)
+        return self.engine.all_reduce_joint(tensors, op, async_op, result=tensors)
 
     def broadcast(self, tensors: Tensors, opts: BroadcastOptions) -> dist.Work:
-        (tensor,) = tensors
-        return self.engine.broadcast(tensor, opts.rootRank, _async(opts), result=tensors)
+        root_tensor = getattr(opts, "rootTensor", 0)
+        return self.engine.broadcast_joint(tensors, opts.rootRank, root_tensor, _async(opts), result=tensors)
 
     def reduce(self, tensors: Tensors, opts: ReduceOptions) -> dist.Work:
-        (tensor,) = tensors
+        tensor = _single(tensors, "reduce", "tensor list")
+        _root_tensor(opts, "reduce")
         return self.engine.reduce(tensor, opts.rootRank, reduction(opts.reduceOp), _async(opts), result=tensors)
 
     def allgather(
         self, output_tensors: list[Tensors], input_tensors: Tensors, opts: AllgatherOptions | None = None
     ) -> dist.Work:
-        (outputs,), (inp,) = output_tensors, input_tensors
-        return self.engine.all_gather(outputs, inp, _async(opts), result=output_tensors)
+        return self.engine.all_gather_joint(output_tensors, input_tensors, _async(opts), result=output_tensors)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
@@ -189,7 +212,11 @@ class _Ops:
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def gather(self, output_tensors: list[Tensors], input_tensors: Tensors, opts: GatherOptions) -> dist.Work:
-        (inp,) = input_tensors
+        inp = _single(input_tensors, "gather", "input tensor list")
+        if len(output_tensors) > 1:
+            raise RuntimeError(
+                f"comm: gather requires a single-element output list (one list of outputs), got {len(output_tensors)}"
+            )
         outputs = output_tensors[0] if output_tensors else []
         return self.engine.gather(outputs, inp, opts.rootRank, _async(opts), result=output_tensors)
 
@@ -198,14 +225,19 @@ class _Ops:
         return self.engine.gather_single(out, input, opts.rootRank, _async(opts), result=[output])
 
     def scatter(self, output_tensors: Tensors, input_tensors: list[Tensors], opts: ScatterOptions) -> dist.Work:
-        (out,) = output_tensors
+        out = _single(output_tensors, "scatter", "output tensor list")
+        if len(input_tensors) > 1:
+            raise RuntimeError(
+                f"comm: scatter requires a single-element input list (one list of inputs), got {len(input_tensors)}"
+            )
         inputs = input_tensors[0] if input_tensors else []
         return self.engine.scatter(out, inputs, opts.rootRank, _async(opts), result=output_tensors)
 
     def reduce_scatter(
         self, output_tensors: Tensors, input_tensors: list[Tensors], opts: ReduceScatterOptions
     ) -> dist.Work:
-        (out,), (inputs,) = output_tensors, input_tensors
+        out = _single(output_tensors, "reduce_scatter", "output tensor list")
+        inputs = _single(input_tensors, "reduce_scatter", "list of input lists")
         return self.engine.reduce_scatter(out, inputs, reduction(opts.reduceOp), _async(opts), result=output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions) -> dist.Work:
@@ -242,17 +274,17 @@ class _Ops:
     alltoall_base = all_to_all_single
 
     def send(self, tensors: Tensors, dst: int, tag: int = 0) -> dist.Work:
-        (tensor,) = tensors
+        tensor = _single(tensors, "send", "tensor list")
         _note_tag(tag)
         return self.engine.send(tensor, dst, True, result=tensors)
 
     def recv(self, tensors: Tensors, src: int, tag: int = 0) -> dist.Work:
-        (tensor,) = tensors
+        tensor = _single(tensors, "recv", "tensor list")
         _note_tag(tag)
         return self.engine.recv(tensor, src, True, result=tensors)
 
     def recv_anysource(self, tensors: Tensors, tag: int = 0) -> dist.Work:
-        (tensor,) = tensors
+        tensor = _single(tensors, "recv_anysource", "tensor list")
         _note_tag(tag)
         return self.engine.recv_any_source(tensor, True, result=tensors)
 
