@@ -106,6 +106,9 @@ except Exception:  # noqa: BLE001  # pragma: no cover - torch without distribute
     _WorkBase = object
 
 
+_FINISHED_LOCK = threading.Lock()
+
+
 class CommWork(_WorkBase):
     """Completion of one operation (or one coalesced group of them).
 
@@ -119,25 +122,29 @@ class CommWork(_WorkBase):
     value; an exception raised inside a ``then`` callback fails the C++ future itself.
     """
 
+    # What most works never change is a class attribute: a synchronous call makes one finished
+    # work (its future holds the outputs), and that is on the path of every small operation.
+    _base = None
+    _future = None
+    _end_event = None  # CUDA event recorded after a device operation
+    _device = None
+    _flush = None  # for deferred point-to-point work: starts it (Engine.flush_p2p)
+    # An operation with a deadline (a barrier under the group's timeout): past it, wait()
+    # raises what ``_expire()`` returns (Engine.barrier).
+    _deadline = None
+    _expire = None
+    _source = None  # for a receive from any source: a ctypes int the call fills in
+    _on_failure = None  # called with the error before wait() raises it
+
     def __init__(self, result: Any = None, done: bool = False, error: BaseException | None = None) -> None:
         if _WorkBase is not object:
-            super().__init__()
+            _WorkBase.__init__(self)
         self._result = result
         self._error = error
         self._done = done
         self._event = None if done else threading.Event()
-        self._lock = threading.Lock()
-        self._base = None
-        self._future = None
-        self._end_event = None  # CUDA event recorded after a device operation
-        self._device = None
-        self._flush = None  # for deferred point-to-point work: starts it (Engine.flush_p2p)
-        # An operation with a deadline (a barrier under the group's timeout): past it, wait()
-        # raises what ``_expire()`` returns (Engine.barrier).
-        self._deadline = None
-        self._expire = None
-        self._source = None  # for a receive from any source: a ctypes int the call fills in
-        self._on_failure = None  # called with the error before wait() raises it
+        # Guards the making of the future; finished works, which nothing completes, share one.
+        self._lock = _FINISHED_LOCK if done else threading.Lock()
 
     # -- completion (executor side)
     def _complete(self, error=None):
@@ -356,7 +363,8 @@ class Executor:
             finally:
                 self.exit_inline()
             if end is None:
-                return DONE
+                # The future of a finished operation still holds its outputs, as gloo's does.
+                return DONE if task.result is None else CommWork(task.result, done=True)
             work = CommWork(task.result, done=True)
             work._end_event, work._device = end, task.cuda[0]
             return work
@@ -953,7 +961,7 @@ class Engine:
                     self.executor.exit_inline()
                 if r:
                     self.lib.check(r, "ncclAllReduce", self.handle)
-                return DONE
+                return DONE if result is None else CommWork(result, done=True)
         buf, staged = self._dense(tensor)
         opcode, cleanup, as_real, code = self._reducer(buf.dtype, op)
         view = torch.view_as_real(buf) if as_real else buf
@@ -1553,7 +1561,7 @@ class Engine:
         work._source = source
         return work
 
-    def barrier(self, async_op=False, timeout=None):
+    def barrier(self, async_op=False, timeout=None, result=None):
         """A one-element all-reduce on host memory, so a dead peer fails it like any collective.
 
         With ``timeout`` (seconds), a barrier still incomplete that long after it was issued
@@ -1562,8 +1570,8 @@ class Engine:
         wait() raises an error that says the barrier timed out. Later operations on the
         communicator fail."""
         if timeout is None:
-            return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op)
-        work = self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op=True)
+            return self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op, result)
+        work = self.all_reduce(torch.zeros(1, dtype=torch.float32), SUM, async_op=True, result=result)
         ms = round(timeout * 1000)
 
         def expire():
@@ -1575,7 +1583,7 @@ class Engine:
                 call="barrier",
             )
 
-        if work is not DONE:
+        if not work._done:
             work._deadline = time.monotonic() + timeout
             work._expire = expire
         if not async_op:

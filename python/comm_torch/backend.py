@@ -137,6 +137,16 @@ def _root_tensor(opts: Any, what: str) -> None:
         raise RuntimeError(f"comm: {what}: invalid root tensor: {root_tensor} (a list of one tensor)")
 
 
+def _future_value(lists: list[Any]) -> list[Any]:
+    """What gloo's future holds for output lists ``lists`` (returnFutureWithOutput): nothing
+    for no lists, the one list itself, else the lists."""
+    if not lists:
+        return []
+    if len(lists) == 1:
+        return lists[0]
+    return lists
+
+
 class _Ops:
     """torch.distributed's backend interface, shared by both plumbing classes below."""
 
@@ -158,6 +168,10 @@ class _Ops:
     # Lists of several tensors per rank (the old one-tensor-per-device form, which the
     # ProcessGroup API still takes) follow gloo: all_reduce, broadcast and all_gather combine
     # them as gloo does; the operations gloo refuses them for refuse them here too.
+    #
+    # ``result`` is what the work's future holds: what gloo's holds (its outputs, as
+    # returnFutureWithOutput gives them: the one list of outputs itself, else the list of
+    # lists), and [output] where gloo has no future at all (reduce_scatter, send, recv).
     def allreduce(self, tensors: Tensors, opts: AllreduceOptions | None = None) -> dist.Work:
         op = reduction(opts.reduceOp) if opts is not None else SUM
         async_op = _async(opts) if opts is not None else True
@@ -190,24 +204,33 @@ class _Ops:
     def allgather(
         self, output_tensors: list[Tensors], input_tensors: Tensors, opts: AllgatherOptions | None = None
     ) -> dist.Work:
-        return self.engine.all_gather_joint(output_tensors, input_tensors, _async(opts), result=output_tensors)
+        return self.engine.all_gather_joint(
+            output_tensors, input_tensors, _async(opts), result=_future_value(output_tensors)
+        )
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
     ) -> dist.Work:
-        return self.engine.all_gather_single(output, input, _async(opts), result=[output])
+        # gloo gathers into the output's chunks, one per rank, and its future holds them.
+        chunks = list(torch.chunk(output, self.engine.size)) if output.dim() else [output]
+        return self.engine.all_gather_single(output, input, _async(opts), result=chunks)
 
     _allgather_base = all_gather_single  # the name before torch 2.12
 
     def allgather_coalesced(
         self, output_lists: list[Tensors], inputs: Tensors, opts: AllgatherOptions | None = None
     ) -> dist.Work:
-        return self.engine.all_gather_coalesced(output_lists, inputs, _async(opts), result=output_lists)
+        return self.engine.all_gather_coalesced(output_lists, inputs, _async(opts), result=_future_value(output_lists))
 
     def all_gather_single_coalesced(
         self, outputs: Tensors, inputs: Tensors, opts: AllgatherOptions | None = None
     ) -> dist.Work:
-        return self.engine.all_gather_single_coalesced(outputs, inputs, _async(opts), result=outputs)
+        # gloo runs this as allgather_coalesced into each output's chunks: its future holds,
+        # per rank, that rank's chunk of every output.
+        n = self.engine.size
+        chunks = [torch.chunk(o, n) if o.dim() else (o,) for o in outputs]
+        per_rank = [[c[r] for c in chunks] for r in range(n)] if all(len(c) == n for c in chunks) else [outputs]
+        return self.engine.all_gather_single_coalesced(outputs, inputs, _async(opts), result=_future_value(per_rank))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -218,7 +241,7 @@ class _Ops:
                 f"comm: gather requires a single-element output list (one list of outputs), got {len(output_tensors)}"
             )
         outputs = output_tensors[0] if output_tensors else []
-        return self.engine.gather(outputs, inp, opts.rootRank, _async(opts), result=output_tensors)
+        return self.engine.gather(outputs, inp, opts.rootRank, _async(opts), result=_future_value(output_tensors))
 
     def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: GatherOptions) -> dist.Work:
         out = output if self.engine.rank == opts.rootRank else None
@@ -293,7 +316,7 @@ class _Ops:
         timeout = timeout_seconds(getattr(opts, "timeout", None))
         if timeout is None:
             timeout = timeout_seconds(self._timeout)
-        return self.engine.barrier(_async(opts) if opts is not None else True, timeout or None)
+        return self.engine.barrier(_async(opts) if opts is not None else True, timeout or None, result=[])
 
     def monitored_barrier(self, opts: BarrierOptions | None = None, wait_all_ranks: bool = False) -> None:
         """Over the group's store; see _monitored.py."""
