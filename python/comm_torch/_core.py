@@ -1288,26 +1288,46 @@ class Engine:
         )
 
     def reduce_scatter(self, output, inputs, op=SUM, async_op=False, result=None):
-        """From a list: the inputs are packed into one buffer inside the task (so an async
-        call returns at once), then one ncclReduceScatter."""
+        """From a list, ``inputs[r]`` reduced into rank r's output. Blocks of one size: packed
+        into one buffer inside the task (so an async call returns at once), then one
+        ncclReduceScatter. Blocks of different sizes (gloo takes them): one ncclReduce per
+        rank, to that rank, all in one group."""
         n = self.size
         if len(inputs) != n:
             raise RuntimeError(f"comm: reduce_scatter needs {n} input tensors, got {len(inputs)}")
         for t in inputs:
-            if t.numel() != output.numel() or t.dtype != output.dtype:
+            if t.dtype != output.dtype:
                 raise RuntimeError("comm: reduce_scatter inputs must each match the output's size and dtype")
-        flat = torch.empty((n * output.numel(),), dtype=output.dtype, device=output.device)
+        if inputs[self.rank].numel() != output.numel():
+            raise RuntimeError(
+                f"comm: reduce_scatter input {self.rank} (this rank's block) has {inputs[self.rank].numel()} "
+                f"elements, the output {output.numel()}; they must match"
+            )
+        result = [output] if result is None else result
+        sizes = [t.numel() for t in inputs]
+        flat = torch.empty((sum(sizes),), dtype=output.dtype, device=output.device)
+        if len(set(sizes)) == 1:
+            return self._wrapped(
+                lambda: self.reduce_scatter_single(output, flat, op),
+                lambda: _pack(inputs, flat),
+                None,
+                result,
+                async_op,
+            )
+        starts = [sum(sizes[:r]) for r in range(n)]
+        mine = flat[starts[self.rank] : starts[self.rank] + sizes[self.rank]]
 
-        def pack():
-            torch.cat([t.reshape(-1) for t in inputs], out=flat)
+        def build():
+            for r in range(n):
+                block = flat[starts[r] : starts[r] + sizes[r]]
+                self._wrapped(
+                    lambda block=block, r=r: self.reduce(block, r, op),
+                    # Packed before any reduce of the group runs: a group runs its calls at its end.
+                    (lambda: _pack(inputs, flat)) if r == 0 else None,
+                    (lambda: output.copy_(mine.view(output.shape))) if r == self.rank else None,
+                )
 
-        return self._wrapped(
-            lambda: self.reduce_scatter_single(output, flat, op),
-            pack,
-            None,
-            [output] if result is None else result,
-            async_op,
-        )
+        return self.group(build, result, async_op)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, op=SUM, async_op=False, result=None):
         def build():
