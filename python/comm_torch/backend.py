@@ -802,6 +802,25 @@ def _group_key(name):
     return f"comm_torch/unique_id/{name}" if name else "comm_torch/unique_id"
 
 
+def _every_rank_comes(group_name: str) -> bool:
+    """Whether every rank of the default group takes part in creating group ``group_name``,
+    as splitting the default group's communicator needs (NCCL's eager init does the same).
+    Not under new_group(use_local_synchronization=True): the ranks outside the group return
+    before they reach any backend, and never call perform_nocolor_split, so the members'
+    split waited for them forever; the members then make a communicator of their own. torch
+    names such a group by a hash of its ranks, and any other by the count of groups made so far
+    (distributed_c10d._process_group_name), which is how the two are told apart here. Nor when
+    torch builds sub-groups through torchcomms, where non-members never split either."""
+    if not group_name.isdigit():
+        return False
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return not c10d._use_torchcomms_enabled()
+    except (AttributeError, ImportError):
+        return True
+
+
 def create_backend(*args: Any, **kwargs: Any) -> dist.ProcessGroup | _C10dBackend:
     """The creator torch calls for each process group on backend "comm"."""
     split_from = None
@@ -819,7 +838,7 @@ def create_backend(*args: Any, **kwargs: Any) -> dist.ProcessGroup | _C10dBacken
     else:
         raise TypeError(f"comm: unexpected backend creator arguments {args!r}")
 
-    if CommBackend is not None and isinstance(split_from, CommBackend) and global_ranks:
+    if CommBackend is not None and isinstance(split_from, CommBackend) and global_ranks and _every_rank_comes(name):
         # new_group with a bound device: the members split the default group's
         # communicator; the other ranks call perform_nocolor_split.
         engine = split_from.engine.split(min(global_ranks), rank, name or "split")
