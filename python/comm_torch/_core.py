@@ -236,6 +236,31 @@ def completed_work(result=None):
     return CommWork(result, done=True)
 
 
+def _joined(works, result):
+    """One work for several: complete when all of them are, failed with the first error."""
+    joined = CommWork(result)
+    lock = threading.Lock()
+    left = [len(works)]
+    errors = []
+
+    def one_done(fut):
+        try:
+            fut.value()
+        except Exception as err:  # noqa: BLE001  handed to the joined work's wait()
+            errors.append(err)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            base = joined._complete(errors[0] if errors else None)
+            if base is not None:
+                base.set_result(None)
+
+    for w in works:
+        w.get_future().add_done_callback(one_done)
+    return joined
+
+
 # ----------------------------------------------------------------------------------------
 # Tasks and the executor.
 
@@ -563,6 +588,9 @@ class Engine:
         self._anys = []  # deferred (task, work) of receives from any source, see recv_any_source
         self.timeout = operation_limit(None)  # seconds without progress (0: none), see set_timeout
         self._p2p_lock = threading.Lock()
+        # The engine that carries this one's sends and receives, when they have a
+        # communicator of their own (see separate_p2p); None: this one carries them.
+        self._p2p_side = None
 
     # -- creation
     @classmethod
@@ -634,6 +662,22 @@ class Engine:
         engine.origin = "split"
         return engine
 
+    def separate_p2p(self):
+        """Gives this engine's sends and receives a communicator of their own, split from
+        this one: collective over its ranks, so called where they all create it.
+
+        A channel between two ranks delivers in order, so on one communicator a collective
+        cannot start while a receive from any source waits on the executor (its sender may
+        first be in the same collective: rank 0 posts irecv(src=None) and all-reduces, rank 1
+        all-reduces and then sends); the collective waited behind the receive for good. On a
+        communicator of their own, point-to-point calls and collectives proceed
+        independently, as gloo keeps them apart by tags."""
+        if self._p2p_side is None:
+            side = self.split(0, self.rank, f"{self.name}:p2p")
+            if self.timeout:
+                side.set_timeout(self.timeout)
+            self._p2p_side = side
+
     def destroy(self):
         if self._destroyed:
             return
@@ -644,6 +688,8 @@ class Engine:
 
         try:
             self.flush_p2p()
+            if self._p2p_side is not None:
+                self._p2p_side.destroy()
             self.executor.call(do_destroy)
         finally:
             self.executor.close()
@@ -653,6 +699,8 @@ class Engine:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._p2p_side is not None:
+            self._p2p_side.abort()
         self.lib.ncclCommAbort(self.handle)
         self.executor.close(drain=False)
 
@@ -752,9 +800,13 @@ class Engine:
         ``seconds`` without progress (0: no limit)."""
         self.lib.check(self.lib.commSetTimeout(self.handle, float(seconds)), "commSetTimeout", self.handle)
         self.timeout = float(seconds)
+        if self._p2p_side is not None:
+            self._p2p_side.set_timeout(seconds)
 
     def flush_p2p(self):
         """Starts the deferred point-to-point calls, as one group."""
+        if self._p2p_side is not None:
+            self._p2p_side.flush_p2p()
         with self._p2p_lock:
             pending, self._p2p = self._p2p, []
             anys, self._anys = self._anys, []
@@ -804,12 +856,28 @@ class Engine:
         if self._coalescing is not None:
             raise RuntimeError("comm: start_coalescing called twice without end_coalescing")
         self._coalescing = []
+        if self._p2p_side is not None:
+            self._p2p_side.start_coalescing()
 
     def end_coalescing(self, async_op=True):
         tasks, self._coalescing = self._coalescing, None
         if tasks is None:
             raise RuntimeError("comm: end_coalescing without start_coalescing")
-        return self._run_group(tasks, [t.result for t in tasks], async_op)
+        side = self._p2p_side
+        if side is None:
+            return self._run_group(tasks, [t.result for t in tasks], async_op)
+        sends, side._coalescing = side._coalescing or [], None
+        if not sends:
+            return self._run_group(tasks, [t.result for t in tasks], async_op)
+        if not tasks:
+            return side._run_group(sends, [t.result for t in sends], async_op)
+        # Sends and receives coalesced with collectives: one group on each communicator, the
+        # work complete when both are.
+        result = [t.result for t in sends + tasks]
+        work = _joined([side._run_group(sends, None, True), self._run_group(tasks, None, True)], result)
+        if not async_op:
+            work.wait()
+        return work
 
     def group(self, build, result=None, async_op=False):
         """Runs every operation ``build()`` issues on this engine as one library group."""
@@ -1523,6 +1591,8 @@ class Engine:
         )
 
     def send(self, tensor, peer, async_op=False, result=None):
+        if self._p2p_side is not None:
+            return self._p2p_side.send(tensor, peer, async_op, result)
         self._peer(peer, "destination rank")
         buf, _ = self._dense(tensor)
         code, count = self._movable(buf)
@@ -1538,6 +1608,8 @@ class Engine:
         return self._submit([tensor], stream, issue, None, None, result, async_op, keep=(buf,), p2p=True)
 
     def recv(self, tensor, peer, async_op=False, result=None):
+        if self._p2p_side is not None:
+            return self._p2p_side.recv(tensor, peer, async_op, result)
         self._peer(peer, "source rank")
         buf, staged = self._dense(tensor)
         code, count = self._movable(buf)
@@ -1557,6 +1629,8 @@ class Engine:
         """commRecvAny: the next point-to-point message of this size from any rank; the work's
         source_rank() tells which. Deferred like the other sends and receives, it runs on its
         own after their group (it cannot join it: its source is chosen when it runs)."""
+        if self._p2p_side is not None:
+            return self._p2p_side.recv_any_source(tensor, async_op, result)
         if self._coalescing is not None:
             raise RuntimeError("comm: a receive from any source cannot be coalesced: its source is chosen when it runs")
         buf, staged = self._dense(tensor)

@@ -427,6 +427,7 @@ if _C10dBackend is not None:
                 # the process. A placeholder that refuses every operation stands in.
                 return _NotAMember(me, len(ranks), name)
             child = self.engine.split(min(ranks), ranks.index(me), name)
+            child.separate_p2p()
             timeout = getattr(opts, "_timeout", None) or self._timeout
             return CommBackend(
                 child,
@@ -846,6 +847,9 @@ def create_backend(*args: Any, **kwargs: Any) -> dist.ProcessGroup | _C10dBacken
             raise CommError(f"comm: split gave rank {engine.rank}/{engine.size}, torch expects {rank}/{size}")
     else:
         engine = Engine.from_store(store, rank, size, name or "world", key=_group_key(name))
+    # Sends and receives on a communicator of their own, so that neither kind holds the other
+    # up (see Engine.separate_p2p); every rank of the group is here.
+    engine.separate_p2p()
 
     if backend_trampoline_available():
         backend = CommBackend(engine, timeout, name, global_ranks or list(range(size)), store)
