@@ -342,6 +342,15 @@ ncclResult_t ncclCommCuDevice(ncclComm_t comm, int *device);
 ncclResult_t commSetTimeout(ncclComm_t comm, double seconds);
 
 /*
+ comm extension: whether this communicator's later calls block until done (`blocking` 1)
+ or return ncclInProgress and complete in the background (0), as `config.blocking` chose at
+ init. For callers that made the communicator non-blocking only to bound its init (poll
+ ncclCommGetAsyncError, abort when it takes too long) and want blocking calls after it.
+ Refused while an operation is in progress.
+ */
+ncclResult_t commSetBlocking(ncclComm_t comm, int blocking);
+
+/*
  Re-reads logging settings in NCCL; logging here is configured once per process, so this
  does nothing (NCCL itself marks it deprecated).
  */

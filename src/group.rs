@@ -207,7 +207,7 @@ pub(crate) fn submit(comm: &Arc<Comm>, call: Call, repeat: Option<Repeat>) -> Re
     if in_group() {
         GROUP.with(|g| {
             let mut g = g.borrow_mut();
-            join(&mut g, comm.config.blocking)?;
+            join(&mut g, comm.blocking())?;
             g.calls.push((comm.clone(), call));
             Ok(())
         })
@@ -227,7 +227,7 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
         return c.enqueue_device(std::slice::from_ref(call));
     }
     let op = c.prepare(call)?;
-    if !c.config.blocking {
+    if !c.blocking() {
         // Numbered here, in call order; run in the background (`in_background`).
         let op = SendOp(op);
         return in_background(held, std::slice::from_ref(c), move |c| {
@@ -510,7 +510,7 @@ pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>, may_background: bool) -> 
         held.push(c.gate.enter()?);
     }
     let host_only = per_comm.iter().flatten().all(|call| !call.device);
-    if may_background && host_only && comms.iter().all(|c| !c.config.blocking) {
+    if may_background && host_only && comms.iter().all(|c| !c.blocking()) {
         // The first gate goes with the work; the others are handed over as well.
         let mut held = held.into_iter();
         let first = held.next().expect("a group with calls has a communicator");

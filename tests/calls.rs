@@ -5,7 +5,8 @@
 //! correctly; handing a communicator from thread to thread, one call after the other, works.
 //! A non-blocking communicator (`config.blocking = 0`) returns ncclInProgress from its
 //! collectives and group ends, completes them in the background as ncclCommGetAsyncError
-//! reports, refuses a call made before that, and can be aborted mid-flight.
+//! reports, refuses a call made before that, and can be aborted mid-flight; `commSetBlocking`
+//! turns it blocking after its init.
 
 mod common;
 
@@ -167,6 +168,16 @@ fn nonblocking(w: &Worker) -> Result<(), String> {
     }
     if a.iter().any(|&v| v != 2.0 * n) || b.iter().any(|&v| v != 3.0 * n) {
         return Err(format!("the group gave {:?} {:?}", &a[..2], &b[..2]));
+    }
+    // commSetBlocking: from now on calls complete before they return.
+    nccl!(commSetBlocking(c, 1));
+    let mut x = vec![4f32; 9];
+    nccl!(all_reduce(c, &mut x));
+    if x.iter().any(|&v| v != 4.0 * n) {
+        return Err(format!("the blocking all-reduce gave {:?}", &x[..2]));
+    }
+    if commSetBlocking(c, 2) != ncclResult_t::ncclInvalidArgument {
+        return Err("commSetBlocking(2) was accepted".into());
     }
     nccl!(ncclCommFinalize(c));
     nccl!(ncclCommDestroy(c));

@@ -629,6 +629,8 @@ class Engine:
                 time.sleep(0.001)
             if state.value != 0:
                 lib.check(state.value, "ncclCommInitRankConfig", handle)
+            # Non-blocking was for the init alone: operations complete before they return.
+            lib.check(lib.commSetBlocking(handle, 1), "commSetBlocking", handle)
         if rank == 0:
             # Every rank has read the id once the init returns here; a later group created
             # under the same prefix (a re-initialized world on a long-lived store) must not

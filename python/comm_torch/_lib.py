@@ -203,6 +203,7 @@ _WINDOW_PROTOTYPES = {
     "commWinFlush": (c_int, [c_int, c_void_p, c_void_p]),
     "commWinPeerPtr": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p)]),
     "commSetTimeout": (c_int, [c_void_p, ctypes.c_double]),
+    "commSetBlocking": (c_int, [c_void_p, c_int]),
     "commWinPeerSize": (c_int, [c_void_p, c_void_p, c_int, _P(c_size_t)]),
     "commWinSignalPads": (c_int, [c_void_p, c_void_p, c_int, _P(c_void_p), _P(c_int)]),
     "commWinChannelSignal": (c_int, [c_int, c_int, c_uint64, c_void_p, c_void_p]),

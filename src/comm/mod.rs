@@ -92,6 +92,8 @@ pub(crate) struct Comm {
     /// until it ends).
     pub gate: gate::Gate,
     pub background: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Whether calls block (`config.blocking` at init; `commSetBlocking` changes it later).
+    blocking: AtomicBool,
 }
 
 /// Where the message of a communicator's last failure is kept (see `Comm::last_error`).
@@ -332,6 +334,7 @@ impl Comm {
                 .flatten(),
             hosts: layout,
             slice_bytes: crate::env::SLICE_BYTES.size().max(64),
+            blocking: AtomicBool::new(config.blocking),
             config,
             boot,
             placements,
@@ -438,6 +441,17 @@ impl Comm {
                 ))
             }
         }
+    }
+
+    /// Whether this communicator's calls block until done, or (non-blocking) return
+    /// ncclInProgress and complete in the background.
+    pub(crate) fn blocking(&self) -> bool {
+        self.blocking.load(Ordering::Relaxed)
+    }
+
+    /// commSetBlocking.
+    pub(crate) fn set_blocking(&self, blocking: bool) {
+        self.blocking.store(blocking, Ordering::Relaxed);
     }
 
     /// Records a failure that leaves the communicator unusable (a dead peer, a timeout, ranks

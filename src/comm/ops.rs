@@ -572,7 +572,7 @@ impl Comm {
     /// the call.
     pub(crate) fn again(&self, key: &Repeat, send: *const u8, recv: *mut u8) -> Option<Result<()>> {
         if self.device.is_some()
-            || !self.config.blocking
+            || !self.blocking()
             || crate::group::in_group()
             || crate::cuda::any_device_memory()
             || self.check_usable().is_err()

@@ -618,6 +618,23 @@ pub extern "C" fn commSetTimeout(comm: ncclComm_t, seconds: f64) -> ncclResult_t
     })
 }
 
+/// comm extension: whether this communicator's later calls block until done (`blocking` 1)
+/// or return ncclInProgress and complete in the background (0), as `config.blocking` chose at
+/// init. For callers that made the communicator non-blocking only to bound its init (poll
+/// ncclCommGetAsyncError, abort when it takes too long) and want blocking calls after it.
+/// Refused while an operation is in progress.
+#[no_mangle]
+pub extern "C" fn commSetBlocking(comm: ncclComm_t, blocking: c_int) -> ncclResult_t {
+    guard_comm("commSetBlocking", comm, |c| {
+        if blocking != 0 && blocking != 1 {
+            return crate::invalid_arg!("blocking is {blocking}; it must be 0 or 1");
+        }
+        let _held = c.gate.enter()?;
+        c.set_blocking(blocking == 1);
+        Ok(())
+    })
+}
+
 /// Re-reads logging settings in NCCL; logging here is configured once per process, so this
 /// does nothing (NCCL itself marks it deprecated).
 #[no_mangle]

@@ -204,7 +204,7 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
         let c = c.clone();
         one_sided(
             comm,
-            c.config.blocking,
+            c.blocking(),
             crate::group::Phase::Collective,
             move || {
                 let h = window::register(&c.window_members(), b, size, winFlags, false, pre)?;
@@ -401,19 +401,14 @@ pub unsafe extern "C" fn ncclPutSignal(
             );
         }
         let src = localbuff as usize;
-        one_sided(
-            comm,
-            c.config.blocking,
-            crate::group::Phase::Issue,
-            move || {
-                // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
-                // which NCCL requires valid until the call, or its group, returns (on a stream:
-                // until the stream has done the copy).
-                unsafe {
-                    window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
-                }
-            },
-        )
+        one_sided(comm, c.blocking(), crate::group::Phase::Issue, move || {
+            // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
+            // which NCCL requires valid until the call, or its group, returns (on a stream:
+            // until the stream has done the copy).
+            unsafe {
+                window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
+            }
+        })
     })
 }
 
@@ -432,12 +427,9 @@ pub unsafe extern "C" fn ncclSignal(
         let on = crate::cuda::Stream(stream as *mut c_void);
         window::check_peer(&c.window_members(), peer)?;
         let c = c.clone();
-        one_sided(
-            comm,
-            c.config.blocking,
-            crate::group::Phase::Issue,
-            move || window::signal(&c.window_members(), peer, Some(on)),
-        )
+        one_sided(comm, c.blocking(), crate::group::Phase::Issue, move || {
+            window::signal(&c.window_members(), peer, Some(on))
+        })
     })
 }
 
@@ -489,12 +481,9 @@ pub unsafe extern "C" fn ncclWaitSignal(
         }
         let descs: Vec<(usize, u64)> = descs.collect();
         let c = c.clone();
-        one_sided(
-            comm,
-            c.config.blocking,
-            crate::group::Phase::Wait,
-            move || window::wait_signals(&c.window_members(), descs),
-        )
+        one_sided(comm, c.blocking(), crate::group::Phase::Wait, move || {
+            window::wait_signals(&c.window_members(), descs)
+        })
     })
 }
 
