@@ -42,8 +42,12 @@ const WATCHED_ENV: [&str; 6] = [
 fn main() {
     // The library's calls into its own nccl* symbols must never bind to another NCCL loaded in
     // the same process (PyTorch loads its own libnccl globally).
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic-functions");
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcomm.so");
+    // No -soname here: cargo passes this script's link arguments to the link of every dependent
+    // cdylib as well, and nccl/ links the same code as libnccl.so with NCCL's SONAME
+    // (libnccl.so.2), which a later -soname would override. libcomm.so is loaded by path
+    // (Python, dlopen) or linked as -lcomm, which records its file name; the installed tree
+    // makes libcomm.so a link to libnccl.so.2.
+    println!("cargo:rustc-link-arg-cdylib=-Wl,-Bsymbolic-functions");
     println!("cargo:rerun-if-changed=build.rs");
 
     println!("cargo::rustc-check-cfg=cfg(comm_kernels)");
