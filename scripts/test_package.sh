@@ -91,7 +91,7 @@ if LD_LIBRARY_PATH=$work/other "$work/foreign" >/dev/null 2>&1; then
 fi
 out=$(LD_LIBRARY_PATH=$lib NCCL_DEBUG=VERSION "$work/foreign" 2>&1) || { echo "$out" >&2; fail "foreign program on comm"; }
 grep -q "all-reduce OK" <<<"$out" || fail "foreign program: $out"
-grep -q "comm $(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)" <<<"$out" ||
+grep -q "NCCL VERSION comm $(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1) (git " <<<"$out" ||
   { echo "$out" >&2; fail "the foreign program's log does not name comm and its version"; }
 
 echo "package tests passed in $(($(date +%s) - start)) s"

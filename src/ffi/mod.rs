@@ -19,11 +19,13 @@ pub mod mem;
 pub mod param;
 pub mod profiling;
 pub mod types;
+pub mod version;
 
 pub use coll::*;
 pub use init::*;
 pub use mem::*;
 pub use param::*;
+pub use version::*;
 
 use crate::comm::registry;
 use crate::comm::Comm;
