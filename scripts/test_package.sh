@@ -5,7 +5,8 @@
 #   - every installed program starts with no library path set (install RPATH);
 #   - consumers find it by NCCL's names: CMake find_package(NCCL) and find_library(NAMES nccl),
 #     pkg-config nccl, plain -lnccl; and by comm's (find_package(comm), pkg-config comm);
-#   - a program linked against another libnccl.so.2 runs unchanged on comm's lib/.
+#   - a program linked against another libnccl.so.2 runs unchanged on comm's lib/;
+# then scripts/test_wheel.sh checks the Python wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
@@ -95,3 +96,6 @@ grep -q "NCCL VERSION comm $(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | he
   { echo "$out" >&2; fail "the foreign program's log does not name comm and its version"; }
 
 echo "package tests passed in $(($(date +%s) - start)) s"
+
+# The Python wheel, which carries the library.
+scripts/test_wheel.sh
