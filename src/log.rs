@@ -8,10 +8,10 @@
 //! by default), and TAG is COMM, or NCCL where the level came from `NCCL_DEBUG` (tools that
 //! watch for "NCCL WARN" keep working); `COMM_DEBUG_TAG` chooses.
 
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::io::Write;
+use std::sync::LazyLock;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Level {
@@ -223,7 +223,7 @@ pub(crate) fn hostname() -> String {
         .unwrap_or_else(|_| "unknown".to_string())
 }
 
-static LOGGER: Lazy<Logger> = Lazy::new(|| {
+static LOGGER: LazyLock<Logger> = LazyLock::new(|| {
     let level = crate::env::DEBUG
         .text()
         .map(|v| parse_level(&v))
