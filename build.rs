@@ -30,7 +30,8 @@ const GENCODE: [&str; 6] = [
 ];
 
 /// Environment variables that change what this script finds or does.
-const WATCHED_ENV: [&str; 6] = [
+const WATCHED_ENV: [&str; 7] = [
+    "COMM_GIT_REVISION",
     "NVCC",
     "CUDA_HOME",
     "CUDA_PATH",
@@ -42,9 +43,15 @@ const WATCHED_ENV: [&str; 6] = [
 fn main() {
     // The library's calls into its own nccl* symbols must never bind to another NCCL loaded in
     // the same process (PyTorch loads its own libnccl globally).
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic-functions");
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcomm.so");
+    // No -soname here: cargo passes this script's link arguments to the link of every dependent
+    // cdylib as well, and nccl/ links the same code as libnccl.so with NCCL's SONAME
+    // (libnccl.so.2), which a later -soname would override. libcomm.so is loaded by path
+    // (Python, dlopen) or linked as -lcomm, which records its file name; the installed tree
+    // makes libcomm.so a link to libnccl.so.2.
+    println!("cargo:rustc-link-arg-cdylib=-Wl,-Bsymbolic-functions");
     println!("cargo:rerun-if-changed=build.rs");
+
+    git_revision();
 
     println!("cargo::rustc-check-cfg=cfg(comm_kernels)");
     println!("cargo:rerun-if-changed=kernels");
@@ -347,4 +354,39 @@ fn c_string_body(path: &Path) -> String {
         .to_string()
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
+}
+
+/// `COMM_GIT_REVISION` for the library (commGetVersion, the version log line): the environment's
+/// value where set (a source tarball has no .git), else the commit checked out, else "unknown".
+/// The build reruns when HEAD or the branch it names moves, so a rebuilt library never names an
+/// older commit.
+fn git_revision() {
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(manifest_dir())
+            .output()
+            .ok()?;
+        let text = String::from_utf8(out.stdout).ok()?.trim().to_string();
+        (out.status.success() && !text.is_empty()).then_some(text)
+    };
+    let revision = match non_empty_env("COMM_GIT_REVISION") {
+        Some(v) => v.to_string_lossy().into_owned(),
+        None => {
+            // The files that say which commit is checked out (a worktree keeps HEAD apart from
+            // the refs).
+            let mut watched = vec!["HEAD".to_string(), "packed-refs".to_string()];
+            watched.extend(git(&["symbolic-ref", "-q", "HEAD"]));
+            for name in watched {
+                if let Some(path) = git(&["rev-parse", "--git-path", &name]) {
+                    let path = manifest_dir().join(path);
+                    if path.exists() {
+                        println!("cargo:rerun-if-changed={}", path.display());
+                    }
+                }
+            }
+            git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".to_string())
+        }
+    };
+    println!("cargo:rustc-env=COMM_GIT_REVISION={revision}");
 }

@@ -1331,6 +1331,7 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
   ncclGetVersion(&lib_version);
   if (bench_w.proc == 0) {
     printf("# comm-bench version %s nccl-headers=%d nccl-library=%d\n", BENCH_VERSION, NCCL_VERSION_CODE, lib_version);
+    printf("# Library: %s\n", bench_library(NULL, NULL));
     printf("# Collective test starting: %s\n", program);
     printf("# nThread %d nGpus %d minBytes %zu maxBytes %zu step: %zu(%s) warmup iters: %d iters: %d agg iters: %d "
            "validation: %d graph: %d unalign: %d\n",

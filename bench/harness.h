@@ -243,5 +243,9 @@ void bench_json_bool_str(int v);
 void bench_json_null(void);
 void bench_json_close(const char* error);
 void bench_timestamp(char* out, size_t len);
+/* The library the program runs on: comm names itself, its version and git revision (commGetVersion,
+ * looked up at run time so that the programs build and run against NVIDIA's NCCL as well); any
+ * other is named by its NCCL version. `name` gets "comm" or "nccl", `version` its version. */
+const char* bench_library(const char** name, const char** version);
 
 #endif

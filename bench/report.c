@@ -7,6 +7,7 @@
  * writer keeps a stack of open containers so that a failing run can still close the file. */
 #include "harness.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,7 +223,47 @@ int bench_json_open(const char* path, int argc, char** argv) {
   ncclGetVersion(&version);
   j_key("nccl_version");
   j_int(version);
+  /* comm-bench additions: which library ran, beside the NCCL API level above. */
+  const char *name, *lib_ver;
+  const char* description = bench_library(&name, &lib_ver);
+  j_key("library");
+  j_str(name);
+  j_key("library_version");
+  j_str(lib_ver);
+  j_key("library_description");
+  j_str(description);
   return 0;
+}
+
+typedef ncclResult_t (*comm_get_version_fn)(int* version, const char** text);
+
+static char lib_description[256], lib_version[32];
+static const char* lib_name = "nccl";
+
+static void find_library(void) {
+  comm_get_version_fn comm_get_version = NULL;
+  void* self = dlopen(NULL, RTLD_LAZY);
+  if (self) *(void**)&comm_get_version = dlsym(self, "commGetVersion");
+  int code = 0;
+  const char* text = NULL;
+  if (comm_get_version && comm_get_version(&code, &text) == ncclSuccess && text) {
+    lib_name = "comm";
+    snprintf(lib_version, sizeof lib_version, "%d.%d.%d", code / 10000, code / 100 % 100, code % 100);
+    snprintf(lib_description, sizeof lib_description, "%s", text);
+  } else {
+    ncclGetVersion(&code);
+    snprintf(lib_version, sizeof lib_version, "%d.%d.%d", code / 10000, code / 100 % 100, code % 100);
+    snprintf(lib_description, sizeof lib_description, "NCCL %s", lib_version);
+  }
+  if (self) dlclose(self);
+}
+
+const char* bench_library(const char** name, const char** version) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, find_library);
+  if (name) *name = lib_name;
+  if (version) *version = lib_version;
+  return lib_description;
 }
 
 /* Closes whatever is open down to the top-level object, adds the errors and the end time. */

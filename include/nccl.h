@@ -114,6 +114,27 @@ typedef struct ncclParamHandle* ncclParamHandle_t;
  */
 #define COMM_FEATURE_WINDOWS 2
 
+/*
+ comm extension: comm's major version.
+ */
+#define COMM_MAJOR 0
+
+/*
+ comm extension: comm's minor version.
+ */
+#define COMM_MINOR 1
+
+/*
+ comm extension: comm's patch level.
+ */
+#define COMM_PATCH 0
+
+/*
+ comm extension: comm's version as `commGetVersion` reports it, major * 10000 + minor * 100 +
+ patch.
+ */
+#define COMM_VERSION_CODE (((COMM_MAJOR * 10000) + (COMM_MINOR * 100)) + COMM_PATCH)
+
 typedef enum {
   ncclSuccess = 0,
   ncclUnhandledCudaError = 1,
@@ -654,6 +675,16 @@ ncclResult_t pncclParamGetParameter(const char *key, const char **value, int *va
 ncclResult_t pncclParamGetAllParameterKeys(const char ***table, int *tableLen);
 
 void pncclParamDumpAll(void);
+
+/*
+ comm extension: comm's own version, as COMM_VERSION_CODE is written, and, where
+ `versionString` is not NULL, a static string naming the library, its version, the git
+ revision it was built from and the NCCL API level it implements, e.g.
+ "comm 0.1.0 (git 0123456789ab, NCCL API 2.30.7)". ncclGetVersion reports the NCCL API level,
+ as NVIDIA's library does. A program that may run on either library looks this function up
+ with dlsym.
+ */
+ncclResult_t commGetVersion(int *version, const char **versionString);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -136,6 +136,20 @@ if ! timeout "$limit" "$COMM_DEPS/venv/bin/python" bench/plot.py -o "$work/plot.
   fail "plot.py" "$work/plot.log"
 fi
 
+echo "provenance"
+# The header and the JSON name the library that ran (comm, its version), beside the NCCL API level.
+runs=$((runs + 1))
+log=$work/provenance.log
+want=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+if ! timeout "$limit" "$bin/all_reduce_perf" -t 2 -b 8 -e 8 -n 1 -w 0 -c 1 >"$log" 2>&1 ||
+  ! grep -q "^# Library: comm $want (git [0-9a-f]*, NCCL API [0-9.]*)$" "$log" ||
+  ! "$COMM_DEPS/venv/bin/python" -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+sys.exit(not (d["library"] == "comm" and d["library_version"] == sys.argv[2] and "nccl_version" in d))' \
+    "$work/scatter.json" "$want"; then
+  fail "the header and the JSON name comm and its version" "$log"
+fi
+
 echo "compare_mpi.sh (tiny sizes: a check that it runs and tabulates, not a measurement)"
 # Every library, rank count and pinning must have run (each cell names the best MPI), and the
 # tables must hold a row per collective and size: 8 B to 1 KiB is 8 all_reduce sizes, and 7

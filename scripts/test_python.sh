@@ -39,7 +39,9 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Editable, so the tests run the checkout's code; this also installs the entry points.
-if ! "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e python/ >"$work/pip.log" 2>&1; then
+# COMM_TORCH_NO_LIBRARY: no library in the package (python/setup.py); COMM_LIBRARY points the
+# tests at the fresh build below.
+if ! COMM_TORCH_NO_LIBRARY=1 "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e python/ >"$work/pip.log" 2>&1; then
   cat "$work/pip.log" >&2
   exit 1
 fi

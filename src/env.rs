@@ -61,6 +61,12 @@ knobs! {
         "INFO and TRACE lines of these subsystems only (INIT, COLL, P2P, SHM, NET, GRAPH, TUNING, ENV, ALLOC, REG, BOOTSTRAP, ALL; ^ leaves them out); unset: all";
     DEBUG_FILE: Text "COMM_DEBUG_FILE" or "NCCL_DEBUG_FILE" = "",
         "log to this file instead of stderr (%h host, %p pid)";
+    DEBUG_TAG: Text "COMM_DEBUG_TAG" = "",
+        "the word log lines begin their level with, COMM (COMM WARN ...) or NCCL (NCCL WARN ..., for tools that read NCCL's logs); unset: NCCL when the level came from NCCL_DEBUG, else COMM";
+    DEBUG_TIMESTAMP_FORMAT: Text "COMM_DEBUG_TIMESTAMP_FORMAT" or "NCCL_DEBUG_TIMESTAMP_FORMAT" = "[%F %T] ",
+        "strftime format of the timestamp that begins a log line; %1f to %9f: that many digits of the second's fraction";
+    DEBUG_TIMESTAMP_LEVELS: Text "COMM_DEBUG_TIMESTAMP_LEVELS" or "NCCL_DEBUG_TIMESTAMP_LEVELS" = "WARN",
+        "levels whose lines carry a timestamp: VERSION, WARN, INFO, TRACE, ALL or NONE, separated by commas; ^ for all but those";
     ALGO: Text "COMM_ALGO" or "NCCL_ALGO" = "",
         "allowed algorithms, e.g. ring,tree or ^direct";
     COMM_ID: Text "COMM_COMM_ID" or "NCCL_COMM_ID" = "",

@@ -5,8 +5,8 @@
 //! split, shrink, destroy), where a test cannot aim a signal from outside. Unset, a point costs
 //! one comparison with a string read once.
 
-use once_cell::sync::Lazy;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::LazyLock;
 
 /// What happens at the point named: a signal raised, or an error returned.
 #[derive(PartialEq, Eq)]
@@ -15,7 +15,7 @@ enum Action {
     Fail,
 }
 
-static TARGET: Lazy<Option<(String, Action)>> = Lazy::new(|| {
+static TARGET: LazyLock<Option<(String, Action)>> = LazyLock::new(|| {
     let spec = std::env::var("COMM_FAULT_INJECT").ok()?;
     Some(if let Some(point) = spec.strip_suffix(":stop") {
         (point.to_string(), Action::Raise(libc::SIGSTOP))

@@ -2,11 +2,16 @@
 //! `COMM_DEBUG_FILE` (`%h` = host, `%p` = pid), prefixed with host, pid, thread and rank so that
 //! interleaved output from many ranks can be told apart. `COMM_DEBUG_SUBSYS` keeps the INFO and
 //! TRACE lines of some subsystems, as NCCL's mask does; a line's subsystem is its module's.
+//!
+//! As NCCL's, a line is `[timestamp] host:pid:tid [rank] TAG LEVEL message`: the timestamp as
+//! `NCCL_DEBUG_TIMESTAMP_FORMAT` writes it on the levels of `NCCL_DEBUG_TIMESTAMP_LEVELS` (WARN
+//! by default), and TAG is COMM, or NCCL where the level came from `NCCL_DEBUG` (tools that
+//! watch for "NCCL WARN" keep working); `COMM_DEBUG_TAG` chooses.
 
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::io::Write;
+use std::sync::LazyLock;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Level {
@@ -19,6 +24,11 @@ pub(crate) enum Level {
 
 pub(crate) struct Logger {
     pub level: Level,
+    /// COMM or NCCL.
+    tag: &'static str,
+    /// Which levels carry a timestamp (bit `1 << level`).
+    stamped: u32,
+    stamp_format: String,
     /// The subsystems whose INFO and TRACE lines are written (`SUBSYS` bits).
     mask: u32,
     host: String,
@@ -103,6 +113,109 @@ fn parse_level(s: &str) -> Level {
     }
 }
 
+/// The tag of log lines: `COMM_DEBUG_TAG` where it says COMM or NCCL, else NCCL when the level
+/// was set through NCCL_DEBUG (`level_from`, the variable that set it), else COMM.
+fn tag_of(chosen: Option<&str>, level_from: Option<&str>) -> &'static str {
+    match chosen.map(|c| c.trim().to_ascii_uppercase()).as_deref() {
+        Some("NCCL") => "NCCL",
+        Some("COMM") => "COMM",
+        _ if level_from == Some("NCCL_DEBUG") => "NCCL",
+        _ => "COMM",
+    }
+}
+
+/// A `COMM_DEBUG_TIMESTAMP_LEVELS` value as bits `1 << level`: level names separated by commas,
+/// ALL for every one, NONE for none, a leading ^ for all but those.
+fn parse_levels(v: &str) -> u32 {
+    let v = v.trim();
+    let (invert, list) = match v.strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, v),
+    };
+    let mut bits = 0;
+    for name in list.split(',').map(|n| n.trim().to_ascii_uppercase()) {
+        bits |= match name.as_str() {
+            "ALL" => u32::MAX,
+            "NONE" | "" => 0,
+            _ => match parse_level(&name) {
+                Level::None => 0,
+                level => 1 << level as u32,
+            },
+        };
+    }
+    if invert {
+        !bits
+    } else {
+        bits
+    }
+}
+
+/// The local time `now` (seconds and nanoseconds since the epoch) in a strftime `format`, where
+/// `%1f` to `%9f` stand for that many digits of the fraction of the second (NCCL's extension).
+fn timestamp(format: &str, secs: i64, nanos: u32) -> String {
+    // The fraction goes in first, so strftime sees plain text there; "%%" stays for strftime.
+    let mut pattern = String::with_capacity(format.len() + 8);
+    let mut chars = format.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            pattern.push(c);
+            continue;
+        }
+        match chars.peek().copied() {
+            Some('%') => {
+                chars.next();
+                pattern.push_str("%%");
+            }
+            Some(d @ '1'..='9') => {
+                let mut ahead = chars.clone();
+                ahead.next();
+                if ahead.peek() == Some(&'f') {
+                    chars.next();
+                    chars.next();
+                    let digits = d as usize - '0' as usize;
+                    let frac = format!("{nanos:09}");
+                    pattern.push_str(&frac[..digits]);
+                } else {
+                    pattern.push('%');
+                }
+            }
+            _ => pattern.push('%'),
+        }
+    }
+    let Ok(pattern) = std::ffi::CString::new(pattern) else {
+        return String::new();
+    };
+    // SAFETY: a zeroed tm is a valid out-parameter; localtime_r fills it from a valid time_t.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    let t = secs as libc::time_t;
+    // SAFETY: both pointers are to locals.
+    if unsafe { libc::localtime_r(&t, &mut tm) }.is_null() {
+        return String::new();
+    }
+    let mut buf = vec![0u8; 256];
+    // SAFETY: buf holds buf.len() bytes, pattern is NUL-terminated and tm was filled above.
+    let n = unsafe { libc::strftime(buf.as_mut_ptr().cast(), buf.len(), pattern.as_ptr(), &tm) };
+    buf.truncate(n);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+fn now_stamp(format: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    timestamp(format, now.as_secs() as i64, now.subsec_nanos())
+}
+
+/// A duration as messages write it: "5 s", "0.25 s".
+pub(crate) fn secs(d: std::time::Duration) -> String {
+    format!("{} s", (d.as_secs_f64() * 1000.0).round() / 1000.0)
+}
+
+/// A limit as messages write it: "5 s", or "no limit".
+pub(crate) fn limit(d: Option<std::time::Duration>) -> String {
+    d.map_or_else(|| "no limit".to_string(), secs)
+}
+
 /// The host name as the kernel reports it (std has no call for it).
 pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -110,7 +223,7 @@ pub(crate) fn hostname() -> String {
         .unwrap_or_else(|_| "unknown".to_string())
 }
 
-static LOGGER: Lazy<Logger> = Lazy::new(|| {
+static LOGGER: LazyLock<Logger> = LazyLock::new(|| {
     let level = crate::env::DEBUG
         .text()
         .map(|v| parse_level(&v))
@@ -135,8 +248,18 @@ static LOGGER: Lazy<Logger> = Lazy::new(|| {
     let mask = crate::env::DEBUG_SUBSYS
         .text()
         .map_or(u32::MAX, |v| parse_subsys(&v));
+    let tag = tag_of(
+        crate::env::DEBUG_TAG.text().as_deref(),
+        crate::env::DEBUG.set_name(),
+    );
+    let stamped = crate::env::DEBUG_TIMESTAMP_LEVELS
+        .text()
+        .map_or(1 << Level::Warn as u32, |v| parse_levels(&v));
     Logger {
         level,
+        tag,
+        stamped,
+        stamp_format: crate::env::DEBUG_TIMESTAMP_FORMAT.value(),
         mask,
         host,
         sink: Mutex::new(sink),
@@ -176,16 +299,9 @@ pub(crate) fn version_once() {
     static SAID: std::sync::Once = std::sync::Once::new();
     if enabled(Level::Version) {
         SAID.call_once(|| {
-            let v = crate::ffi::types::NCCL_VERSION_CODE;
             write(
                 Level::Version,
-                format_args!(
-                    "comm {} (NCCL API {}.{}.{})",
-                    env!("CARGO_PKG_VERSION"),
-                    v / 10000,
-                    v / 100 % 100,
-                    v % 100
-                ),
+                format_args!("{}", crate::ffi::version::describe()),
             )
         });
     }
@@ -207,12 +323,18 @@ pub(crate) fn write(level: Level, msg: std::fmt::Arguments<'_>) {
         .with(|r| r.get())
         .map(|r| format!(" [{r}]"))
         .unwrap_or_default();
+    let stamp = if LOGGER.stamped & (1 << level as u32) != 0 {
+        now_stamp(&LOGGER.stamp_format)
+    } else {
+        String::new()
+    };
     let line = format!(
-        "{}:{}:{}{} COMM {} {}\n",
+        "{stamp}{}:{}:{}{} {} {} {}\n",
         LOGGER.host,
         std::process::id(),
         thread_id(),
         rank,
+        LOGGER.tag,
         tag,
         msg
     );
@@ -261,5 +383,49 @@ mod tests {
         assert_ne!(not_init & subsys_of("comm::bootstrap::root"), 0);
         assert_eq!(parse_subsys("ALL"), u32::MAX);
         assert_eq!(parse_subsys("BOGUS"), 0);
+    }
+
+    #[test]
+    fn durations_read_as_seconds() {
+        use std::time::Duration;
+        assert_eq!(limit(Some(Duration::from_secs(5))), "5 s");
+        assert_eq!(limit(Some(Duration::from_millis(250))), "0.25 s");
+        assert_eq!(limit(None), "no limit");
+    }
+
+    #[test]
+    fn the_tag_follows_the_variable_that_set_the_level() {
+        assert_eq!(tag_of(None, Some("NCCL_DEBUG")), "NCCL");
+        assert_eq!(tag_of(None, Some("COMM_DEBUG")), "COMM");
+        assert_eq!(tag_of(None, None), "COMM");
+        assert_eq!(tag_of(Some("nccl"), Some("COMM_DEBUG")), "NCCL");
+        assert_eq!(tag_of(Some("COMM"), Some("NCCL_DEBUG")), "COMM");
+        assert_eq!(tag_of(Some("bogus"), Some("NCCL_DEBUG")), "NCCL");
+    }
+
+    #[test]
+    fn timestamp_levels_parse_as_nccls() {
+        let warn = 1 << Level::Warn as u32;
+        let info = 1 << Level::Info as u32;
+        assert_eq!(parse_levels("WARN"), warn);
+        assert_eq!(parse_levels("warn,INFO"), warn | info);
+        assert_eq!(parse_levels("NONE"), 0);
+        assert_eq!(parse_levels("^ALL"), 0);
+        assert_eq!(parse_levels("^WARN") & warn, 0);
+        assert_ne!(parse_levels("^WARN") & info, 0);
+        assert_eq!(parse_levels("ALL"), u32::MAX);
+    }
+
+    #[test]
+    fn timestamps_follow_the_strftime_format_with_fractions() {
+        // 2001-09-09 01:46:40 UTC; the local zone moves the hours, never the shape.
+        let secs = 1_000_000_000;
+        let t = timestamp("[%F %T] ", secs, 123_456_789);
+        assert_eq!(t.len(), "[2001-09-09 01:46:40] ".len(), "{t}");
+        assert!(t.starts_with("[2001-09-0") && t.ends_with(":40] "), "{t}");
+        let t = timestamp("%S.%3f|%6f|%%3f|%9f", secs, 123_456_789);
+        assert_eq!(t, "40.123|123456|%3f|123456789");
+        assert_eq!(timestamp("%S.%1f", secs, 5), "40.0");
+        assert_eq!(timestamp("", secs, 0), "");
     }
 }

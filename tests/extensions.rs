@@ -259,7 +259,13 @@ fn log_lines_carry_host_pid_and_rank() {
             .lines()
             .find(|l| l.contains("COMM WARN") && l.contains("sendbuff is NULL"))
             .unwrap_or_else(|| panic!("rank {} logged no warning:\n{}", rr.rank, rr.stderr));
-        assert!(warn.starts_with(host.trim()), "{warn}");
+        // WARN lines begin with a timestamp in NCCL's default format, "[%F %T] ".
+        let (stamp, rest) = warn.split_once("] ").unwrap_or_else(|| panic!("{warn}"));
+        assert!(
+            stamp.starts_with("[20") && stamp.len() == "[2001-09-09 01:46:40".len(),
+            "{warn}"
+        );
+        assert!(rest.starts_with(host.trim()), "{warn}");
         assert!(warn.contains(&format!("[{}]", rr.rank)), "{warn}");
         assert!(
             rr.stderr

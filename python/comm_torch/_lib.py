@@ -279,7 +279,8 @@ def _candidates() -> Iterator[tuple[str, str]]:
         yield env, "COMM_LIBRARY"
         return
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("libcomm.so", os.path.join("lib", "libcomm.so")):
+    # lib/libcomm.abi3.so is the wheel's (python/setup.py names it as setuptools-rust does).
+    for name in ("libcomm.so", os.path.join("lib", "libcomm.so"), os.path.join("lib", "libcomm.abi3.so")):
         path = os.path.join(here, name)
         if os.path.exists(path):
             yield path, "next to the package"

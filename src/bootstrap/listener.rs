@@ -464,9 +464,9 @@ fn serve(
                 }
                 Progress::Pending if p.deadline.is_some_and(|d| now >= d) => {
                     crate::warn!(
-                        "{label}: refused connection from {}: no complete handshake within {:?} (silent or half-open client)",
+                        "{label}: refused connection from {}: no complete handshake within {} (silent or half-open client)",
                         p.peer,
-                        handshake_timeout.unwrap_or_default()
+                        crate::log::limit(handshake_timeout)
                     );
                 }
                 Progress::Pending => kept.push(p),

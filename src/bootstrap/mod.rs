@@ -239,10 +239,15 @@ impl Bootstrap {
         } else {
             None
         };
-        let mut ready = root::Ready::decode(&session.wait_ready(w, started)?)?;
+        let warn = root::WarnWait {
+            rank,
+            nranks,
+            id_made_here: root::made_here(id),
+        };
+        let mut ready = root::Ready::decode(&session.wait_ready(w, started, Some(&warn))?)?;
         if let Some(a) = &announce {
             // The previous root answers with our predecessor, the last rank of its block.
-            let answer = a.wait_ready(w, started)?;
+            let answer = a.wait_ready(w, started, None)?;
             ready.prev = Some(root::announced_prev(&answer)?);
         }
         let next_addr = ready.next;

@@ -49,6 +49,8 @@ pub(crate) const READY: u8 = 3;
 pub(crate) const FAIL: u8 = 4;
 pub(crate) const QUERY: u8 = 5;
 pub(crate) const STATUS: u8 = 6;
+/// As QUERY, from a rank that keeps waiting (its COMM_WARN_AFTER passed, not its timeout).
+pub(crate) const PEEK: u8 = 7;
 
 /// Everything the root exchanges is tiny; anything bigger is not a rank of ours.
 const ROOT_FRAME_LIMIT: u64 = 64 << 10;
@@ -178,6 +180,20 @@ pub(crate) fn announced_prev(b: &[u8]) -> Result<SocketAddr> {
 pub(crate) fn new_id(ip: IpAddr) -> Result<UniqueId> {
     let (id, _) = RootService::global()?.new_id(ip, super::init_timeout())?;
     Ok(id)
+}
+
+/// Whether `id` was made by ncclGetUniqueId in this process (its root is this process's service).
+pub(crate) fn made_here(id: &UniqueId) -> bool {
+    if id.root_at_init {
+        return false;
+    }
+    let global = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+    match *global {
+        Some((pid, service)) if pid == std::process::id() => {
+            service.shared.lock().values().any(|a| *a == id.root)
+        }
+        _ => false,
+    }
 }
 
 /// NCCL_COMM_ID mode: serves `id` on `listener`, bound by the caller at the user's address, until
@@ -332,8 +348,8 @@ impl RootService {
         self.wake();
         shared.insert(ip, addr);
         crate::info!(
-            "bootstrap root service listening on {addr} (handshake timeout {:?})",
-            self.handshake_timeout
+            "bootstrap root service listening on {addr} (handshake timeout {})",
+            crate::log::limit(self.handshake_timeout)
         );
         Ok(addr)
     }
@@ -667,10 +683,10 @@ impl Service {
                 Ok(true) => arrived.push(inc),
                 Ok(false) if inc.hs.deadline.is_some_and(|d| now >= d) => {
                     crate::warn!(
-                        "{}: refused connection from {}: no complete handshake and check-in within {:?} (silent or half-open client)",
+                        "{}: refused connection from {}: no complete handshake and check-in within {} (silent or half-open client)",
                         inc.label,
                         inc.hs.peer,
-                        self.handshake_timeout.unwrap_or_default()
+                        crate::log::limit(self.handshake_timeout)
                     );
                 }
                 Ok(false) => kept.push(inc),
@@ -762,8 +778,10 @@ impl Plan {
                 self.end - 1
             ),
             _ => format!(
-                "rank {rank} announced itself to root #{}, which expects that from rank {:?}",
-                self.index, self.announcer
+                "rank {rank} announced itself to root #{}, which expects that from {}",
+                self.index,
+                self.announcer
+                    .map_or_else(|| "no rank".to_string(), |a| format!("rank {a}"))
             ),
         }
     }
@@ -1020,16 +1038,20 @@ impl Session {
             Ok(true) => {
                 let reader = std::mem::replace(&mut m.reader, FrameReader::new(ROOT_FRAME_LIMIT));
                 let (h, _) = reader.into_frame();
-                if h.kind == QUERY {
-                    self.timed_out.insert(rank);
+                if h.kind == QUERY || h.kind == PEEK {
+                    if h.kind == QUERY {
+                        self.timed_out.insert(rank);
+                    }
                     let text = self.missing_text();
+                    let arrived = self.members.len() + usize::from(self.announcer.is_some());
                     let m = match who {
                         Who::Rank(r) => self.members.get(r),
                         Who::Announcer => self.announcer.as_ref().map(|(_, m)| m),
                     };
                     if let Some(m) = m {
+                        // The count after the text: a reader of the text alone ignores it.
                         let mut e = Enc::default();
-                        e.text(&text);
+                        e.text(&text).u32(arrived as u32);
                         let _ = send(&m.stream, STATUS, &e.0, &name);
                     }
                 } else {
@@ -1221,10 +1243,34 @@ impl RootSession {
         })
     }
 
-    /// Waits for the root's go-ahead and returns its payload. When our own deadline passes first we
-    /// ask the root who is missing, so that the error names them.
-    pub(super) fn wait_ready(&self, w: Waiter<'_>, started: Instant) -> Result<Vec<u8>> {
+    /// Waits for the root's go-ahead and returns its payload. When `warn` says so and the wait
+    /// lasts, we ask the root who is missing and warn, then wait on. When our own deadline passes
+    /// first we ask the root who is missing, so that the error names them.
+    pub(super) fn wait_ready(
+        &self,
+        w: Waiter<'_>,
+        started: Instant,
+        warn: Option<&WarnWait>,
+    ) -> Result<Vec<u8>> {
         let who = format!("the bootstrap root {}", self.root);
+        if let Some(warn) = warn.filter(|_| w.deadline.is_none_or(|d| d > started + warn_after())) {
+            let early = Waiter::new(Some(started + warn_after()), w.abort);
+            // Only wait for something to read here: a frame is read whole below.
+            loop {
+                if self.readable(early.slice())? {
+                    break;
+                }
+                if let Err(e) = early.check(|| who.clone()) {
+                    if e.kind != ErrorKind::Timeout {
+                        return Err(e);
+                    }
+                    if let Some(answer) = self.warn_still_waiting(warn, w, started)? {
+                        return Ok(answer);
+                    }
+                    break;
+                }
+            }
+        }
         match net::recv_frame(&self.stream, ROOT_FRAME_LIMIT, w, &who) {
             Ok((h, body)) => self.answer(h, &body),
             Err(e) if e.kind == ErrorKind::Timeout => Err(self.ask_who_is_missing(w, started)),
@@ -1252,6 +1298,51 @@ impl RootSession {
                 self.root
             ),
         }
+    }
+
+    /// Whether the root has sent something, waiting at most `slice`.
+    fn readable(&self, slice: Duration) -> Result<bool> {
+        let mut fds = [pollfd(self.stream.as_raw_fd(), libc::POLLIN)];
+        net::poll(&mut fds, Some(slice))?;
+        Ok(fds[0].revents != 0)
+    }
+
+    /// COMM_WARN_AFTER has passed: asks the root who is missing and warns. The root's go-ahead may
+    /// cross the question; it is then returned.
+    fn warn_still_waiting(
+        &self,
+        warn: &WarnWait,
+        w: Waiter<'_>,
+        started: Instant,
+    ) -> Result<Option<Vec<u8>>> {
+        let who = format!("the bootstrap root {}", self.root);
+        let grace = Waiter::new(Some(Instant::now() + QUERY_GRACE), w.abort);
+        let asked = net::send_frame(&self.stream, Header::new(PEEK, 0, 0, 0), &[], grace, &who)
+            .and_then(|_| net::recv_frame(&self.stream, ROOT_FRAME_LIMIT, grace, &who));
+        let (text, arrived) = match asked {
+            Ok((h, body)) if h.kind == STATUS => {
+                let mut d = Dec::new(&body);
+                let text = d.text().unwrap_or_default();
+                (text, d.u32().ok().map(|a| a as usize))
+            }
+            Ok((h, body)) => return self.answer(h, &body).map(Some),
+            Err(e) if e.kind == ErrorKind::Timeout => (
+                format!("{who} did not say who is missing ({})", e.msg),
+                None,
+            ),
+            Err(e) => return Err(e),
+        };
+        crate::warn!(
+            "{}",
+            still_waiting_text(
+                warn,
+                &text,
+                arrived,
+                started.elapsed(),
+                w.deadline.map(|d| d - started)
+            )
+        );
+        Ok(None)
     }
 
     fn ask_who_is_missing(&self, w: Waiter<'_>, started: Instant) -> Error {
@@ -1288,4 +1379,56 @@ impl RootSession {
             ),
         }
     }
+}
+
+/// What a rank waiting at its root knows for the warning of [`RootSession::wait_ready`].
+pub(crate) struct WarnWait {
+    pub rank: usize,
+    pub nranks: usize,
+    /// The unique id was made by ncclGetUniqueId in this very process.
+    pub id_made_here: bool,
+}
+
+/// COMM_WARN_AFTER, as the communicators read it (0 or unset: the default).
+pub(crate) fn warn_after() -> Duration {
+    crate::env::WARN_AFTER
+        .seconds_if_set()
+        .flatten()
+        .or_else(|| crate::env::WARN_AFTER.default_seconds())
+        .unwrap_or(Duration::from_secs(60))
+}
+
+/// The warning of a rank whose init has waited COMM_WARN_AFTER at its root: who is missing
+/// (`text`, the root's words), and the likely cause when this rank is alone there.
+fn still_waiting_text(
+    warn: &WarnWait,
+    text: &str,
+    arrived: Option<usize>,
+    waited: Duration,
+    limit: Option<Duration>,
+) -> String {
+    let WarnWait {
+        rank,
+        nranks,
+        id_made_here,
+    } = *warn;
+    let mut msg = format!(
+        "rank {rank} of {nranks}: init has waited {} for the other ranks (COMM_WARN_AFTER): {text}",
+        crate::log::secs(Duration::from_secs(waited.as_secs()))
+    );
+    let alone = arrived == Some(1) && nranks > 1;
+    if alone && rank != 0 && id_made_here {
+        msg.push_str(&format!(
+            "; rank {rank} uses a unique id its own process made with ncclGetUniqueId: the ranks seem to have each called ncclGetUniqueId for themselves, so that each waits at a root of its own; call it on rank 0 only and pass that id to every rank (MPI_Bcast, a file, a key-value store)"
+        ));
+    } else if alone {
+        msg.push_str(
+            "; no other rank has reached this root: are the other processes running, and were they all given rank 0's unique id? Ranks that each call ncclGetUniqueId for themselves wait at roots of their own",
+        );
+    }
+    msg.push_str(&format!(
+        "; waiting on until COMM_INIT_TIMEOUT ({})",
+        crate::log::limit(limit)
+    ));
+    msg
 }

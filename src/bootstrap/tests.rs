@@ -264,9 +264,11 @@ fn neighbours_from_the_roots(
                         };
                         RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
                     });
-                    let ready = root::Ready::decode(&own.wait_ready(w, started).unwrap()).unwrap();
-                    let announced = announce
-                        .map(|a| root::announced_prev(&a.wait_ready(w, started).unwrap()).unwrap());
+                    let ready =
+                        root::Ready::decode(&own.wait_ready(w, started, None).unwrap()).unwrap();
+                    let announced = announce.map(|a| {
+                        root::announced_prev(&a.wait_ready(w, started, None).unwrap()).unwrap()
+                    });
                     (ready, announced)
                 })
             })
@@ -490,7 +492,7 @@ fn rogue_check_in(id: &UniqueId, c: CheckIn) -> crate::error::Error {
     let w = Waiter::new(Some(Instant::now() + Duration::from_secs(5)), &never);
     let session = RootSession::open(id, root::CHECK_IN, &c, w).expect("right secret authenticates");
     session
-        .wait_ready(w, Instant::now())
+        .wait_ready(w, Instant::now(), None)
         .expect_err("the root must refuse this check-in")
 }
 

@@ -8,11 +8,11 @@ use crate::error::Result;
 use crate::exec::host::{overlap, run_again, Footprint, HostOp, Reduction, Repeat};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
+use std::sync::LazyLock;
 
 /// The first value of a dynamic (user-created) op, as in NCCL.
 pub(crate) const FIRST_DYNAMIC_OP: i32 = 5;
@@ -48,7 +48,7 @@ pub(crate) struct CustomOps {
 
 /// Op values are unique across communicators, so an op used on the wrong one is recognised.
 static NEXT_OP: AtomicI32 = AtomicI32::new(FIRST_DYNAMIC_OP);
-static OP_OWNER: Lazy<Mutex<HashMap<i32, u64>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static OP_OWNER: LazyLock<Mutex<HashMap<i32, u64>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// What a schedule depends on: calls with equal keys get the same (cached) schedule.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

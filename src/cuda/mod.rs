@@ -11,18 +11,18 @@ pub(crate) mod share;
 
 use crate::error::{Error, ErrorKind, Result};
 use cudarc::driver::sys as cu;
-use once_cell::sync::OnceCell;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::sync::OnceLock;
 
 /// What this process found when it first looked for CUDA.
 struct Driver {
     devices: i32,
 }
 
-static DRIVER: OnceCell<Option<Driver>> = OnceCell::new();
+static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
 
 fn driver() -> Option<&'static Driver> {
     DRIVER

@@ -7,11 +7,11 @@ use super::types::*;
 use super::{guard, guard_comm, input_slice, out, write_out};
 use crate::error::Result;
 use crate::window;
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::LazyLock;
 
 /// Device memory from CUDA's virtual memory management API on the calling thread's GPU (NCCL
 /// 2.19): suitable for every path of the library, freed with ncclMemFree. Where no GPU is
@@ -77,8 +77,8 @@ struct Registration {
     net: Option<u64>,
 }
 
-static REGISTRATIONS: Lazy<Mutex<HashMap<usize, Registration>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+static REGISTRATIONS: LazyLock<Mutex<HashMap<usize, Registration>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
 static NEXT_REG: AtomicUsize = AtomicUsize::new(1);
 
 #[no_mangle]

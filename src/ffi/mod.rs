@@ -19,20 +19,22 @@ pub mod mem;
 pub mod param;
 pub mod profiling;
 pub mod types;
+pub mod version;
 
 pub use coll::*;
 pub use init::*;
 pub use mem::*;
 pub use param::*;
+pub use version::*;
 
 use crate::comm::registry;
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::ffi::CString;
 use std::os::raw::c_char;
 use std::sync::Arc;
+use std::sync::LazyLock;
 use types::{ncclComm_t, ncclResult_t};
 
 /// Recent error messages. `ncclGetLastError` hands out pointers into this ring, which stay
@@ -43,7 +45,7 @@ struct LastErrors {
     latest: Option<usize>,
 }
 
-static LAST: Lazy<Mutex<LastErrors>> = Lazy::new(|| {
+static LAST: LazyLock<Mutex<LastErrors>> = LazyLock::new(|| {
     Mutex::new(LastErrors {
         ring: (0..64).map(|_| CString::default()).collect(),
         next: 0,

@@ -4,20 +4,20 @@ use super::types::*;
 use super::{guard, input_cstr, out, write_out};
 use crate::env::{knob, Knob, KNOBS};
 use crate::error::Result;
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::os::raw::{c_char, c_int};
+use std::sync::LazyLock;
 
 /// Handles point at the knobs' declarations; string values are interned so returned pointers
 /// live on.
-static INTERNED: Lazy<Mutex<HashMap<String, &'static CStr>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-static KEYS: Lazy<Vec<CString>> =
-    Lazy::new(|| KNOBS.iter().map(|k| CString::new(k.env).unwrap()).collect());
-static KEY_PTRS: Lazy<Vec<usize>> =
-    Lazy::new(|| KEYS.iter().map(|k| k.as_ptr() as usize).collect());
+static INTERNED: LazyLock<Mutex<HashMap<String, &'static CStr>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+static KEYS: LazyLock<Vec<CString>> =
+    LazyLock::new(|| KNOBS.iter().map(|k| CString::new(k.env).unwrap()).collect());
+static KEY_PTRS: LazyLock<Vec<usize>> =
+    LazyLock::new(|| KEYS.iter().map(|k| k.as_ptr() as usize).collect());
 
 fn intern(s: String) -> &'static CStr {
     let mut m = INTERNED.lock();

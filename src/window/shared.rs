@@ -3,10 +3,10 @@
 
 use crate::error::Result;
 use crate::transport::os::{self, Mapping};
-use once_cell::sync::Lazy;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::LazyLock;
 
 struct Alloc {
     fd: OwnedFd,
@@ -14,7 +14,8 @@ struct Alloc {
 }
 
 /// Live allocations by base address.
-static ALLOCS: Lazy<Mutex<BTreeMap<usize, Alloc>>> = Lazy::new(|| Mutex::new(BTreeMap::new()));
+static ALLOCS: LazyLock<Mutex<BTreeMap<usize, Alloc>>> =
+    LazyLock::new(|| Mutex::new(BTreeMap::new()));
 
 /// `size` bytes (rounded up to whole pages; at least one), zero-filled, page aligned.
 pub(crate) fn alloc(size: usize) -> Result<*mut u8> {

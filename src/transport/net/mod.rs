@@ -857,7 +857,10 @@ fn accept_all(
                     refused(
                         me,
                         c.from,
-                        &format!("it did not complete its handshake within {HANDSHAKE:?}"),
+                        &format!(
+                            "it did not complete its handshake within {}",
+                            crate::log::secs(HANDSHAKE)
+                        ),
                     );
                 }
                 Handshake::Refused(why) => {

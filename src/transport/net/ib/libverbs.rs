@@ -64,8 +64,7 @@ unsafe impl Send for Syms {}
 // SAFETY: as above.
 unsafe impl Sync for Syms {}
 
-static SYMS: once_cell::sync::OnceCell<std::result::Result<Syms, String>> =
-    once_cell::sync::OnceCell::new();
+static SYMS: std::sync::OnceLock<std::result::Result<Syms, String>> = std::sync::OnceLock::new();
 
 /// `name@version` from the library `h`, as a function pointer of type `T`.
 ///
