@@ -222,7 +222,8 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     if call.device && c.spans_hosts() {
         return run_calls(vec![(c.clone(), call.clone())], true);
     }
-    let held = c.gate.enter()?;
+    // Held until the operation ends: a second caller is refused (`comm::gate`).
+    let mut cache = c.gate.enter(&c.wiring.cache)?;
     if call.device {
         return c.enqueue_device(std::slice::from_ref(call));
     }
@@ -230,10 +231,18 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     if !c.blocking() {
         // Numbered here, in call order; run in the background (`in_background`).
         let op = SendOp(op);
-        return in_background(held, std::slice::from_ref(c), move |c| {
+        // Refused from before the cache is let go, so that no call comes between.
+        c.gate.start_background();
+        drop(cache);
+        return in_background(std::slice::from_ref(c), move |c| {
             let op = op;
             let _scope = crate::log::rank_scope(c[0].rank as i32);
-            let result = crate::exec::host::run_one(&c[0].wiring, op.0, None);
+            let result = crate::exec::host::run_one_in(
+                &c[0].wiring,
+                &mut c[0].wiring.cache.lock(),
+                op.0,
+                None,
+            );
             if let Err(e) = &result {
                 crate::warn!("{}", e.msg);
                 c[0].fail(e);
@@ -243,7 +252,7 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     }
     let _scope = crate::log::rank_scope(c.rank as i32);
     let repeat = repeat.map(|r| (r, call.footprint));
-    let result = crate::exec::host::run_one(&c.wiring, op, repeat);
+    let result = crate::exec::host::run_one_in(&c.wiring, &mut cache, op, repeat);
     if let Err(e) = &result {
         crate::warn!("{}", e.msg);
         c.fail(e);
@@ -258,16 +267,15 @@ struct SendOp(crate::exec::host::HostOp);
 // contract); nothing else in it is tied to a thread.
 unsafe impl Send for SendOp {}
 
-/// Runs `work` on the communicators `comms` (of a non-blocking kind) on a thread of its own,
-/// holding their gates (the first in `held`, already entered) until it ends: the caller gets
-/// InProgress now, ncclCommGetAsyncError reports the end, and destroy or abort waits for it.
+/// Runs `work` on the communicators `comms` (of a non-blocking kind, whose gates the caller
+/// entered and set to refuse calls, `Gate::start_background`) on a thread of its own, until
+/// which ends their calls are refused: the caller gets InProgress now,
+/// ncclCommGetAsyncError reports the end, and destroy or abort waits for it.
 fn in_background(
-    held: crate::comm::gate::Held<'_>,
     comms: &[Arc<Comm>],
     work: impl FnOnce(&[Arc<Comm>]) -> Result<()> + Send + 'static,
 ) -> Result<()> {
     let owned: Vec<Arc<Comm>> = comms.to_vec();
-    held.hand_to_background();
     let spawned = std::thread::Builder::new()
         .name("comm-nonblocking".into())
         .spawn(move || {
@@ -505,29 +513,31 @@ pub(crate) fn run_calls(calls: Vec<(Arc<Comm>, Call)>, may_background: bool) -> 
             }
         }
     }
-    let mut held = Vec::with_capacity(comms.len());
+    // Held until the group ends: a second caller is refused (`comm::gate`).
+    let mut caches = Vec::with_capacity(comms.len());
     for c in &comms {
-        held.push(c.gate.enter()?);
+        caches.push(c.gate.enter(&c.wiring.cache)?);
     }
     let host_only = per_comm.iter().flatten().all(|call| !call.device);
     if may_background && host_only && comms.iter().all(|c| !c.blocking()) {
-        // The first gate goes with the work; the others are handed over as well.
-        let mut held = held.into_iter();
-        let first = held.next().expect("a group with calls has a communicator");
-        for h in held {
-            h.hand_to_background();
+        // Numbered in the background, where no call can come between (the gates refuse
+        // every call until it ends).
+        for c in &comms {
+            c.gate.start_background();
         }
+        drop(caches);
         let per_comm = SendCalls(per_comm);
-        return in_background(first, &comms, move |comms| {
+        return in_background(&comms, move |comms| {
             let per_comm = per_comm;
-            let result = run_grouped(comms, per_comm.0);
+            let mut caches: Vec<_> = comms.iter().map(|c| c.wiring.cache.lock()).collect();
+            let result = run_grouped(comms, per_comm.0, &mut caches);
             note_group_error(comms, &result);
             result
         });
     }
-    let result = run_grouped(&comms, per_comm);
+    let result = run_grouped(&comms, per_comm, &mut caches);
     note_group_error(&comms, &result);
-    drop(held);
+    drop(caches);
     result
 }
 
@@ -546,12 +556,17 @@ fn note_group_error(comms: &[Arc<Comm>], result: &Result<()>) {
     }
 }
 
-/// The calls of a group, by communicator (`per_comm[i]` are `comms[i]`'s).
-fn run_grouped(comms: &[Arc<Comm>], per_comm: Vec<Vec<Call>>) -> Result<()> {
+/// The calls of a group, by communicator (`per_comm[i]` are `comms[i]`'s, run on the executor
+/// cache `caches[i]`, which the caller holds).
+fn run_grouped(
+    comms: &[Arc<Comm>],
+    per_comm: Vec<Vec<Call>>,
+    caches: &mut [parking_lot::MutexGuard<'_, crate::exec::host::ExecCache>],
+) -> Result<()> {
     refuse_shared_streams(comms, &per_comm)?;
     let mut jobs = Vec::with_capacity(comms.len());
     let mut staged = Vec::new();
-    for (c, calls) in comms.iter().zip(per_comm) {
+    for ((c, calls), cache) in comms.iter().zip(per_comm).zip(caches.iter_mut()) {
         // Device calls become one program on their stream and return at once; across hosts
         // they run here, through host memory.
         let (device, mut calls): (Vec<Call>, Vec<Call>) = calls.into_iter().partition(|c| c.device);
@@ -574,13 +589,13 @@ fn run_grouped(comms: &[Arc<Comm>], per_comm: Vec<Vec<Call>>) -> Result<()> {
             .iter()
             .map(|call| c.prepare(call))
             .collect::<Result<Vec<_>>>()?;
-        jobs.push((&c.wiring, ops));
+        jobs.push((&c.wiring, &mut **cache, ops));
     }
     if jobs.is_empty() {
         return Ok(());
     }
     let _scope = crate::log::rank_scope(comms[0].rank as i32);
-    let result = crate::exec::host::run(jobs);
+    let result = crate::exec::host::run_in(jobs);
     if let Err(e) = &result {
         crate::warn!("{}", e.msg);
         for c in comms {

@@ -5,7 +5,7 @@
 use super::Comm;
 use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
-use crate::exec::host::{overlap, run_again, Footprint, HostOp, Reduction, Repeat};
+use crate::exec::host::{overlap, run_again_in, Footprint, HostOp, Reduction, Repeat};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
 use parking_lot::Mutex;
@@ -579,11 +579,12 @@ impl Comm {
         {
             return None;
         }
-        let _held = match self.gate.enter() {
-            Ok(h) => h,
+        // The gate is the executor's cache (`gate`): no lock beyond the one the run takes.
+        let mut cache = match self.gate.enter(&self.wiring.cache) {
+            Ok(c) => c,
             Err(e) => return Some(Err(e)),
         };
-        let r = run_again(&self.wiring, key, send, recv, || {
+        let r = run_again_in(&self.wiring, &mut cache, key, send, recv, || {
             let dtype = DataType::from_raw(key.dtype).unwrap_or(DataType::Uint8);
             tag_of(
                 &key.coll,

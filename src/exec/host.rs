@@ -1562,11 +1562,22 @@ pub(crate) fn read_scalar(addr: usize, dtype: crate::reduce::DataType) -> Scale 
 }
 
 /// Runs every communicator's operations to completion (or the first error).
+#[cfg(test)]
 pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
     let mut guards: Vec<_> = jobs.iter().map(|(w, _)| w.cache.lock()).collect();
+    run_in(
+        jobs.into_iter()
+            .zip(guards.iter_mut())
+            .map(|((w, ops), c)| (w, &mut **c, ops))
+            .collect(),
+    )
+}
+
+/// `run`, on each communicator's executor cache, which the caller holds (`comm::gate`).
+pub(crate) fn run_in(jobs: Vec<(&Wiring, &mut ExecCache, Vec<HostOp>)>) -> Result<()> {
     let mut execs = Vec::with_capacity(jobs.len());
     let mut large = Vec::with_capacity(jobs.len());
-    for ((wiring, ops), cache) in jobs.into_iter().zip(guards.iter_mut()) {
+    for (wiring, cache, ops) in jobs {
         if ops.iter().map(HostOp::extent).sum::<usize>() >= WARM_AFTER {
             large.push(wiring);
         }
@@ -1586,17 +1597,27 @@ pub(crate) fn run(jobs: Vec<(&Wiring, Vec<HostOp>)>) -> Result<()> {
 
 /// Runs one operation of one communicator (a call outside any group); `repeat`, the call's
 /// key and footprint, lets the same call run again without being built (`run_again`).
+#[cfg(test)]
 pub(crate) fn run_one(
     wiring: &Wiring,
     op: HostOp,
     repeat: Option<(Repeat, Footprint)>,
 ) -> Result<()> {
+    run_one_in(wiring, &mut wiring.cache.lock(), op, repeat)
+}
+
+/// `run_one`, on the communicator's executor cache, which the caller holds (`comm::gate`).
+pub(crate) fn run_one_in(
+    wiring: &Wiring,
+    cache: &mut ExecCache,
+    op: HostOp,
+    repeat: Option<(Repeat, Footprint)>,
+) -> Result<()> {
     let large = op.extent() >= WARM_AFTER;
-    let mut cache = wiring.cache.lock();
     cache.repeat = None;
     cache.tables.ops.clear();
     cache.tables.ops.push(op);
-    run_alone(wiring, &mut cache, large)?;
+    run_alone(wiring, cache, large)?;
     if cache.built.is_some() {
         cache.repeat = repeat;
     }
@@ -1817,6 +1838,7 @@ fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> 
 /// footprint admits them (`run_one`), numbered `tag()`: the operation is kept and takes the
 /// new buffers; its steps, on the same buffers, are kept too and only their progress is
 /// reset. None, having done nothing, when the last run was another call (or failed).
+#[cfg(test)]
 pub(crate) fn run_again(
     wiring: &Wiring,
     key: &Repeat,
@@ -1824,7 +1846,18 @@ pub(crate) fn run_again(
     recv: *mut u8,
     tag: impl FnOnce() -> u64,
 ) -> Option<Result<()>> {
-    let mut cache = wiring.cache.lock();
+    run_again_in(wiring, &mut wiring.cache.lock(), key, send, recv, tag)
+}
+
+/// `run_again`, on the communicator's executor cache, which the caller holds (`comm::gate`).
+pub(crate) fn run_again_in(
+    wiring: &Wiring,
+    cache: &mut ExecCache,
+    key: &Repeat,
+    send: *const u8,
+    recv: *mut u8,
+    tag: impl FnOnce() -> u64,
+) -> Option<Result<()>> {
     // Looked at in place: moving the key out and back costs more than the look.
     let (k, f) = cache.repeat.as_ref()?;
     if *k != *key || !f.admits(send as usize, recv as usize) {
@@ -1835,7 +1868,7 @@ pub(crate) fn run_again(
     op.recv = recv;
     op.tag = tag();
     let large = op.extent() >= WARM_AFTER;
-    let r = run_alone(wiring, &mut cache, large);
+    let r = run_alone(wiring, cache, large);
     if r.is_err() {
         cache.repeat = None;
     }

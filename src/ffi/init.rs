@@ -629,7 +629,7 @@ pub extern "C" fn commSetBlocking(comm: ncclComm_t, blocking: c_int) -> ncclResu
         if blocking != 0 && blocking != 1 {
             return crate::invalid_arg!("blocking is {blocking}; it must be 0 or 1");
         }
-        let _held = c.gate.enter()?;
+        let _held = c.gate.enter(&c.wiring.cache)?;
         c.set_blocking(blocking == 1);
         Ok(())
     })
