@@ -97,5 +97,8 @@ grep -q "NCCL VERSION comm $(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | he
 
 echo "package tests passed in $(($(date +%s) - start)) s"
 
+# The README's C and Python examples, compiled and run.
+scripts/test_readme.sh
+
 # The Python wheel, which carries the library.
 scripts/test_wheel.sh
