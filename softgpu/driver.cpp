@@ -73,6 +73,11 @@ struct Config {
   long watchdog_s;      // SOFTGPU_WATCHDOG_S: name stream waits stuck longer than this
                         // SOFTGPU_LOG_DIR: write what is said to a file per process there
   std::string name;     // SOFTGPU_NAME
+  // SOFTGPU_ADVERSARIAL: apply CUDA's documented worst cases where an ordinary run is lucky:
+  // synchronous copies from pageable host memory to the device return once the source is
+  // staged and land later on the legacy stream, and stream operations start after random
+  // delays.
+  int adversarial;
 };
 
 Config &config() {
@@ -87,6 +92,7 @@ Config &config() {
     c.watchdog_s = std::max(1L, env_long("SOFTGPU_WATCHDOG_S", 30));
     const char *n = getenv("SOFTGPU_NAME");
     c.name = n && *n ? n : "softgpu virtual GPU (CPU stand-in)";
+    c.adversarial = env_long("SOFTGPU_ADVERSARIAL", 0) != 0;
     return c;
   }();
   return c;
@@ -396,6 +402,15 @@ std::mutex g_streams_m;
 std::unordered_map<CUstream, std::shared_ptr<Stream>> g_streams;
 std::atomic<unsigned> g_next_stream_id{1};
 
+// Up to 300 us before a stream operation starts, so streams that nothing orders interleave
+// differently from run to run.
+void adversarial_delay() {
+  thread_local unsigned long long state = (unsigned long long)tid() * 0x9E3779B97F4A7C15ull;
+  state = state * 6364136223846793005ull + 1442695040888963407ull;
+  unsigned us = (unsigned)(state >> 33) % 300;
+  if (us > 150) std::this_thread::sleep_for(std::chrono::microseconds(us - 150));
+}
+
 void worker_loop(std::shared_ptr<Stream> s) {
   std::unique_lock<std::mutex> l(s->m);
   for (;;) {
@@ -404,6 +419,7 @@ void worker_loop(std::shared_ptr<Stream> s) {
     auto [seq, op] = std::move(s->queue.front());
     s->queue.pop_front();
     l.unlock();
+    if (config().adversarial) adversarial_delay();
     op();
     l.lock();
     s->completed = seq;
@@ -1430,12 +1446,24 @@ SOFTGPU_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n
   SG_RET(CUDA_SUCCESS);
 }
 
-// A synchronous copy: on the legacy stream, and done when it returns.
+// A synchronous copy: on the legacy stream, and done when it returns, except (adversarial mode)
+// to the device: CUDA's "API synchronization behavior" lets a copy from pageable host memory
+// (all host memory here) return once the source is staged, and a device-to-device copy return
+// at once; the transfer lands later, ordered on the legacy stream only.
 static CUresult copy_sync(Call &call_, CUdeviceptr dst, CUdeviceptr src, size_t n) {
   SG_NEED_CTX();
   SG_CAPTURE_SAFE();
   if (n == 0) SG_RET(CUDA_SUCCESS);
   auto s = legacy_stream(t_ctx);
+  if (config().adversarial && is_device_range(dst, n)) {
+    auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char *)src,
+                                                               (const unsigned char *)src + n);
+    push(s, [dst, staged] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      memcpy((void *)dst, staged->data(), staged->size());
+    });
+    SG_RET(CUDA_SUCCESS);
+  }
   push(s, [dst, src, n] { memmove((void *)dst, (const void *)src, n); });
   synchronize(s.get());
   SG_RET(CUDA_SUCCESS);
