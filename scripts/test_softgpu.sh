@@ -38,6 +38,6 @@ run "comm-gpu-suite $args" scripts/softgpu.sh target/release/comm-gpu-suite $arg
 run "comm-gpu-suite $args, adversarial" SOFTGPU_ADVERSARIAL=1 \
   scripts/softgpu.sh target/release/comm-gpu-suite $args
 # shellcheck disable=SC2086
-run "comm-gpu-suite --ranks 2 --quick on 2 virtual GPUs" SOFTGPU_DEVICES=2 \
+run "comm-gpu-suite --ranks 2 --quick on 2 virtual GPUs (thread ranks across GPUs: peer access)" SOFTGPU_DEVICES=2 \
   scripts/softgpu.sh target/release/comm-gpu-suite --ranks 2 --max-mib 4 --quick
 echo "softgpu: all device runs passed"

@@ -721,22 +721,26 @@ fn run_processes(
 }
 
 /// Ranks as threads of this process (ncclCommInitAll on one GPU, listed n times).
-fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
+/// `n` thread ranks of one process; rank r on GPU r % `gpus` (1: all on GPU 0, which they share;
+/// more: peers on other GPUs, reached through peer access).
+fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
     let mut comms = vec![std::ptr::null_mut(); n];
-    let devs = vec![0i32; n];
+    let devs: Vec<i32> = (0..n).map(|r| (r % gpus.max(1)) as i32).collect();
     nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
     let handles: Vec<_> = comms
         .iter()
         .enumerate()
         .map(|(rank, c)| {
             let c = *c as usize;
+            let ordinal = devs[rank];
+            let shares_gpu = devs.iter().filter(|&&d| d == ordinal).count() > 1;
             std::thread::spawn(move || -> Result<usize, String> {
-                let device = Device::get(0).map_err(|e| e.msg)?;
+                let device = Device::get(ordinal).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
-                if n > 1 {
+                if shares_gpu {
                     r.legacy_stream_refused()?;
                 }
                 r.matrix(max_bytes, true)
@@ -867,7 +871,7 @@ fn main() {
         (3, Memory::RegisteredVmm),
     ] {
         let t = Instant::now();
-        let r = run_threads(n, max_bytes.min(64 << 20), memory);
+        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory);
         report(
             format!(
                 "{n} threads (ncclCommInitAll) on one GPU, {} buffers",
@@ -876,6 +880,22 @@ fn main() {
             t,
             r,
         );
+    }
+    // Thread ranks on different GPUs (peer access), where there are several.
+    let gpus = (cuda::device_count() as usize).min(2);
+    if gpus > 1 {
+        for (n, memory) in [(2usize, Memory::Plain), (3, Memory::RegisteredVmm)] {
+            let t = Instant::now();
+            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory);
+            report(
+                format!(
+                    "{n} threads (ncclCommInitAll) on {gpus} GPUs, {} buffers",
+                    memory.name()
+                ),
+                t,
+                r,
+            );
+        }
     }
     std::process::exit(if failed { 1 } else { 0 });
 }
