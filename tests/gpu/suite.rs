@@ -662,10 +662,12 @@ fn run_processes(
         if hosts {
             cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
         }
-        if memory.registered() {
-            // The log says when a pair switches to reading registered buffers in place.
-            cmd.env("COMM_DEBUG", "INFO");
-        }
+        // The log says when a pair switches to reading registered buffers in place, and
+        // warns when destroy leaves device memory allocated.
+        cmd.env(
+            "COMM_DEBUG",
+            if memory.registered() { "INFO" } else { "WARN" },
+        );
         children.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
     let deadline = Instant::now() + Duration::from_secs(60 * 20);
@@ -691,7 +693,17 @@ fn run_processes(
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         in_place += stderr.matches("read through descriptors").count();
-        if !out.status.success() {
+        // Destroy after a clean run frees the device memory (every rank reaches it).
+        let leaked: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("stays allocated"))
+            .collect();
+        if out.status.success() && !leaked.is_empty() {
+            failures.push(format!(
+                "rank {r} left device memory allocated at destroy:\n{}",
+                leaked.join("\n")
+            ));
+        } else if !out.status.success() {
             let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
             failures.push(format!(
                 "rank {r}: {}\n{}",
@@ -720,7 +732,6 @@ fn run_processes(
     }
 }
 
-/// Ranks as threads of this process (ncclCommInitAll on one GPU, listed n times).
 /// `n` thread ranks of one process; rank r on GPU r % `gpus` (1: all on GPU 0, which they share;
 /// more: peers on other GPUs, reached through peer access).
 fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
