@@ -78,6 +78,7 @@ struct Config {
   // staged and land later on the legacy stream, and stream operations start after random
   // delays.
   int adversarial;
+  int leaks; // SOFTGPU_LEAKS: list the device memory still allocated when the process exits
 };
 
 Config &config() {
@@ -93,6 +94,7 @@ Config &config() {
     const char *n = getenv("SOFTGPU_NAME");
     c.name = n && *n ? n : "softgpu virtual GPU (CPU stand-in)";
     c.adversarial = env_long("SOFTGPU_ADVERSARIAL", 0) != 0;
+    c.leaks = env_long("SOFTGPU_LEAKS", 0) != 0;
     return c;
   }();
   return c;
@@ -660,6 +662,22 @@ template <class T> bool known(std::set<T *> &set, void *p) {
   return set.count((T *)p) != 0;
 }
 
+// At exit (SOFTGPU_LEAKS=1): the allocations, VMM handles and IPC mappings never given back.
+void report_leaks() {
+  std::shared_lock<std::shared_mutex> l(g_mem_m);
+  size_t bytes = 0, count = 0;
+  for (auto &[base, r] : g_regions) {
+    ++count;
+    bytes += r.size;
+    say("leak: %zu bytes of %s at %#lx (buffer %llu, GPU %d)", r.size, kind_name(r.kind),
+        (unsigned long)base, (unsigned long long)r.buffer_id, r.device);
+  }
+  for (auto &[h, a] : g_vmm) say("leak: VMM handle %llu of %zu bytes never released",
+                                  (unsigned long long)h, a->size);
+  say("at exit: %zu mappings (%zu bytes) and %zu VMM handles still held", count, bytes,
+      g_vmm.size());
+}
+
 } // namespace
 
 // =============================================================================================
@@ -679,6 +697,7 @@ SOFTGPU_EXPORT CUresult cuInit(unsigned int flags) {
       g_devices.push_back(std::move(d));
     }
     g_initialized.store(true, std::memory_order_release);
+    if (config().leaks) atexit(report_leaks);
   }
   SG_RET(config().devices > 0 ? CUDA_SUCCESS : CUDA_ERROR_NO_DEVICE);
 }
@@ -1848,6 +1867,9 @@ SOFTGPU_EXPORT CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, 
                         "dynamic shared memory and `extra` arguments are not modelled");
   SG_CHECK(params, CUDA_ERROR_INVALID_VALUE);
   SG_STREAM(h, s);
+  if (((Function *)fn)->module->ctx != s->ctx)
+    return call_.refuse(CUDA_ERROR_INVALID_HANDLE,
+                        "the kernel's module was loaded in another context than the stream's");
   const softgpu::CpuKernel *k = ((Function *)fn)->kernel;
   // The arguments are copied now: the caller may reuse them as soon as the call returns.
   auto blob = std::make_shared<std::vector<unsigned char>>(k->bytes());
