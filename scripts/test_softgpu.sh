@@ -33,7 +33,18 @@ run() {
 run "device unit tests, adversarial" SOFTGPU_ADVERSARIAL=1 \
   scripts/softgpu.sh cargo test --release --lib -- cuda:: --test-threads=1
 # shellcheck disable=SC2086
-run "comm-gpu-suite $args" scripts/softgpu.sh target/release/comm-gpu-suite $args
+run "comm-gpu-suite $args" SOFTGPU_LEAKS=1 scripts/softgpu.sh target/release/comm-gpu-suite $args
+# Every process gave back all device memory (SOFTGPU_LEAKS reports it at exit).
+if grep -hs "at exit:" "$logs"/*.log | grep -v "at exit: 0 mappings (0 bytes) and 0 VMM"; then
+  echo "FAILED: device memory still allocated at exit (above)"
+  grep -h "leak:" "$logs"/*.log | head -20
+  exit 1
+fi
+if ! grep -qs "at exit:" "$logs"/*.log; then
+  echo "FAILED: no process reported its device memory at exit (SOFTGPU_LEAKS)"
+  exit 1
+fi
+rm -f "$logs"/*.log
 # shellcheck disable=SC2086
 run "comm-gpu-suite $args, adversarial" SOFTGPU_ADVERSARIAL=1 \
   scripts/softgpu.sh target/release/comm-gpu-suite $args
