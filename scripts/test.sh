@@ -11,6 +11,7 @@ cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
 cargo build --release
 cargo test --release -- --test-threads="${COMM_TEST_THREADS:-2}"
+scripts/test_softgpu.sh
 scripts/test_package.sh
 scripts/test_bench.sh
 scripts/test_python.sh

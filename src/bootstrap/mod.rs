@@ -482,6 +482,19 @@ impl Bootstrap {
             .map(|_| ())
     }
 
+    /// A barrier that the abort flag does not stop, for teardown: destroy raises the flag (so a
+    /// call another thread still makes on the communicator stops), and afterwards the ranks
+    /// must still agree that every peer is done with memory they share. `deadline` bounds it,
+    /// and a peer that is gone ends it with an error.
+    pub(crate) fn barrier_at_teardown(&self, deadline: Instant) -> Result<()> {
+        let not_aborted = AtomicBool::new(false);
+        let w = Waiter::new(Some(deadline), &not_aborted);
+        self.ring
+            .lock()
+            .allgather(&[], ring::BARRIER, w)
+            .map(|_| ())
+    }
+
     /// Rank `root`'s bytes, delivered to everyone.
     pub(crate) fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         if root >= self.nranks {

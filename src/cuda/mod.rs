@@ -586,14 +586,32 @@ impl Stream {
 }
 
 /// Copies `len` bytes between any two addresses the driver knows (host, this device, a
-/// mapped peer), synchronously.
+/// mapped peer), and returns once the bytes are in place.
 pub(crate) fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     let _b = device.bind()?;
     // SAFETY: the caller resolved both ranges (unified addressing tells the kinds apart).
-    check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")
+    check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")?;
+    landed()
+}
+
+/// Waits for the copies a "synchronous" copy call may leave in flight. CUDA's API
+/// synchronization rules let cuMemcpy/cuMemcpyHtoD return before the bytes land when the source
+/// is pageable host memory (once it is staged) or device memory (no host synchronisation at
+/// all); the transfer is ordered on the legacy stream, which work on the caller's non-blocking
+/// streams, other processes and the host do not wait for. Synchronising the legacy stream
+/// finishes it. Only the context bound by the caller is concerned.
+fn landed() -> Result<()> {
+    if std::env::var_os("COMM_PROBE_UNFIXED").is_some() {
+        return Ok(());
+    }
+    // SAFETY: null is the legacy stream of the current context, which the caller bound.
+    check(
+        unsafe { cu::cuStreamSynchronize(std::ptr::null_mut()) },
+        "cuStreamSynchronize (after a synchronous copy)",
+    )
 }
 
 /// Waits until every operation on `device` is done.
@@ -626,14 +644,16 @@ impl Stream {
     }
 }
 
-/// Copies host bytes to device memory (synchronously; for tests and setup).
+/// Copies host bytes to device memory; the bytes are in place when it returns, for work on any
+/// stream (for tests, setup, and results staged back to the device).
 pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
     let _b = device.bind()?;
     // SAFETY: dst covers src.len() bytes of device memory (caller's allocation).
     check(
         unsafe { cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()) },
         "cuMemcpyHtoD",
-    )
+    )?;
+    landed()
 }
 
 /// Copies device memory to host bytes (synchronously; for tests and setup).
@@ -979,5 +999,41 @@ mod tests {
             assert!(Device::get(0).is_err());
         }
         assert_eq!(classify(std::ptr::null()), MemKind::Host);
+    }
+
+    /// What a synchronous copy to the device wrote is there for work on a non-blocking stream
+    /// queued right after it. CUDA lets cuMemcpyHtoD (pageable source) and device-to-device
+    /// cuMemcpy return before the bytes land; the software GPU's adversarial mode
+    /// (`SOFTGPU_ADVERSARIAL=1 scripts/softgpu.sh cargo test --release --lib cuda::`) makes them
+    /// land late, and this failed before the copies waited for the legacy stream. Without a
+    /// device it checks nothing.
+    #[test]
+    fn synchronous_copies_have_landed_for_other_streams() {
+        if device_count() == 0 {
+            return;
+        }
+        let dev = Device::get(0).expect("device 0");
+        let len = 4096;
+        let a = DeviceMem::new(&dev, len).expect("alloc");
+        let b = DeviceMem::new(&dev, len).expect("alloc");
+        let c = DeviceMem::new(&dev, len).expect("alloc");
+        let stream = Stream::create(&dev).expect("stream");
+        for round in 1..=10u8 {
+            let host = vec![round; len];
+            copy_to_device(&dev, a.ptr, &host).expect("host to device");
+            copy_sync(&dev, b.ptr, a.ptr, len).expect("device to device");
+            {
+                let _bound = dev.bind().expect("bind");
+                stream.copy(c.ptr, b.ptr, len).expect("copy on the stream");
+                stream.synchronize().expect("synchronize");
+            }
+            let mut out = vec![0u8; len];
+            copy_from_device(&dev, &mut out, c.ptr).expect("device to host");
+            assert!(
+                out.iter().all(|&x| x == round),
+                "round {round}: stale bytes"
+            );
+        }
+        stream.destroy().expect("destroy");
     }
 }

@@ -297,13 +297,20 @@ impl DeviceWorld {
             std::mem::forget(self);
             return;
         }
-        let other_processes = self.bases.iter().any(|b| matches!(b, Some(Mapped::Ipc(_))));
+        // Every rank of a communicator that spans processes takes part in the barrier, also one
+        // that maps no other process's area (alone on its host): the barrier is the whole
+        // communicator's, and a rank that left early failed it for the others.
+        let other_processes = self
+            .bases
+            .iter()
+            .any(|b| matches!(b, Some(Mapped::Ipc(_)) | None));
         if !other_processes {
             return;
         }
         // Close our mappings of the peers' areas, then wait for them to close theirs of ours.
+        // Destroy has raised the bootstrap's abort flag by now; this barrier must not heed it.
         self.bases.clear();
-        if let Err(e) = boot.barrier_until(Some(deadline)) {
+        if let Err(e) = boot.barrier_at_teardown(deadline) {
             crate::warn!(
                 "not every rank reached destroy ({}); this rank's device area stays allocated, since peers may still map it",
                 e.msg

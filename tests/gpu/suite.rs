@@ -662,10 +662,12 @@ fn run_processes(
         if hosts {
             cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
         }
-        if memory.registered() {
-            // The log says when a pair switches to reading registered buffers in place.
-            cmd.env("COMM_DEBUG", "INFO");
-        }
+        // The log says when a pair switches to reading registered buffers in place, and
+        // warns when destroy leaves device memory allocated.
+        cmd.env(
+            "COMM_DEBUG",
+            if memory.registered() { "INFO" } else { "WARN" },
+        );
         children.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
     let deadline = Instant::now() + Duration::from_secs(60 * 20);
@@ -691,7 +693,17 @@ fn run_processes(
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         in_place += stderr.matches("read through descriptors").count();
-        if !out.status.success() {
+        // Destroy after a clean run frees the device memory (every rank reaches it).
+        let leaked: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("stays allocated"))
+            .collect();
+        if out.status.success() && !leaked.is_empty() {
+            failures.push(format!(
+                "rank {r} left device memory allocated at destroy:\n{}",
+                leaked.join("\n")
+            ));
+        } else if !out.status.success() {
             let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
             failures.push(format!(
                 "rank {r}: {}\n{}",
@@ -720,23 +732,26 @@ fn run_processes(
     }
 }
 
-/// Ranks as threads of this process (ncclCommInitAll on one GPU, listed n times).
-fn run_threads(n: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
+/// `n` thread ranks of one process; rank r on GPU r % `gpus` (1: all on GPU 0, which they share;
+/// more: peers on other GPUs, reached through peer access).
+fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
     let mut comms = vec![std::ptr::null_mut(); n];
-    let devs = vec![0i32; n];
+    let devs: Vec<i32> = (0..n).map(|r| (r % gpus.max(1)) as i32).collect();
     nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
     let handles: Vec<_> = comms
         .iter()
         .enumerate()
         .map(|(rank, c)| {
             let c = *c as usize;
+            let ordinal = devs[rank];
+            let shares_gpu = devs.iter().filter(|&&d| d == ordinal).count() > 1;
             std::thread::spawn(move || -> Result<usize, String> {
-                let device = Device::get(0).map_err(|e| e.msg)?;
+                let device = Device::get(ordinal).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
-                if n > 1 {
+                if shares_gpu {
                     r.legacy_stream_refused()?;
                 }
                 r.matrix(max_bytes, true)
@@ -867,7 +882,7 @@ fn main() {
         (3, Memory::RegisteredVmm),
     ] {
         let t = Instant::now();
-        let r = run_threads(n, max_bytes.min(64 << 20), memory);
+        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory);
         report(
             format!(
                 "{n} threads (ncclCommInitAll) on one GPU, {} buffers",
@@ -876,6 +891,22 @@ fn main() {
             t,
             r,
         );
+    }
+    // Thread ranks on different GPUs (peer access), where there are several.
+    let gpus = (cuda::device_count() as usize).min(2);
+    if gpus > 1 {
+        for (n, memory) in [(2usize, Memory::Plain), (3, Memory::RegisteredVmm)] {
+            let t = Instant::now();
+            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory);
+            report(
+                format!(
+                    "{n} threads (ncclCommInitAll) on {gpus} GPUs, {} buffers",
+                    memory.name()
+                ),
+                t,
+                r,
+            );
+        }
     }
     std::process::exit(if failed { 1 } else { 0 });
 }

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs a command on the software GPU: softgpu/ (a CPU stand-in for the CUDA driver) is built if
+# needed, and its directory, holding libcuda.so and libcuda.so.1 as links to one library, goes
+# first on LD_LIBRARY_PATH, so that cudarc (and any program that opens libcuda by name) finds it
+# before a real driver. Only the command run here sees a GPU.
+#
+#   scripts/softgpu.sh CMD [ARGS...]       e.g. scripts/softgpu.sh target/release/comm-gpu-suite
+#   scripts/softgpu.sh --build             only build; prints the library's directory
+#
+# The stand-in's own settings (SOFTGPU_DEVICES, SOFTGPU_SMS, SOFTGPU_TRACE, ...) are described in
+# softgpu/README.md. COMM_SOFTGPU_DIR chooses where it is built (default target/softgpu).
+set -euo pipefail
+COMM_ROOT=${COMM_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+out=${COMM_SOFTGPU_DIR:-$COMM_ROOT/target/softgpu}
+lib=$out/libsoftgpu.so
+
+sources=("$COMM_ROOT"/softgpu/*.cpp "$COMM_ROOT"/softgpu/*.h "$COMM_ROOT"/kernels/*.cu "$COMM_ROOT"/kernels/*.cuh)
+stale=0
+if [ ! -f "$lib" ]; then
+  stale=1
+else
+  for f in "${sources[@]}" "$COMM_ROOT/scripts/softgpu.sh"; do
+    [ "$f" -nt "$lib" ] && stale=1 && break
+  done
+fi
+
+if [ "$stale" = 1 ]; then
+  # The CUDA headers (types and enums of the driver API, fp16/bf16 host code for the kernels)
+  # come from the project's pip toolkit.
+  if [ -z "${COMM_TEST_CUDA_INCLUDE:-}" ] || [ ! -f "$COMM_TEST_CUDA_INCLUDE/cuda.h" ]; then
+    # shellcheck source=scripts/deps.sh
+    source "$COMM_ROOT/scripts/deps.sh" >&2
+  fi
+  mkdir -p "$out"
+  cxx=${CXX:-g++}
+  # -ffp-contract=off: no fused multiply-add, so a scaled sum rounds as the host reducer's does.
+  flags=(-std=c++17 -O2 -g -fPIC -Wall -Wextra -Werror -Wno-unknown-pragmas -Wno-format-zero-length
+    -ffp-contract=off -fvisibility=hidden -I"$COMM_TEST_CUDA_INCLUDE" -I"$COMM_ROOT/kernels"
+    ${SOFTGPU_CXXFLAGS:-})
+  echo "softgpu: building $lib" >&2
+  "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/kernels_cpu.cpp" -o "$out/kernels_cpu.o"
+  "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/driver.cpp" -o "$out/driver.o"
+  "$cxx" -shared -Wl,-soname,libcuda.so.1 -o "$lib.tmp" "$out/driver.o" "$out/kernels_cpu.o" \
+    -lpthread ${SOFTGPU_LDFLAGS:-}
+  mv "$lib.tmp" "$lib"
+  ln -sf libsoftgpu.so "$out/libcuda.so"
+  ln -sf libsoftgpu.so "$out/libcuda.so.1"
+fi
+
+if [ "${1:-}" = "--build" ]; then
+  echo "$out"
+  exit 0
+fi
+if [ $# -eq 0 ]; then
+  echo "usage: scripts/softgpu.sh CMD [ARGS...] | --build" >&2
+  exit 2
+fi
+export LD_LIBRARY_PATH="$out${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+exec "$@"
