@@ -26,19 +26,13 @@ const DTYPE_SHIFT: u32 = OP_SHIFT + 4;
 const KIND_SHIFT: u32 = DTYPE_SHIFT + 5;
 
 /// Message tags: the kind of operation and the communicator's operation count.
-pub(crate) fn tag(kind: u8, seq: u64) -> u64 {
-    rooted_tag(kind, None, seq)
+pub(crate) const fn tag(kind: u8, seq: u64) -> u64 {
+    ((kind as u64) << KIND_SHIFT) | (seq & SEQ_MASK)
 }
 
-/// A tag that also carries the root of a rooted collective (plus one): ranks that pass
-/// different roots tag their messages differently, so the receiver reports the mismatch
-/// instead of taking another root's data.
-pub(crate) fn rooted_tag(kind: u8, root: Option<usize>, seq: u64) -> u64 {
-    op_tag(kind, root, None, 0, seq)
-}
-
-/// The tag of a collective's messages: its kind, root, datatype, reduction op (`op::*`, 0 for
-/// none) and number.
+/// The tag of a collective's messages: its kind, root (plus one: ranks that pass different
+/// roots tag their messages differently, so the receiver reports the mismatch instead of taking
+/// another root's data), datatype, reduction op (`op::*`, 0 for none) and number.
 pub(crate) fn op_tag(
     kind: u8,
     root: Option<usize>,
@@ -48,11 +42,12 @@ pub(crate) fn op_tag(
 ) -> u64 {
     let r = root.map_or(0, |r| r as u64 % ROOTS + 1);
     let d = dtype.map_or(0, |d| d as u64 + 1);
-    ((kind as u64) << KIND_SHIFT)
-        | (d << DTYPE_SHIFT)
-        | (((op & 0xf) as u64) << OP_SHIFT)
-        | (r << ROOT_SHIFT)
-        | (seq & SEQ_MASK)
+    tag(kind, seq) | (d << DTYPE_SHIFT) | (((op & 0xf) as u64) << OP_SHIFT) | (r << ROOT_SHIFT)
+}
+
+/// `tag` with the operation number `seq` in place of its own: the same operation, run again.
+pub(crate) fn renumbered(tag: u64, seq: u64) -> u64 {
+    (tag & !SEQ_MASK) | (seq & SEQ_MASK)
 }
 
 pub(crate) fn tag_kind(tag: u64) -> u8 {
@@ -113,7 +108,7 @@ pub(crate) mod op {
     }
 }
 
-/// The kinds of operation a message can belong to (the top byte of its tag).
+/// The kinds of operation a message can belong to (the top 5 bits of its tag).
 pub(crate) mod kind {
     pub(crate) const P2P: u8 = 1;
     pub(crate) const ALL_REDUCE: u8 = 2;
@@ -193,13 +188,13 @@ mod tests {
 
     #[test]
     fn tags_carry_kind_count_and_root() {
-        let t = rooted_tag(kind::BROADCAST, Some(3), (1 << SEQ_BITS) + 17);
+        let t = op_tag(kind::BROADCAST, Some(3), None, 0, (1 << SEQ_BITS) + 17);
         assert_eq!(
             (tag_kind(t), tag_seq(t), tag_root(t)),
             (kind::BROADCAST, 17, Some(3))
         );
         assert_eq!(describe_tag(t), "Broadcast #17 (root 3)");
-        let other = rooted_tag(kind::BROADCAST, Some(0), 17);
+        let other = op_tag(kind::BROADCAST, Some(0), None, 0, 17);
         assert_ne!(t, other);
         assert!(mismatch_hint(other, t).contains("different roots"));
         let a = tag(kind::ALL_REDUCE, 5);
@@ -208,6 +203,17 @@ mod tests {
             (None, "AllReduce #5")
         );
         assert_eq!(mismatch_hint(a, tag(kind::ALL_REDUCE, 6)), "");
+    }
+
+    #[test]
+    fn a_renumbered_tag_keeps_everything_but_the_number() {
+        let t = op_tag(kind::REDUCE, Some(2), Some(DataType::Bfloat16), op::MIN, 7);
+        let r = renumbered(t, SEQ_MASK + 9);
+        assert_eq!(
+            r,
+            op_tag(kind::REDUCE, Some(2), Some(DataType::Bfloat16), op::MIN, 8)
+        );
+        assert_eq!(tag(kind::P2P, 3), op_tag(kind::P2P, None, None, 0, 3));
     }
 
     #[test]

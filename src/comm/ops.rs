@@ -210,24 +210,6 @@ fn op_code(op: Option<OpChoice>) -> u8 {
     }
 }
 
-/// A built-in `ncclRedOp_t` value as tags carry it (`repeat_key` admits only built-ins).
-fn raw_op_code(op: Option<i32>) -> u8 {
-    use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BOR, COMM_OP_BXOR};
-    use crate::tag::op;
-    match op {
-        None => 0,
-        Some(0) => op::SUM,
-        Some(1) => op::PROD,
-        Some(2) => op::MAX,
-        Some(3) => op::MIN,
-        Some(4) => op::AVG,
-        Some(COMM_OP_BAND) => op::BAND,
-        Some(COMM_OP_BOR) => op::BOR,
-        Some(COMM_OP_BXOR) => op::BXOR,
-        Some(_) => op::PREMULSUM,
-    }
-}
-
 fn check_ptr(name: &str, p: usize, bytes: usize) -> Result<()> {
     if bytes > 0 && p == 0 {
         return crate::invalid_arg!("{name} is NULL but the operation needs {bytes} bytes there");
@@ -585,13 +567,7 @@ impl Comm {
             Err(e) => return Some(Err(e)),
         };
         let r = run_again_in(&self.wiring, &mut cache, key, send, recv, || {
-            let dtype = DataType::from_raw(key.dtype).unwrap_or(DataType::Uint8);
-            tag_of(
-                &key.coll,
-                dtype,
-                raw_op_code(key.op),
-                self.number(&key.coll),
-            )
+            self.number(&key.coll)
         })?;
         if let Err(e) = &r {
             crate::warn!("{}", e.msg);

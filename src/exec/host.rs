@@ -1835,18 +1835,19 @@ fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> Result<()> 
 }
 
 /// Runs the last call again on the buffers `send` and `recv` when `key` is its key and its
-/// footprint admits them (`run_one`), numbered `tag()`: the operation is kept and takes the
-/// new buffers; its steps, on the same buffers, are kept too and only their progress is
-/// reset. None, having done nothing, when the last run was another call (or failed).
+/// footprint admits them (`run_one`), numbered `seq()`: the operation is kept and takes the
+/// new buffers and number (its tag is the same call's, so it keeps kind, root, datatype and
+/// op); its steps, on the same buffers, are kept too and only their progress is reset. None,
+/// having done nothing, when the last run was another call (or failed).
 #[cfg(test)]
 pub(crate) fn run_again(
     wiring: &Wiring,
     key: &Repeat,
     send: *const u8,
     recv: *mut u8,
-    tag: impl FnOnce() -> u64,
+    seq: impl FnOnce() -> u64,
 ) -> Option<Result<()>> {
-    run_again_in(wiring, &mut wiring.cache.lock(), key, send, recv, tag)
+    run_again_in(wiring, &mut wiring.cache.lock(), key, send, recv, seq)
 }
 
 /// `run_again`, on the communicator's executor cache, which the caller holds (`comm::gate`).
@@ -1856,7 +1857,7 @@ pub(crate) fn run_again_in(
     key: &Repeat,
     send: *const u8,
     recv: *mut u8,
-    tag: impl FnOnce() -> u64,
+    seq: impl FnOnce() -> u64,
 ) -> Option<Result<()>> {
     // Looked at in place: moving the key out and back costs more than the look.
     let (k, f) = cache.repeat.as_ref()?;
@@ -1866,7 +1867,7 @@ pub(crate) fn run_again_in(
     let op = &mut cache.tables.ops[0];
     op.send = send;
     op.recv = recv;
-    op.tag = tag();
+    op.tag = crate::tag::renumbered(op.tag, seq());
     let large = op.extent() >= WARM_AFTER;
     let r = run_alone(wiring, cache, large);
     if r.is_err() {
@@ -2928,7 +2929,7 @@ mod tests {
         }
     }
 
-    const ALL_REDUCE_TAG: u64 = (crate::tag::kind::ALL_REDUCE as u64) << 59 | 1;
+    const ALL_REDUCE_TAG: u64 = crate::tag::tag(crate::tag::kind::ALL_REDUCE, 1);
 
     /// This rank's part of a ring all-reduce of `input` (4-byte elements, 64-byte slices): the
     /// bytes of the result.
@@ -3429,7 +3430,7 @@ mod tests {
                 fill(send, k);
                 recv.fill(0);
                 run_again(w, key, send.as_ptr(), recv.as_mut_ptr(), || {
-                    ALL_REDUCE_TAG + k as u64
+                    crate::tag::tag_seq(ALL_REDUCE_TAG) + k as u64
                 })
                 .map(|r| r.map(|()| as_f32s(recv)))
             };
