@@ -285,13 +285,11 @@ fn in_background(
             }
         });
     match spawned {
-        Ok(h) => {
-            *comms[0].background.lock() = Some(h);
-            Err(Error::new(
-                ErrorKind::InProgress,
-                "the operation runs in the background",
-            ))
-        }
+        // Detached: destroy and abort wait on the gates (`Gate::wait_background`).
+        Ok(_) => Err(Error::new(
+            ErrorKind::InProgress,
+            "the operation runs in the background",
+        )),
         Err(e) => {
             for c in comms {
                 c.gate.release_background();

@@ -16,13 +16,16 @@
 
 use crate::error::Result;
 use crate::exec::host::ExecCache;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Default)]
 pub(crate) struct Gate {
-    /// A non-blocking operation runs in the background.
+    /// A non-blocking operation runs in the background (read by every call: an atomic).
     background: AtomicBool,
+    /// Where `wait_background` sleeps until `release_background`.
+    ended: Mutex<()>,
+    ended_cv: Condvar,
 }
 
 impl Gate {
@@ -60,7 +63,18 @@ impl Gate {
 
     /// The background operation is done (whatever its outcome).
     pub(crate) fn release_background(&self) {
+        let _ended = self.ended.lock();
         self.background.store(false, Ordering::Release);
+        self.ended_cv.notify_all();
+    }
+
+    /// Returns once no background operation runs: after destroy or abort (which stop it), the
+    /// caller may free the buffers it used.
+    pub(crate) fn wait_background(&self) {
+        let mut ended = self.ended.lock();
+        while self.background.load(Ordering::Acquire) {
+            self.ended_cv.wait(&mut ended);
+        }
     }
 }
 
@@ -84,7 +98,10 @@ mod tests {
         assert!(g.in_progress());
         let e = g.enter(&cache).err().unwrap();
         assert!(e.msg.contains("ncclCommGetAsyncError"), "{}", e.msg);
-        g.release_background();
+        std::thread::scope(|s| {
+            s.spawn(|| g.release_background());
+            g.wait_background();
+        });
         assert!(!g.in_progress());
         drop(g.enter(&cache).unwrap());
     }

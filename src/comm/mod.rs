@@ -87,11 +87,10 @@ pub(crate) struct Comm {
     /// entry's hands (a group) lands in the one place ncclGetLastError reads.
     pub last_error: LastError,
     pub suspended: AtomicBool,
-    /// One call at a time (`gate`), and a non-blocking communicator's operation running in
-    /// the background, which destroy and abort wait for (the caller's buffers are in use
-    /// until it ends).
+    /// One call at a time, and a non-blocking communicator's operation running in the
+    /// background, which destroy and abort wait for (the caller's buffers are in use until it
+    /// ends).
     pub gate: gate::Gate,
-    pub background: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Whether calls block (`config.blocking` at init; `commSetBlocking` changes it later).
     blocking: AtomicBool,
 }
@@ -299,12 +298,7 @@ impl Comm {
             doorbell,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: crate::exec::host::Limit::new(op_timeout()),
-            // 0 (no limit) gives the default, as the warning cannot be turned off.
-            warn_after: crate::env::WARN_AFTER
-                .seconds_if_set()
-                .flatten()
-                .or_else(|| crate::env::WARN_AFTER.default_seconds())
-                .expect("COMM_WARN_AFTER declares a limit"),
+            warn_after: crate::bootstrap::warn_after(),
             cache: Mutex::new(crate::exec::host::ExecCache::new(replies)),
             spin: Duration::from_micros(spin_us.max(0) as u64),
             yield_for: Duration::from_micros(yield_us.max(0) as u64),
@@ -356,7 +350,6 @@ impl Comm {
             cuda_device: device,
             seq: AtomicU64::new(0),
             gate: Default::default(),
-            background: Mutex::new(None),
             children: AtomicU64::new(0),
             shrinks: Mutex::new(Default::default()),
             custom_ops: CustomOps::default(),
@@ -514,7 +507,7 @@ impl Comm {
         self.wiring.abort.store(true, Ordering::SeqCst);
         self.boot.abort_handle().store(true, Ordering::SeqCst);
         self.wiring.doorbell.ring();
-        self.join_background();
+        self.gate.wait_background();
     }
 
     /// Stops any operation in progress (from any thread) and tells the peers.
@@ -526,18 +519,7 @@ impl Comm {
             l.close(Closing::Aborted, None);
         }
         self.wiring.doorbell.ring();
-        self.join_background();
-    }
-
-    /// Waits for a non-blocking operation still running in the background, stopped by the
-    /// abort flag set before: after destroy or abort returns, the caller may free its buffers.
-    fn join_background(&self) {
-        let handle = self.background.lock().take();
-        if let Some(h) = handle {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
-            }
-        }
+        self.gate.wait_background();
     }
 
     /// ncclCommRevoke: in-flight operations stop; only destroy, split and shrink remain.
