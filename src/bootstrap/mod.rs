@@ -47,6 +47,7 @@ use crate::error::{ErrorKind, Result};
 use listener::{Identity, Listener, PeerCtx, Purpose};
 use net::Waiter;
 use ring::Ring;
+pub(crate) use root::warn_after;
 use root::{CheckIn, RootSession};
 
 pub(crate) const UNIQUE_ID_BYTES: usize = 128;

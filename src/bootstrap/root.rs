@@ -1389,13 +1389,14 @@ pub(crate) struct WarnWait {
     pub id_made_here: bool,
 }
 
-/// COMM_WARN_AFTER, as the communicators read it (0 or unset: the default).
+/// COMM_WARN_AFTER, for init and for the communicators' operations: 0 (no limit) gives the
+/// default, as the warning cannot be turned off.
 pub(crate) fn warn_after() -> Duration {
     crate::env::WARN_AFTER
         .seconds_if_set()
         .flatten()
         .or_else(|| crate::env::WARN_AFTER.default_seconds())
-        .unwrap_or(Duration::from_secs(60))
+        .expect("COMM_WARN_AFTER declares a limit")
 }
 
 /// The warning of a rank whose init has waited COMM_WARN_AFTER at its root: who is missing

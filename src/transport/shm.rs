@@ -2005,23 +2005,16 @@ fn stopped_serving(r: usize, e: &Error, watches: &[(usize, ProcessWatch)]) -> Er
     let until = Instant::now() + Duration::from_millis(100);
     loop {
         if let Some(&(dead, _)) = watches.iter().find(|(p, w)| *p != r && !w.alive()) {
-            let mut err = Error::lost_peer(
+            return Error::lost_peer(
                 dead,
                 format!(
                     "rank {dead} exited during init (its process is gone); rank {r} then {STOPPED_SERVING} ({})",
                     e.msg
                 ),
             );
-            err.lost = Some(dead);
-            return err;
         }
         if Instant::now() >= until {
-            let mut err = Error::new(
-                crate::error::ErrorKind::Remote,
-                format!("rank {r} {STOPPED_SERVING} ({})", e.msg),
-            );
-            err.lost = Some(r);
-            return err;
+            return Error::lost_peer(r, format!("rank {r} {STOPPED_SERVING} ({})", e.msg));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -2109,7 +2102,7 @@ mod tests {
     use super::*;
     use crate::error::ErrorKind;
 
-    const TAG: u64 = (crate::tag::kind::ALL_REDUCE as u64) << 59 | 5;
+    const TAG: u64 = crate::tag::tag(crate::tag::kind::ALL_REDUCE, 5);
 
     /// Rank 0's link to rank 1 and rank 1's link to rank 0, over two fresh segments.
     /// `pull`: whether each receiver may pull from the other; `access`: how it reads.
