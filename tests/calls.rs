@@ -209,45 +209,34 @@ fn nonblocking_abort(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-#[test]
-fn a_second_thread_in_a_call_is_refused_and_turns_work() {
+/// Runs `scenario` on `n` processes, each call bounded by COMM_TIMEOUT.
+fn procs(scenario: &str, n: usize) {
     let r = launch(
         "worker",
-        "two_threads",
-        2,
+        scenario,
+        n,
         "",
         &[("COMM_TIMEOUT", "30")],
         Duration::from_secs(90),
     );
-    assert_all_ok(&r, "two_threads");
+    assert_all_ok(&r, &format!("{scenario} with {n} ranks"));
+}
+
+#[test]
+fn a_second_thread_in_a_call_is_refused_and_turns_work() {
+    procs("two_threads", 2);
 }
 
 #[test]
 fn nonblocking_collectives_complete_in_the_background() {
     for n in [2, 3] {
-        let r = launch(
-            "worker",
-            "nonblocking",
-            n,
-            "",
-            &[("COMM_TIMEOUT", "30")],
-            Duration::from_secs(90),
-        );
-        assert_all_ok(&r, &format!("nonblocking with {n} ranks"));
+        procs("nonblocking", n);
     }
 }
 
 #[test]
 fn a_nonblocking_collective_is_aborted_mid_flight() {
-    let r = launch(
-        "worker",
-        "nonblocking_abort",
-        2,
-        "",
-        &[("COMM_TIMEOUT", "30")],
-        Duration::from_secs(90),
-    );
-    assert_all_ok(&r, "nonblocking_abort");
+    procs("nonblocking_abort", 2);
 }
 
 #[test]

@@ -853,17 +853,9 @@ fn nonblocking(w: &Worker) -> Result<(), String> {
             last_error()
         ));
     }
-    let t = Instant::now();
-    loop {
-        let mut state = ncclResult_t::ncclInternalError;
-        nccl!(ncclCommGetAsyncError(c, &mut state));
-        match state {
-            ncclResult_t::ncclSuccess => break,
-            ncclResult_t::ncclInProgress if t.elapsed() < Duration::from_secs(30) => {
-                std::thread::sleep(Duration::from_millis(1))
-            }
-            other => return Err(format!("non-blocking init ended with {other:?}")),
-        }
+    match settled(c, r, Duration::from_secs(30)) {
+        OK => {}
+        other => return Err(format!("non-blocking init ended with {other:?}")),
     }
     sum_check(c, 3.0, 3.0 * w.nranks as f32, 10)?;
     mixed_kinds_in_one_group(w, c)?;
