@@ -562,6 +562,7 @@ fn form_ring(
     nranks: usize,
     w: Waiter<'_>,
 ) -> Result<Ring> {
+    let started = Instant::now();
     let (next_rank, next_addr, next_ctx) = next;
     let (prev_rank, prev_ctx, prev_watch) = prev;
     let who = format!("rank {next_rank} ({next_addr})");
@@ -594,7 +595,12 @@ fn form_ring(
         .take(
             &prev_ctx.encode(),
             w,
-            &|| format!("rank {prev_rank} to connect to this rank's bootstrap listener"),
+            &|| {
+                format!(
+                    "rank {prev_rank} to connect to this rank's bootstrap listener{}",
+                    listener::accept_trouble_since(started)
+                )
+            },
             &alive,
         )
         .map_err(|e| match e.kind {
