@@ -261,7 +261,7 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
 }
 
 /// A prepared operation moved to the thread that runs it in the background.
-struct SendOp(crate::exec::host::HostOp);
+struct SendOp(crate::exec::op::HostOp);
 // SAFETY: its pointers are addresses of the caller's buffers, which a caller of a non-blocking
 // communicator keeps valid until ncclCommGetAsyncError reports the operation done (NCCL's
 // contract); nothing else in it is tied to a thread.

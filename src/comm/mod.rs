@@ -297,7 +297,7 @@ impl Comm {
             rank,
             doorbell,
             abort: Arc::new(AtomicBool::new(false)),
-            timeout: crate::exec::host::Limit::new(op_timeout()),
+            timeout: crate::exec::op::Limit::new(op_timeout()),
             warn_after: crate::bootstrap::warn_after(),
             cache: Mutex::new(crate::exec::host::ExecCache::new(replies)),
             spin: Duration::from_micros(spin_us.max(0) as u64),

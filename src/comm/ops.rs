@@ -5,7 +5,8 @@
 use super::Comm;
 use crate::algo::{self, Collective, PerPeer, Shape};
 use crate::error::Result;
-use crate::exec::host::{overlap, run_again_in, Footprint, HostOp, Reduction, Repeat};
+use crate::exec::host::{overlap, run_again_in, Footprint, Repeat};
+use crate::exec::op::{HostOp, Reduction};
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::tag::{kind, tag};
 use parking_lot::Mutex;

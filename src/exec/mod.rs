@@ -4,5 +4,6 @@
 pub(crate) mod anysource;
 pub(crate) mod device;
 pub(crate) mod host;
+pub(crate) mod op;
 pub(crate) mod ranges;
 pub(crate) mod replies;

@@ -4,7 +4,7 @@ use super::program::{DevOp, Factor, Loc, Source};
 use super::OpBuffers;
 use crate::algo::{Buf, Collective, Operand, Region, Schedule, Step};
 use crate::error::Result;
-use crate::exec::host::Reduction;
+use crate::exec::op::Reduction;
 use crate::exec::ranges::{kinds_apart, Intervals, OpBytes};
 use crate::transport::p2p::{Desc, Flag};
 

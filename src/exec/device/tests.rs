@@ -8,7 +8,7 @@ use super::program::*;
 use super::*;
 use crate::algo::Shape;
 use crate::algo::{self, Algorithm, Collective};
-use crate::exec::host::Reduction;
+use crate::exec::op::Reduction;
 use crate::reduce::DataType;
 use crate::reduce::{ReduceOp, Reducer, Scale};
 use crate::transport::p2p::{flag_count, Desc, Flag};
