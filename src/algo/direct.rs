@@ -5,7 +5,7 @@ use super::{Buf, Operand, Region, Schedule, Shape, Step};
 
 /// The largest in-place one-shot all-reduce that folds straight into its input (see
 /// `all_reduce`): below the smallest size from which a peer reads a folded message from the
-/// sender's buffer (`shm::PULL_FROM_THREAD`, between threads of one process).
+/// sender's buffer (`shm::pull::PULL_FROM_THREAD`, between threads of one process).
 const IN_PLACE_OVER_INPUT: usize = 16 << 10;
 
 /// One-shot all-reduce: every rank sends its input to every other rank and adds up all inputs

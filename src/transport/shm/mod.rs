@@ -1,0 +1,35 @@
+//! The shared-memory transport between ranks of one host.
+//!
+//! Every rank owns one segment (a memfd) that holds its doorbell and one FIFO per peer for the
+//! messages that peer sends it. Peers in other processes receive the memfd over an authenticated
+//! unix socket; peers that are threads of the same process duplicate the descriptor. A FIFO is a
+//! ring of slots with a head (advanced by the sender) and a tail (advanced by the receiver).
+//!
+//! Small messages travel *eagerly*: copied into slots by the sender, out of them by the receiver.
+//! Those of up to `PACK_MAX` bytes share slots (`KIND_PACKED`): each is an entry after the last,
+//! stamped with its number, so a sender that runs ahead puts several in one cache line and a
+//! FIFO holds hundreds of them (a root's small broadcasts to ranks that wait for a CPU).
+//! Large ones are *pulled*: the sender publishes the address of its buffer and the receiver copies
+//! straight out of it, with `process_vm_readv` (CMA) between processes or a plain read between
+//! threads; releasing the descriptor's slot tells the sender its buffer is free again. Whether a
+//! receiver may pull is probed at setup, so kernels or sandboxes that forbid CMA fall back to the
+//! eager path cleanly.
+//!
+//! A pulled message may also carry the sender's leave to write the reply into its buffer
+//! (`OutMsg::reply_at`: a two-rank all-reduce receives the reduced half exactly where it sent
+//! its input from, in place, or at the same place of its receive buffer, out of place). A
+//! receiver that folds the message and sends the result straight back writes it there piece
+//! by piece (`process_vm_writev`) while the folded bytes are still in its cache, and its later
+//! send is a notice without data.
+
+mod link;
+mod packed;
+mod peer;
+mod pull;
+mod segment;
+mod setup;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use segment::Segment;
+pub(crate) use setup::{connect, fetch_segment, serve_segment, ShmWorld};
