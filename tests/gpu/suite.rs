@@ -5,6 +5,11 @@
 //!
 //!     comm-gpu-suite [--ranks 1,2,4,8] [--max-mib 256] [--quick]
 //!
+//! On the software GPU only (softgpu/, which fails driver calls on request and counts what
+//! streams are given): `--faults` makes allocations and IPC opens fail and checks the errors
+//! and the communicators after them; `--cost` prints per-call counts of what the device path
+//! enqueues for each collective and size (scripts/softgpu_cost.sh makes a table of them).
+//!
 //! Exit status: 0 every check passed; 1 something failed; 77 there is no usable GPU, nothing
 //! was tested (never a pass).
 
@@ -434,7 +439,10 @@ impl Rank {
         let fork = cuda::Event::new(&self.device).map_err(|e| e.msg)?;
         let join = cuda::Event::new(&self.device).map_err(|e| e.msg)?;
         let half = (self.a.len / 2) as u64;
-        let (src, dst) = ([self.a.ptr, self.a.ptr + half], [self.b.ptr, self.b.ptr + half]);
+        let (src, dst) = (
+            [self.a.ptr, self.a.ptr + half],
+            [self.b.ptr, self.b.ptr + half],
+        );
         let fill = |round: usize| -> Result<(), String> {
             for (k, p) in src.iter().enumerate() {
                 let host: Vec<u8> = (0..count)
@@ -519,7 +527,9 @@ impl Rank {
         // A fork never joined back: the capture must fail, not hand out a graph that leaves
         // stream B's work behind. Only this rank's streams: no collective is captured.
         cuda::Graph::begin_capture(&self.device, a).map_err(|e| e.msg)?;
-        fork.record(a).and_then(|()| fork.wait_on(b)).map_err(|e| e.msg)?;
+        fork.record(a)
+            .and_then(|()| fork.wait_on(b))
+            .map_err(|e| e.msg)?;
         b.set_flag(self.scalar.ptr, 7).map_err(|e| e.msg)?;
         match cuda::Graph::end_capture(&self.device, a) {
             Ok(_) => return Err("a capture with an unjoined fork ended successfully".into()),
@@ -781,7 +791,8 @@ mod softgpu {
 
     fn symbol(name: &std::ffi::CStr) -> Option<*mut c_void> {
         // SAFETY: RTLD_NOLOAD only finds a library already loaded (the driver cudarc opened).
-        let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        let lib =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
         let lib = if lib.is_null() {
             // SAFETY: as above, under cudarc's first name.
             unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
@@ -832,11 +843,15 @@ fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), Strin
     let _bound = device.bind().map_err(|e| e.msg)?;
     let expect_err = |r: ncclResult_t, what: &str, names: &str| -> Result<(), String> {
         if r == ncclResult_t::ncclSuccess {
-            return Err(format!("{what} succeeded although the driver failed {names}"));
+            return Err(format!(
+                "{what} succeeded although the driver failed {names}"
+            ));
         }
         let msg = last_error();
         if !msg.contains(names) {
-            return Err(format!("{what} failed ({r:?}) without naming {names}: {msg}"));
+            return Err(format!(
+                "{what} failed ({r:?}) without naming {names}: {msg}"
+            ));
         }
         Ok(())
     };
@@ -898,7 +913,10 @@ fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), Strin
         ));
         let want: f32 = (0..n).map(|r| 1.0 + r as f32).sum();
         if host.iter().any(|&x| x != want) {
-            return Err(format!("a host all-reduce after {name} failed gave {}", host[0]));
+            return Err(format!(
+                "a host all-reduce after {name} failed gave {}",
+                host[0]
+            ));
         }
         drop(buf);
         stream.destroy().map_err(|e| e.msg)?;
@@ -919,6 +937,7 @@ fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), Strin
     }
     drop(r);
     nccl!(ncclCommDestroy(comm));
+    println!("  rank {rank}: every failed driver call answered with an error naming it; 9 cases passed after them");
     Ok(())
 }
 
@@ -962,7 +981,10 @@ fn wait_children(
             for c in children.iter_mut() {
                 let _ = c.kill();
             }
-            return Err(format!("{n} ranks did not finish within {} s", limit.as_secs()));
+            return Err(format!(
+                "{n} ranks did not finish within {} s",
+                limit.as_secs()
+            ));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -1040,7 +1062,9 @@ fn cost_worker(rank: usize, n: usize, id: ncclUniqueId) -> Result<(), String> {
             }
             r.stream.synchronize().map_err(|e| e.msg)?;
             let after = softgpu::counters()?;
-            let d = |f: fn(&softgpu::Counters) -> u64| (f(&after) - f(&before)) as f64 / COST_ITERS as f64;
+            let d = |f: fn(&softgpu::Counters) -> u64| {
+                (f(&after) - f(&before)) as f64 / COST_ITERS as f64
+            };
             println!(
                 "COST {coll:?} {bytes} {n} {rank} {} {} {} {} {} {} {} {} {}",
                 d(|c| c.kernels),
@@ -1069,10 +1093,15 @@ fn run_cost(n: usize) -> Result<(), String> {
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(["--cost-worker", &r.to_string(), &n.to_string(), &id_hex(&id)])
-            .env("COMM_DEBUG", "WARN")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args([
+            "--cost-worker",
+            &r.to_string(),
+            &n.to_string(),
+            &id_hex(&id),
+        ])
+        .env("COMM_DEBUG", "WARN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         children.push(cmd.spawn().map_err(|e| e.to_string())?);
     }
     wait_children(children, Duration::from_secs(600), n)
@@ -1316,7 +1345,10 @@ fn main() {
                 run_cost(n)
             };
             match r {
-                Ok(()) => eprintln!("PASS {mode}, {n} ranks ({:.1} s)", t.elapsed().as_secs_f64()),
+                Ok(()) => eprintln!(
+                    "PASS {mode}, {n} ranks ({:.1} s)",
+                    t.elapsed().as_secs_f64()
+                ),
                 Err(e) => {
                     println!("FAIL {mode}, {n} ranks:\n{e}");
                     failed = true;
