@@ -38,9 +38,14 @@ if [ "$stale" = 1 ]; then
     -ffp-contract=off -fvisibility=hidden -I"$COMM_TEST_CUDA_INCLUDE" -I"$COMM_ROOT/kernels"
     ${SOFTGPU_CXXFLAGS:-})
   echo "softgpu: building $lib" >&2
-  "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/kernels_cpu.cpp" -o "$out/kernels_cpu.o"
-  "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/driver.cpp" -o "$out/driver.o"
-  "$cxx" -shared -Wl,-soname,libcuda.so.1 -o "$lib.tmp" "$out/driver.o" "$out/kernels_cpu.o" \
+  objs=()
+  for src in "$COMM_ROOT"/softgpu/*.cpp; do
+    obj=$out/$(basename "$src" .cpp).o
+    "$cxx" "${flags[@]}" -c "$src" -o "$obj"
+    objs+=("$obj")
+  done
+  # shellcheck disable=SC2086
+  "$cxx" ${SOFTGPU_CXXFLAGS:-} -shared -Wl,-soname,libcuda.so.1 -o "$lib.tmp" "${objs[@]}" \
     -lpthread ${SOFTGPU_LDFLAGS:-}
   mv "$lib.tmp" "$lib"
   ln -sf libsoftgpu.so "$out/libcuda.so"

@@ -9,6 +9,7 @@ source scripts/deps.sh
 export COMM_REQUIRE_NVCC=1
 [ -x target/release/comm-gpu-suite ] || cargo build --release
 cargo test --release --lib --no-run
+cargo test --release --test ib --no-run
 scripts/softgpu.sh --build >/dev/null
 
 args=${COMM_SOFTGPU_SUITE_ARGS:---ranks 1,2,4 --max-mib 4 --quick}
@@ -35,7 +36,8 @@ run "device unit tests, adversarial" SOFTGPU_ADVERSARIAL=1 \
 # shellcheck disable=SC2086
 run "comm-gpu-suite $args" SOFTGPU_LEAKS=1 scripts/softgpu.sh target/release/comm-gpu-suite $args
 # Every process gave back all device memory (SOFTGPU_LEAKS reports it at exit).
-if grep -hs "at exit:" "$logs"/*.log | grep -v "at exit: 0 mappings (0 bytes) and 0 VMM"; then
+no_leak="at exit: 0 mappings (0 bytes) and 0 VMM handles still held$"
+if grep -hs "at exit:" "$logs"/*.log | grep -v "$no_leak"; then
   echo "FAILED: device memory still allocated at exit (above)"
   grep -h "leak:" "$logs"/*.log | head -20
   exit 1
@@ -45,10 +47,51 @@ if ! grep -qs "at exit:" "$logs"/*.log; then
   exit 1
 fi
 rm -f "$logs"/*.log
+# Failures on request (SOFTGPU_FAIL's API): allocations and IPC opens that fail make the calls
+# that needed them fail naming the driver call, take nothing with them, and the next
+# communicator works.
+run "comm-gpu-suite --faults (failed allocations and IPC opens)" SOFTGPU_LEAKS=1 \
+  scripts/softgpu.sh target/release/comm-gpu-suite --faults --ranks 2
+if grep -hs "at exit:" "$logs"/*.log | grep -v "$no_leak"; then
+  echo "FAILED: a failed allocation or IPC open left device memory held (above)"
+  grep -h "leak:" "$logs"/*.log | head -20
+  exit 1
+fi
+rm -f "$logs"/*.log
 # shellcheck disable=SC2086
 run "comm-gpu-suite $args, adversarial" SOFTGPU_ADVERSARIAL=1 \
   scripts/softgpu.sh target/release/comm-gpu-suite $args
+# Streams sharing CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8, CUDA's default): thread
+# ranks sharing one GPU must still progress.
+run "comm-gpu-suite --ranks 1 with shared hardware queues (thread ranks on one GPU)" \
+  SOFTGPU_HW_QUEUES=1 scripts/softgpu.sh target/release/comm-gpu-suite --ranks 1 --max-mib 4 --quick
+# GPUDirect RDMA on device memory: inner ranges exported as dmabufs, registered with the verbs
+# model at their offsets.
+run "dmabuf registration of device memory through the verbs model" \
+  scripts/softgpu.sh cargo test --release --test ib -- software_gpu --test-threads=1
 # shellcheck disable=SC2086
 run "comm-gpu-suite --ranks 2 --quick on 2 virtual GPUs (thread ranks across GPUs: peer access)" SOFTGPU_DEVICES=2 \
   scripts/softgpu.sh target/release/comm-gpu-suite --ranks 2 --max-mib 4 --quick
+# The stand-in and the CPU kernels under AddressSanitizer and UndefinedBehaviorSanitizer: a
+# separate build, loaded into the (uninstrumented) suite with libasan preloaded, as ASan must
+# come first among the libraries of a process. One quick rank configuration.
+asan=$(${CXX:-g++} -print-file-name=libasan.so)
+if [ -f "$asan" ]; then
+  COMM_SOFTGPU_DIR=target/softgpu-asan \
+    SOFTGPU_CXXFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" \
+    scripts/softgpu.sh --build >/dev/null
+  # detect_leaks=0: the suite is not instrumented, and its allocations are not ours to judge
+  # (SOFTGPU_LEAKS checks device memory). halt_on_error: a report fails the run.
+  run "comm-gpu-suite --ranks 2 under ASan and UBSan (the stand-in and its CPU kernels)" \
+    COMM_SOFTGPU_DIR=target/softgpu-asan LD_PRELOAD="$asan" \
+    ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$logs/asan" \
+    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$logs/ubsan" \
+    scripts/softgpu.sh target/release/comm-gpu-suite --ranks 2 --max-mib 1 --quick
+  if cat "$logs"/asan.* "$logs"/ubsan.* 2>/dev/null | grep -E "ERROR: AddressSanitizer|runtime error:"; then
+    echo "FAILED: a sanitizer reported an error (above)"
+    exit 1
+  fi
+else
+  echo "== softgpu: no libasan for ${CXX:-g++}: the sanitizer run is skipped"
+fi
 echo "softgpu: all device runs passed"

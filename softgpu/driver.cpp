@@ -16,6 +16,7 @@
 
 #include <cuda.h>
 
+#include "instrument.h"
 #include "kernels_cpu.h"
 
 #include <algorithm>
@@ -79,6 +80,10 @@ struct Config {
   // delays.
   int adversarial;
   int leaks; // SOFTGPU_LEAKS: list the device memory still allocated when the process exits
+  // SOFTGPU_HW_QUEUES=1: the streams of a context share CUDA_DEVICE_MAX_CONNECTIONS hardware
+  // queues (round robin, as a GPU hands them out), with the false dependencies that brings;
+  // 0 (default): every stream has a queue of its own. hw_queues holds the number, or 0.
+  int hw_queues;
 };
 
 Config &config() {
@@ -95,6 +100,9 @@ Config &config() {
     c.name = n && *n ? n : "softgpu virtual GPU (CPU stand-in)";
     c.adversarial = env_long("SOFTGPU_ADVERSARIAL", 0) != 0;
     c.leaks = env_long("SOFTGPU_LEAKS", 0) != 0;
+    c.hw_queues = env_long("SOFTGPU_HW_QUEUES", 0) != 0
+                      ? (int)std::clamp(env_long("CUDA_DEVICE_MAX_CONNECTIONS", 8), 1L, 32L)
+                      : 0;
     return c;
   }();
   return c;
@@ -140,6 +148,7 @@ const char *error_name(CUresult r) {
     SOFTGPU_ERR(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
     SOFTGPU_ERR(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD)
     SOFTGPU_ERR(CUDA_ERROR_CAPTURED_EVENT)
+    SOFTGPU_ERR(CUDA_ERROR_ILLEGAL_STATE)
     SOFTGPU_ERR(CUDA_ERROR_UNKNOWN)
 #undef SOFTGPU_ERR
   default:
@@ -209,6 +218,14 @@ thread_local bool t_in_host_fn = false;
                         "a host function queued with cuLaunchHostFunc must not call CUDA");        \
   if (!g_initialized.load(std::memory_order_acquire)) return call_.ret(CUDA_ERROR_NOT_INITIALIZED)
 #define SG_RET(r) return call_.ret(r)
+// Failures on request (SOFTGPU_FAIL, softgpu_fail_call): the call fails as an exhausted
+// driver's does, having taken nothing.
+#define SG_FAULT()                                                                                 \
+  do {                                                                                             \
+    if (softgpu::fail_now(call_.name))                                                             \
+      return call_.refuse(CUDA_ERROR_OUT_OF_MEMORY,                                                \
+                          "failed on request (SOFTGPU_FAIL or softgpu_fail_call)");                \
+  } while (0)
 #define SG_CHECK(cond, err)                                                                        \
   do {                                                                                             \
     if (!(cond)) return call_.ret(err);                                                            \
@@ -219,6 +236,7 @@ thread_local bool t_in_host_fn = false;
 // ---------------------------------------------------------------------------------------------
 
 struct Stream;
+struct HwQueue;
 
 struct Context {
   int device;
@@ -226,6 +244,8 @@ struct Context {
   std::vector<std::weak_ptr<Stream>> streams; // every stream made in it, for synchronisation
   std::shared_ptr<Stream> legacy;             // the NULL stream, made at first use
   std::set<int> peers;                        // devices whose memory peer access was enabled for
+  std::vector<std::shared_ptr<HwQueue>> queues; // SOFTGPU_HW_QUEUES: the shared hardware queues
+  unsigned next_queue = 0;                      // round robin over them
 };
 
 struct Device {
@@ -289,6 +309,7 @@ struct Region {
   uint64_t ipc_id = 0;    // Ipc: the exporter's buffer id
   int ipc_refs = 0;       // Ipc: opens not yet closed
   std::shared_ptr<VmmAllocation> vmm; // Vmm
+  size_t vmm_offset = 0;              // Vmm: where in the allocation the mapping starts
   std::vector<uint64_t> access;       // Vmm: CUmemAccess_flags per device
 };
 
@@ -375,8 +396,23 @@ void *map_with_guard(int fd, size_t size, size_t *mapped) {
 
 using Op = std::function<void()>;
 
+// One node of a captured graph: an operation, or (wait_lane >= 0) a dependency on the first
+// wait_pos nodes of another lane, made by an event recorded there and waited on here.
+struct Node {
+  Op op;
+  int wait_lane = -1;
+  size_t wait_pos = 0;
+};
+
+// A capture: lane 0 is the stream the capture began on; every stream that joined it (by waiting
+// on an event recorded in it) records into a lane of its own. A launch runs the lanes
+// concurrently, each in order, honouring the dependencies between them.
 struct Graph {
-  std::vector<Op> ops;
+  std::vector<std::vector<Node>> lanes{1};
+  softgpu::GraphCounts counts;
+  std::atomic<bool> invalidated{false};
+  bool live = true;                          // still being captured (under g_captures_m)
+  std::vector<std::shared_ptr<Stream>> members; // streams capturing into it, origin first
 };
 
 struct Stream {
@@ -384,20 +420,35 @@ struct Stream {
   bool legacy = false;
   bool nonblocking = false;
   unsigned id = 0;
+  std::shared_ptr<HwQueue> hw; // the queue its work runs on
 
   std::mutex m;
-  std::condition_variable cv; // work queued, work done, stream destroyed
-  std::deque<std::pair<uint64_t, Op>> queue;
+  std::condition_variable cv; // work done
   uint64_t enqueued = 0;
   uint64_t completed = 0;
-  bool destroyed = false;
-  bool worker_started = false;
 
   // Capture (under m).
   Graph *capture = nullptr;
+  int capture_lane = 0;
   CUstreamCaptureMode capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
   std::thread::id capture_thread;
-  bool capture_invalidated = false;
+};
+
+// A hardware queue: one worker thread runs the operations of the streams mapped onto it, in
+// the order they were queued. By default every stream has one of its own; SOFTGPU_HW_QUEUES
+// maps a context's streams onto CUDA_DEVICE_MAX_CONNECTIONS of them, so that an operation
+// waiting on one stream holds up the others sharing its queue, as on a GPU.
+struct HwQueue {
+  struct Item {
+    std::shared_ptr<Stream> stream;
+    uint64_t seq;
+    Op op;
+  };
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<Item> items;
+  bool started = false;
+  bool closing = false; // a private queue whose stream was destroyed: ends once drained
 };
 
 std::mutex g_streams_m;
@@ -413,20 +464,33 @@ void adversarial_delay() {
   if (us > 150) std::this_thread::sleep_for(std::chrono::microseconds(us - 150));
 }
 
-void worker_loop(std::shared_ptr<Stream> s) {
-  std::unique_lock<std::mutex> l(s->m);
+void worker_loop(std::shared_ptr<HwQueue> q) {
+  std::unique_lock<std::mutex> l(q->m);
   for (;;) {
-    s->cv.wait(l, [&] { return !s->queue.empty() || s->destroyed; });
-    if (s->queue.empty()) return; // destroyed and drained
-    auto [seq, op] = std::move(s->queue.front());
-    s->queue.pop_front();
+    q->cv.wait(l, [&] { return !q->items.empty() || q->closing; });
+    if (q->items.empty()) return; // closed and drained
+    HwQueue::Item it = std::move(q->items.front());
+    q->items.pop_front();
     l.unlock();
     if (config().adversarial) adversarial_delay();
-    op();
+    it.op();
+    {
+      std::lock_guard<std::mutex> sl(it.stream->m);
+      it.stream->completed = it.seq;
+      it.stream->cv.notify_all();
+    }
+    it = HwQueue::Item();
     l.lock();
-    s->completed = seq;
-    s->cv.notify_all();
   }
+}
+
+// The queue a new stream of ctx runs on.
+std::shared_ptr<HwQueue> queue_for(Context *ctx) {
+  if (!config().hw_queues || !ctx) return std::make_shared<HwQueue>();
+  std::lock_guard<std::mutex> l(ctx->m);
+  if (ctx->queues.empty())
+    for (int i = 0; i < config().hw_queues; ++i) ctx->queues.push_back(std::make_shared<HwQueue>());
+  return ctx->queues[ctx->next_queue++ % ctx->queues.size()];
 }
 
 // Waits until `s` has completed its operation number `seq`.
@@ -442,6 +506,7 @@ std::shared_ptr<Stream> legacy_stream(Context *ctx) {
     ctx->legacy->ctx = ctx;
     ctx->legacy->legacy = true;
     ctx->legacy->id = 0;
+    ctx->legacy->hw = std::make_shared<HwQueue>();
   }
   return ctx->legacy;
 }
@@ -487,26 +552,31 @@ uint64_t push(const std::shared_ptr<Stream> &s, Op op) {
   }
   std::lock_guard<std::mutex> l(s->m);
   uint64_t seq = ++s->enqueued;
-  s->queue.emplace_back(seq, std::move(op));
-  if (!s->worker_started) {
-    s->worker_started = true;
-    std::thread(worker_loop, s).detach();
+  HwQueue &q = *s->hw;
+  std::lock_guard<std::mutex> ql(q.m);
+  q.items.push_back(HwQueue::Item{s, seq, std::move(op)});
+  if (!q.started) {
+    q.started = true;
+    std::thread(worker_loop, s->hw).detach();
   }
-  s->cv.notify_all();
+  q.cv.notify_all();
   return seq;
 }
 
-// Queues `op` on `s`, or records it into the graph being captured there. `what` names the
-// operation for error messages.
-CUresult enqueue(const std::shared_ptr<Stream> &s, Op op) {
+// Queues `op` on `s`, or records it into the stream's lane of the graph being captured there;
+// counted as one operation of `kind` (a copy: of `bytes`).
+CUresult enqueue(const std::shared_ptr<Stream> &s, softgpu::Count kind, uint64_t bytes, Op op) {
   {
     std::lock_guard<std::mutex> l(s->m);
     if (s->capture) {
-      if (s->capture_invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
-      s->capture->ops.push_back(std::move(op));
+      if (s->capture->invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+      s->capture->lanes[s->capture_lane].push_back(Node{std::move(op)});
+      softgpu::count_graph_node(s->capture->counts, kind, bytes);
+      softgpu::count(kind, bytes, true);
       return CUDA_SUCCESS;
     }
   }
+  softgpu::count(kind, bytes);
   push(s, std::move(op));
   return CUDA_SUCCESS;
 }
@@ -599,8 +669,8 @@ bool capture_forbids() {
     bool applies = s->capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL ||
                    (s->capture_mode == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
                     s->capture_thread == std::this_thread::get_id());
-    if (applies) {
-      s->capture_invalidated = true;
+    if (applies && s->capture) {
+      s->capture->invalidated = true;
       hit = true;
     }
   }
@@ -623,6 +693,8 @@ struct Event {
   std::shared_ptr<Stream> stream; // where it was last recorded (outside capture)
   uint64_t seq = 0;
   Graph *captured_in = nullptr; // recorded during a capture into this graph
+  int lane = 0;                 // ... on this lane of it
+  size_t pos = 0;               // ... after this many of the lane's nodes
 };
 
 std::mutex g_events_m;
@@ -648,7 +720,8 @@ struct Function {
 };
 
 struct GraphExec {
-  std::vector<Op> ops;
+  std::vector<std::vector<Node>> lanes;
+  softgpu::GraphCounts counts;
 };
 
 std::mutex g_objects_m;
@@ -674,8 +747,10 @@ void report_leaks() {
   }
   for (auto &[h, a] : g_vmm) say("leak: VMM handle %llu of %zu bytes never released",
                                   (unsigned long long)h, a->size);
-  say("at exit: %zu mappings (%zu bytes) and %zu VMM handles still held", count, bytes,
-      g_vmm.size());
+  for (auto &[base, size] : g_reserved)
+    say("leak: VMM address range of %zu bytes at %#lx never freed", size, (unsigned long)base);
+  say("at exit: %zu mappings (%zu bytes) and %zu VMM handles still held%s", count, bytes,
+      g_vmm.size(), g_reserved.empty() ? "" : ", and VMM address ranges");
 }
 
 } // namespace
@@ -916,6 +991,7 @@ SOFTGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
   SG_NEED_CTX();
   SG_CHECK(size > 0, CUDA_ERROR_INVALID_VALUE);
   SG_CAPTURE_SAFE();
+  SG_FAULT();
   std::unique_lock<std::shared_mutex> l(g_mem_m);
   uint64_t id = g_next_buffer_id++;
   int fd = (int)syscall(SYS_memfd_create, memfd_name(getpid(), id).c_str(), MFD_CLOEXEC);
@@ -1074,6 +1150,7 @@ SOFTGPU_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle 
   if (w.pid == (int32_t)getpid())
     return call_.refuse(CUDA_ERROR_INVALID_CONTEXT,
                         "an IPC handle cannot be opened in the process that made it");
+  SG_FAULT();
   std::unique_lock<std::shared_mutex> l(g_mem_m);
   // The same handle opened again maps once, counted.
   for (auto &[base, r] : g_regions) {
@@ -1153,6 +1230,7 @@ SOFTGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t
   SG_CHECK(size > 0 && size % kGranularity == 0, CUDA_ERROR_INVALID_VALUE);
   if (prop->requestedHandleTypes & ~(unsigned)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
     return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "only POSIX file descriptor handles are modelled");
+  SG_FAULT();
   std::unique_lock<std::shared_mutex> l(g_mem_m);
   uint64_t id = g_next_vmm_handle++;
   int fd = (int)syscall(SYS_memfd_create, ("softgpu-vmm-" + std::to_string(id)).c_str(),
@@ -1190,6 +1268,7 @@ SOFTGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_
     return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "a fixed address hint is not modelled");
   size_t align = std::max(alignment, kGranularity);
   SG_CHECK((align & (align - 1)) == 0, CUDA_ERROR_INVALID_VALUE);
+  SG_FAULT();
   void *at = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   SG_CHECK(at != MAP_FAILED, CUDA_ERROR_OUT_OF_MEMORY);
   uintptr_t start = round_up((uintptr_t)at, align);
@@ -1219,6 +1298,7 @@ SOFTGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                                  CUmemGenericAllocationHandle handle, unsigned long long flags) {
   SG_API("cuMemMap", "ptr=%#llx size=%zu offset=%zu handle=%llu", ptr, size, offset, handle);
   SG_CHECK(flags == 0 && size > 0, CUDA_ERROR_INVALID_VALUE);
+  SG_FAULT();
   std::unique_lock<std::shared_mutex> l(g_mem_m);
   auto h = g_vmm.find(handle);
   SG_CHECK(h != g_vmm.end(), CUDA_ERROR_INVALID_HANDLE);
@@ -1240,6 +1320,7 @@ SOFTGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
   r.device = h->second->device;
   r.buffer_id = g_next_buffer_id++;
   r.vmm = h->second;
+  r.vmm_offset = offset;
   r.access.assign(g_devices.size(), CU_MEM_ACCESS_FLAGS_PROT_NONE);
   g_regions[r.base] = r;
   SG_RET(CUDA_SUCCESS);
@@ -1318,6 +1399,7 @@ SOFTGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHan
   SG_CHECK(handle, CUDA_ERROR_INVALID_VALUE);
   if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
     return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "only POSIX file descriptor handles are modelled");
+  SG_FAULT();
   int given = (int)(intptr_t)os_handle;
   struct stat st;
   SG_CHECK(fstat(given, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0, CUDA_ERROR_INVALID_VALUE);
@@ -1346,16 +1428,24 @@ SOFTGPU_EXPORT CUresult cuMemGetHandleForAddressRange(void *out, CUdeviceptr ptr
   std::shared_lock<std::shared_mutex> l(g_mem_m);
   Region *r = region_of((uintptr_t)ptr);
   SG_CHECK(r && ptr + size <= r->base + round_up(r->size, page_size()), CUDA_ERROR_INVALID_VALUE);
-  // A real dmabuf covers exactly the range; a memfd covers its whole allocation, so only ranges
-  // that start where the allocation starts keep the offsets a dmabuf user computes.
-  if (ptr != r->base)
-    return call_.refuse(CUDA_ERROR_NOT_SUPPORTED,
-                        "a dmabuf of a range that starts inside an allocation is not modelled");
   int src = r->kind == RegionKind::Alloc ? r->fd : r->kind == RegionKind::Vmm ? r->vmm->fd : -1;
   if (src < 0)
     return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "a dmabuf of IPC-mapped memory is not modelled");
-  int fd = fcntl(src, F_DUPFD_CLOEXEC, 0);
+  SG_FAULT();
+  // A real dmabuf holds exactly the range: its byte 0 is the byte at ptr. A memfd holds its whole
+  // allocation, so the stand-in's dmabuf is a new open file of the allocation's memfd whose file
+  // position is where the range starts; an importer (the verbs model) adds that position to
+  // every offset it is given. A real dmabuf's position is 0 and stays so (it cannot seek), so
+  // an importer that honours the position is right for both.
+  size_t start = (size_t)(ptr - r->base) + (r->kind == RegionKind::Vmm ? r->vmm_offset : 0);
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", src);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
   SG_CHECK(fd >= 0, CUDA_ERROR_OUT_OF_MEMORY);
+  if (lseek(fd, (off_t)start, SEEK_SET) != (off_t)start) {
+    close(fd);
+    SG_RET(CUDA_ERROR_OUT_OF_MEMORY);
+  }
   *(int *)out = fd;
   SG_RET(CUDA_SUCCESS);
 }
@@ -1368,10 +1458,12 @@ SOFTGPU_EXPORT CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
   SG_API("cuStreamCreate", "flags=%u", flags);
   SG_CHECK(out && (flags & ~(unsigned)CU_STREAM_NON_BLOCKING) == 0, CUDA_ERROR_INVALID_VALUE);
   SG_NEED_CTX();
+  SG_FAULT();
   auto s = std::make_shared<Stream>();
   s->ctx = t_ctx;
   s->nonblocking = flags & CU_STREAM_NON_BLOCKING;
   s->id = g_next_stream_id++;
+  s->hw = queue_for(t_ctx);
   {
     std::lock_guard<std::mutex> l(t_ctx->m);
     t_ctx->streams.erase(std::remove_if(t_ctx->streams.begin(), t_ctx->streams.end(),
@@ -1395,10 +1487,13 @@ SOFTGPU_EXPORT CUresult cuStreamDestroy_v2(CUstream h) {
     s = it->second;
     g_streams.erase(it);
   }
-  // Work already queued still runs; the worker ends once the queue is drained.
-  std::lock_guard<std::mutex> l(s->m);
-  s->destroyed = true;
-  s->cv.notify_all();
+  // Work already queued still runs; a private queue's worker ends once it is drained (a shared
+  // queue's serves the context's other streams).
+  if (!config().hw_queues) {
+    std::lock_guard<std::mutex> l(s->hw->m);
+    s->hw->closing = true;
+    s->hw->cv.notify_all();
+  }
   SG_RET(CUDA_SUCCESS);
 }
 
@@ -1409,7 +1504,7 @@ SOFTGPU_EXPORT CUresult cuStreamSynchronize(CUstream h) {
   {
     std::lock_guard<std::mutex> l(s->m);
     if (s->capture) {
-      s->capture_invalidated = true;
+      s->capture->invalidated = true;
       return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
                           "synchronising a stream that is being captured");
     }
@@ -1457,9 +1552,11 @@ SOFTGPU_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n
     // may reuse its buffer at once.
     auto staged = std::make_shared<std::vector<unsigned char>>((unsigned char *)src,
                                                                (unsigned char *)src + n);
-    SG_RET(enqueue(s, [dst, staged] { memcpy((void *)dst, staged->data(), staged->size()); }));
+    SG_RET(enqueue(s, softgpu::Count::Copy, n,
+                   [dst, staged] { memcpy((void *)dst, staged->data(), staged->size()); }));
   }
-  CUresult r = enqueue(s, [dst, src, n] { memmove((void *)dst, (const void *)src, n); });
+  CUresult r =
+      enqueue(s, softgpu::Count::Copy, n, [dst, src, n] { memmove((void *)dst, (const void *)src, n); });
   if (r != CUDA_SUCCESS || capturing) SG_RET(r);
   if (src_dev && !dst_dev) synchronize(s.get()); // to pageable host memory: returns when done
   SG_RET(CUDA_SUCCESS);
@@ -1474,6 +1571,7 @@ static CUresult copy_sync(Call &call_, CUdeviceptr dst, CUdeviceptr src, size_t 
   SG_CAPTURE_SAFE();
   if (n == 0) SG_RET(CUDA_SUCCESS);
   auto s = legacy_stream(t_ctx);
+  softgpu::count(softgpu::Count::Copy, n);
   if (config().adversarial && is_device_range(dst, n)) {
     auto staged = std::make_shared<std::vector<unsigned char>>((const unsigned char *)src,
                                                                (const unsigned char *)src + n);
@@ -1511,7 +1609,7 @@ SOFTGPU_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, si
   SG_STREAM(h, s);
   SG_CHECK(dst % 4 == 0, CUDA_ERROR_INVALID_VALUE);
   if (count && !is_device_range(dst, count * 4)) SG_RET(CUDA_ERROR_INVALID_VALUE);
-  SG_RET(enqueue(s, [dst, value, count] {
+  SG_RET(enqueue(s, softgpu::Count::Memset, 0, [dst, value, count] {
     uint32_t *p = (uint32_t *)dst;
     for (size_t i = 0; i < count; ++i) p[i] = value;
   }));
@@ -1527,7 +1625,7 @@ SOFTGPU_EXPORT CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, cu
   SG_CHECK(is_device_range(addr, 4), CUDA_ERROR_INVALID_VALUE);
   // Earlier work on the stream is complete when the worker gets here; the release store makes
   // its writes visible to whoever reads the value, in this process or another.
-  SG_RET(enqueue(s, [addr, value] {
+  SG_RET(enqueue(s, softgpu::Count::WriteValue, 0, [addr, value] {
     __atomic_store_n((uint32_t *)addr, value, __ATOMIC_RELEASE);
     wake((void *)addr, 4);
   }));
@@ -1541,7 +1639,7 @@ SOFTGPU_EXPORT CUresult cuStreamWriteValue64_v2(CUstream h, CUdeviceptr addr, cu
   SG_CHECK(addr % 8 == 0 && (flags & ~(unsigned)CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER) == 0,
            CUDA_ERROR_INVALID_VALUE);
   SG_CHECK(is_device_range(addr, 8), CUDA_ERROR_INVALID_VALUE);
-  SG_RET(enqueue(s, [addr, value] {
+  SG_RET(enqueue(s, softgpu::Count::WriteValue, 0, [addr, value] {
     __atomic_store_n((uint64_t *)addr, value, __ATOMIC_RELEASE);
     wake((void *)addr, 8);
   }));
@@ -1556,14 +1654,15 @@ SOFTGPU_EXPORT CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, cuu
            CUDA_ERROR_INVALID_VALUE);
   SG_CHECK(is_device_range(addr, 4), CUDA_ERROR_INVALID_VALUE);
   unsigned id = s->id;
-  SG_RET(enqueue(s, [id, addr, value, flags] { stream_wait(id, (uint32_t *)addr, value, flags); }));
+  SG_RET(enqueue(s, softgpu::Count::WaitValue, 0,
+                 [id, addr, value, flags] { stream_wait(id, (uint32_t *)addr, value, flags); }));
 }
 
 SOFTGPU_EXPORT CUresult cuLaunchHostFunc(CUstream h, CUhostFn fn, void *data) {
   SG_API("cuLaunchHostFunc", "stream=%p", (void *)h);
   SG_CHECK(fn, CUDA_ERROR_INVALID_VALUE);
   SG_STREAM(h, s);
-  SG_RET(enqueue(s, [fn, data] {
+  SG_RET(enqueue(s, softgpu::Count::HostFunc, 0, [fn, data] {
     t_in_host_fn = true;
     fn(data);
     t_in_host_fn = false;
@@ -1580,6 +1679,7 @@ SOFTGPU_EXPORT CUresult cuEventCreate(CUevent *out, unsigned int flags) {
   SG_NEED_CTX();
   if (!(flags & CU_EVENT_DISABLE_TIMING))
     return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "timing events are not modelled (use CU_EVENT_DISABLE_TIMING)");
+  SG_FAULT();
   auto *e = new Event();
   std::lock_guard<std::mutex> l(g_events_m);
   g_events.insert(e);
@@ -1606,8 +1706,13 @@ SOFTGPU_EXPORT CUresult cuEventRecord(CUevent ev, CUstream h) {
   std::lock_guard<std::mutex> l(s->m);
   if (s->capture) {
     e->captured_in = s->capture;
+    e->lane = s->capture_lane;
+    e->pos = s->capture->lanes[s->capture_lane].size();
     e->stream.reset();
+    softgpu::count(softgpu::Count::EventRecord, 0, true);
+    softgpu::count_graph_node(s->capture->counts, softgpu::Count::EventRecord, 0);
   } else {
+    softgpu::count(softgpu::Count::EventRecord);
     e->captured_in = nullptr;
     e->stream = s;
     e->seq = s->enqueued;
@@ -1653,29 +1758,62 @@ SOFTGPU_EXPORT CUresult cuStreamWaitEvent(CUstream h, CUevent ev, unsigned int f
   std::shared_ptr<Stream> other;
   uint64_t seq;
   Graph *captured_in;
+  int lane;
+  size_t pos;
   {
     std::lock_guard<std::mutex> el(e->m);
     other = e->stream;
     seq = e->seq;
     captured_in = e->captured_in;
+    lane = e->lane;
+    pos = e->pos;
+  }
+  if (captured_in) {
+    // Fork and join: the event was recorded in a capture. The waiting stream depends on the
+    // work recorded before it; a stream not yet capturing joins the capture with a lane of its
+    // own (as CUDA makes it part of the capture sequence).
+    std::lock_guard<std::mutex> cl(g_captures_m);
+    if (!captured_in->live)
+      return call_.refuse(CUDA_ERROR_CAPTURED_EVENT,
+                          "the event was recorded in a capture that has ended");
+    std::lock_guard<std::mutex> l(s->m);
+    if (s->capture && s->capture != captured_in)
+      return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_MERGE,
+                          "the stream is being captured into another graph");
+    if (!s->capture) {
+      if (s->legacy)
+        return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+                            "the legacy stream cannot join a capture");
+      Stream *origin = captured_in->members.front().get();
+      s->capture = captured_in;
+      s->capture_lane = (int)captured_in->lanes.size();
+      s->capture_mode = origin->capture_mode;
+      s->capture_thread = origin->capture_thread;
+      captured_in->lanes.emplace_back();
+      captured_in->members.push_back(s);
+      g_capturing.insert(s.get());
+    }
+    if (s->capture_lane != lane) {
+      Node n;
+      n.wait_lane = lane;
+      n.wait_pos = pos;
+      captured_in->lanes[s->capture_lane].push_back(std::move(n));
+      softgpu::count(softgpu::Count::EventWait, 0, true);
+      softgpu::count_graph_node(captured_in->counts, softgpu::Count::EventWait, 0);
+    }
+    SG_RET(CUDA_SUCCESS);
   }
   Graph *capture;
   {
     std::lock_guard<std::mutex> l(s->m);
     capture = s->capture;
   }
-  if (captured_in) {
-    // Inside one capture the recorded graph is a single sequence, which already orders the wait.
-    if (capture == captured_in) SG_RET(CUDA_SUCCESS);
-    return call_.refuse(CUDA_ERROR_NOT_SUPPORTED,
-                        "joining another stream to a capture (fork/join across streams) is not modelled");
-  }
   if (capture) {
-    std::lock_guard<std::mutex> l(s->m);
-    s->capture_invalidated = true;
+    capture->invalidated = true;
     return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
                         "a captured stream waited on an event recorded outside the capture");
   }
+  softgpu::count(softgpu::Count::EventWait);
   if (!other || other == s) SG_RET(CUDA_SUCCESS);
   push(s, [other, seq] { wait_for(other.get(), seq); });
   SG_RET(CUDA_SUCCESS);
@@ -1699,17 +1837,35 @@ SOFTGPU_EXPORT CUresult cuStreamBeginCapture_v2(CUstream h, CUstreamCaptureMode 
   if (h == nullptr || h == CU_STREAM_LEGACY)
     return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "the legacy stream cannot be captured");
   SG_STREAM(h, s);
-  {
-    std::lock_guard<std::mutex> l(s->m);
-    SG_CHECK(!s->capture, CUDA_ERROR_ILLEGAL_STATE);
-    s->capture = new Graph();
-    s->capture_mode = mode;
-    s->capture_thread = std::this_thread::get_id();
-    s->capture_invalidated = false;
-  }
-  std::lock_guard<std::mutex> l(g_captures_m);
+  std::lock_guard<std::mutex> cl(g_captures_m);
+  std::lock_guard<std::mutex> l(s->m);
+  SG_CHECK(!s->capture, CUDA_ERROR_ILLEGAL_STATE);
+  s->capture = new Graph();
+  s->capture->members.push_back(s);
+  s->capture_lane = 0;
+  s->capture_mode = mode;
+  s->capture_thread = std::this_thread::get_id();
   g_capturing.insert(s.get());
   SG_RET(CUDA_SUCCESS);
+}
+
+// Whether every lane of g is joined back into lane 0: some joined lane waits for all of its
+// nodes.
+static bool all_joined(const Graph &g) {
+  std::vector<bool> joined(g.lanes.size(), false);
+  joined[0] = true;
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (size_t j = 0; j < g.lanes.size(); ++j) {
+      if (!joined[j]) continue;
+      for (const Node &n : g.lanes[j])
+        if (n.wait_lane >= 0 && !joined[n.wait_lane] && n.wait_pos == g.lanes[n.wait_lane].size()) {
+          joined[n.wait_lane] = true;
+          grew = true;
+        }
+    }
+  }
+  return std::all_of(joined.begin(), joined.end(), [](bool b) { return b; });
 }
 
 SOFTGPU_EXPORT CUresult cuStreamEndCapture(CUstream h, CUgraph *graph) {
@@ -1717,19 +1873,36 @@ SOFTGPU_EXPORT CUresult cuStreamEndCapture(CUstream h, CUgraph *graph) {
   SG_CHECK(graph, CUDA_ERROR_INVALID_VALUE);
   SG_STREAM(h, s);
   std::lock_guard<std::mutex> cl(g_captures_m);
-  std::lock_guard<std::mutex> l(s->m);
-  SG_CHECK(s->capture, CUDA_ERROR_ILLEGAL_STATE);
-  if (s->capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
-      s->capture_thread != std::this_thread::get_id())
-    SG_RET(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD);
-  Graph *g = s->capture;
-  bool invalid = s->capture_invalidated;
-  s->capture = nullptr;
-  s->capture_invalidated = false;
-  g_capturing.erase(s.get());
-  if (invalid) {
+  Graph *g;
+  {
+    std::lock_guard<std::mutex> l(s->m);
+    SG_CHECK(s->capture, CUDA_ERROR_ILLEGAL_STATE);
+    if (s->capture_lane != 0)
+      return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
+                          "the capture must end on the stream it began on");
+    if (s->capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
+        s->capture_thread != std::this_thread::get_id())
+      SG_RET(CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD);
+    g = s->capture;
+  }
+  bool unjoined = !all_joined(*g);
+  // The capture ends on every stream that took part in it.
+  for (auto &m : g->members) {
+    std::lock_guard<std::mutex> l(m->m);
+    m->capture = nullptr;
+    m->capture_lane = 0;
+    g_capturing.erase(m.get());
+  }
+  g->members.clear();
+  g->live = false;
+  *graph = nullptr;
+  if (unjoined) {
     delete g;
-    *graph = nullptr;
+    return call_.refuse(CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+                        "a stream that joined the capture was not joined back into the origin stream");
+  }
+  if (g->invalidated) {
+    delete g;
     SG_RET(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
   }
   {
@@ -1746,8 +1919,8 @@ SOFTGPU_EXPORT CUresult cuStreamIsCapturing(CUstream h, CUstreamCaptureStatus *s
   SG_STREAM(h, s);
   std::lock_guard<std::mutex> l(s->m);
   *status = !s->capture ? CU_STREAM_CAPTURE_STATUS_NONE
-            : s->capture_invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
-                                     : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+            : s->capture->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                      : CU_STREAM_CAPTURE_STATUS_ACTIVE;
   SG_RET(CUDA_SUCCESS);
 }
 
@@ -1757,11 +1930,37 @@ SOFTGPU_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g
   SG_CHECK(exec && flags == 0, CUDA_ERROR_INVALID_VALUE);
   SG_CHECK(known(g_graphs, graph), CUDA_ERROR_INVALID_VALUE);
   auto *x = new GraphExec();
-  x->ops = ((Graph *)graph)->ops;
+  x->lanes = ((Graph *)graph)->lanes;
+  x->counts = ((Graph *)graph)->counts;
   std::lock_guard<std::mutex> l(g_objects_m);
   g_execs.insert(x);
   *exec = (CUgraphExec)x;
   SG_RET(CUDA_SUCCESS);
+}
+
+// One replay of a graph: lane 0 on the calling worker, every other lane on a thread of its own,
+// each in order; a dependency node waits until the lane it names has run that many nodes.
+static void run_lanes(const std::vector<std::vector<Node>> &lanes) {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<size_t> done(lanes.size(), 0);
+  auto run = [&](size_t i) {
+    for (const Node &n : lanes[i]) {
+      if (n.wait_lane >= 0) {
+        std::unique_lock<std::mutex> l(m);
+        cv.wait(l, [&] { return done[n.wait_lane] >= n.wait_pos; });
+      } else {
+        n.op();
+      }
+      std::lock_guard<std::mutex> l(m);
+      done[i]++;
+      cv.notify_all();
+    }
+  };
+  std::vector<std::thread> others;
+  for (size_t i = 1; i < lanes.size(); ++i) others.emplace_back(run, i);
+  run(0);
+  for (auto &t : others) t.join();
 }
 
 SOFTGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream h) {
@@ -1774,10 +1973,11 @@ SOFTGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream h) {
       return call_.refuse(CUDA_ERROR_NOT_SUPPORTED, "launching a graph into a capture is not modelled");
   }
   // One replay is one stream operation: nothing else queued on the stream runs in between.
-  auto ops = ((GraphExec *)exec)->ops;
-  push(s, [ops] {
-    for (auto &op : ops) op();
-  });
+  auto x = (GraphExec *)exec;
+  softgpu::count(softgpu::Count::GraphLaunch);
+  softgpu::count_graph_launch(x->counts);
+  auto lanes = std::make_shared<std::vector<std::vector<Node>>>(x->lanes);
+  push(s, [lanes] { run_lanes(*lanes); });
   SG_RET(CUDA_SUCCESS);
 }
 
@@ -1875,7 +2075,12 @@ SOFTGPU_EXPORT CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, 
   auto blob = std::make_shared<std::vector<unsigned char>>(k->bytes());
   k->pack(params, blob->data());
   dim3 grid(gx, gy, gz), block(bx, by, bz);
-  SG_RET(enqueue(s, [k, blob, grid, block] { k->run(blob->data(), grid, block); }));
+  // Adversarial: the kernel's output is published only when it completes (see README).
+  bool late = config().adversarial;
+  SG_RET(enqueue(s, softgpu::Count::KernelLaunch, 0, [k, blob, grid, block, late] {
+    if (late) k->run_published_at_end(blob->data(), grid, block);
+    else k->run(blob->data(), grid, block);
+  }));
 }
 
 // cudarc and the CUDA runtime may look entry points up through the driver; every one this

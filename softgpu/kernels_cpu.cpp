@@ -13,8 +13,12 @@
 
 #include "kernels_cpu.h"
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -75,14 +79,54 @@ template <auto F> struct Kernel {
   }
 };
 
+// Element sizes of the datatypes in kernel names.
+constexpr size_t kBytes_i8 = 1, kBytes_u8 = 1, kBytes_e4m3 = 1, kBytes_e5m2 = 1, kBytes_f16 = 2,
+                 kBytes_bf16 = 2, kBytes_i32 = 4, kBytes_u32 = 4, kBytes_f32 = 4, kBytes_i64 = 8,
+                 kBytes_u64 = 8, kBytes_f64 = 8;
+
+// A reduce kernel whose output is published only when it completes. On a GPU, nothing orders a
+// kernel's stores as another agent sees them until the kernel is done and the stream's next
+// release (a flag write, an event) publishes them: a consumer that looks at the destination
+// before the flag may see any mix of old and new bytes. The most a correct consumer can be
+// told is "all of it, after completion", and the least an early consumer may see is "none of
+// it": the kernel writes into a private copy of its destination (aligned as the destination,
+// so the same vector paths run), waits a moment, then copies it into place. Its inputs are
+// read while it runs, as on a GPU, so a producer that overwrites them early is caught too.
+template <auto F, size_t kElem> struct LateReduce {
+  static void run(const unsigned char *blob, dim3 grid, dim3 block) {
+    ReduceArgs args;
+    memcpy(&args, blob, sizeof args);
+    size_t bytes = (size_t)args.count * kElem;
+    if (bytes == 0 || !args.dst) {
+      Kernel<F>::run(blob, grid, block);
+      return;
+    }
+    uintptr_t dst = (uintptr_t)args.dst;
+    unsigned char *raw = (unsigned char *)malloc(bytes + 128);
+    if (!raw) abort();
+    uintptr_t shadow = ((uintptr_t)raw + 63) / 64 * 64 + dst % 64;
+    memcpy((void *)shadow, (const void *)dst, bytes);
+    args.dst = (void *)shadow;
+    alignas(64) unsigned char copy[sizeof(ReduceArgs) + 64];
+    memcpy(copy, blob, Kernel<F>::bytes() < sizeof copy ? Kernel<F>::bytes() : sizeof copy);
+    memcpy(copy, &args, sizeof args);
+    Kernel<F>::run(copy, grid, block);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    memcpy((void *)dst, (const void *)shadow, bytes);
+    free(raw);
+  }
+};
+
 #define SOFTGPU_KERNEL_ENTRY(T, OP)                                                                \
   {"comm_reduce_" #T "_" #OP, &Kernel<comm_reduce_##T##_##OP>::bytes,                              \
-   &Kernel<comm_reduce_##T##_##OP>::pack, &Kernel<comm_reduce_##T##_##OP>::run},
+   &Kernel<comm_reduce_##T##_##OP>::pack, &Kernel<comm_reduce_##T##_##OP>::run,                    \
+   &LateReduce<comm_reduce_##T##_##OP, kBytes_##T>::run},
 
 const CpuKernel kKernels[] = {
     COMM_FOR_EACH_REDUCE_KERNEL(SOFTGPU_KERNEL_ENTRY)
+    // Not launched by comm: its output is published as it is written, in both modes.
     {"comm_fill_u32", &Kernel<comm_fill_u32>::bytes, &Kernel<comm_fill_u32>::pack,
-     &Kernel<comm_fill_u32>::run},
+     &Kernel<comm_fill_u32>::run, &Kernel<comm_fill_u32>::run},
 };
 #undef SOFTGPU_KERNEL_ENTRY
 

@@ -15,6 +15,9 @@ struct CpuKernel {
   void (*pack)(void **params, unsigned char *blob);
   // Runs the whole grid on the calling thread, block after block, thread after thread.
   void (*run)(const unsigned char *blob, dim3 grid, dim3 block);
+  // The same, but the kernel's output appears all at once when the grid is done, a little
+  // while later (adversarial mode): until then its destination holds what it held before.
+  void (*run_published_at_end)(const unsigned char *blob, dim3 grid, dim3 block);
 };
 
 const CpuKernel *find_cpu_kernel(const char *name);

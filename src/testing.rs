@@ -14,6 +14,6 @@ pub mod ib {
 /// The CUDA driver layer, for the device-memory suite.
 pub mod cuda {
     pub use crate::cuda::{
-        copy_from_device, copy_to_device, device_count, Device, DeviceMem, Graph, Stream,
+        copy_from_device, copy_to_device, device_count, Device, DeviceMem, Event, Graph, Stream,
     };
 }

@@ -1230,6 +1230,138 @@ fn windows_rdma_on_dmabuf_memory() {
     );
 }
 
+/// GPUDirect RDMA on device memory of the software GPU (softgpu/, run by
+/// scripts/test_softgpu.sh; without a device the test says so and checks nothing): window
+/// parts and local buffers are inner ranges of cuMemAlloc allocations, not page aligned, so
+/// the library exports the pages around them (`cuMemGetHandleForAddressRange` of a range that
+/// starts inside the allocation) and registers them at the buffer's offset in that dmabuf; the
+/// verbs model maps the descriptor from the range's start. Puts from device memory, gets into
+/// device memory and fetch-adds, checked byte by byte through copies from the device.
+#[test]
+fn windows_rdma_on_device_memory_of_the_software_gpu() {
+    use comm::testing::cuda::{self, Device, DeviceMem};
+    if cuda::device_count() == 0 {
+        eprintln!("no GPU (run under scripts/softgpu.sh): nothing checked");
+        return;
+    }
+    const REGION: usize = 1 << 20;
+    const ADDS: u64 = 20;
+    const WIN_AT: usize = 2 * 4096 + 64;
+    const LOCAL_AT: usize = 4096 + 128;
+    let n = 3;
+    let fabric = Fabric::new(Faults::default());
+    let quiet = Meet::new(n);
+    with_model(Some(fabric.clone()), "ib", || {
+        std::env::set_var("COMM_WIN_NET", "1");
+        std::env::set_var("COMM_TIMEOUT", "30");
+        // Every rank on GPU 0, so that the communicators have a device path.
+        with_threads_on(
+            Some(&[0, 0, 0]),
+            n,
+            Duration::from_secs(120),
+            move |c, rank, n| {
+                let dev = Device::get(0).map_err(|e| e.msg)?;
+                let _bound = dev.bind().map_err(|e| e.msg)?;
+                let len = 64 + REGION * n;
+                let alloc = DeviceMem::new(&dev, WIN_AT + len + 4096).map_err(|e| e.msg)?;
+                let win_ptr = alloc.ptr + WIN_AT as u64;
+                cuda::copy_to_device(&dev, alloc.ptr, &vec![0u8; alloc.len]).map_err(|e| e.msg)?;
+                let mut win: ncclWindow_t = std::ptr::null_mut();
+                nccl!(ncclCommWindowRegister(
+                    c,
+                    win_ptr as *mut c_void,
+                    len,
+                    &mut win,
+                    SYM
+                ));
+                lib_barrier(c)?;
+                quiet.wait()?;
+                if rank != 0 {
+                    let local = DeviceMem::new(&dev, LOCAL_AT + 2 * REGION).map_err(|e| e.msg)?;
+                    let back = local.ptr + LOCAL_AT as u64;
+                    let src = back + REGION as u64;
+                    let pat: Vec<u8> = (0..REGION).map(|i| pattern(rank, i)).collect();
+                    cuda::copy_to_device(&dev, src, &pat).map_err(|e| e.msg)?;
+                    let mut at = 64 + REGION * rank;
+                    for &l in &PUT_SIZES {
+                        nccl!(commWinPut(src as *const c_void, l, UINT8, 0, win, at, c));
+                        at += l;
+                    }
+                    nccl!(commWinFlush(0, win, c));
+                    let total = at - (64 + REGION * rank);
+                    nccl!(commWinGet(
+                        back as *mut c_void,
+                        total,
+                        UINT8,
+                        0,
+                        win,
+                        64 + REGION * rank,
+                        c
+                    ));
+                    let mut got = vec![0u8; total];
+                    cuda::copy_from_device(&dev, &mut got, back).map_err(|e| e.msg)?;
+                    let mut off = 0;
+                    for &l in &PUT_SIZES {
+                        if let Some(i) = (0..l).find(|&i| got[off + i] != pat[i]) {
+                            return Err(format!(
+                            "the put of {l} bytes read back wrong at byte {i}: {} instead of {}",
+                            got[off + i],
+                            pat[i]
+                        ));
+                        }
+                        off += l;
+                    }
+                    add_to_rank0(c, win, ADDS)?;
+                }
+                quiet.wait()?;
+                lib_barrier(c)?;
+                let verdict = (|| -> Result<(), String> {
+                    if rank != 0 {
+                        return Ok(());
+                    }
+                    let mut mem = vec![0u8; len];
+                    cuda::copy_from_device(&dev, &mut mem, win_ptr).map_err(|e| e.msg)?;
+                    let want = ADDS * (n as u64 - 1);
+                    let counter = u64::from_ne_bytes(mem[..8].try_into().unwrap());
+                    if counter != want {
+                        return Err(format!("the counter is {counter}, expected {want}"));
+                    }
+                    for r in 1..n {
+                        check_puts_landed(&mem, r, 64 + REGION * r)?;
+                    }
+                    // Nothing landed before the window part: the registration's offset was right.
+                    let mut before = vec![0u8; WIN_AT];
+                    cuda::copy_from_device(&dev, &mut before, alloc.ptr).map_err(|e| e.msg)?;
+                    if let Some(i) = before.iter().position(|&b| b != 0) {
+                        return Err(format!(
+                            "byte {i} of the allocation, before the window, changed"
+                        ));
+                    }
+                    Ok(())
+                })();
+                lib_barrier(c)?;
+                nccl!(ncclCommWindowDeregister(c, win));
+                verdict
+            },
+        );
+    });
+    let (remote, local) = fabric.dmabuf_ops();
+    let others = n as u64 - 1;
+    assert!(
+        remote >= (4 + 1 + ADDS) * others,
+        "only {remote} work requests reached window memory through dmabuf registrations"
+    );
+    assert!(
+        local >= (4 + 1) * others,
+        "only {local} work requests used a local buffer through a dmabuf registration"
+    );
+    assert_eq!(
+        fabric.dmabuf_regions(),
+        0,
+        "dmabuf registrations outlived their windows"
+    );
+}
+
 /// Where the device has no dmabuf registration, a window part that needs one is refused with
 /// the reason and what to do, and so is a put from a local buffer that needs one; the
 /// communicator keeps working: a window on host memory, its puts and gets, collectives.

@@ -54,6 +54,9 @@ pub(crate) struct Comm {
     pub net: Option<crate::transport::net::NetWorld>,
     /// Device memory shared with the peers, when every rank has a usable GPU.
     pub device: Option<crate::transport::p2p::DeviceWorld>,
+    /// Why there is no device path (this rank's own failure where it had one), for the error
+    /// a call on device memory gets.
+    pub device_missing: Option<String>,
     /// Registered device buffers published to the peers and mapped from them, for in-place
     /// reads (with a device path and peers on this host, unless NCCL_LOCAL_REGISTER=0).
     pub registry: Option<crate::transport::reg::Registry>,
@@ -260,12 +263,15 @@ impl Comm {
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
-        let device_world = crate::transport::p2p::DeviceWorld::connect(
+        let (device_world, device_missing) = match crate::transport::p2p::DeviceWorld::connect(
             &boot,
             (device >= 0 && crate::cuda::device_count() > 0).then_some(device),
             &paths,
             &placements,
-        )?;
+        )? {
+            Ok(w) => (Some(w), None),
+            Err(why) => (None, Some(why)),
+        };
         let registry =
             (shm_world.is_some() && device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
                 .then(|| crate::transport::reg::Registry::new(rank, nranks));
@@ -344,6 +350,7 @@ impl Comm {
             shm: shm_world,
             net: net_world,
             device: device_world,
+            device_missing,
             registry,
             device_order: Mutex::new(None),
             wiring,

@@ -539,7 +539,10 @@ impl Comm {
                     w.device.ordinal
                 ),
                 None => crate::invalid_usage!(
-                    "{name} is device memory, but this communicator has no device path (some rank has no usable GPU, or the build has no kernels; see COMM_DEBUG=INFO)"
+                    "{name} is device memory, but this communicator has no device path: {}",
+                    self.device_missing.as_deref().unwrap_or(
+                        "some rank has no usable GPU, or the build has no kernels (see COMM_DEBUG=INFO)"
+                    )
                 ),
             },
             _ => Ok(false),

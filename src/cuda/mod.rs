@@ -906,7 +906,7 @@ impl Drop for RelaxedCapture {
 }
 
 /// A CUDA event used to order a communicator's work across streams.
-pub(crate) struct Event {
+pub struct Event {
     raw: cu::CUevent,
     device: Arc<Device>,
 }
@@ -915,7 +915,7 @@ pub(crate) struct Event {
 unsafe impl Send for Event {}
 
 impl Event {
-    pub(crate) fn new(device: &Arc<Device>) -> Result<Event> {
+    pub fn new(device: &Arc<Device>) -> Result<Event> {
         let _b = device.bind()?;
         let mut raw: cu::CUevent = std::ptr::null_mut();
         // SAFETY: raw is a valid out-pointer; timing is not needed.
@@ -931,7 +931,7 @@ impl Event {
         })
     }
 
-    pub(crate) fn record(&self, stream: Stream) -> Result<()> {
+    pub fn record(&self, stream: Stream) -> Result<()> {
         // SAFETY: both handles are valid.
         check(
             unsafe { cu::cuEventRecord(self.raw, stream.raw()) },
@@ -964,7 +964,7 @@ impl Event {
     }
 
     /// Makes `stream` wait for the work recorded in this event.
-    pub(crate) fn wait_on(&self, stream: Stream) -> Result<()> {
+    pub fn wait_on(&self, stream: Stream) -> Result<()> {
         // SAFETY: both handles are valid.
         check(
             unsafe { cu::cuStreamWaitEvent(stream.raw(), self.raw, 0) },

@@ -133,20 +133,28 @@ pub(crate) struct DeviceWorld {
 impl DeviceWorld {
     /// Sets up the device areas of every rank. Collective over the bootstrap: either every rank
     /// gets a world, or (when any rank has no usable GPU or cannot map a peer) every rank gets
-    /// None and the communicator stays on host memory, with the reason logged.
+    /// the reason instead (this rank's own failure where it had one) and the communicator stays
+    /// on host memory, with the reason logged.
     pub(crate) fn connect(
         boot: &Bootstrap,
         ordinal: Option<i32>,
         paths: &[Path],
         placements: &[Placement],
-    ) -> Result<Option<DeviceWorld>> {
+    ) -> Result<std::result::Result<DeviceWorld, String>> {
+        let elsewhere = "another rank could not set up its device memory or map this rank's (its COMM_DEBUG=WARN log says why)";
         let attempt = ordinal.map(|o| Self::allocate(boot.nranks(), o));
         let ready = matches!(attempt, Some(Ok(_)));
-        if let Some(Err(e)) = &attempt {
-            crate::warn!("no device path: {}", e.msg);
-        }
+        let mut why = match &attempt {
+            None => "this rank has no usable GPU".to_string(),
+            Some(Err(e)) => {
+                crate::warn!("no device path: {}", e.msg);
+                e.msg.clone()
+            }
+            Some(Ok(_)) => elsewhere.to_string(),
+        };
         if !all_agree(boot, ready)? {
-            return Ok(None);
+            // The area allocated here (if any) is freed as `attempt` goes.
+            return Ok(Err(why));
         }
         let (device, area, slot_bytes) = attempt.expect("checked").expect("checked");
         let mapped = Self::map_peers(
@@ -159,9 +167,10 @@ impl DeviceWorld {
         );
         if let Err(e) = &mapped {
             crate::warn!("no device path: {}", e.msg);
+            why = e.msg.clone();
         }
         if !all_agree(boot, mapped.is_ok())? {
-            return Ok(None);
+            return Ok(Err(why));
         }
         crate::info!(
             "device path on GPU {}: {} x {} MiB slots per peer",
@@ -184,7 +193,7 @@ impl DeviceWorld {
             );
         }
         let gpu_shared_in_process = local > 1;
-        Ok(Some(DeviceWorld {
+        Ok(Ok(DeviceWorld {
             nranks: boot.nranks(),
             slot_bytes,
             bases,

@@ -523,6 +523,16 @@ impl Device for ModelDevice {
         if let Err(why) = self.dmabuf_support() {
             return Err(Error::new(ErrorKind::InvalidUsage, why));
         }
+        // Where the dmabuf begins in the descriptor's file: 0 for a real dmabuf (which cannot
+        // seek, and always spans exactly the exported range) and for a test's memfd; the
+        // software GPU (softgpu/) exports an inner range of an allocation as a new open file of
+        // the allocation's memfd whose position is where the range starts.
+        // SAFETY: lseek only reads the descriptor's position.
+        let origin = match unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) } {
+            p if p > 0 => p as u64,
+            _ => 0,
+        };
+        let offset = origin + offset;
         // The pages of the descriptor, as an HCA reaches them: mapped from the page that
         // holds `offset`.
         // SAFETY: sysconf has no preconditions.

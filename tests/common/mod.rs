@@ -365,8 +365,21 @@ pub fn with_threads(
     timeout: Duration,
     body: impl Fn(ncclComm_t, usize, usize) -> Result<(), String> + Send + Sync + 'static,
 ) {
+    with_threads_on(None, n, timeout, body)
+}
+
+/// `with_threads`, with rank r's communicator on GPU `devs[r]` where `devs` is given (the
+/// device list of ncclCommInitAll).
+#[allow(dead_code)]
+pub fn with_threads_on(
+    devs: Option<&[i32]>,
+    n: usize,
+    timeout: Duration,
+    body: impl Fn(ncclComm_t, usize, usize) -> Result<(), String> + Send + Sync + 'static,
+) {
     let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
-    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, std::ptr::null()) };
+    let list = devs.map_or(std::ptr::null(), |d| d.as_ptr());
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, list) };
     assert_eq!(r, OK, "ncclCommInitAll: {}", last_error());
     let body = std::sync::Arc::new(body);
     let (tx, rx) = std::sync::mpsc::channel();

@@ -5,6 +5,11 @@
 //!
 //!     comm-gpu-suite [--ranks 1,2,4,8] [--max-mib 256] [--quick]
 //!
+//! On the software GPU only (softgpu/, which fails driver calls on request and counts what
+//! streams are given): `--faults` makes allocations and IPC opens fail and checks the errors
+//! and the communicators after them; `--cost` prints per-call counts of what the device path
+//! enqueues for each collective and size (scripts/softgpu_cost.sh makes a table of them).
+//!
 //! Exit status: 0 every check passed; 1 something failed; 77 there is no usable GPU, nothing
 //! was tested (never a pass).
 
@@ -420,6 +425,134 @@ impl Rank {
         stream.destroy().map_err(|e| e.msg)
     }
 
+    /// Capture that forks onto a second stream and joins back, as PyTorch captures: the
+    /// capture begins on stream A, an event recorded there is waited on by stream B (which
+    /// joins the capture), a group runs one all-reduce on A and one on B, an in-place
+    /// all-reduce of B's result runs on B alone, and B's last work is joined back into A by
+    /// another event. The graph is
+    /// replayed with new inputs and both results checked. A fork that is not joined back makes
+    /// the capture fail (cudaErrorStreamCaptureUnjoined).
+    fn forkjoin_capture(&self) -> Result<(), String> {
+        let count = 1003usize;
+        let a = cuda::Stream::create(&self.device).map_err(|e| e.msg)?;
+        let b = cuda::Stream::create(&self.device).map_err(|e| e.msg)?;
+        let fork = cuda::Event::new(&self.device).map_err(|e| e.msg)?;
+        let join = cuda::Event::new(&self.device).map_err(|e| e.msg)?;
+        let half = (self.a.len / 2) as u64;
+        let (src, dst) = (
+            [self.a.ptr, self.a.ptr + half],
+            [self.b.ptr, self.b.ptr + half],
+        );
+        let fill = |round: usize| -> Result<(), String> {
+            for (k, p) in src.iter().enumerate() {
+                let host: Vec<u8> = (0..count)
+                    .flat_map(|j| ((self.rank * 5 + j % 100 + round + k) as f32).to_ne_bytes())
+                    .collect();
+                cuda::copy_to_device(&self.device, *p, &host).map_err(|e| e.msg)?;
+            }
+            Ok(())
+        };
+        let reduce = |k: usize, s: cuda::Stream| {
+            nccl!(ncclAllReduce(
+                src[k] as *const c_void,
+                dst[k] as *mut c_void,
+                count,
+                7,
+                SUM,
+                self.comm,
+                s.0 as cudaStream_t
+            ));
+            Ok::<(), String>(())
+        };
+        let work = || -> Result<(), String> {
+            nccl!(ncclGroupStart());
+            let r = reduce(0, a).and_then(|()| reduce(1, b));
+            nccl!(ncclGroupEnd());
+            r?;
+            // In place on the group's result: right only if it runs after the group on B.
+            nccl!(ncclAllReduce(
+                dst[1] as *const c_void,
+                dst[1] as *mut c_void,
+                count,
+                7,
+                SUM,
+                self.comm,
+                b.0 as cudaStream_t
+            ));
+            Ok(())
+        };
+        // Eagerly first, so that nothing is allocated while capturing.
+        fill(0)?;
+        work()?;
+        for s in [a, b] {
+            s.synchronize().map_err(|e| e.msg)?;
+        }
+        cuda::Graph::begin_capture(&self.device, a).map_err(|e| e.msg)?;
+        let recorded = fork
+            .record(a)
+            .and_then(|()| fork.wait_on(b))
+            .map_err(|e| e.msg);
+        let captured = recorded.and_then(|()| work());
+        let joined = join
+            .record(b)
+            .and_then(|()| join.wait_on(a))
+            .map_err(|e| e.msg);
+        let graph = cuda::Graph::end_capture(&self.device, a).map_err(|e| e.msg)?;
+        captured?;
+        joined?;
+        for round in 1..=2 {
+            fill(round)?;
+            graph.launch(a).map_err(|e| e.msg)?;
+            a.synchronize().map_err(|e| e.msg)?;
+            for (k, p) in dst.iter().enumerate() {
+                let mut out = vec![0u8; count * 4];
+                cuda::copy_from_device(&self.device, &mut out, *p).map_err(|e| e.msg)?;
+                // Buffer 1 was reduced twice: the second all-reduce sums the first's result.
+                let times = if k == 0 { 1.0 } else { self.n as f32 };
+                for (j, c) in out.chunks_exact(4).enumerate() {
+                    let got = f32::from_ne_bytes(c.try_into().unwrap());
+                    let sum: f32 = (0..self.n)
+                        .map(|r| (r * 5 + j % 100 + round + k) as f32)
+                        .sum();
+                    if got != sum * times {
+                        return Err(format!(
+                            "fork/join graph replay {round}, buffer {k}: element {j} is {got}, expected {}",
+                            sum * times
+                        ));
+                    }
+                }
+            }
+        }
+        drop(graph);
+        // A fork never joined back: the capture must fail, not hand out a graph that leaves
+        // stream B's work behind. Only this rank's streams: no collective is captured.
+        cuda::Graph::begin_capture(&self.device, a).map_err(|e| e.msg)?;
+        fork.record(a)
+            .and_then(|()| fork.wait_on(b))
+            .map_err(|e| e.msg)?;
+        b.set_flag(self.scalar.ptr, 7).map_err(|e| e.msg)?;
+        match cuda::Graph::end_capture(&self.device, a) {
+            Ok(_) => return Err("a capture with an unjoined fork ended successfully".into()),
+            Err(e) if e.msg.contains("UNJOINED") => {}
+            Err(e) => return Err(format!("an unjoined fork failed otherwise: {}", e.msg)),
+        }
+        // Both streams left the capture: they run work again.
+        b.set_flag(self.scalar.ptr, 9).map_err(|e| e.msg)?;
+        b.synchronize().map_err(|e| e.msg)?;
+        let mut flag = [0u8; 4];
+        cuda::copy_from_device(&self.device, &mut flag, self.scalar.ptr).map_err(|e| e.msg)?;
+        if u32::from_ne_bytes(flag) != 9 {
+            return Err(format!(
+                "after the failed capture, stream B's write gave {}, not 9",
+                u32::from_ne_bytes(flag)
+            ));
+        }
+        for s in [a, b] {
+            s.destroy().map_err(|e| e.msg)?;
+        }
+        Ok(())
+    }
+
     /// Windows on device memory (cudaMalloc memory, then ncclMemAlloc memory): each rank puts
     /// a pattern into the next rank's window with ncclPutSignal on its stream and waits for
     /// the previous rank's signal on it; then gets, fetch-adds on rank 0's window and peer
@@ -624,11 +757,354 @@ fn worker(
     // which a graph cannot capture (the library refuses it).
     if std::env::var("COMM_HOSTID").is_err() {
         r.graph_replay()?;
+        r.forkjoin_capture()?;
         r.device_windows()?;
     }
     drop(r);
     nccl!(ncclCommDestroy(comm));
     Ok(cases)
+}
+
+/// The software GPU's own controls (softgpu/, a CPU stand-in for the CUDA driver), looked up
+/// in the loaded driver; None on a real driver.
+mod softgpu {
+    use std::os::raw::{c_char, c_int, c_long, c_void};
+
+    /// `struct softgpu_counters` of softgpu/counts.cpp, version 1.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug)]
+    pub struct Counters {
+        pub version: u64,
+        pub kernels: u64,
+        pub write_values: u64,
+        pub wait_values: u64,
+        pub copies: u64,
+        pub memsets: u64,
+        pub host_funcs: u64,
+        pub event_records: u64,
+        pub event_waits: u64,
+        pub graph_launches: u64,
+        pub copy_bytes: u64,
+        pub captured: u64,
+        pub copy_sizes: [u64; 40],
+    }
+
+    fn symbol(name: &std::ffi::CStr) -> Option<*mut c_void> {
+        // SAFETY: RTLD_NOLOAD only finds a library already loaded (the driver cudarc opened).
+        let lib =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        let lib = if lib.is_null() {
+            // SAFETY: as above, under cudarc's first name.
+            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) }
+        } else {
+            lib
+        };
+        if lib.is_null() {
+            return None;
+        }
+        // SAFETY: a NUL-terminated name in a loaded library.
+        let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
+        (!f.is_null()).then_some(f)
+    }
+
+    /// Makes the k-th call of driver entry point `name` from now fail.
+    pub fn fail_call(name: &std::ffi::CStr, k: i64) -> Result<(), String> {
+        let f = symbol(c"softgpu_fail_call")
+            .ok_or("failures on request need the software GPU (scripts/softgpu.sh)")?;
+        // SAFETY: the signature of softgpu_fail_call in softgpu/faults.cpp.
+        let f: extern "C" fn(*const c_char, c_long) -> c_int = unsafe { std::mem::transmute(f) };
+        if f(name.as_ptr(), k as c_long) != 0 {
+            return Err(format!("softgpu_fail_call({name:?}, {k}) refused"));
+        }
+        Ok(())
+    }
+
+    /// This process's running totals of work given to streams.
+    pub fn counters() -> Result<Counters, String> {
+        let f = symbol(c"softgpu_counters")
+            .ok_or("counting needs the software GPU (scripts/softgpu.sh)")?;
+        // SAFETY: the signature of softgpu_counters in softgpu/counts.cpp.
+        let f: extern "C" fn(*mut Counters) -> c_int = unsafe { std::mem::transmute(f) };
+        // SAFETY: plain integers, for which zero is a value.
+        let mut c: Counters = unsafe { std::mem::zeroed() };
+        if f(&mut c) != 0 || c.version != 1 {
+            return Err("softgpu_counters: unknown layout".into());
+        }
+        Ok(c)
+    }
+}
+
+/// Failures on request (the software GPU only), in each of 2 processes: a failed allocation
+/// or IPC open makes the call that needed it return an error naming the driver call, takes
+/// nothing with it (SOFTGPU_LEAKS at exit, checked by scripts/test_softgpu.sh), and the next
+/// attempt works. `ids`: unique ids of the communicators the worker makes, in order.
+fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), String> {
+    let device = Device::get(0).map_err(|e| e.msg)?;
+    let _bound = device.bind().map_err(|e| e.msg)?;
+    let expect_err = |r: ncclResult_t, what: &str, names: &str| -> Result<(), String> {
+        if r == ncclResult_t::ncclSuccess {
+            return Err(format!(
+                "{what} succeeded although the driver failed {names}"
+            ));
+        }
+        let msg = last_error();
+        if !msg.contains(names) {
+            return Err(format!(
+                "{what} failed ({r:?}) without naming {names}: {msg}"
+            ));
+        }
+        Ok(())
+    };
+    // 1. ncclMemAlloc: the VMM allocation, the address reservation and the mapping fail in
+    // turn; each time nothing stays held, and then an allocation works.
+    for call in [c"cuMemCreate", c"cuMemAddressReserve", c"cuMemMap"] {
+        softgpu::fail_call(call, 1)?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        let r = unsafe { ncclMemAlloc(&mut p, 3 << 20) };
+        expect_err(r, "ncclMemAlloc", call.to_str().unwrap())?;
+        if !p.is_null() {
+            return Err("a failed ncclMemAlloc handed out a pointer".into());
+        }
+    }
+    let mut p: *mut c_void = std::ptr::null_mut();
+    nccl!(ncclMemAlloc(&mut p, 3 << 20));
+    nccl!(ncclMemFree(p));
+    // 2 and 3. A rank cannot allocate its device area (every rank: cuMemAlloc), or cannot
+    // map a peer's (rank 1: cuIpcOpenMemHandle): the communicator is still made, on host
+    // memory only (every rank agrees), and a call on device memory is refused naming the
+    // driver call that failed on the rank where it failed; host memory still works.
+    for (k, call) in [(0usize, c"cuMemAlloc_v2"), (1, c"cuIpcOpenMemHandle_v2")] {
+        let here = k == 0 || rank == 1;
+        if here {
+            softgpu::fail_call(call, 1)?;
+        }
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        nccl!(ncclCommInitRank(&mut comm, n as i32, ids[k], rank as i32));
+        let buf = cuda::DeviceMem::new(&device, 4096).map_err(|e| e.msg)?;
+        let stream = cuda::Stream::create(&device).map_err(|e| e.msg)?;
+        // SAFETY: a device buffer of 4096 bytes, a valid communicator and stream.
+        let r = unsafe {
+            ncclAllReduce(
+                buf.ptr as *const c_void,
+                buf.ptr as *mut c_void,
+                1024,
+                7,
+                SUM,
+                comm,
+                stream.0 as cudaStream_t,
+            )
+        };
+        let name = call.to_str().unwrap().trim_end_matches("_v2");
+        expect_err(
+            r,
+            "a device all-reduce without a device path",
+            if here { name } else { "no device path" },
+        )?;
+        let mut host = vec![1.0f32 + rank as f32; 1000];
+        nccl!(ncclAllReduce(
+            host.as_ptr() as *const c_void,
+            host.as_mut_ptr() as *mut c_void,
+            1000,
+            7,
+            SUM,
+            comm,
+            std::ptr::null_mut()
+        ));
+        let want: f32 = (0..n).map(|r| 1.0 + r as f32).sum();
+        if host.iter().any(|&x| x != want) {
+            return Err(format!(
+                "a host all-reduce after {name} failed gave {}",
+                host[0]
+            ));
+        }
+        drop(buf);
+        stream.destroy().map_err(|e| e.msg)?;
+        nccl!(ncclCommDestroy(comm));
+    }
+    // 4. Now a communicator works, and on registered cuMemAlloc buffers rank 1 cannot map
+    // rank 0's: its messages stay staged and the results are still right.
+    let mut comm: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRank(&mut comm, n as i32, ids[2], rank as i32));
+    if rank == 1 {
+        softgpu::fail_call(c"cuIpcOpenMemHandle_v2", 1)?;
+    }
+    let r = Rank::new(comm, rank, n, device, 1 << 20, Memory::RegisteredIpc)?;
+    for coll in [Coll::AllReduce, Coll::AllGather, Coll::SendRecv] {
+        for count in [1usize, 1003, 65537] {
+            r.run_case(coll, 7, SUM, count, false)?;
+        }
+    }
+    drop(r);
+    nccl!(ncclCommDestroy(comm));
+    println!("  rank {rank}: every failed driver call answered with an error naming it; 9 cases passed after them");
+    Ok(())
+}
+
+/// One worker per rank for `--faults`, with a deadline.
+fn run_faults(n: usize) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let mut id = ncclUniqueId {
+            internal: [0; NCCL_UNIQUE_ID_BYTES],
+        };
+        nccl!(ncclGetUniqueId(&mut id));
+        ids.push(id_hex(&id));
+    }
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--fault-worker", &r.to_string(), &n.to_string()])
+            .args(&ids)
+            .env("COMM_TIMEOUT", "20")
+            .env("COMM_DEBUG", "WARN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        children.push(cmd.spawn().map_err(|e| e.to_string())?);
+    }
+    wait_children(children, Duration::from_secs(120), n)
+}
+
+/// Waits for the workers (killed at `limit`) and gathers the failures.
+fn wait_children(
+    mut children: Vec<std::process::Child>,
+    limit: Duration,
+    n: usize,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    while !children
+        .iter_mut()
+        .all(|c| matches!(c.try_wait(), Ok(Some(_))))
+    {
+        if Instant::now() > deadline {
+            for c in children.iter_mut() {
+                let _ = c.kill();
+            }
+            return Err(format!(
+                "{n} ranks did not finish within {} s",
+                limit.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut failures = Vec::new();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
+            failures.push(format!(
+                "rank {r}: {}\n{}",
+                stdout.trim(),
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            ));
+        } else {
+            print!("{stdout}");
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n"))
+    }
+}
+
+/// The collectives and sizes `--cost` measures.
+const COST_COLLS: [Coll; 6] = [
+    Coll::AllReduce,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::Broadcast,
+    Coll::AlltoAll,
+    Coll::SendRecv,
+];
+const COST_BYTES: [usize; 5] = [8, 4 << 10, 256 << 10, 4 << 20, 64 << 20];
+const COST_ITERS: u64 = 4;
+
+/// `--cost`: what one call of each collective gives the device's streams, per rank: float
+/// sums of COST_BYTES per rank (the send size, as nccl-tests counts), eager, on the rank's
+/// own stream; counted by the software GPU over COST_ITERS calls after one warm-up call.
+/// Prints one line per collective and size: `COST coll bytes nranks rank kernels
+/// write_values wait_values copies copy_bytes memsets host_funcs event_records event_waits`.
+fn cost_worker(rank: usize, n: usize, id: ncclUniqueId) -> Result<(), String> {
+    let device = Device::get(0).map_err(|e| e.msg)?;
+    let _bound = device.bind().map_err(|e| e.msg)?;
+    let mut comm: ncclComm_t = std::ptr::null_mut();
+    nccl!(ncclCommInitRank(&mut comm, n as i32, id, rank as i32));
+    let max = *COST_BYTES.iter().max().unwrap();
+    let r = Rank::new(comm, rank, n, device, max * n, Memory::Plain)?;
+    let s = r.stream.0 as cudaStream_t;
+    for coll in COST_COLLS {
+        for bytes in COST_BYTES {
+            let count = match coll {
+                Coll::ReduceScatter => bytes / 4 / n,
+                Coll::AlltoAll => bytes / 4 / n,
+                _ => bytes / 4,
+            }
+            .max(1);
+            let call = Call {
+                coll,
+                dt: 7,
+                count,
+                redop: SUM,
+                root: 0,
+                rank,
+                n,
+            };
+            let (sp, rp) = (r.a.ptr as *const c_void, r.b.ptr as *mut c_void);
+            nccl!(call.make(sp, rp, comm, s));
+            r.stream.synchronize().map_err(|e| e.msg)?;
+            let before = softgpu::counters()?;
+            for _ in 0..COST_ITERS {
+                nccl!(call.make(sp, rp, comm, s));
+            }
+            r.stream.synchronize().map_err(|e| e.msg)?;
+            let after = softgpu::counters()?;
+            let d = |f: fn(&softgpu::Counters) -> u64| {
+                (f(&after) - f(&before)) as f64 / COST_ITERS as f64
+            };
+            println!(
+                "COST {coll:?} {bytes} {n} {rank} {} {} {} {} {} {} {} {} {}",
+                d(|c| c.kernels),
+                d(|c| c.write_values),
+                d(|c| c.wait_values),
+                d(|c| c.copies),
+                d(|c| c.copy_bytes),
+                d(|c| c.memsets),
+                d(|c| c.host_funcs),
+                d(|c| c.event_records),
+                d(|c| c.event_waits),
+            );
+        }
+    }
+    drop(r);
+    nccl!(ncclCommDestroy(comm));
+    Ok(())
+}
+
+fn run_cost(n: usize) -> Result<(), String> {
+    let mut id = ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    nccl!(ncclGetUniqueId(&mut id));
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "--cost-worker",
+            &r.to_string(),
+            &n.to_string(),
+            &id_hex(&id),
+        ])
+        .env("COMM_DEBUG", "WARN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        children.push(cmd.spawn().map_err(|e| e.to_string())?);
+    }
+    wait_children(children, Duration::from_secs(600), n)
 }
 
 /// `hosts`: tell the ranks they are on two hosts (COMM_HOSTID by parity), so that device
@@ -801,9 +1277,32 @@ fn main() {
             }
         }
     }
+    let get = |i: usize| args.get(i).cloned().unwrap_or_default();
+    if args.get(1).map(String::as_str) == Some("--fault-worker") {
+        let (rank, n) = (get(2).parse().unwrap_or(0), get(3).parse().unwrap_or(1));
+        let ids: Vec<ncclUniqueId> = (4..7).map(|i| id_from(&get(i))).collect();
+        match fault_worker(rank, n, &ids) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                println!("FAILED: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
+    if args.get(1).map(String::as_str) == Some("--cost-worker") {
+        let (rank, n) = (get(2).parse().unwrap_or(0), get(3).parse().unwrap_or(1));
+        match cost_worker(rank, n, id_from(&get(4))) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                println!("FAILED: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
     let mut ranks = vec![1usize, 2, 4, 8];
     let mut max_mib = 256usize;
     let mut quick = false;
+    let mut mode = "suite";
     let mut i = 1;
     while i < args.len() {
         match args[i].as_str() {
@@ -822,6 +1321,9 @@ fn main() {
                 i += 1;
             }
             "--quick" => quick = true,
+            // Failures on request and counting need the software GPU (softgpu/).
+            "--faults" => mode = "faults",
+            "--cost" => mode = "cost",
             other => {
                 eprintln!("comm-gpu-suite: unknown argument {other}");
                 std::process::exit(2);
@@ -832,6 +1334,28 @@ fn main() {
     if cuda::device_count() == 0 {
         println!("comm-gpu-suite: no GPU: no CUDA driver, no device, or a build without kernels; nothing was tested");
         std::process::exit(NO_GPU);
+    }
+    if mode != "suite" {
+        let mut failed = false;
+        for &n in &ranks {
+            let t = Instant::now();
+            let r = if mode == "faults" {
+                run_faults(n.max(2))
+            } else {
+                run_cost(n)
+            };
+            match r {
+                Ok(()) => eprintln!(
+                    "PASS {mode}, {n} ranks ({:.1} s)",
+                    t.elapsed().as_secs_f64()
+                ),
+                Err(e) => {
+                    println!("FAIL {mode}, {n} ranks:\n{e}");
+                    failed = true;
+                }
+            }
+        }
+        std::process::exit(if failed { 1 } else { 0 });
     }
     let max_bytes = max_mib << 20;
     let mut failed = false;
