@@ -9,6 +9,8 @@ export COMM_REQUIRE_NVCC=1
 
 cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
+# No import cycle between the top-level modules of src/ (the layering ARCHITECTURE.md draws).
+python3 scripts/module_cycles.py
 cargo build --release
 cargo test --release -- --test-threads="${COMM_TEST_THREADS:-2}"
 scripts/test_softgpu.sh

@@ -27,6 +27,8 @@ pub(crate) mod group;
 pub(crate) mod reduce;
 pub(crate) mod topo;
 pub(crate) mod transport;
+pub(crate) mod units;
+pub(crate) mod version;
 pub(crate) mod window;
 
 #[doc(hidden)]

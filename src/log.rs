@@ -301,7 +301,7 @@ pub(crate) fn version_once() {
         SAID.call_once(|| {
             write(
                 Level::Version,
-                format_args!("{}", crate::ffi::version::describe()),
+                format_args!("{}", crate::version::describe()),
             )
         });
     }

@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 
 /// How long destroy waits for this rank's last device program, and then for the other ranks
 /// to reach destroy, before it leaves the device memory allocated (see `DeviceWorld::retire`).
+/// The split color of a rank that joins no child: the header's NCCL_SPLIT_NOCOLOR
+/// (`ffi::types` checks).
+pub(crate) const SPLIT_NOCOLOR: i32 = -1;
+
 const DESTROY_WAIT: Duration = Duration::from_secs(30);
 
 /// Lifecycle states (NCCL: finalize, then destroy; abort or revoke at any time).
@@ -551,7 +555,7 @@ impl Comm {
         if self.life() == Life::Aborted || self.life() == Life::Failed {
             self.check_usable()?;
         }
-        if color < 0 && color != crate::ffi::types::NCCL_SPLIT_NOCOLOR {
+        if color < 0 && color != SPLIT_NOCOLOR {
             return crate::invalid_arg!(
                 "color {color} is negative; use a non-negative color or NCCL_SPLIT_NOCOLOR (-1)"
             );
@@ -568,7 +572,7 @@ impl Comm {
         }
         // Every rank derives the tag, even those that take no part in a child.
         let tag = self.child_tag("split", color as i64);
-        if color == crate::ffi::types::NCCL_SPLIT_NOCOLOR {
+        if color == SPLIT_NOCOLOR {
             return Ok(None);
         }
         let mut members: Vec<(i32, usize)> = entries

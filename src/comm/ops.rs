@@ -18,6 +18,12 @@ use std::sync::LazyLock;
 /// The first value of a dynamic (user-created) op, as in NCCL.
 pub(crate) const FIRST_DYNAMIC_OP: i32 = 5;
 
+/// comm's bitwise reductions (integer datatypes only), numbered past NCCL's op numbers: the
+/// values of the header's COMM_OP_BAND, COMM_OP_BOR and COMM_OP_BXOR (`ffi::types` checks).
+pub(crate) const COMM_OP_BAND: i32 = 0x7fff_0001;
+pub(crate) const COMM_OP_BOR: i32 = 0x7fff_0002;
+pub(crate) const COMM_OP_BXOR: i32 = 0x7fff_0003;
+
 /// Where a PreMulSum scalar is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScalarSrc {
@@ -167,7 +173,6 @@ pub(crate) fn repeat_key(
     op: Option<i32>,
     stream: usize,
 ) -> Option<Repeat> {
-    use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BXOR};
     let builtin = |op: i32| {
         (0..FIRST_DYNAMIC_OP).contains(&op) || (COMM_OP_BAND..=COMM_OP_BXOR).contains(&op)
     };
@@ -237,7 +242,6 @@ impl Comm {
     }
 
     pub(crate) fn destroy_op(&self, op: i32) -> Result<()> {
-        use crate::ffi::types::{COMM_OP_BAND, COMM_OP_BXOR};
         if (0..FIRST_DYNAMIC_OP).contains(&op) || (COMM_OP_BAND..=COMM_OP_BXOR).contains(&op) {
             return crate::invalid_arg!(
                 "op {op} is a built-in op; only ops from ncclRedOpCreatePreMulSum can be destroyed"
@@ -271,9 +275,9 @@ impl Comm {
             2 => OpChoice::Plain(ReduceOp::Max),
             3 => OpChoice::Plain(ReduceOp::Min),
             4 => OpChoice::Avg,
-            crate::ffi::types::COMM_OP_BAND => OpChoice::Plain(ReduceOp::BitAnd),
-            crate::ffi::types::COMM_OP_BOR => OpChoice::Plain(ReduceOp::BitOr),
-            crate::ffi::types::COMM_OP_BXOR => OpChoice::Plain(ReduceOp::BitXor),
+            COMM_OP_BAND => OpChoice::Plain(ReduceOp::BitAnd),
+            COMM_OP_BOR => OpChoice::Plain(ReduceOp::BitOr),
+            COMM_OP_BXOR => OpChoice::Plain(ReduceOp::BitXor),
             _ => return self.resolve_custom_op(op, dtype),
         };
         Ok(choice)
@@ -549,7 +553,7 @@ impl Comm {
         }
     }
 
-    /// Runs a call outside any group on `send` and `recv` the short way when it repeats the
+    /// Runs a call outside any group (the caller checks that) on `send` and `recv` the short way when it repeats the
     /// last call this communicator ran (`key`, see `Repeat`) on buffers that lie alike
     /// (`Footprint::admits`): that call's checks passed and give the same answers now (the
     /// communicator is still usable, and no device memory exists in the process that the
@@ -559,7 +563,6 @@ impl Comm {
     pub(crate) fn again(&self, key: &Repeat, send: *const u8, recv: *mut u8) -> Option<Result<()>> {
         if self.device.is_some()
             || !self.blocking()
-            || crate::group::in_group()
             || crate::cuda::any_device_memory()
             || self.check_usable().is_err()
         {

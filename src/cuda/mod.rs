@@ -697,7 +697,7 @@ pub(crate) fn vmm_alloc(size: usize) -> Result<u64> {
         },
         "cuMemGetAllocationGranularity",
     )?;
-    let size = crate::window::shared::whole_units(size, gran)?;
+    let size = crate::units::whole_units(size, gran)?;
     let mut handle: cu::CUmemGenericAllocationHandle = 0;
     // SAFETY: prop is initialised; handle is a valid out-pointer.
     check(

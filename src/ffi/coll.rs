@@ -33,7 +33,11 @@ fn call(
         if k.moves_nothing() && lane::with_kept(comm, |c| c.check_kind(k, dtype, op).is_ok()) {
             return ncclResult_t::ncclSuccess;
         }
-        if let Some(key) = &repeat_key(k, dtype, op, stream as usize) {
+        // Inside a group a call is queued: the full path takes it.
+        let key = (!crate::group::in_group())
+            .then(|| repeat_key(k, dtype, op, stream as usize))
+            .flatten();
+        if let Some(key) = &key {
             let mut rank = None;
             let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 lane::kept(comm, |c| {

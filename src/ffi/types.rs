@@ -10,6 +10,16 @@
 
 use std::os::raw::{c_char, c_int, c_uint};
 
+// The values the library's own modules use, which know nothing of the C API, are the header's.
+const _: () = {
+    assert!(NCCL_VERSION_CODE == crate::version::NCCL_API_LEVEL);
+    assert!(NCCL_SPLIT_NOCOLOR == crate::comm::SPLIT_NOCOLOR);
+    assert!(NCCL_WIN_COLL_SYMMETRIC == crate::window::WIN_COLL_SYMMETRIC);
+    assert!(COMM_OP_BAND == crate::comm::ops::COMM_OP_BAND);
+    assert!(COMM_OP_BOR == crate::comm::ops::COMM_OP_BOR);
+    assert!(COMM_OP_BXOR == crate::comm::ops::COMM_OP_BXOR);
+};
+
 pub const NCCL_MAJOR: c_int = 2;
 pub const NCCL_MINOR: c_int = 30;
 pub const NCCL_PATCH: c_int = 7;

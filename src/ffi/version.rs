@@ -2,8 +2,9 @@
 //! library does, so that programs that check it keep working; `commGetVersion` says that the
 //! library is comm, which version, and which git revision it was built from.
 
-use super::types::{ncclResult_t, NCCL_VERSION_CODE};
+use super::types::ncclResult_t;
 use super::{guard, out, write_out};
+use crate::version::describe;
 use std::ffi::CStr;
 use std::os::raw::{c_char, c_int};
 
@@ -17,27 +18,12 @@ pub const COMM_PATCH: c_int = 0;
 /// patch.
 pub const COMM_VERSION_CODE: c_int = COMM_MAJOR * 10000 + COMM_MINOR * 100 + COMM_PATCH;
 
-/// The git revision the library was built from (build.rs), or "unknown".
-pub(crate) const GIT_REVISION: &str = env!("COMM_GIT_REVISION");
-
 /// "comm 0.1.0 (git 0123456789ab, NCCL API 2.30.7)", NUL-terminated for C.
 fn description() -> &'static CStr {
     static TEXT: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {
         std::ffi::CString::new(describe()).expect("the version text has no NUL byte")
     })
-}
-
-/// The library's name, version, git revision and NCCL API level, for logs and `commGetVersion`.
-pub(crate) fn describe() -> String {
-    let v = NCCL_VERSION_CODE;
-    format!(
-        "comm {} (git {GIT_REVISION}, NCCL API {}.{}.{})",
-        env!("CARGO_PKG_VERSION"),
-        v / 10000,
-        v / 100 % 100,
-        v % 100
-    )
 }
 
 /// comm extension: comm's own version, as COMM_VERSION_CODE is written, and, where

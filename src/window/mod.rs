@@ -181,6 +181,10 @@ fn find_comm(c: &Members) -> Option<Arc<CommWindows>> {
 /// Live windows of this process, by handle number (handles are never reused).
 static WINDOWS: Mutex<Vec<Option<Arc<Window>>>> = Mutex::new(Vec::new());
 static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(1);
+/// A window registered with this flag is symmetric (every rank's part at one offset of its
+/// allocation): the header's NCCL_WIN_COLL_SYMMETRIC (`ffi::types` checks).
+pub(crate) const WIN_COLL_SYMMETRIC: i32 = 0x01;
+
 const HANDLE_BASE: usize = 0x3a11_0000_0000;
 const HANDLE_STEP: usize = 0x40;
 
@@ -1104,7 +1108,7 @@ struct DirectPeer {
 impl DirectPuts {
     pub(crate) fn new(w: Arc<Window>) -> DirectPuts {
         let cw = &w.cw;
-        let symmetric = w.flags & crate::ffi::types::NCCL_WIN_COLL_SYMMETRIC != 0;
+        let symmetric = w.flags & WIN_COLL_SYMMETRIC != 0;
         let peers = (0..w.peers.len())
             .map(|r| {
                 let p = &w.peers[r];

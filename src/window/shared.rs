@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use crate::transport::os::{self, Mapping};
+use crate::units::whole_units;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -25,18 +26,6 @@ pub(crate) fn alloc(size: usize) -> Result<*mut u8> {
     let ptr = map.ptr();
     ALLOCS.lock().insert(ptr as usize, Alloc { fd, map });
     Ok(ptr)
-}
-
-/// `size` bytes (at least one) rounded up to whole `unit`s, or an error naming the size where
-/// that exceeds what a mapping can be (`isize::MAX` bytes).
-pub(crate) fn whole_units(size: usize, unit: usize) -> Result<usize> {
-    match size.max(1).checked_next_multiple_of(unit.max(1)) {
-        Some(len) if isize::try_from(len).is_ok() => Ok(len),
-        _ => crate::invalid_arg!(
-            "size {size} bytes is more than can be mapped (at most {} bytes)",
-            isize::MAX
-        ),
-    }
 }
 
 /// Frees an allocation made by [`alloc`]; false when `ptr` is not the start of one.
