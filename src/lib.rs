@@ -25,6 +25,7 @@ mod fault;
 pub mod ffi;
 pub(crate) mod group;
 pub(crate) mod reduce;
+pub(crate) mod sys;
 pub(crate) mod topo;
 pub(crate) mod transport;
 pub(crate) mod units;

@@ -14,7 +14,6 @@
 mod conformance;
 pub(crate) mod loopback;
 pub(crate) mod net;
-pub(crate) mod os;
 pub(crate) mod p2p;
 pub(crate) mod reg;
 pub(crate) mod shm;
@@ -500,7 +499,7 @@ impl Doorbell for LocalDoorbell {
         std::sync::atomic::fence(SeqCst);
         if self.sleepers.load(SeqCst) > 0 {
             self.word.fetch_add(1, SeqCst);
-            os::futex_wake_all(&self.word);
+            crate::sys::futex_wake_all(&self.word);
         }
     }
 
@@ -517,7 +516,7 @@ impl Doorbell for LocalDoorbell {
     }
 
     fn sleep(&self, seen: u32, timeout: std::time::Duration) {
-        os::futex_wait(&self.word, seen, timeout);
+        crate::sys::futex_wait(&self.word, seen, timeout);
         self.cancel_sleep();
     }
 }

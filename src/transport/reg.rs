@@ -565,7 +565,7 @@ impl Registry {
         match e.kind {
             KIND_IPC => Ok(Reach::Mapped(share::import_ipc(device, &e.handle)?)),
             KIND_FD => {
-                let fd = super::os::take_fd(placements[s].pid, e.fd)?;
+                let fd = crate::sys::take_fd(placements[s].pid, e.fd)?;
                 Ok(Reach::Mapped(share::import_fd(
                     device,
                     &fd,

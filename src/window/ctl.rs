@@ -5,7 +5,7 @@
 //! stores, and one slot per window with its signal pads (one word per channel and peer).
 
 use crate::error::Result;
-use crate::transport::os::{self, Mapping};
+use crate::sys::{self, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -60,7 +60,7 @@ impl Ctl {
     /// A fresh, zeroed control segment and its descriptor (to share with the peers).
     pub(crate) fn create(nranks: usize, channels: usize) -> Result<(Ctl, OwnedFd)> {
         let len = slots_at(nranks) + MAX_WINDOWS * slot_bytes(nranks, channels);
-        let fd = os::memfd("comm-window-ctl", len)?;
+        let fd = sys::memfd("comm-window-ctl", len)?;
         let ctl = Ctl::open(&fd, nranks, channels)?;
         Ok((ctl, fd))
     }
@@ -164,7 +164,7 @@ impl Ctl {
                     }
                     std::thread::yield_now();
                     if spins % 256 == 0 {
-                        if !os::ProcessWatch::new(holder).alive() {
+                        if !sys::ProcessWatch::new(holder).alive() {
                             crate::warn!(
                                 "process {holder} died holding a window's atomics lock; taking it over"
                             );
@@ -194,7 +194,7 @@ impl Ctl {
     pub(crate) fn ring(&self) {
         if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
             self.word32(BELL).fetch_add(1, Ordering::SeqCst);
-            os::futex_wake_all(self.word32(BELL));
+            sys::futex_wake_all(self.word32(BELL));
         }
     }
 
@@ -207,7 +207,7 @@ impl Ctl {
         let seen = self.word32(BELL).load(Ordering::SeqCst);
         let found = ready();
         if !found {
-            os::futex_wait(self.word32(BELL), seen, slice);
+            sys::futex_wait(self.word32(BELL), seen, slice);
         }
         sleepers.fetch_sub(1, Ordering::SeqCst);
         found

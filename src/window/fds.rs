@@ -4,8 +4,8 @@
 
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, ErrorKind, Result};
+use crate::sys::{self, ProcessWatch};
 use crate::topo::{Path, Placement};
-use crate::transport::os::{self, ProcessWatch};
 use crate::transport::shm::{fetch_segment, serve_segment};
 use crate::wire::{self, Reader};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -79,8 +79,8 @@ pub(super) fn exchange(
                     continue;
                 }
                 got[r] = match paths[r] {
-                    Path::SelfRank => Some(os::dup(fd.map_or(-1, |f| f.as_raw_fd()))?),
-                    Path::SameProcess => Some(os::dup(offer.1)?),
+                    Path::SelfRank => Some(sys::dup(fd.map_or(-1, |f| f.as_raw_fd()))?),
+                    Path::SameProcess => Some(sys::dup(offer.1)?),
                     Path::SameHost => {
                         let watch = ProcessWatch::new(placements[r].pid);
                         Some(

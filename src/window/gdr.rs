@@ -14,9 +14,9 @@
 use crate::cuda::dmabuf::{self, Dmabuf};
 use crate::cuda::{Device, MemKind};
 use crate::error::Result;
+use crate::sys;
 use crate::transport::net::ib::onesided::{Allocation, OneSided};
 use crate::transport::net::ib::verbs::Source;
-use crate::transport::os;
 use parking_lot::Mutex;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,7 +37,7 @@ static NEXT_IDENT: AtomicU64 = AtomicU64::new(1);
 /// dmabuf `fd` from `offset` (which must hold the same pages), as it reaches device memory.
 #[doc(hidden)]
 pub fn stand_in(addr: *mut u8, len: usize, fd: BorrowedFd<'_>, offset: u64) -> Result<()> {
-    let fd = os::dup(fd.as_raw_fd())?;
+    let fd = sys::dup(fd.as_raw_fd())?;
     STAND_INS.lock().push(StandIn {
         start: addr as usize,
         len,
@@ -60,7 +60,7 @@ fn stand_in_at(addr: usize, len: usize) -> Option<Result<(Dmabuf, Allocation)>> 
     let s = all
         .iter()
         .find(|s| s.start <= addr && addr + len <= s.start + s.len)?;
-    Some(os::dup(s.fd.as_raw_fd()).map(|fd| {
+    Some(sys::dup(s.fd.as_raw_fd()).map(|fd| {
         (
             Dmabuf {
                 fd,

@@ -40,12 +40,12 @@ use crate::bootstrap::Bootstrap;
 use crate::cuda::share::{self, Imported, Shareable};
 use crate::cuda::{Device, MemKind, Stream};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sys::{self, Mapping};
 use crate::topo::Path;
 use crate::topo::Placement;
 use crate::transport::net::ib::onesided::{self, Exposed, OneSided};
 use crate::transport::net::ib::verbs::{Remote, Source};
 use crate::transport::net::ib::IbWorld;
-use crate::transport::os::{self, Mapping};
 use crate::transport::Link;
 use crate::wire::{self, Reader};
 use ctl::{Ctl, Stop};
@@ -644,7 +644,7 @@ pub(crate) fn register(
                             let mut probe = [0u8; 1];
                             // SAFETY: probe is one writable byte.
                             if let Err(e) =
-                                unsafe { os::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
+                                unsafe { sys::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
                             {
                                 return crate::invalid_usage!(
                                     "rank {r}'s window ({} bytes at {:#x}) is ordinary memory of another process (pid {pid}), and this rank may not reach it with process_vm_readv/writev: {e}. Allocate window memory with ncclMemAlloc or commMemAllocShared (shared memory every rank on the host maps), or allow the ranks to trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
@@ -1025,7 +1025,7 @@ pub(crate) unsafe fn put_checked(
         Reach::Cma { pid, addr } => {
             if len > 0 {
                 // SAFETY: the caller guarantees src holds len bytes.
-                unsafe { os::cma_write(pid, src, addr + off, len) }
+                unsafe { sys::cma_write(pid, src, addr + off, len) }
                     .map_err(|e| cma_error(peer, "writing into", e))?;
             }
         }
@@ -1264,7 +1264,7 @@ pub(crate) unsafe fn get(
         // SAFETY: the source lies inside the peer's window; the caller guarantees dst holds len bytes.
         Reach::Direct(base) => unsafe { std::ptr::copy((base + off) as *const u8, dst, len) },
         // SAFETY: as above.
-        Reach::Cma { pid, addr } => unsafe { os::cma_read(pid, dst, addr + off, len) }
+        Reach::Cma { pid, addr } => unsafe { sys::cma_read(pid, dst, addr + off, len) }
             .map_err(|e| cma_error(peer, "reading from", e))?,
         Reach::Rdma { addr, rkey } => {
             let from = Remote {
@@ -1340,14 +1340,14 @@ pub(crate) fn atomic_at(
         Reach::Cma { pid, addr } => ctl.locked(key, stop, || {
             let mut old = [0u8; 8];
             // SAFETY: old is 8 writable bytes.
-            unsafe { os::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
+            unsafe { sys::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
                 .map_err(|e| cma_error(peer, "an atomic on", e))?;
             let old = u64::from_ne_bytes(old);
             crate::fault::point("window_atomic_locked");
             let v = new(old);
             if v != old {
                 // SAFETY: v is 8 readable bytes.
-                unsafe { os::cma_write(pid, v.to_ne_bytes().as_ptr(), addr + off, 8) }
+                unsafe { sys::cma_write(pid, v.to_ne_bytes().as_ptr(), addr + off, 8) }
                     .map_err(|e| cma_error(peer, "an atomic on", e))?;
             }
             Ok(old)

@@ -2,7 +2,7 @@
 //! that the peers on this host can map it too and reach it with plain loads, stores and atomics.
 
 use crate::error::Result;
-use crate::transport::os::{self, Mapping};
+use crate::sys::{self, Mapping};
 use crate::units::whole_units;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -21,7 +21,7 @@ static ALLOCS: LazyLock<Mutex<BTreeMap<usize, Alloc>>> =
 /// `size` bytes (rounded up to whole pages; at least one), zero-filled, page aligned.
 pub(crate) fn alloc(size: usize) -> Result<*mut u8> {
     let len = whole_units(size, 4096)?;
-    let fd = os::memfd("comm-window", len)?;
+    let fd = sys::memfd("comm-window", len)?;
     let map = Mapping::map(fd.as_raw_fd(), len)?;
     let ptr = map.ptr();
     ALLOCS.lock().insert(ptr as usize, Alloc { fd, map });
@@ -42,6 +42,6 @@ pub(crate) fn find(ptr: usize, len: usize) -> Option<(OwnedFd, usize, usize)> {
     if ptr + len > end {
         return None;
     }
-    let fd = os::dup(a.fd.as_raw_fd()).ok()?;
+    let fd = sys::dup(a.fd.as_raw_fd()).ok()?;
     Some((fd, a.map.len(), ptr - base))
 }

@@ -60,7 +60,7 @@ impl<'a> Exec<'a> {
         }
         let scratch = scratch.as_mut_ptr() as *mut u8;
         // Peers pull from scratch too (an in-place all-to-all sends its blocks from there); it
-        // is collapsed the second time it comes (`os::collapse_to_huge_pages`), so repeated
+        // is collapsed the second time it comes (`sys::collapse_to_huge_pages`), so repeated
         // calls look at it as well.
         wiring.collapse_if_large(scratch as usize, need);
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_mut()) {

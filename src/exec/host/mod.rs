@@ -22,7 +22,8 @@ mod tests;
 use super::op::{HostOp, Limit};
 use crate::error::Result;
 use crate::reduce::Scale;
-use crate::transport::{os, Activity, Doorbell, Link};
+use crate::sys;
+use crate::transport::{Activity, Doorbell, Link};
 use blame::WARM_AFTER;
 use drive::drive;
 use engine::Exec;
@@ -127,7 +128,7 @@ impl Wiring {
             static SETTLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
         }
         let first = !SETTLED.replace(true);
-        let moved = self.home.filter(|_| first).and_then(os::move_to_nth_cpu);
+        let moved = self.home.filter(|_| first).and_then(sys::move_to_nth_cpu);
         if let Some(cpu) = this_cpu() {
             self.doorbell.set_running_on(cpu, Activity::Outside);
         }
@@ -137,7 +138,7 @@ impl Wiring {
     /// Moves `[ptr, ptr + len)` onto huge pages when it is at least `huge_pages_from` long.
     pub(super) fn collapse_if_large(&self, ptr: usize, len: usize) {
         if self.huge_pages_from.is_some_and(|min| len >= min) {
-            crate::transport::os::collapse_to_huge_pages(ptr, len);
+            crate::sys::collapse_to_huge_pages(ptr, len);
         }
     }
 }

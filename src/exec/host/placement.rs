@@ -2,7 +2,8 @@
 //! peer needs, and what it tells its peers on this host before it sleeps.
 
 use super::engine::Exec;
-use crate::transport::{os, Activity, Link};
+use crate::sys;
+use crate::transport::{Activity, Link};
 use std::time::{Duration, Instant};
 
 /// How often at most a thread moves itself to another CPU (see `crowded`).
@@ -152,7 +153,7 @@ pub(super) fn crowded(execs: &[Exec], now: Instant) -> bool {
     LAST_MOVE.set(Some(now));
     // Peers learn the destination before the move: one that runs on this CPU meanwhile must
     // not take this rank for stuck there and move too, onto the destination.
-    let moved = crate::transport::os::move_off_cpu(cpu, &avoid, |to| {
+    let moved = crate::sys::move_off_cpu(cpu, &avoid, |to| {
         for e in execs {
             e.wiring.doorbell.set_running_on(to, Activity::Polling);
         }
@@ -168,11 +169,11 @@ pub(super) fn crowded(execs: &[Exec], now: Instant) -> bool {
 
 /// Before this rank sleeps, where it has peers on this host and the host's ranks fit its CPUs
 /// (`Wiring::spread`): holds it on its CPU while it sleeps, or, where a peer runs there
-/// (polling or in its application), off the CPUs its peers run on (`os::hold_for_sleep`).
+/// (polling or in its application), off the CPUs its peers run on (`sys::hold_for_sleep`).
 /// Unpinned ranks were woken onto their waker's CPU, waiting 100-160 us behind it with the
 /// other CPU idle, in the first milliseconds of about half the runs of a 2-rank benchmark on
 /// the 2-vCPU VM.
-pub(super) fn hold_for_sleep(execs: &[Exec]) -> Option<os::Narrowed> {
+pub(super) fn hold_for_sleep(execs: &[Exec]) -> Option<sys::Narrowed> {
     if !spread(execs) {
         return None;
     }
@@ -190,7 +191,7 @@ pub(super) fn hold_for_sleep(execs: &[Exec]) -> Option<os::Narrowed> {
     if !local {
         return None;
     }
-    os::hold_for_sleep(cpu, &avoid)
+    sys::hold_for_sleep(cpu, &avoid)
 }
 
 /// Tells the peers on this host what this rank does now, where it runs.

@@ -11,7 +11,8 @@ use super::{ExecCache, Repeat, Wiring};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::op::Reduction;
 use crate::exec::replies::Way;
-use crate::transport::{os, Activity, SendState};
+use crate::sys;
+use crate::transport::{Activity, SendState};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -189,7 +190,7 @@ pub(super) fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> 
     let op = &cache.tables.ops[0];
     let timed =
         (op.schedule.recv_extent >= STREAM_FROM && !std::ptr::eq(op.send, op.recv)).then(|| {
-            let advised = os::PAGES_ADVISED.load(Ordering::Relaxed);
+            let advised = sys::PAGES_ADVISED.load(Ordering::Relaxed);
             (cache.replies.choose(), advised, Instant::now())
         });
     cache.tables.forward_first = matches!(timed, Some((Way::Forward, ..)));
@@ -214,7 +215,7 @@ pub(super) fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> 
     drive(std::slice::from_mut(&mut Exec::new(wiring, cache)?))?;
     if let Some((way, advised, start)) = timed {
         // A call that moved pages onto huge pages is slow for that, whichever way it took.
-        if cache.tables.could_forward && os::PAGES_ADVISED.load(Ordering::Relaxed) == advised {
+        if cache.tables.could_forward && sys::PAGES_ADVISED.load(Ordering::Relaxed) == advised {
             let bytes = cache.tables.ops[0].extent();
             cache.replies.record(way, start.elapsed(), bytes);
         }

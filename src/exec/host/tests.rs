@@ -249,7 +249,7 @@ fn a_rank_stays_awake_for_a_peer_that_is_waking() {
 #[test]
 fn a_thread_settles_where_its_first_communicator_places_it() {
     std::thread::spawn(|| {
-        let mask = crate::transport::os::cpus_allowed();
+        let mask = crate::sys::cpus_allowed();
         // SAFETY: no preconditions.
         let here = unsafe { libc::sched_getcpu() } as u32;
         let peer = || Arc::new(DepartedAfterSending::default());
@@ -270,11 +270,7 @@ fn a_thread_settles_where_its_first_communicator_places_it() {
             "placed on {}, moved to {to:?}, runs on {now}",
             mask[k]
         );
-        assert_eq!(
-            crate::transport::os::cpus_allowed(),
-            mask,
-            "the mask stays whole"
-        );
+        assert_eq!(crate::sys::cpus_allowed(), mask, "the mask stays whole");
         let other = (k + 1) % mask.len();
         assert_eq!(
             wiring_at(peer(), Some(other)).settle(),

@@ -5,7 +5,7 @@ use super::packed::Packing;
 use super::segment::Segment;
 use super::segment::{SlotHeader, SLOT_FIELDS, SLOT_HEADER};
 use crate::error::{Error, Result};
-use crate::transport::os::{self, ProcessWatch};
+use crate::sys::{self, ProcessWatch};
 use crate::transport::{Doorbell, InExpect, Link, OutMsg};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -91,7 +91,7 @@ pub(crate) struct ShmPeer {
     /// The threshold for a busy sender's messages that the receiver copies as they are
     /// (`OutMsg::copied`) and for those that offer their buffer for the reply.
     pub(super) pull_threshold_copied: usize,
-    pub(super) scratch: Mutex<Option<os::HugeMem>>,
+    pub(super) scratch: Mutex<Option<sys::HugeMem>>,
     /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`) or
     /// forwarded (`Sink::forwards`), whose sends are a notice or the rest of the bytes.
     pub(super) carried: CarriedList,

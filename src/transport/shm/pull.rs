@@ -5,7 +5,7 @@ use super::peer::{Access, ShmPeer};
 use super::segment::{SlotHeader, KIND_EAGER};
 use crate::error::Result;
 use crate::reduce::Scale;
-use crate::transport::os;
+use crate::sys;
 use crate::transport::{Doorbell, Pulling, RecvCursor, Sink};
 use std::sync::atomic::Ordering;
 
@@ -115,14 +115,14 @@ impl ShmPeer {
                         // `total` bytes, [off + k, off + k + m) among them.
                         unsafe {
                             let land = scratch.as_mut_ptr().add(landing(at));
-                            os::cma_read(pid, land, at, m).map_err(|e| self.cma_error(e))?;
+                            sys::cma_read(pid, land, at, m).map_err(|e| self.cma_error(e))?;
                             crate::reduce::copy_bytes(dst.add(off + k), land, m);
                         }
                         k += m;
                     }
                 }
                 // SAFETY: dst is valid for `total` bytes of writes.
-                Access::Cma(pid) => unsafe { os::cma_read(pid, dst.add(off), src + off, n) }
+                Access::Cma(pid) => unsafe { sys::cma_read(pid, dst.add(off), src + off, n) }
                     .map_err(|e| self.cma_error(e))?,
             }
             sink.placed(off, n, scale)?;
@@ -151,7 +151,7 @@ impl ShmPeer {
                     // of them from any landing offset below PAGE_SPAN.
                     let land = unsafe { scratch.as_mut_ptr().add(landing(src + cur.received)) };
                     // SAFETY: as above.
-                    unsafe { os::cma_read(pid, land, src + cur.received, n) }
+                    unsafe { sys::cma_read(pid, land, src + cur.received, n) }
                         .map_err(|e| self.cma_error(e))?;
                     // SAFETY: the n bytes at `land` were just written.
                     let data = unsafe { std::slice::from_raw_parts(land, n) };
@@ -241,7 +241,7 @@ impl ShmPeer {
         src: usize,
         off: usize,
         n: usize,
-        scratch: Option<&mut os::HugeMem>,
+        scratch: Option<&mut sys::HugeMem>,
     ) -> Result<()> {
         match self.access {
             // SAFETY: d covers the message's bytes of the sink's result; the sender lent us
@@ -264,7 +264,7 @@ impl ShmPeer {
                     }
                     _ => from,
                 };
-                os::cma_write(pid, from, to, n)
+                sys::cma_write(pid, from, to, n)
             }
             .map_err(|e| self.cma_failed(e, "writing a reply into", "process_vm_writev"))?,
         }
@@ -272,10 +272,10 @@ impl ShmPeer {
     }
 
     /// The scratch that CMA pulls land in (`PULL_PIECE + PAGE_SPAN` bytes), made on first use.
-    pub(super) fn scratch(&self) -> Result<parking_lot::MappedMutexGuard<'_, os::HugeMem>> {
+    pub(super) fn scratch(&self) -> Result<parking_lot::MappedMutexGuard<'_, sys::HugeMem>> {
         let mut slot = self.scratch.lock();
         if slot.is_none() {
-            *slot = Some(os::HugeMem::new(PULL_PIECE + PAGE_SPAN)?);
+            *slot = Some(sys::HugeMem::new(PULL_PIECE + PAGE_SPAN)?);
         }
         Ok(parking_lot::MutexGuard::map(slot, |s| {
             s.as_mut().expect("made above")

@@ -2,7 +2,7 @@
 //! atomics in it, and the doorbell the segment carries.
 
 use crate::error::{Error, Result};
-use crate::transport::os::{self, Mapping};
+use crate::sys::{self, Mapping};
 use crate::transport::{Activity, Closing, Doorbell};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -140,7 +140,7 @@ pub(crate) struct Segment {
 
 impl Segment {
     pub(super) fn create(owner_rank: usize, geo: Geometry, nonce: u64) -> Result<Segment> {
-        let fd = os::memfd(&format!("comm-shm-r{owner_rank}"), geo.total())?;
+        let fd = sys::memfd(&format!("comm-shm-r{owner_rank}"), geo.total())?;
         let map = Mapping::map(fd.as_raw_fd(), geo.total())?;
         let seg = Segment {
             map,
@@ -375,7 +375,7 @@ impl Doorbell for Segment {
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleepers().load(Ordering::SeqCst) > 0 {
             self.doorbell().fetch_add(1, Ordering::SeqCst);
-            os::futex_wake_all(self.doorbell());
+            sys::futex_wake_all(self.doorbell());
         }
     }
 
@@ -395,7 +395,7 @@ impl Doorbell for Segment {
 
     /// Sleeps until someone rings after `prepare_sleep` returned `seen`, or `timeout` passes.
     fn sleep(&self, seen: u32, timeout: Duration) {
-        os::futex_wait(self.doorbell(), seen, timeout);
+        sys::futex_wait(self.doorbell(), seen, timeout);
         self.sleepers().fetch_sub(1, Ordering::SeqCst);
     }
 

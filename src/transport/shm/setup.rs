@@ -9,8 +9,8 @@ use super::segment::Segment;
 use super::segment::{Geometry, SEG_MAGIC};
 use crate::bootstrap::{auth, Bootstrap};
 use crate::error::{Error, Result};
+use crate::sys::{self, ProcessWatch};
 use crate::topo::{Path, Placement};
-use crate::transport::os::{self, ProcessWatch};
 use crate::transport::Link;
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
@@ -166,7 +166,7 @@ pub(crate) fn connect(
         let mut lost: Option<Error> = None;
         for r in 0..nranks {
             let (fd, access) = match paths[r] {
-                Path::SameProcess => (os::dup(announces[r].fd)?, Access::Direct),
+                Path::SameProcess => (sys::dup(announces[r].fd)?, Access::Direct),
                 Path::SameHost => {
                     let watch = watches.iter().find(|w| w.0 == r).map(|w| &w.1);
                     let fd = fetch_segment(
@@ -289,7 +289,7 @@ pub(crate) fn connect(
 pub(super) fn probe_cma(pid: u32, remote_base: usize) -> bool {
     let mut word = [0u8; 8];
     // SAFETY: word is 8 writable bytes.
-    let ok = unsafe { os::cma_read(pid, word.as_mut_ptr(), remote_base, 8) }.is_ok();
+    let ok = unsafe { sys::cma_read(pid, word.as_mut_ptr(), remote_base, 8) }.is_ok();
     ok && u64::from_ne_bytes(word) == SEG_MAGIC
 }
 
@@ -361,7 +361,7 @@ pub(crate) fn serve_segment(
                 return crate::invalid_usage!("unexpected shm connection claiming rank {from}");
             }
             auth::server(&mut s, secret, &auth_context(comm_tag, from, me))?;
-            os::send_fd(&s, fd)?;
+            sys::send_fd(&s, fd)?;
             Ok(from)
         })();
         match handshake {
@@ -469,5 +469,5 @@ pub(crate) fn fetch_segment(
     s.write_all(&(me as u32).to_le_bytes())
         .map_err(|e| Error::from_io("send rank", e))?;
     auth::client(&mut s, secret, &auth_context(comm_tag, me, peer))?;
-    os::recv_fd(&s)
+    sys::recv_fd(&s)
 }

@@ -12,7 +12,7 @@ use super::segment::{Geometry, CTL_BASE, CTL_STRIDE, SLOT_FIELDS};
 use super::setup::{probe_cma, stopped_serving};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::Scale;
-use crate::transport::os::{self, ProcessWatch};
+use crate::sys::{self, ProcessWatch};
 use crate::transport::{
     Activity, Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
@@ -1400,7 +1400,7 @@ fn a_segment_opens_only_as_announced() {
         registry_bytes: 4096,
     };
     let seg = Segment::create(0, geo, 0xabc).unwrap();
-    let fd = || os::dup(seg.fd.as_ref().unwrap().as_raw_fd()).unwrap();
+    let fd = || sys::dup(seg.fd.as_ref().unwrap().as_raw_fd()).unwrap();
     let opened = Segment::open(fd(), 0xabc, 2).expect("as announced");
     assert_eq!(opened.geo, geo);
     assert_eq!(opened.map.len(), geo.total());
@@ -1410,7 +1410,7 @@ fn a_segment_opens_only_as_announced() {
         assert_eq!(e.kind, ErrorKind::Remote);
         assert!(e.msg.contains("does not match"), "{}", e.msg);
     }
-    let small = os::memfd("comm-shm-test", 100).unwrap();
+    let small = sys::memfd("comm-shm-test", 100).unwrap();
     let e = Segment::open(small, 0xabc, 2).err().expect("too small");
     assert!(e.msg.contains("only 100 bytes"), "{}", e.msg);
 }

@@ -37,7 +37,7 @@ use super::verbs::{
 };
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::os;
+use crate::sys;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -523,7 +523,7 @@ impl Peer {
     fn notified(&self) {
         self.pending.store(true, Ordering::SeqCst);
         self.bell.fetch_add(1, Ordering::SeqCst);
-        os::futex_wake_all(&self.bell);
+        sys::futex_wake_all(&self.bell);
         loop {
             let Some(mut st) = self.state.try_lock() else {
                 return;
@@ -653,7 +653,7 @@ impl Peer {
                     id - st.done
                 );
             }
-            os::futex_wait(&self.bell, seen, Duration::from_millis(5));
+            sys::futex_wait(&self.bell, seen, Duration::from_millis(5));
         }
     }
 

@@ -1,5 +1,6 @@
-//! The Linux primitives the host transports are built from: memfd segments, shared mappings,
-//! futex waits, pidfds, cross-process reads (CMA) and fd passing over unix sockets.
+//! The Linux primitives the host transports, the executor's CPU placement and the windows are
+//! built from: memfd segments, shared mappings, futex waits, pidfds, cross-process reads (CMA)
+//! and fd passing over unix sockets.
 
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
