@@ -30,6 +30,7 @@ pub(crate) mod topo;
 pub(crate) mod transport;
 pub(crate) mod units;
 pub(crate) mod version;
+pub(crate) mod wait;
 pub(crate) mod window;
 
 #[doc(hidden)]

@@ -47,6 +47,7 @@ use crate::transport::net::ib::onesided::{self, Exposed, OneSided};
 use crate::transport::net::ib::verbs::{Remote, Source};
 use crate::transport::net::ib::IbWorld;
 use crate::transport::Link;
+use crate::wait::{wait, Patience, Wait};
 use crate::wire::{self, Reader};
 use ctl::{Ctl, Stop};
 use parking_lot::Mutex;
@@ -1533,12 +1534,10 @@ pub(crate) fn signal_pads(c: &Members, handle: usize, peer: i32) -> Result<(Opti
     ))
 }
 
-/// Waits until `ready`, failing when `peer` is lost, the communicator aborted, or `deadline`
-/// passed. Spins briefly, then sleeps on this rank's bell. `ready` may consume what it finds
-/// (a signal-pad word), so the wait ends the first time it returns true.
-/// Looks at a signal word before a wait takes the slow way (`wait_until`).
-const QUICK_LOOKS: u32 = 256;
-
+/// Waits until `ready`, failing when `peer` is lost, the communicator aborted, or `limit`
+/// passed, as `wait` says: spins briefly (at least `MIN_SPIN`), then sleeps on this rank's
+/// bell. `ready` may consume what it finds (a signal-pad word), so the wait ends the first
+/// time it returns true.
 #[inline(never)]
 fn wait_until(
     c: &Members,
@@ -1548,57 +1547,84 @@ fn wait_until(
     what: &dyn Fn() -> String,
     ready: &mut dyn FnMut() -> bool,
 ) -> Result<()> {
-    // A while without the clock: a signal that comes at once (a ping-pong) is seen sooner.
-    for _ in 0..QUICK_LOOKS {
-        if ready() {
-            return Ok(());
-        }
-        std::hint::spin_loop();
+    let patience = Patience {
+        spin: c.spin.max(MIN_SPIN),
+        yield_for: Duration::ZERO,
+        nap: Duration::from_millis(10),
+        warn_after: None,
+        timeout: limit,
+    };
+    wait(
+        &patience,
+        &mut ForPeer {
+            c,
+            cw,
+            peer,
+            what,
+            ready,
+        },
+    )
+}
+
+/// Looks at a signal word before a wait takes the slow way (`wait_until`).
+const QUICK_LOOKS: u32 = 256;
+
+/// A signal as short as a ping-pong's is worth this much spinning before a sleep.
+const MIN_SPIN: Duration = Duration::from_micros(20);
+
+/// A window wait for something `peer` does.
+struct ForPeer<'a, 'm> {
+    c: &'a Members<'m>,
+    cw: &'a CommWindows,
+    peer: usize,
+    what: &'a dyn Fn() -> String,
+    ready: &'a mut dyn FnMut() -> bool,
+}
+
+impl Wait for ForPeer<'_, '_> {
+    type Out = ();
+
+    fn look(&mut self) -> Result<Option<()>> {
+        Ok((self.ready)().then_some(()))
     }
-    let start = Instant::now();
-    let spin_until = start + c.spin.max(Duration::from_micros(20));
-    let mut polls = 0u32;
-    loop {
-        if ready() {
-            return Ok(());
-        }
-        std::hint::spin_loop();
-        polls += 1;
-        if polls % 64 == 0 && Instant::now() >= spin_until {
-            break;
-        }
+
+    fn sleep(&mut self, nap: Duration) -> Result<Option<()>> {
+        Ok(self.cw.own().sleep_unless(nap, self.ready).then_some(()))
     }
-    loop {
-        if ready() {
-            return Ok(());
-        }
-        if cw.own().sleep_unless(Duration::from_millis(10), ready) || ready() {
-            return Ok(());
-        }
+
+    fn check(&mut self) -> Result<Option<()>> {
+        let (c, peer) = (self.c, self.peer);
         if c.abort.load(Ordering::SeqCst) {
             return crate::invalid_usage!(
                 "the communicator was aborted while waiting for {}",
-                what()
+                (self.what)()
             );
         }
         if peer != c.rank {
-            if let Some(gone) = peer_lost(c, cw, peer) {
+            if let Some(gone) = peer_lost(c, self.cw, peer) {
                 // What it sent before it went still counts.
-                if ready() {
-                    return Ok(());
+                if (self.ready)() {
+                    return Ok(Some(()));
                 }
                 return Err(Error::lost_peer(
                     peer,
                     format!(
                         "rank {peer} is gone while this rank waited for {}: {gone}",
-                        what()
+                        (self.what)()
                     ),
                 ));
             }
         }
-        if limit.is_some_and(|l| start.elapsed() > l) {
-            return crate::timeout_err!("timed out waiting for {}", what());
-        }
+        Ok(None)
+    }
+
+    fn warn(&mut self, _: Duration) {}
+
+    fn timed_out(&mut self, _: Duration) -> Error {
+        Error::new(
+            ErrorKind::Timeout,
+            format!("timed out waiting for {}", (self.what)()),
+        )
     }
 }
 
