@@ -20,9 +20,15 @@ Prints "<NAME>: OK on rank R of W" per rank; any exception fails the rank.
 import os
 import sys
 
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
 block_path, name = sys.argv[1], sys.argv[2]
 setup_path = sys.argv[3] if len(sys.argv) > 3 else None
-source = open(block_path).read()
+source = read(block_path)
 
 try:
     import torchcomms  # noqa: F401
@@ -35,7 +41,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(here, "..", "..", "python", "tests", "fake_torchcomms"))
     torchcomms_origin = "stand-in"
 
-import comm_torch  # noqa: E402
+import comm_torch
 
 want = os.environ.get("COMM_README_PACKAGE_DIR")
 if want and not os.path.abspath(comm_torch.__file__).startswith(os.path.abspath(want) + os.sep):
@@ -43,17 +49,17 @@ if want and not os.path.abspath(comm_torch.__file__).startswith(os.path.abspath(
 if torchcomms_origin == "stand-in":
     # An installed comm-torch registers its torchcomms backend through the "torchcomms.backends"
     # entry point; a checkout on PYTHONPATH has no entry points, so import it (it registers).
-    import comm_torch.torchcomms_backend  # noqa: F401
+    import comm_torch.torchcomms_backend
 
 names = {"__name__": "__main__"}
 if "init_process_group" in source and "destroy_process_group" in source:
-    exec(compile(source, name, "exec"), names)
+    exec(compile(source, name, "exec"), names)  # noqa: S102 (running the README's code is the point)
     print(f"{name}: OK (a complete program)", flush=True)
     sys.exit(0)
 if setup_path is None:
     raise SystemExit(f"{name} is not a complete program, and no setup block was given")
-exec(compile(open(setup_path).read(), f"{name} (setup)", "exec"), names)
-exec(compile(source, name, "exec"), names)
+exec(compile(read(setup_path), f"{name} (setup)", "exec"), names)  # noqa: S102
+exec(compile(source, name, "exec"), names)  # noqa: S102
 dist = names["dist"]
 rank, world = dist.get_rank(), dist.get_world_size()
 dist.barrier()
