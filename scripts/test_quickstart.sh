@@ -28,7 +28,7 @@ repo=$PWD
 work=$(mktemp -d)
 netns_prefix=""
 cleanup() {
-  [ -z "$netns_prefix" ] || scripts/netns.sh down "$netns_prefix" >/dev/null 2>&1 || true
+  [ -z "$netns_prefix" ] || "$repo/scripts/netns.sh" down "$netns_prefix" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
 trap cleanup EXIT
