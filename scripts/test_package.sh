@@ -6,7 +6,10 @@
 #   - consumers find it by NCCL's names: CMake find_package(NCCL) and find_library(NAMES nccl),
 #     pkg-config nccl, plain -lnccl; and by comm's (find_package(comm), pkg-config comm);
 #   - a program linked against another libnccl.so.2 runs unchanged on comm's lib/;
-# then scripts/test_wheel.sh checks the Python wheel.
+# then scripts/test_wheel.sh checks the Python wheel (and makes the torch environment where it is
+# missing), scripts/test_readme.sh runs the READMEs' C and Python examples, and
+# scripts/test_quickstart.sh the README's Quickstart shell lines and Slurm job on this build
+# (the checks above are the thorough ones; those run the lines as a user reads them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
@@ -28,7 +31,9 @@ lib=$prefix/lib
 
 echo "library names"
 test -f "$prefix/include/nccl.h" || fail "no include/nccl.h"
-[ -f "$lib/libnccl.so.2" ] && [ ! -L "$lib/libnccl.so.2" ] || fail "lib/libnccl.so.2 is not the library file"
+if [ ! -f "$lib/libnccl.so.2" ] || [ -L "$lib/libnccl.so.2" ]; then
+  fail "lib/libnccl.so.2 is not the library file"
+fi
 for link in libnccl.so libcomm.so; do
   [ "$(readlink "$lib/$link")" = libnccl.so.2 ] || fail "lib/$link is not a link to libnccl.so.2"
 done
@@ -48,6 +53,7 @@ for p in $programs; do
     fail "${p#"$prefix"/} does not find its libraries"
   fi
   if readelf -d "$p" | grep -q "NEEDED.*libnccl"; then
+    # shellcheck disable=SC2016 # $ORIGIN is the loader's, not the shell's
     readelf -d "$p" | grep -q 'R.*PATH.*\$ORIGIN/\.\./lib' || fail "${p#"$prefix"/} has no \$ORIGIN RPATH"
   fi
 done
@@ -97,8 +103,12 @@ grep -q "NCCL VERSION comm $(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | he
 
 echo "package tests passed in $(($(date +%s) - start)) s"
 
-# The README's C and Python examples, compiled and run.
+# The Python wheel, which carries the library; first, as it makes the torch environment that
+# the READMEs' Python examples run in where it is missing.
+scripts/test_wheel.sh
+
+# The READMEs' C and Python examples, compiled and run.
 scripts/test_readme.sh
 
-# The Python wheel, which carries the library.
-scripts/test_wheel.sh
+# The README's Quickstart lines and Slurm job, on the build above.
+scripts/test_quickstart.sh "$work/build"

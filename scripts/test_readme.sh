@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# Compiles and runs the README's C code blocks, so that an example can be neither stale nor racy:
-#   - a block whose first line is a comment naming a file (`/* name.c: ...`) is a complete
+# Compiles and runs the code blocks of README.md and python/README.md, so that an example can be
+# neither stale nor racy:
+#   - a C block whose first line is a comment naming a file (`/* name.c: ...`) is a complete
 #     program: it is compiled as it stands and run as 2 and 3 processes on this host;
 #   - any other C block is a fragment that uses `comm`, `rank` and `nranks`: it is compiled inside
 #     a main() that makes them and run as 3 processes, 10 times (a missing barrier shows);
-#   - the ```python block, when torch is installed (.deps/torch-venv), runs under torchrun on 2.
+#   - a ```python block runs under torchrun on 2 and on 3 ranks through tests/readme/fragment.py:
+#     as it stands where it calls init_process_group and destroy_process_group, else after its
+#     file's setup block (the one ```python block that calls only init_process_group), which
+#     the README names as the setup of the examples that follow it. The torch environment
+#     (COMM_TORCH_VENV, default $COMM_DEPS/torch-venv) must exist under CI (CI=true); elsewhere
+#     its absence skips the Python blocks with a message;
+#   - the ```bash block (the Slurm job) and the indented shell lines of the Quickstart run in
+#     scripts/test_quickstart.sh, which needs a CMake build (scripts/test_package.sh runs it).
 # Each run must exit 0 on every rank and print no WARN line. Needs target/release/libcomm.so.
-# Usage: scripts/test_readme.sh [markdown file, default README.md]
+# Usage: scripts/test_readme.sh [markdown file...] (default README.md python/README.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lib=$PWD/target/release
 [ -f "$lib/libcomm.so" ] || { echo "FAIL: no $lib/libcomm.so (cargo build --release first)" >&2; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# The runs load a copy, so that a rebuild meanwhile cannot change the library under them.
+cp "$lib/libcomm.so" "$work/libcomm.so"
 
 fail() {
   echo "FAIL: $*" >&2
   exit 1
 }
 
-# Blocks into $work/block<N>.<lang>, in README order.
-python3 - "${1:-README.md}" "$work" <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-for n, (lang, body) in enumerate(re.findall(r"^```(\w+)\n(.*?)^```", text, re.S | re.M)):
-    open(f"{sys.argv[2]}/block{n}.{lang}", "w").write(body)
+# Blocks into $work/<file>/block<NN>.<lang>, in each file's order.
+files=("$@")
+[ ${#files[@]} -gt 0 ] || files=(README.md python/README.md)
+python3 - "$work" "${files[@]}" <<'PY'
+import os, re, sys
+for path in sys.argv[2:]:
+    text = open(path).read()
+    out = os.path.join(sys.argv[1], path.replace("/", "_"))
+    os.makedirs(out)
+    for n, (lang, body) in enumerate(re.findall(r"^```(\w+)\n(.*?)^```", text, re.S | re.M)):
+        open(f"{out}/block{n:02d}.{lang}", "w").write(body)
 PY
 
 # Runs $1 as $2 processes on this host with a fresh rendezvous port; $3 names it in messages.
@@ -47,7 +62,7 @@ run_ranks() {
 cc() { gcc -std=c99 -Wall -Werror -I include "$@" -L"$lib" -lcomm -Wl,-rpath,"$lib"; }
 
 programs=0 fragments=0
-for f in "$work"/block*.c; do
+for f in "$work"/*/block*.c; do
   [ -e "$f" ] || continue
   if head -1 "$f" | grep -q '^/\* [A-Za-z0-9_]*\.c:'; then
     name=$(head -1 "$f" | sed 's|^/\* \([A-Za-z0-9_]*\)\.c:.*|\1|')
@@ -74,18 +89,40 @@ for f in "$work"/block*.c; do
     fragments=$((fragments + 1))
   fi
 done
-[ $programs -ge 1 ] || fail "the README has no complete C program"
+case " ${files[*]} " in
+  *" README.md "*) [ $programs -ge 1 ] || fail "README.md has no complete C program" ;;
+esac
 
 pythons=0
-torchrun=.deps/torch-venv/bin/torchrun
-if [ -x "$torchrun" ]; then
-  for f in "$work"/block*.python; do
-    [ -e "$f" ] || continue
-    PYTHONPATH=$PWD/python COMM_LIBRARY=$lib/libcomm.so timeout 120 "$torchrun" --nproc-per-node 2 \
-      --master-port $((20000 + RANDOM % 12000)) "$f" >"$work/py.log" 2>&1 || { cat "$work/py.log" >&2; fail "README Python block"; }
-    pythons=$((pythons + 1))
+venv=${COMM_TORCH_VENV:-${COMM_DEPS:-$PWD/.deps}/torch-venv}
+if [ -x "$venv/bin/torchrun" ]; then
+  for dir in "$work"/*/; do
+    setup=()
+    for f in "$dir"block*.python; do
+      [ -e "$f" ] || continue
+      what="$(basename "$dir" | tr _ /) $(basename "$f" .python)"
+      if grep -q init_process_group "$f" && ! grep -q destroy_process_group "$f"; then
+        [ ${#setup[@]} = 0 ] || fail "$what: a second setup block"
+        setup=("$f")
+        continue
+      fi
+      for n in 2 3; do
+        PYTHONPATH=$PWD/python COMM_LIBRARY=$work/libcomm.so COMM_TIMEOUT=30 COMM_README_PACKAGE_DIR=$PWD/python \
+          timeout 180 "$venv/bin/torchrun" --nproc-per-node $n --master-port $((20000 + RANDOM % 12000)) \
+          tests/readme/fragment.py "$f" "$what" "${setup[@]}" >"$work/py.log" 2>&1 ||
+          { cat "$work/py.log" >&2; fail "$what on $n ranks"; }
+        if ! grep -q "^$what: OK" "$work/py.log" || grep -q WARN "$work/py.log"; then
+          cat "$work/py.log" >&2
+          fail "$what on $n ranks: no OK line, or a WARN line"
+        fi
+      done
+      grep "^$what: OK" "$work/py.log" | head -1
+      pythons=$((pythons + 1))
+    done
   done
+elif [ "${CI:-}" = true ]; then
+  fail "no $venv/bin/torchrun under CI: the README's Python blocks cannot run (scripts/test_python.sh makes it)"
 else
-  echo "no $torchrun: the README's Python blocks were not run"
+  echo "no $venv/bin/torchrun: the README's Python blocks were not run"
 fi
 echo "README examples passed: $programs programs, $fragments fragments, $pythons Python blocks"
