@@ -734,12 +734,45 @@ fn run_processes(
 
 /// `n` thread ranks of one process; rank r on GPU r % `gpus` (1: all on GPU 0, which they share;
 /// more: peers on other GPUs, reached through peer access).
-fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
+/// Thread ranks of one process. `grouped`: the communicators are made as nccl-tests and the
+/// benchmarks make them, by one thread inside ncclGroupStart/End, switching the current device
+/// before each ncclCommInitRank (each must keep the device current at its call); otherwise
+/// with ncclCommInitAll.
+fn run_threads(
+    n: usize,
+    gpus: usize,
+    max_bytes: usize,
+    memory: Memory,
+    grouped: bool,
+) -> Result<(), String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
     let mut comms = vec![std::ptr::null_mut(); n];
     let devs: Vec<i32> = (0..n).map(|r| (r % gpus.max(1)) as i32).collect();
-    nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
+    if grouped {
+        // SAFETY: all-zero bytes are a valid ncclUniqueId to be filled.
+        let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+        nccl!(ncclGetUniqueId(&mut id));
+        nccl!(ncclGroupStart());
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            let d = Device::get(devs[rank]).map_err(|e| e.msg)?;
+            let _b = d.bind().map_err(|e| e.msg)?;
+            nccl!(ncclCommInitRank(comm, n as i32, id, rank as i32));
+        }
+        nccl!(ncclGroupEnd());
+        for (rank, c) in comms.iter().enumerate() {
+            let mut dev = -1;
+            nccl!(ncclCommCuDevice(*c, &mut dev));
+            if dev != devs[rank] {
+                return Err(format!(
+                    "rank {rank} was made while GPU {} was current but its communicator is on GPU {dev}",
+                    devs[rank]
+                ));
+            }
+        }
+    } else {
+        nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
+    }
     let handles: Vec<_> = comms
         .iter()
         .enumerate()
@@ -882,7 +915,7 @@ fn main() {
         (3, Memory::RegisteredVmm),
     ] {
         let t = Instant::now();
-        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory);
+        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory, false);
         report(
             format!(
                 "{n} threads (ncclCommInitAll) on one GPU, {} buffers",
@@ -895,12 +928,21 @@ fn main() {
     // Thread ranks on different GPUs (peer access), where there are several.
     let gpus = (cuda::device_count() as usize).min(2);
     if gpus > 1 {
-        for (n, memory) in [(2usize, Memory::Plain), (3, Memory::RegisteredVmm)] {
+        for (n, memory, grouped) in [
+            (2usize, Memory::Plain, false),
+            (3, Memory::RegisteredVmm, false),
+            (2, Memory::Plain, true),
+        ] {
             let t = Instant::now();
-            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory);
+            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory, grouped);
+            let how = if grouped {
+                "ncclCommInitRank in a group, one thread"
+            } else {
+                "ncclCommInitAll"
+            };
             report(
                 format!(
-                    "{n} threads (ncclCommInitAll) on {gpus} GPUs, {} buffers",
+                    "{n} threads ({how}) on {gpus} GPUs, {} buffers",
                     memory.name()
                 ),
                 t,
