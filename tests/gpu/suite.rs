@@ -304,6 +304,58 @@ impl Rank {
         )
     }
 
+    /// Ranks on GPUs of their own: an all-reduce on the legacy default stream issued from a
+    /// thread that has no context current (as nccl-tests' worker threads do with `-y 1`) runs
+    /// on the communicator's GPU's legacy stream, as NCCL's does after its cudaSetDevice.
+    fn legacy_stream_from_bare_thread(&self) -> Result<(), String> {
+        let (n, count) = (self.n, 1003usize);
+        let host: Vec<u8> = (0..count)
+            .flat_map(|j| ((self.rank * 100 + j) as f32).to_ne_bytes())
+            .collect();
+        cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)?;
+        let (send, recv, comm) = (self.a.ptr, self.b.ptr, self.comm as usize);
+        let outcome = std::thread::spawn(move || {
+            // SAFETY: valid device buffers of `count` floats and a communicator no other
+            // thread uses meanwhile.
+            let r = unsafe {
+                ncclAllReduce(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    7,
+                    SUM,
+                    comm as ncclComm_t,
+                    std::ptr::null_mut(),
+                )
+            };
+            (r, last_error())
+        })
+        .join()
+        .map_err(|_| "the calling thread panicked".to_string())?;
+        if outcome.0 != ncclResult_t::ncclSuccess {
+            return Err(format!(
+                "an all-reduce on the legacy stream from a thread without a current context returned {:?}: {}",
+                outcome.0, outcome.1
+            ));
+        }
+        let _b = self.device.bind().map_err(|e| e.msg)?;
+        cuda::Stream(std::ptr::null_mut())
+            .synchronize()
+            .map_err(|e| e.msg)?;
+        let mut out = vec![0u8; count * 4];
+        cuda::copy_from_device(&self.device, &mut out, recv).map_err(|e| e.msg)?;
+        for (j, b) in out.chunks_exact(4).enumerate() {
+            let got = f32::from_ne_bytes(b.try_into().unwrap());
+            let want = (0..n).map(|r| (r * 100 + j) as f32).sum::<f32>();
+            if got != want {
+                return Err(format!(
+                    "legacy-stream all-reduce from a bare thread: element {j} is {got}, expected {want}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// A float buffer 2 bytes off its element alignment is refused with a message (a kernel
     /// would fault on it and take the context down), and nothing was enqueued.
     fn misaligned_refused(&self) -> Result<(), String> {
@@ -780,12 +832,16 @@ fn run_threads(
             let c = *c as usize;
             let ordinal = devs[rank];
             let shares_gpu = devs.iter().filter(|&&d| d == ordinal).count() > 1;
+            // Every rank on a GPU of its own (all of them run the same extra call).
+            let own_gpus = n <= gpus && gpus > 1;
             std::thread::spawn(move || -> Result<usize, String> {
                 let device = Device::get(ordinal).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
                 if shares_gpu {
                     r.legacy_stream_refused()?;
+                } else if own_gpus {
+                    r.legacy_stream_from_bare_thread()?;
                 }
                 r.matrix(max_bytes, true)
             })
