@@ -480,14 +480,14 @@ static void init_data(bench_thread* t, const test* x, int in_place, uint64_t see
       char* img = stage ? stage : t->recv[i];
       poison(x->ti, img, region);
       for (size_t j = 0; j < x->cnt.send; j++) put_send(&d, img + so * ts, j);
-      if (stage && region) CUDACHECK(bench_cu.Memcpy(t->recv[i], stage, region * ts, BENCH_H2D));
+      if (stage && region) CUDACHECK(bench_cuda_upload(t->devs[i], t->recv[i], stage, region * ts));
     } else {
       char* img = stage ? stage : t->send[i];
       for (size_t j = 0; j < x->cnt.send; j++) put_send(&d, img, j);
-      if (stage && x->cnt.send) CUDACHECK(bench_cu.Memcpy(t->send[i], stage, x->cnt.send * ts, BENCH_H2D));
+      if (stage && x->cnt.send) CUDACHECK(bench_cuda_upload(t->devs[i], t->send[i], stage, x->cnt.send * ts));
       img = stage ? stage : t->recv[i];
       poison(x->ti, img, x->cnt.recv);
-      if (stage && x->cnt.recv) CUDACHECK(bench_cu.Memcpy(t->recv[i], stage, x->cnt.recv * ts, BENCH_H2D));
+      if (stage && x->cnt.recv) CUDACHECK(bench_cuda_upload(t->devs[i], t->recv[i], stage, x->cnt.recv * ts));
     }
   }
 }
