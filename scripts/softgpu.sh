@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2086,SC2206 # SOFTGPU_CXXFLAGS and SOFTGPU_LDFLAGS are split into words on purpose
 # Runs a command on the software GPU: softgpu/ (a CPU stand-in for the CUDA driver) is built if
 # needed, and its directory, holding libcuda.so and libcuda.so.1 as links to one library (and
 # libcudart.so.13 / libcudart.so, its CUDA runtime), goes first on LD_LIBRARY_PATH, so that
@@ -47,7 +48,7 @@ if [ "$stale" = 1 ]; then
   # driver by its soname, so both share one set of devices, contexts, streams and memory.
   "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/runtime.cpp" -o "$out/runtime.o"
   "$cxx" -shared -Wl,-soname,libcudart.so.13 -o "$out/libsoftgpu_cudart.so.tmp" "$out/runtime.o" \
-    "$lib.tmp" -Wl,-rpath,'$ORIGIN' -lpthread ${SOFTGPU_LDFLAGS:-}
+    "$lib.tmp" -Wl,-rpath,"\$ORIGIN" -lpthread ${SOFTGPU_LDFLAGS:-}
   mv "$out/libsoftgpu_cudart.so.tmp" "$out/libsoftgpu_cudart.so"
   mv "$lib.tmp" "$lib"
   ln -sf libsoftgpu.so "$out/libcuda.so"
