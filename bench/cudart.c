@@ -99,3 +99,8 @@ int bench_cuda_upload(int dev, void* dst, const void* src, size_t n) {
   if (e == 0) e = bench_cu.StreamSynchronize(NULL);
   return e;
 }
+
+int bench_cuda_sync(int dev, cudaStream_t s) {
+  int e = s ? 0 : bench_cu.SetDevice(dev);
+  return e ? e : bench_cu.StreamSynchronize(s);
+}

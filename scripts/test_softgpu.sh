@@ -92,13 +92,13 @@ for coll in "${colls[@]}"; do
   done
 done
 # Every datatype and op; registered buffers. With copies that land late: the inputs must have
-# landed before the non-blocking streams start (-t 2 -g 2, aggregated); one thread driving four
-# GPUs' legacy streams in one group (-t 1 -g 4 -y 1). Not yet: -t 4 -y 1 (each thread on the
-# legacy stream of its own GPU) hangs with a stream waiting for a peer's flag; it is an open
-# defect, see softgpu/README.md.
+# landed before the non-blocking streams start (-t 2 -g 2, aggregated); each thread on the legacy
+# stream of its own GPU (-t 4 -y 1: the threads must make their GPU current); one thread driving
+# four GPUs' legacy streams in one group (-t 1 -g 4 -y 1).
 bench_run "$bench/bench/all_reduce_perf" --memory device -t 2 -b 8 -e 64K -f 64 -c 1 -n 1 -w 1 -d all -o all
 bench_run "$bench/bench/reduce_scatter_perf" --memory device -t 4 -b 8 -e 4M -f 16 -c 1 -n 1 -w 1 -R 1
 SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/sendrecv_perf" --memory device -t 2 -g 2 -b 8 -e 1M -f 32 -c 1 -n 2 -w 1 -m 2
+SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
 SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 1 -g 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
 echo "   benchmarks on device memory: $((SECONDS - t0)) s"
 echo "softgpu: all device runs passed"
