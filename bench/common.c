@@ -480,14 +480,14 @@ static void init_data(bench_thread* t, const test* x, int in_place, uint64_t see
       char* img = stage ? stage : t->recv[i];
       poison(x->ti, img, region);
       for (size_t j = 0; j < x->cnt.send; j++) put_send(&d, img + so * ts, j);
-      if (stage && region) CUDACHECK(bench_cu.Memcpy(t->recv[i], stage, region * ts, BENCH_H2D));
+      if (stage && region) CUDACHECK(bench_cuda_upload(t->devs[i], t->recv[i], stage, region * ts));
     } else {
       char* img = stage ? stage : t->send[i];
       for (size_t j = 0; j < x->cnt.send; j++) put_send(&d, img, j);
-      if (stage && x->cnt.send) CUDACHECK(bench_cu.Memcpy(t->send[i], stage, x->cnt.send * ts, BENCH_H2D));
+      if (stage && x->cnt.send) CUDACHECK(bench_cuda_upload(t->devs[i], t->send[i], stage, x->cnt.send * ts));
       img = stage ? stage : t->recv[i];
       poison(x->ti, img, x->cnt.recv);
-      if (stage && x->cnt.recv) CUDACHECK(bench_cu.Memcpy(t->recv[i], stage, x->cnt.recv * ts, BENCH_H2D));
+      if (stage && x->cnt.recv) CUDACHECK(bench_cuda_upload(t->devs[i], t->recv[i], stage, x->cnt.recv * ts));
     }
   }
 }
@@ -612,7 +612,7 @@ static void launch(bench_thread* t, const test* x, int iter, int in_place) {
 /* Waits until this thread's operations are done: on host memory they are when the call returns. */
 static void complete(bench_thread* t) {
   if (bench_w.device_mode)
-    for (int i = 0; i < t->n; i++) CUDACHECK(bench_cu.StreamSynchronize(t->streams[i]));
+    for (int i = 0; i < t->n; i++) CUDACHECK(bench_cuda_sync(t->devs[i], t->streams[i]));
   bench_watch_disarm(t);
 }
 
@@ -1032,6 +1032,9 @@ static void free_thread(bench_thread* t) {
 
 static void* thread_main(void* arg) {
   bench_thread* t = arg;
+  /* A new thread's device is 0 whatever the main thread chose: its synchronous copies and its
+   * NULL stream would otherwise be GPU 0's, behind (and ahead of) rank 0's collectives. */
+  if (bench_w.device_mode) CUDACHECK(bench_cu.SetDevice(t->devs[0]));
   if (bench_opt.parallel_init && g_be->uses_nccl_comms) {
     init_comms(t, 1);
     register_buffers(t);

@@ -92,3 +92,15 @@ void bench_cuda_describe(int dev, unsigned* domain, unsigned* bus, unsigned* dev
   if (bench_cu.cuInit(0) == 0 && bench_cu.cuDeviceGet(&cudev, dev) == 0)
     bench_cu.cuDeviceGetName(name, (int)len, cudev);
 }
+
+int bench_cuda_upload(int dev, void* dst, const void* src, size_t n) {
+  int e = bench_cu.SetDevice(dev);
+  if (e == 0) e = bench_cu.Memcpy(dst, src, n, BENCH_H2D);
+  if (e == 0) e = bench_cu.StreamSynchronize(NULL);
+  return e;
+}
+
+int bench_cuda_sync(int dev, cudaStream_t s) {
+  int e = s ? 0 : bench_cu.SetDevice(dev);
+  return e ? e : bench_cu.StreamSynchronize(s);
+}

@@ -126,6 +126,14 @@ extern bench_cuda bench_cu;
 /* Loads libcudart (13, 12, unversioned) and libcuda; returns the device count, or -1 with the
  * reason in `why`. */
 int bench_cuda_load(char* why, size_t len);
+/* Copies n bytes of pageable host memory to device memory of GPU `dev` and waits until they
+ * have landed: a synchronous cudaMemcpy from pageable memory may return once the source is
+ * staged, and the benchmarks' non-blocking streams are not ordered after it; the device's
+ * legacy stream is. Leaves `dev` current. Returns a cudaError_t. */
+int bench_cuda_upload(int dev, void* dst, const void* src, size_t n);
+/* Waits for stream `s` of GPU `dev`: the NULL stream is the legacy stream of the current
+ * device, so `dev` is made current first. Returns a cudaError_t. */
+int bench_cuda_sync(int dev, cudaStream_t s);
 /* "[0000:18:00] NVIDIA H100 ..." parts of a device line. */
 void bench_cuda_describe(int dev, unsigned* domain, unsigned* bus, unsigned* device, char* name,
                          size_t len);

@@ -513,7 +513,7 @@ static void nccl_sync(bench_thread* t, double* vals, int n, int op) {
     double* src = t->sync_host;
     for (int k = 0; k < m; k++) src[k] = n == 0 ? 0 : (i == 0 || op != SYNC_SUM) ? vals[k] : 0;
     if (bench_w.device_mode) {
-      int e = bench_cu.Memcpy(t->sync_buf[i], src, bytes, BENCH_H2D);
+      int e = bench_cuda_upload(t->devs[i], t->sync_buf[i], src, bytes);
       if (e) bench_fail(BENCH_ERR_CUDA, "%s: Test CUDA failure %s:%d '%s'\n", bench_w.hostname, __FILE__, __LINE__, bench_cu.GetErrorString(e));
     } else {
       memcpy(t->sync_buf[i], src, bytes);
@@ -528,7 +528,7 @@ static void nccl_sync(bench_thread* t, double* vals, int n, int op) {
   if (rc) bench_fail_nccl(t, rc, __FILE__, __LINE__);
   if (bench_w.device_mode) {
     for (int i = 0; i < t->n; i++) {
-      int e = bench_cu.StreamSynchronize(t->streams[i]);
+      int e = bench_cuda_sync(t->devs[i], t->streams[i]);
       if (e) bench_fail(BENCH_ERR_CUDA, "%s: Test CUDA failure %s:%d '%s'\n", bench_w.hostname, __FILE__, __LINE__, bench_cu.GetErrorString(e));
     }
     bench_cu.Memcpy(t->sync_host, t->sync_buf[0], bytes, BENCH_D2H);

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2086,SC2206 # SOFTGPU_CXXFLAGS and SOFTGPU_LDFLAGS are split into words on purpose
 # Runs a command on the software GPU: softgpu/ (a CPU stand-in for the CUDA driver) is built if
-# needed, and its directory, holding libcuda.so and libcuda.so.1 as links to one library, goes
-# first on LD_LIBRARY_PATH, so that cudarc (and any program that opens libcuda by name) finds it
-# before a real driver. Only the command run here sees a GPU.
+# needed, and its directory, holding libcuda.so and libcuda.so.1 as links to one library (and
+# libcudart.so.13 / libcudart.so, its CUDA runtime), goes first on LD_LIBRARY_PATH, so that
+# cudarc (and any program that opens libcuda or libcudart by name) finds it before a real
+# driver. Only the command run here sees a GPU.
 #
 #   scripts/softgpu.sh CMD [ARGS...]       e.g. scripts/softgpu.sh target/release/comm-gpu-suite
 #   scripts/softgpu.sh --build             only build; prints the library's directory
@@ -47,9 +49,17 @@ if [ "$stale" = 1 ]; then
   # shellcheck disable=SC2086
   "$cxx" ${SOFTGPU_CXXFLAGS:-} -shared -Wl,-soname,libcuda.so.1 -o "$lib.tmp" "${objs[@]}" \
     -lpthread ${SOFTGPU_LDFLAGS:-}
+  # The runtime (libcudart.so.13) is a library of its own over the driver above: it finds the
+  # driver by its soname, so both share one set of devices, contexts, streams and memory.
+  "$cxx" "${flags[@]}" -c "$COMM_ROOT/softgpu/runtime.cpp" -o "$out/runtime.o"
+  "$cxx" -shared -Wl,-soname,libcudart.so.13 -o "$out/libsoftgpu_cudart.so.tmp" "$out/runtime.o" \
+    "$lib.tmp" -Wl,-rpath,"\$ORIGIN" -lpthread ${SOFTGPU_LDFLAGS:-}
+  mv "$out/libsoftgpu_cudart.so.tmp" "$out/libsoftgpu_cudart.so"
   mv "$lib.tmp" "$lib"
   ln -sf libsoftgpu.so "$out/libcuda.so"
   ln -sf libsoftgpu.so "$out/libcuda.so.1"
+  ln -sf libsoftgpu_cudart.so "$out/libcudart.so.13"
+  ln -sf libsoftgpu_cudart.so "$out/libcudart.so"
 fi
 
 if [ "${1:-}" = "--build" ]; then

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device path on the software GPU (softgpu/, a CPU stand-in for the CUDA driver): the unit
-# tests that need a device, and comm-gpu-suite, in ordinary and adversarial mode and on two
-# virtual GPUs. Needs a release build made with nvcc (COMM_REQUIRE_NVCC=1), as scripts/test.sh
-# makes; builds one if missing. COMM_SOFTGPU_SUITE_ARGS replaces the suite's arguments.
+# tests that need a device, comm-gpu-suite in ordinary and adversarial mode and on two virtual
+# GPUs, softgpu's CUDA runtime and an application written against NVIDIA's nccl.h
+# (scripts/test_cuda_example.sh), and every benchmark on device memory. Needs a release build
+# made with nvcc (COMM_REQUIRE_NVCC=1), as scripts/test.sh makes; builds one if missing.
+# COMM_SOFTGPU_SUITE_ARGS replaces the suite's arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -94,4 +96,52 @@ if [ -f "$asan" ]; then
 else
   echo "== softgpu: no libasan for ${CXX:-g++}: the sanitizer run is skipped"
 fi
+
+# NVIDIA's nccl.h and the driver API in an application of their own, and the CUDA runtime.
+run "tests/cuda: cudart checks and the nccl.h example (2 and 3 processes)" scripts/test_cuda_example.sh
+
+# Every benchmark on device memory through softgpu's libcudart, one GPU per thread as nccl-tests
+# wants, results checked (-c 1): small sweeps, each under a timeout.
+bench=target/softgpu-bench
+colls=(all_reduce all_gather reduce_scatter alltoall alltoallv broadcast reduce gather scatter sendrecv)
+echo "== softgpu: building the benchmarks ($bench)"
+if ! { cmake -S . -B "$bench" -DCMAKE_BUILD_TYPE=Release -DCOMM_CARGO_TARGET_DIR="$PWD/target" &&
+       cmake --build "$bench" -j2 --target "${colls[@]/%/_perf}"; } >"$logs/bench-build.txt" 2>&1; then
+  tail -30 "$logs/bench-build.txt"
+  echo "FAILED: building the benchmarks"
+  exit 1
+fi
+# bench_ok LOG: the table has rows, every #wrong column is 0 (the in-place one may be N/A, where
+# a collective has no in-place form to check), and the footer says OK.
+bench_ok() {
+  awk '
+    /^#/ && /#wrong/ { n = 0; for (i = 2; i <= NF; i++) if ($i == "#wrong") col[++n] = i - 1; next }
+    /^#/ { next }
+    $1 ~ /^[0-9]+$/ && n > 0 { rows++; for (k = 1; k <= n; k++) if ($(col[k]) != "0" && !(k > 1 && $(col[k]) == "N/A")) bad = 1 }
+    END { exit (bad || rows == 0) }' "$1" && grep -q "^# Out of bounds values : 0 OK" "$1"
+}
+bench_run() {
+  local log=$logs/bench.txt
+  if ! SOFTGPU_DEVICES=4 timeout 120 scripts/softgpu.sh "$@" >"$log" 2>&1 || ! bench_ok "$log"; then
+    echo "FAILED: $*"
+    tail -20 "$log"
+    exit 1
+  fi
+}
+t0=$SECONDS
+for coll in "${colls[@]}"; do
+  for t in 2 4; do
+    bench_run "$bench/bench/${coll}_perf" --memory device -t "$t" -b 8 -e 1M -f 32 -c 1 -n 1 -w 1
+  done
+done
+# Every datatype and op; registered buffers. With copies that land late: the inputs must have
+# landed before the non-blocking streams start (-t 2 -g 2, aggregated); each thread on the legacy
+# stream of its own GPU (-t 4 -y 1: the threads must make their GPU current); one thread driving
+# four GPUs' legacy streams in one group (-t 1 -g 4 -y 1).
+bench_run "$bench/bench/all_reduce_perf" --memory device -t 2 -b 8 -e 64K -f 64 -c 1 -n 1 -w 1 -d all -o all
+bench_run "$bench/bench/reduce_scatter_perf" --memory device -t 4 -b 8 -e 4M -f 16 -c 1 -n 1 -w 1 -R 1
+SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/sendrecv_perf" --memory device -t 2 -g 2 -b 8 -e 1M -f 32 -c 1 -n 2 -w 1 -m 2
+SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
+SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 1 -g 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
+echo "   benchmarks on device memory: $((SECONDS - t0)) s"
 echo "softgpu: all device runs passed"

@@ -1603,6 +1603,15 @@ SOFTGPU_EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
   return copy_sync(call_, (CUdeviceptr)dst, src, n);
 }
 
+// cudaMemset(Async) of softgpu's runtime (runtime.cpp) comes here.
+SOFTGPU_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t count,
+                                        CUstream h) {
+  SG_API("cuMemsetD8Async", "dst=%#llx value=%u count=%zu", dst, (unsigned)value, count);
+  SG_STREAM(h, s);
+  if (count && !is_device_range(dst, count)) SG_RET(CUDA_ERROR_INVALID_VALUE);
+  SG_RET(enqueue(s, [dst, value, count] { memset((void *)dst, value, count); }));
+}
+
 SOFTGPU_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count,
                                          CUstream h) {
   SG_API("cuMemsetD32Async", "dst=%#llx value=%u count=%zu", dst, value, count);

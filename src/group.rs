@@ -461,26 +461,47 @@ fn stage_overwritten_sends(calls: &mut [Call]) {
 
 /// Refuses a group in which two ranks of one communicator (threads of this process) put device
 /// work on the same stream: each rank's program waits for flags the other's sets, and one stream
-/// runs them one after the other, so the first would wait forever.
+/// runs them one after the other, so the first would wait forever. The legacy and per-thread
+/// default streams (handles 0, 1 and 2) are one stream per GPU: ranks on different GPUs that
+/// both pass NULL use two streams.
 fn refuse_shared_streams(comms: &[Arc<Comm>], per_comm: &[Vec<Call>]) -> Result<()> {
     let uses = comms.iter().zip(per_comm).flat_map(|(c, calls)| {
+        let gpu = c.device.as_ref().map_or(-1, |w| w.device.ordinal);
         calls
             .iter()
             .filter(|call| call.device)
-            .map(|call| (c.tag, c.rank, call.stream))
+            .map(move |call| (c.tag, c.rank, stream_key(call.stream, gpu)))
     });
     match shared_stream(uses) {
-        Some((a, b, stream)) => crate::invalid_usage!(
-            "ranks {a} and {b} of one communicator put device calls of this group on the same stream ({stream:#x}); each rank's program waits for the other's, so each rank needs a stream of its own"
-        ),
+        Some((a, b, (stream, gpu))) => {
+            let which = if gpu >= 0 {
+                format!("the default stream ({stream:#x}) of GPU {gpu}")
+            } else {
+                format!("the same stream ({stream:#x})")
+            };
+            crate::invalid_usage!(
+                "ranks {a} and {b} of one communicator put device calls of this group on {which}; each rank's program waits for the other's, so each rank needs a stream of its own"
+            )
+        }
         None => Ok(()),
+    }
+}
+
+/// What names one stream: a created stream's handle, or a default stream's handle with its GPU.
+fn stream_key(stream: usize, gpu: i32) -> (usize, i32) {
+    if stream <= 2 {
+        (stream, gpu)
+    } else {
+        (stream, -1)
     }
 }
 
 /// The first two different ranks of one communicator (equal tags) on one stream, among
 /// (communicator tag, rank, stream) uses: (earlier rank, later rank, stream).
-fn shared_stream(uses: impl Iterator<Item = (u64, usize, usize)>) -> Option<(usize, usize, usize)> {
-    let mut seen: Vec<(u64, usize, usize)> = Vec::new();
+fn shared_stream<S: PartialEq + Copy>(
+    uses: impl Iterator<Item = (u64, usize, S)>,
+) -> Option<(usize, usize, S)> {
+    let mut seen: Vec<(u64, usize, S)> = Vec::new();
     for (tag, rank, stream) in uses {
         if let Some(&(_, other, _)) = seen
             .iter()
@@ -606,7 +627,7 @@ fn run_grouped(
 
 #[cfg(test)]
 mod tests {
-    use super::shared_stream;
+    use super::{shared_stream, stream_key};
 
     #[test]
     fn two_ranks_of_one_communicator_on_one_stream_are_found() {
@@ -623,10 +644,20 @@ mod tests {
         // Ranks 0 and 2 of communicator 5 both on stream 9.
         let clash = [(5, 0, 9), (6, 2, 9), (5, 1, 10), (5, 2, 9)];
         assert_eq!(shared_stream(clash.into_iter()), Some((0, 2, 9)));
-        // The legacy stream (0) counts like any other.
+        // The legacy stream (0) counts like any other on one GPU, but each GPU has its own.
+        let on = |gpu| stream_key(0, gpu);
         assert_eq!(
-            shared_stream([(5, 0, 0), (5, 1, 0)].into_iter()),
-            Some((0, 1, 0))
+            shared_stream([(5, 0, on(0)), (5, 1, on(0))].into_iter()),
+            Some((0, 1, (0, 0)))
+        );
+        assert_eq!(
+            shared_stream([(5, 0, on(0)), (5, 1, on(1)), (5, 2, on(2))].into_iter()),
+            None
+        );
+        // A created stream is one stream whichever GPU's rank names it.
+        assert_eq!(
+            shared_stream([(5, 0, stream_key(77, 0)), (5, 1, stream_key(77, 1))].into_iter()),
+            Some((0, 1, (77, -1)))
         );
     }
 }

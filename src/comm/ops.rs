@@ -615,6 +615,10 @@ impl Comm {
                 "device call without a device path",
             )
         })?;
+        // The communicator's GPU is current for the whole enqueue, as NCCL sets its device: the
+        // legacy default stream (a NULL stream) is then that GPU's, whatever context the
+        // calling thread has current, or none (a thread that never touched CUDA).
+        let _bound = world.device.bind()?;
         let _relaxed = crate::cuda::RelaxedCapture::enter();
         let streams = GroupStreams::join(
             world,

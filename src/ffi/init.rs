@@ -153,10 +153,13 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
         // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
         let cfg = unsafe { config_from(config) }?.map_or_else(default_config, Ok)?;
         let blocking = cfg.blocking;
+        // The device current at the call, not when the init runs: inside a group that is at
+        // ncclGroupEnd, perhaps on another thread, after the caller switched devices.
+        let dev = crate::cuda::current_device();
         // SAFETY: `comm` is the C caller's out-parameter.
         unsafe {
             start_init(comm, blocking, None, move || {
-                Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+                Comm::init(&[id], r, n, cfg, dev)
             })
         }
     })
@@ -191,10 +194,12 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
         // SAFETY: `config` is the C caller's (NULL or an ncclConfig_t).
         let cfg = unsafe { config_from(config) }?.map_or_else(default_config, Ok)?;
         let blocking = cfg.blocking;
+        // The device current at the call (see ncclCommInitRankConfig).
+        let dev = crate::cuda::current_device();
         // SAFETY: `newcomm` is the C caller's out-parameter.
         unsafe {
             start_init(newcomm, blocking, None, move || {
-                Comm::init(&ids, r, n, cfg, crate::cuda::current_device())
+                Comm::init(&ids, r, n, cfg, dev)
             })
         }
     })
@@ -465,10 +470,12 @@ pub unsafe extern "C" fn ncclCommGrow(
             }
             let cfg = cfg.map_or_else(default_config, Ok)?;
             let blocking = cfg.blocking;
+            // The device current at the call (see ncclCommInitRankConfig).
+            let dev = crate::cuda::current_device();
             // SAFETY: `newcomm` is the C caller's out-parameter.
             return unsafe {
                 start_init(newcomm, blocking, None, move || {
-                    Comm::init(&[id], r, n, cfg, crate::cuda::current_device())
+                    Comm::init(&[id], r, n, cfg, dev)
                 })
             };
         }

@@ -309,6 +309,58 @@ impl Rank {
         )
     }
 
+    /// Ranks on GPUs of their own: an all-reduce on the legacy default stream issued from a
+    /// thread that has no context current (as nccl-tests' worker threads do with `-y 1`) runs
+    /// on the communicator's GPU's legacy stream, as NCCL's does after its cudaSetDevice.
+    fn legacy_stream_from_bare_thread(&self) -> Result<(), String> {
+        let (n, count) = (self.n, 1003usize);
+        let host: Vec<u8> = (0..count)
+            .flat_map(|j| ((self.rank * 100 + j) as f32).to_ne_bytes())
+            .collect();
+        cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)?;
+        let (send, recv, comm) = (self.a.ptr, self.b.ptr, self.comm as usize);
+        let outcome = std::thread::spawn(move || {
+            // SAFETY: valid device buffers of `count` floats and a communicator no other
+            // thread uses meanwhile.
+            let r = unsafe {
+                ncclAllReduce(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    7,
+                    SUM,
+                    comm as ncclComm_t,
+                    std::ptr::null_mut(),
+                )
+            };
+            (r, last_error())
+        })
+        .join()
+        .map_err(|_| "the calling thread panicked".to_string())?;
+        if outcome.0 != ncclResult_t::ncclSuccess {
+            return Err(format!(
+                "an all-reduce on the legacy stream from a thread without a current context returned {:?}: {}",
+                outcome.0, outcome.1
+            ));
+        }
+        let _b = self.device.bind().map_err(|e| e.msg)?;
+        cuda::Stream(std::ptr::null_mut())
+            .synchronize()
+            .map_err(|e| e.msg)?;
+        let mut out = vec![0u8; count * 4];
+        cuda::copy_from_device(&self.device, &mut out, recv).map_err(|e| e.msg)?;
+        for (j, b) in out.chunks_exact(4).enumerate() {
+            let got = f32::from_ne_bytes(b.try_into().unwrap());
+            let want = (0..n).map(|r| (r * 100 + j) as f32).sum::<f32>();
+            if got != want {
+                return Err(format!(
+                    "legacy-stream all-reduce from a bare thread: element {j} is {got}, expected {want}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// A float buffer 2 bytes off its element alignment is refused with a message (a kernel
     /// would fault on it and take the context down), and nothing was enqueued.
     fn misaligned_refused(&self) -> Result<(), String> {
@@ -1210,12 +1262,45 @@ fn run_processes(
 
 /// `n` thread ranks of one process; rank r on GPU r % `gpus` (1: all on GPU 0, which they share;
 /// more: peers on other GPUs, reached through peer access).
-fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Result<(), String> {
+/// Thread ranks of one process. `grouped`: the communicators are made as nccl-tests and the
+/// benchmarks make them, by one thread inside ncclGroupStart/End, switching the current device
+/// before each ncclCommInitRank (each must keep the device current at its call); otherwise
+/// with ncclCommInitAll.
+fn run_threads(
+    n: usize,
+    gpus: usize,
+    max_bytes: usize,
+    memory: Memory,
+    grouped: bool,
+) -> Result<(), String> {
     let device = Device::get(0).map_err(|e| e.msg)?;
     let _bound = device.bind().map_err(|e| e.msg)?;
     let mut comms = vec![std::ptr::null_mut(); n];
     let devs: Vec<i32> = (0..n).map(|r| (r % gpus.max(1)) as i32).collect();
-    nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
+    if grouped {
+        // SAFETY: all-zero bytes are a valid ncclUniqueId to be filled.
+        let mut id: ncclUniqueId = unsafe { std::mem::zeroed() };
+        nccl!(ncclGetUniqueId(&mut id));
+        nccl!(ncclGroupStart());
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            let d = Device::get(devs[rank]).map_err(|e| e.msg)?;
+            let _b = d.bind().map_err(|e| e.msg)?;
+            nccl!(ncclCommInitRank(comm, n as i32, id, rank as i32));
+        }
+        nccl!(ncclGroupEnd());
+        for (rank, c) in comms.iter().enumerate() {
+            let mut dev = -1;
+            nccl!(ncclCommCuDevice(*c, &mut dev));
+            if dev != devs[rank] {
+                return Err(format!(
+                    "rank {rank} was made while GPU {} was current but its communicator is on GPU {dev}",
+                    devs[rank]
+                ));
+            }
+        }
+    } else {
+        nccl!(ncclCommInitAll(comms.as_mut_ptr(), n as i32, devs.as_ptr()));
+    }
     let handles: Vec<_> = comms
         .iter()
         .enumerate()
@@ -1223,12 +1308,16 @@ fn run_threads(n: usize, gpus: usize, max_bytes: usize, memory: Memory) -> Resul
             let c = *c as usize;
             let ordinal = devs[rank];
             let shares_gpu = devs.iter().filter(|&&d| d == ordinal).count() > 1;
+            // Every rank on a GPU of its own (all of them run the same extra call).
+            let own_gpus = n <= gpus && gpus > 1;
             std::thread::spawn(move || -> Result<usize, String> {
                 let device = Device::get(ordinal).map_err(|e| e.msg)?;
                 let _b = device.bind().map_err(|e| e.msg)?;
                 let r = Rank::new(c as ncclComm_t, rank, n, device, max_bytes, memory)?;
                 if shares_gpu {
                     r.legacy_stream_refused()?;
+                } else if own_gpus {
+                    r.legacy_stream_from_bare_thread()?;
                 }
                 r.matrix(max_bytes, true)
             })
@@ -1406,7 +1495,7 @@ fn main() {
         (3, Memory::RegisteredVmm),
     ] {
         let t = Instant::now();
-        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory);
+        let r = run_threads(n, 1, max_bytes.min(64 << 20), memory, false);
         report(
             format!(
                 "{n} threads (ncclCommInitAll) on one GPU, {} buffers",
@@ -1419,12 +1508,21 @@ fn main() {
     // Thread ranks on different GPUs (peer access), where there are several.
     let gpus = (cuda::device_count() as usize).min(2);
     if gpus > 1 {
-        for (n, memory) in [(2usize, Memory::Plain), (3, Memory::RegisteredVmm)] {
+        for (n, memory, grouped) in [
+            (2usize, Memory::Plain, false),
+            (3, Memory::RegisteredVmm, false),
+            (2, Memory::Plain, true),
+        ] {
             let t = Instant::now();
-            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory);
+            let r = run_threads(n, gpus, max_bytes.min(64 << 20), memory, grouped);
+            let how = if grouped {
+                "ncclCommInitRank in a group, one thread"
+            } else {
+                "ncclCommInitAll"
+            };
             report(
                 format!(
-                    "{n} threads (ncclCommInitAll) on {gpus} GPUs, {} buffers",
+                    "{n} threads ({how}) on {gpus} GPUs, {} buffers",
                     memory.name()
                 ),
                 t,
