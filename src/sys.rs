@@ -437,7 +437,9 @@ pub(crate) unsafe fn cma_read(
     remote: usize,
     len: usize,
 ) -> io::Result<()> {
-    cma_copy(pid, local, remote, len, false)
+    // SAFETY: reading from the remote process writes `local`, which the caller vouches for
+    // (`len` bytes of writes): `cma_copy`'s contract.
+    unsafe { cma_copy(pid, local, remote, len, false) }
 }
 
 /// Copies `len` bytes from `local` to address `remote` in process `pid` (process_vm_writev).
@@ -450,7 +452,9 @@ pub(crate) unsafe fn cma_write(
     remote: usize,
     len: usize,
 ) -> io::Result<()> {
-    cma_copy(pid, local.cast_mut(), remote, len, true)
+    // SAFETY: with `write` set, `cma_copy` only reads `local` (process_vm_writev's local
+    // side), for which the caller vouches; the `cast_mut` is never written through.
+    unsafe { cma_copy(pid, local.cast_mut(), remote, len, true) }
 }
 
 /// # Safety
@@ -465,17 +469,23 @@ unsafe fn cma_copy(
     let mut done = 0usize;
     while done < len {
         let liov = libc::iovec {
-            iov_base: local.add(done).cast(),
+            // SAFETY: `done < len`, inside the `len` bytes the caller vouches for at `local`.
+            iov_base: unsafe { local.add(done) }.cast(),
             iov_len: len - done,
         };
         let riov = libc::iovec {
             iov_base: (remote + done) as *mut libc::c_void,
             iov_len: len - done,
         };
-        let n = if write {
-            libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
-        } else {
-            libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
+        // SAFETY: one iovec on each side, both live for the call; the local one covers the
+        // rest of the caller's range (read for a write, written for a read, as promised); the
+        // remote one is checked by the kernel against `pid`'s mappings (EFAULT, not UB here).
+        let n = unsafe {
+            if write {
+                libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
+            } else {
+                libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0)
+            }
         };
         if n < 0 {
             let e = io::Error::last_os_error();

@@ -8,6 +8,10 @@
 //! reports, refuses a call made before that, and can be aborted mid-flight; `commSetBlocking`
 //! turns it blocking after its init.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -30,6 +34,8 @@ const SUM: i32 = 0;
 /// meant to collide).
 #[derive(Clone, Copy)]
 struct Handle(ncclComm_t);
+// SAFETY: a communicator may be used from any thread (the library's C API says so; calls on
+// one at the same time are refused, which is what these tests check), so its handle may move.
 unsafe impl Send for Handle {}
 
 fn all_reduce(c: ncclComm_t, buf: &mut [f32]) -> ncclResult_t {

@@ -2,6 +2,10 @@
 //! not divisible by the rank count, and 1 MiB + 3 elements, checked element by element against
 //! a reference, with 1, 2, 3, 4 and 8 ranks as processes and as threads.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -111,6 +115,7 @@ fn changing_scalar(ctx: &Ctx) -> Result<(), String> {
     let send: Vec<f32> = (0..count).map(|j| (ctx.rank + j) as f32).collect();
     let mut recv = vec![0f32; count];
     for s in [2.0f32, 3.0, 3.0, 5.0] {
+        // SAFETY: `scalar` is the live box made above, and no call that reads it is running.
         unsafe { scalar.write_volatile(s) };
         recv.fill(-1.0);
         nccl!(ncclAllReduce(
@@ -132,6 +137,7 @@ fn changing_scalar(ctx: &Ctx) -> Result<(), String> {
         }
     }
     nccl!(ncclRedOpDestroy(op, c));
+    // SAFETY: `scalar` came from `Box::into_raw` above, and the op that read it is destroyed.
     drop(unsafe { Box::from_raw(scalar) });
     Ok(())
 }

@@ -9,6 +9,10 @@
 //!
 //! Every scenario is one entry of `SCENARIOS`.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -238,6 +242,7 @@ fn run_coll(c: ncclComm_t, coll: Coll, n: usize, root: i32, big: &mut Buf) -> nc
     let bytes = send_elems.max(recv_elems) * 4;
     let base = big.ptr() as *mut u8;
     // Out of place: send from the first half, receive into the second.
+    // SAFETY: the callers' `big` holds twice `bytes`, so its second half starts inside it.
     let (sp, rp) = unsafe { (base as *const c_void, base.add(bytes) as *mut c_void) };
     unsafe {
         match coll {
@@ -308,6 +313,7 @@ fn collective_fault(w: &Worker, signal: i32, code: ncclResult_t) -> Result<(), S
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
             note_fault(&file);
+            // SAFETY: raise takes a signal number and touches no memory of ours.
             unsafe { libc::raise(signal) };
         });
         loop {

@@ -12,6 +12,10 @@
 //! The tests set process-wide environment variables and the verbs provider, so they take a
 //! lock and run one at a time.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -1089,8 +1093,8 @@ fn dmabuf_memory(offset: usize, len: usize) -> (&'static mut [u8], std::os::fd::
     // SAFETY: a descriptor just made, owned from here.
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     let total = offset + 2 * len;
-    // SAFETY: resizing a memfd of ours.
     assert_eq!(
+        // SAFETY: resizing a memfd of ours.
         unsafe { libc::ftruncate(fd.as_raw_fd(), total as libc::off_t) },
         0
     );

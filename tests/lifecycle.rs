@@ -2,6 +2,10 @@
 //! them), non-blocking init, scalable init, grow, finalize/destroy, groups over several
 //! communicators, deadlock-free send/recv, group simulation.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -734,12 +738,14 @@ fn out_of_descriptors(w: &Worker) -> Result<(), String> {
         rlim_cur: 0,
         rlim_max: 0,
     };
+    // SAFETY: `old` is a local rlimit for the call to fill.
     unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) };
     if w.rank == 0 {
         let low = libc::rlimit {
             rlim_cur: open + 24,
             rlim_max: old.rlim_max,
         };
+        // SAFETY: `low` is a local, initialised rlimit the call only reads.
         unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) };
     }
     for _ in 0..40 {
@@ -751,6 +757,7 @@ fn out_of_descriptors(w: &Worker) -> Result<(), String> {
         }
         kids.push(kid);
     }
+    // SAFETY: `old` is the local rlimit getrlimit filled, which the call only reads.
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
     let kids_made = kids.len();
     for kid in kids {

@@ -6,6 +6,10 @@
 //! Needs root and iproute2 (CI has both). Without them each test says so and passes only when
 //! not in CI; in CI (CI=true) a missing prerequisite fails the test.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;
@@ -140,6 +144,7 @@ fn host_dies(w: &Worker) -> Result<(), String> {
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(200));
             let _ = std::fs::write(&file, now_ns().to_string());
+            // SAFETY: raise takes a signal number and touches no memory of ours.
             unsafe { libc::raise(libc::SIGKILL) };
         });
         all_reduce_loop(c, &mut buf, Duration::from_secs(60));

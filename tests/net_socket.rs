@@ -5,6 +5,10 @@
 //! not in CI; in CI (CI=true) a missing prerequisite fails the test. Every launch has a
 //! timeout, and every simulated host is removed when its test ends.
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made; what each call needs is in the C API's documentation, not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use common::cases::*;
@@ -100,6 +104,7 @@ fn hostile(w: &Worker) -> Result<(), String> {
             rlim_cur: n,
             rlim_max: n,
         };
+        // SAFETY: `lim` is a local, initialised rlimit the call only reads.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
             return Err(format!("setrlimit: {}", std::io::Error::last_os_error()));
         }
@@ -187,10 +192,12 @@ fn dial(addr: SocketAddr, bytes: &[u8]) -> Result<TcpStream, String> {
 /// The attacker: finds rank 1's listener in its log, waits until rank 0 is frozen, connects
 /// in every wrong way, releases rank 0 and checks that the listener is gone after setup.
 fn attacker(base: &str) -> Result<(), String> {
+    // SAFETY: getppid takes nothing and cannot fail.
     let parent = unsafe { libc::getppid() };
     let log = format!("{base}.log");
     let outcome = attack_and_release(base, parent, &log);
     // Whatever went wrong, rank 0 must not stay frozen.
+    // SAFETY: kill takes a pid and a signal number and touches no memory of ours.
     unsafe { libc::kill(parent, libc::SIGCONT) };
     outcome
 }
@@ -214,6 +221,7 @@ fn attack_and_release(base: &str, parent: i32, log: &str) -> Result<(), String> 
     })?;
     let outcome = attack(tag, addr);
     std::fs::write(format!("{base}.released"), now_ns().to_string()).unwrap();
+    // SAFETY: kill takes a pid and a signal number and touches no memory of ours.
     unsafe { libc::kill(parent, libc::SIGCONT) };
     let held = outcome?;
     // Setup ends when rank 1 has its link to rank 0; then nobody listens there any more.

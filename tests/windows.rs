@@ -6,6 +6,11 @@
 //! ranks on two simulated hosts (COMM_HOSTID per rank, so the TCP path and the target's
 //! listener thread do the work).
 
+// The unsafe blocks here call the library's C API (ncclX/commX) with arguments the test
+// itself made, or read and write window memory the test allocated (ncclMemAlloc, or its own
+// mapping) inside the sizes it asked for; what each needs is not repeated per block.
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 mod common;
 
 use comm::ffi::types::*;

@@ -47,8 +47,8 @@ pub(crate) fn export(device: &Device, ptr: u64, len: usize) -> Result<Dmabuf> {
     }
     let _bound = device.bind()?;
     let mut dev: cu::CUdevice = 0;
-    // SAFETY: the ordinal names an existing device (Device::get checked it).
     check(
+        // SAFETY: the ordinal names an existing device (Device::get checked it).
         unsafe { cu::cuDeviceGet(&mut dev, device.ordinal) },
         "cuDeviceGet",
     )?;
@@ -122,14 +122,14 @@ pub(crate) fn allocation(ptr: u64) -> Result<(u64, usize, u64)> {
         return crate::invalid_usage!("device memory needs a CUDA driver");
     }
     let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: out-pointers are valid; the driver only inspects the address.
     check(
+        // SAFETY: out-pointers are valid; the driver only inspects the address.
         unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
         "cuMemGetAddressRange",
     )?;
     let mut id: u64 = 0;
-    // SAFETY: BUFFER_ID is an unsigned long long out-value.
     check(
+        // SAFETY: BUFFER_ID is an unsigned long long out-value.
         unsafe {
             cu::cuPointerGetAttribute(
                 &mut id as *mut u64 as *mut c_void,

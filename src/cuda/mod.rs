@@ -241,20 +241,20 @@ impl Device {
             return Ok(dev.clone());
         }
         let mut handle: cu::CUdevice = 0;
-        // SAFETY: ordinal is in range; handle is a valid out-pointer.
         check(
+            // SAFETY: ordinal is in range; handle is a valid out-pointer.
             unsafe { cu::cuDeviceGet(&mut handle, ordinal) },
             "cuDeviceGet",
         )?;
         let mut ctx: cu::CUcontext = std::ptr::null_mut();
-        // SAFETY: retains the device's primary context (shared with the CUDA runtime).
         check(
+            // SAFETY: retains the device's primary context (shared with the CUDA runtime).
             unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, handle) },
             "cuDevicePrimaryCtxRetain",
         )?;
         let mut sms = 0;
-        // SAFETY: sms is a valid out-pointer.
         check(
+            // SAFETY: sms is a valid out-pointer.
             unsafe {
                 cu::cuDeviceGetAttribute(
                     &mut sms,
@@ -271,8 +271,8 @@ impl Device {
         // SAFETY: as above.
         check(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
         let mut module: cu::CUmodule = std::ptr::null_mut();
-        // SAFETY: FATBIN is a complete fatbin image embedded at build time.
         check(
+            // SAFETY: FATBIN is a complete fatbin image embedded at build time.
             unsafe { cu::cuModuleLoadData(&mut module, kernels::FATBIN.as_ptr() as *const c_void) },
             "cuModuleLoadData (comm's kernels)",
         )?;
@@ -319,8 +319,8 @@ impl Device {
 fn load_function(module: cu::CUmodule, name: &'static str) -> Result<cu::CUfunction> {
     let cname = std::ffi::CString::new(name).expect("kernel names have no NUL");
     let mut f: cu::CUfunction = std::ptr::null_mut();
-    // SAFETY: module is loaded; f is a valid out-pointer.
     check(
+        // SAFETY: module is loaded; f is a valid out-pointer.
         unsafe { cu::cuModuleGetFunction(&mut f, module, cname.as_ptr()) },
         &format!("cuModuleGetFunction({name})"),
     )?;
@@ -338,8 +338,8 @@ impl DeviceMem {
     pub fn new(device: &Arc<Device>, len: usize) -> Result<DeviceMem> {
         let _b = device.bind()?;
         let mut ptr: cu::CUdeviceptr = 0;
-        // SAFETY: ptr is a valid out-pointer; the context is current.
         check(
+            // SAFETY: ptr is a valid out-pointer; the context is current.
             unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1)) },
             &format!("cuMemAlloc({len} bytes)"),
         )?;
@@ -367,8 +367,8 @@ impl DeviceMem {
         let _b = self.device.bind()?;
         // SAFETY: CUipcMemHandle is 64 plain bytes.
         let mut h: cu::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: ptr is the base of an allocation made by cuMemAlloc.
         check(
+            // SAFETY: ptr is the base of an allocation made by cuMemAlloc.
             unsafe { cu::cuIpcGetMemHandle(&mut h, self.ptr) },
             "cuIpcGetMemHandle",
         )?;
@@ -404,8 +404,8 @@ impl PeerMem {
             *d = *b as _;
         }
         let mut ptr: cu::CUdeviceptr = 0;
-        // SAFETY: h is a handle another process exported; ptr is a valid out-pointer.
         check(
+            // SAFETY: h is a handle another process exported; ptr is a valid out-pointer.
             unsafe {
                 cu::cuIpcOpenMemHandle_v2(
                     &mut ptr,
@@ -547,8 +547,8 @@ impl Stream {
     pub fn create(device: &Device) -> Result<Stream> {
         let _b = device.bind()?;
         let mut raw: cu::CUstream = std::ptr::null_mut();
-        // SAFETY: raw is a valid out-pointer; the context is current.
         check(
+            // SAFETY: raw is a valid out-pointer; the context is current.
             unsafe {
                 cu::cuStreamCreate(&mut raw, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
             },
@@ -645,8 +645,8 @@ impl Stream {
 /// stream (for tests, setup, and results staged back to the device).
 pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
     let _b = device.bind()?;
-    // SAFETY: dst covers src.len() bytes of device memory (caller's allocation).
     check(
+        // SAFETY: dst covers src.len() bytes of device memory (caller's allocation).
         unsafe { cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()) },
         "cuMemcpyHtoD",
     )?;
@@ -686,8 +686,8 @@ pub(crate) fn vmm_alloc(size: usize) -> Result<u64> {
     prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = ordinal;
     let mut gran = 0usize;
-    // SAFETY: prop is initialised; gran is a valid out-pointer.
     check(
+        // SAFETY: prop is initialised; gran is a valid out-pointer.
         unsafe {
             cu::cuMemGetAllocationGranularity(
                 &mut gran,
@@ -699,8 +699,8 @@ pub(crate) fn vmm_alloc(size: usize) -> Result<u64> {
     )?;
     let size = crate::units::whole_units(size, gran)?;
     let mut handle: cu::CUmemGenericAllocationHandle = 0;
-    // SAFETY: prop is initialised; handle is a valid out-pointer.
     check(
+        // SAFETY: prop is initialised; handle is a valid out-pointer.
         unsafe { cu::cuMemCreate(&mut handle, size, &prop, 0) },
         &format!("cuMemCreate({size} bytes)"),
     )?;
@@ -828,14 +828,14 @@ impl Graph {
     pub fn end_capture(device: &Arc<Device>, stream: Stream) -> Result<Graph> {
         let _b = device.bind()?;
         let mut graph: cu::CUgraph = std::ptr::null_mut();
-        // SAFETY: the stream is capturing (begin_capture); graph is a valid out-pointer.
         check(
+            // SAFETY: the stream is capturing (begin_capture); graph is a valid out-pointer.
             unsafe { cu::cuStreamEndCapture(stream.raw(), &mut graph) },
             "cuStreamEndCapture",
         )?;
         let mut exec: cu::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: graph was just captured; exec is a valid out-pointer.
         if let Err(e) = check(
+            // SAFETY: graph was just captured; exec is a valid out-pointer.
             unsafe { cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
             "cuGraphInstantiate",
         ) {
@@ -918,8 +918,8 @@ impl Event {
     pub fn new(device: &Arc<Device>) -> Result<Event> {
         let _b = device.bind()?;
         let mut raw: cu::CUevent = std::ptr::null_mut();
-        // SAFETY: raw is a valid out-pointer; timing is not needed.
         check(
+            // SAFETY: raw is a valid out-pointer; timing is not needed.
             unsafe {
                 cu::cuEventCreate(&mut raw, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
             },

@@ -57,8 +57,8 @@ pub(crate) fn export(device: &Arc<Device>, ptr: u64) -> Result<Exported> {
         });
     }
     let (mut base, mut size): (cu::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: out-pointers are valid; the driver only inspects the address.
     check(
+        // SAFETY: out-pointers are valid; the driver only inspects the address.
         unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) },
         "cuMemGetAddressRange",
     )?;
@@ -121,8 +121,8 @@ pub(crate) struct VmmMapping {
 pub(crate) fn import_fd(device: &Arc<Device>, fd: &OwnedFd, len: usize) -> Result<Imported> {
     let _b = device.bind()?;
     let mut handle: cu::CUmemGenericAllocationHandle = 0;
-    // SAFETY: a POSIX fd handle is passed as the descriptor's value in the pointer argument.
     check(
+        // SAFETY: a POSIX fd handle is passed as the descriptor's value in the pointer argument.
         unsafe {
             cu::cuMemImportFromShareableHandle(
                 &mut handle,

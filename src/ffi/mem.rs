@@ -444,8 +444,8 @@ pub unsafe extern "C" fn ncclWaitSignal(
 ) -> ncclResult_t {
     let _ = stream;
     if !signalDescs.is_null() && nDesc > 0 {
-        // SAFETY: `signalDescs` is the C caller's array of `nDesc` descriptors.
         let short = std::panic::catch_unwind(|| {
+            // SAFETY: `signalDescs` is the C caller's array of `nDesc` descriptors.
             let descs = unsafe { input_slice(signalDescs, nDesc as usize, "signalDescs") }.ok()?;
             super::lane::wait_signal(comm, descs)
         });

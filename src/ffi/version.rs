@@ -67,8 +67,8 @@ mod tests {
     fn commgetversion_names_comm_its_version_and_the_api_level() {
         let mut v = 0;
         let mut s: *const c_char = std::ptr::null();
-        // SAFETY: both out-parameters point at locals.
         assert_eq!(
+            // SAFETY: both out-parameters point at locals.
             unsafe { commGetVersion(&mut v, &mut s) },
             ncclResult_t::ncclSuccess
         );
@@ -81,13 +81,13 @@ mod tests {
         );
         assert!(text.ends_with("NCCL API 2.30.7)"), "{text}");
         // The string is optional; the version is not.
-        // SAFETY: a valid out-parameter and a null one, which the function allows.
         assert_eq!(
+            // SAFETY: a valid out-parameter and a null one, which the function allows.
             unsafe { commGetVersion(&mut v, std::ptr::null_mut()) },
             ncclResult_t::ncclSuccess
         );
-        // SAFETY: a null version pointer, which the function must refuse.
         assert_eq!(
+            // SAFETY: a null version pointer, which the function must refuse.
             unsafe { commGetVersion(std::ptr::null_mut(), &mut s) },
             ncclResult_t::ncclInvalidArgument
         );

@@ -29,13 +29,18 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len >= FROM && just_ahead(dst, src) {
         if super::stream::wide() {
-            wide_copy(dst, src, len);
+            // SAFETY: `wide()` just found AVX on this CPU, which is `wide_copy`'s one demand
+            // beyond this function's own contract, which the caller upholds.
+            unsafe { wide_copy(dst, src, len) };
         } else {
-            narrow_copy(dst, src, len);
+            // SAFETY: `narrow_copy` asks only this function's contract (SSE2 is baseline on
+            // x86_64), which the caller upholds.
+            unsafe { narrow_copy(dst, src, len) };
         }
         return;
     }
-    std::ptr::copy_nonoverlapping(src, dst, len);
+    // SAFETY: the caller promises exactly `copy_nonoverlapping`'s contract (see # Safety).
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
 /// Whether `dst` lies 1 to `NEAR - 1` bytes past `src` modulo a page. The kernel's copies
@@ -53,21 +58,27 @@ pub(crate) fn just_ahead(dst: *const u8, src: *const u8) -> bool {
 unsafe fn wide_copy(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
     let body = len & !127;
-    for i in (0..body).step_by(128) {
-        let s = src.add(i) as *const __m256i;
-        let d = dst.add(i) as *mut __m256i;
-        let (a, b, c, e) = (
-            _mm256_loadu_si256(s),
-            _mm256_loadu_si256(s.add(1)),
-            _mm256_loadu_si256(s.add(2)),
-            _mm256_loadu_si256(s.add(3)),
-        );
-        _mm256_storeu_si256(d, a);
-        _mm256_storeu_si256(d.add(1), b);
-        _mm256_storeu_si256(d.add(2), c);
-        _mm256_storeu_si256(d.add(3), e);
+    // SAFETY: every 32-byte load and store lies in `[i, i + 128)` with `i + 128 <= body <=
+    // len`, and the tail copies `[body, len)`: all inside the `len` bytes the caller vouches
+    // for at `src` (reads) and `dst` (writes), which do not overlap. The loads and stores are
+    // the unaligned kind, and the caller promises AVX (`#[target_feature]` above).
+    unsafe {
+        for i in (0..body).step_by(128) {
+            let s = src.add(i) as *const __m256i;
+            let d = dst.add(i) as *mut __m256i;
+            let (a, b, c, e) = (
+                _mm256_loadu_si256(s),
+                _mm256_loadu_si256(s.add(1)),
+                _mm256_loadu_si256(s.add(2)),
+                _mm256_loadu_si256(s.add(3)),
+            );
+            _mm256_storeu_si256(d, a);
+            _mm256_storeu_si256(d.add(1), b);
+            _mm256_storeu_si256(d.add(2), c);
+            _mm256_storeu_si256(d.add(3), e);
+        }
+        std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), len - body);
     }
-    std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), len - body);
 }
 
 /// # Safety
@@ -76,21 +87,27 @@ unsafe fn wide_copy(dst: *mut u8, src: *const u8, len: usize) {
 unsafe fn narrow_copy(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128};
     let body = len & !63;
-    for i in (0..body).step_by(64) {
-        let s = src.add(i) as *const __m128i;
-        let d = dst.add(i) as *mut __m128i;
-        let (a, b, c, e) = (
-            _mm_loadu_si128(s),
-            _mm_loadu_si128(s.add(1)),
-            _mm_loadu_si128(s.add(2)),
-            _mm_loadu_si128(s.add(3)),
-        );
-        _mm_storeu_si128(d, a);
-        _mm_storeu_si128(d.add(1), b);
-        _mm_storeu_si128(d.add(2), c);
-        _mm_storeu_si128(d.add(3), e);
+    // SAFETY: every 16-byte load and store lies in `[i, i + 64)` with `i + 64 <= body <= len`,
+    // and the tail copies `[body, len)`: all inside the `len` bytes the caller vouches for at
+    // `src` (reads) and `dst` (writes), which do not overlap. The loads and stores are the
+    // unaligned kind, and SSE2 is part of every x86_64 CPU.
+    unsafe {
+        for i in (0..body).step_by(64) {
+            let s = src.add(i) as *const __m128i;
+            let d = dst.add(i) as *mut __m128i;
+            let (a, b, c, e) = (
+                _mm_loadu_si128(s),
+                _mm_loadu_si128(s.add(1)),
+                _mm_loadu_si128(s.add(2)),
+                _mm_loadu_si128(s.add(3)),
+            );
+            _mm_storeu_si128(d, a);
+            _mm_storeu_si128(d.add(1), b);
+            _mm_storeu_si128(d.add(2), c);
+            _mm_storeu_si128(d.add(3), e);
+        }
+        std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), len - body);
     }
-    std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), len - body);
 }
 
 #[cfg(test)]
@@ -132,7 +149,11 @@ mod tests {
                     );
                     let run = |f: unsafe fn(*mut u8, *const u8, usize)| {
                         let mut d = dst.clone();
+                        // SAFETY: `at < PAGE` and `d` holds `3 * PAGE + 1024` bytes.
                         let p = unsafe { d.as_mut_ptr().add(at) };
+                        // SAFETY: `at + len` and `from + len` stay within `d` and `src` (both
+                        // over 3 pages, `len` under 10000); `d` is a fresh copy, apart from
+                        // `src`; the AVX path runs only where `wide()` found AVX.
                         unsafe { f(p, s, len) };
                         assert_eq!(&d[at..at + len], &src[from..from + len], "{dist} {len}");
                         assert!(d[..at].iter().all(|&b| b == 0xEE), "{dist} {len}");

@@ -330,16 +330,20 @@ pub(super) unsafe fn small(
         return false;
     }
     let x = Raw { dst, a, b, len };
-    match r.dtype {
-        DataType::Int8 => small_int::<i8>(r.op, x),
-        DataType::Uint8 => small_int::<u8>(r.op, x),
-        DataType::Int32 => small_int::<i32>(r.op, x),
-        DataType::Uint32 => small_int::<u32>(r.op, x),
-        DataType::Int64 => small_int::<i64>(r.op, x),
-        DataType::Uint64 => small_int::<u64>(r.op, x),
-        DataType::Float32 => small_arith::<f32>(r.op, x),
-        DataType::Float64 => small_arith::<f64>(r.op, x),
-        _ => false,
+    // SAFETY: each helper has this function's contract, which the caller upholds; the element
+    // type each one gets is `r.dtype`'s, so "a whole number of elements" still holds.
+    unsafe {
+        match r.dtype {
+            DataType::Int8 => small_int::<i8>(r.op, x),
+            DataType::Uint8 => small_int::<u8>(r.op, x),
+            DataType::Int32 => small_int::<i32>(r.op, x),
+            DataType::Uint32 => small_int::<u32>(r.op, x),
+            DataType::Int64 => small_int::<i64>(r.op, x),
+            DataType::Uint64 => small_int::<u64>(r.op, x),
+            DataType::Float32 => small_arith::<f32>(r.op, x),
+            DataType::Float64 => small_arith::<f64>(r.op, x),
+            _ => false,
+        }
     }
 }
 
@@ -357,11 +361,15 @@ struct Raw {
 /// # Safety
 /// As `small`.
 unsafe fn small_int<T: Bitwise>(op: ReduceOp, x: Raw) -> bool {
-    match op {
-        ReduceOp::BitAnd => small_loop::<T, And>(x),
-        ReduceOp::BitOr => small_loop::<T, Or>(x),
-        ReduceOp::BitXor => small_loop::<T, Xor>(x),
-        _ => return small_arith::<T>(op, x),
+    // SAFETY: `small_loop` and `small_arith` have this function's contract, which the caller
+    // upholds, for the same `T`.
+    unsafe {
+        match op {
+            ReduceOp::BitAnd => small_loop::<T, And>(x),
+            ReduceOp::BitOr => small_loop::<T, Or>(x),
+            ReduceOp::BitXor => small_loop::<T, Xor>(x),
+            _ => return small_arith::<T>(op, x),
+        }
     }
     true
 }
@@ -371,12 +379,16 @@ unsafe fn small_int<T: Bitwise>(op: ReduceOp, x: Raw) -> bool {
 /// # Safety
 /// As `small`.
 unsafe fn small_arith<T: Element>(op: ReduceOp, x: Raw) -> bool {
-    match op {
-        ReduceOp::Sum => small_loop::<T, Add>(x),
-        ReduceOp::Prod => small_loop::<T, Mul>(x),
-        ReduceOp::Max => small_loop::<T, Max>(x),
-        ReduceOp::Min => small_loop::<T, Min>(x),
-        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => return false,
+    // SAFETY: `small_loop` has this function's contract, which the caller upholds, for the
+    // same `T`.
+    unsafe {
+        match op {
+            ReduceOp::Sum => small_loop::<T, Add>(x),
+            ReduceOp::Prod => small_loop::<T, Mul>(x),
+            ReduceOp::Max => small_loop::<T, Max>(x),
+            ReduceOp::Min => small_loop::<T, Min>(x),
+            ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => return false,
+        }
     }
     true
 }
@@ -387,9 +399,15 @@ unsafe fn small_loop<T: Pod, O: Op<T>>(x: Raw) {
     let w = std::mem::size_of::<T>();
     let mut i = 0;
     while i < x.len {
-        let p = (x.a.add(i) as *const T).read_unaligned();
-        let q = (x.b.add(i) as *const T).read_unaligned();
-        (x.dst.add(i) as *mut T).write_unaligned(O::apply(p, q));
+        // SAFETY: `x.len` is a whole number of `T`s (caller), so `[i, i + w)` lies inside
+        // the `len` bytes each pointer covers; the accesses are unaligned ones, and `T: Pod`
+        // makes any bytes a valid `T`. Both operands of element `i` are read before its one
+        // write, so `dst` being `a` or `b` is fine.
+        unsafe {
+            let p = (x.a.add(i) as *const T).read_unaligned();
+            let q = (x.b.add(i) as *const T).read_unaligned();
+            (x.dst.add(i) as *mut T).write_unaligned(O::apply(p, q));
+        }
         i += w;
     }
 }

@@ -181,7 +181,8 @@ impl Reducer {
         b: *const u8,
         len: usize,
     ) -> bool {
-        kernels::small(*self, dst, a, b, len)
+        // SAFETY: `kernels::small` has this function's contract, which the caller upholds.
+        unsafe { kernels::small(*self, dst, a, b, len) }
     }
 
     /// `acc[i] = op(sacc * acc[i], sb * b[i])`.

@@ -27,19 +27,31 @@ pub(crate) unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize, fence
     #[cfg(target_arch = "x86_64")]
     {
         let head = dst.align_offset(64).min(len);
-        std::ptr::copy_nonoverlapping(src, dst, head);
+        // SAFETY: `head <= len`, inside the two non-overlapping ranges the caller vouches for.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
         let body = (len - head) & !63;
-        let (d, s) = (dst.add(head), src.add(head));
-        if wide() {
-            lines(d, s, body);
-        } else {
-            quarters(d, s, body);
+        // SAFETY: `head <= len`, so both stay within (or one past) the caller's ranges.
+        let (d, s) = unsafe { (dst.add(head), src.add(head)) };
+        // SAFETY: `[head, head + body)` lies within `len` (`body <= len - head`) and is a
+        // multiple of 64; `d` is 64-byte aligned whenever `body > 0` (`head` is then
+        // `dst`'s offset to a line, not clamped to `len`); `lines` runs only where `wide()`
+        // found AVX.
+        unsafe {
+            if wide() {
+                lines(d, s, body);
+            } else {
+                quarters(d, s, body);
+            }
         }
         let done = head + body;
-        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
+        // SAFETY: `[done, len)` is the rest of the caller's ranges.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done) };
     }
+    // SAFETY: the caller's contract is `copy_nonoverlapping`'s.
     #[cfg(not(target_arch = "x86_64"))]
-    std::ptr::copy_nonoverlapping(src, dst, len);
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, len)
+    };
     if fence {
         stream_fence();
     }
@@ -102,9 +114,15 @@ pub(super) fn emit_twice(streamed: &mut [u8], also: &mut [u8], bytes: &[u8], wid
 #[target_feature(enable = "avx")]
 unsafe fn lines(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
-    for i in (0..len).step_by(32) {
-        let v = _mm256_loadu_si256(src.add(i) as *const __m256i);
-        _mm256_stream_si256(dst.add(i) as *mut __m256i, v);
+    // SAFETY: each access covers `[i, i + 32)` with `i + 32 <= len` (a multiple of 64, so
+    // of 32), inside both ranges the caller vouches for; the loads are unaligned ones and
+    // the streaming stores land on 32-byte boundaries of the line-aligned `dst`, as
+    // `_mm256_stream_si256` requires; the caller promises AVX (`#[target_feature]`).
+    unsafe {
+        for i in (0..len).step_by(32) {
+            let v = _mm256_loadu_si256(src.add(i) as *const __m256i);
+            _mm256_stream_si256(dst.add(i) as *mut __m256i, v);
+        }
     }
 }
 
@@ -113,9 +131,15 @@ unsafe fn lines(dst: *mut u8, src: *const u8, len: usize) {
 #[cfg(target_arch = "x86_64")]
 unsafe fn quarters(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    for i in (0..len).step_by(16) {
-        let v = _mm_loadu_si128(src.add(i) as *const __m128i);
-        _mm_stream_si128(dst.add(i) as *mut __m128i, v);
+    // SAFETY: each access covers `[i, i + 16)` with `i + 16 <= len` (a multiple of 64),
+    // inside both ranges the caller vouches for; the loads are unaligned ones and the
+    // streaming stores land on 16-byte boundaries of the line-aligned `dst`, as
+    // `_mm_stream_si128` requires; SSE2 is part of every x86_64 CPU.
+    unsafe {
+        for i in (0..len).step_by(16) {
+            let v = _mm_loadu_si128(src.add(i) as *const __m128i);
+            _mm_stream_si128(dst.add(i) as *mut __m128i, v);
+        }
     }
 }
 
@@ -128,10 +152,16 @@ unsafe fn lines_twice(streamed: *mut u8, also: *mut u8, src: *const u8, len: usi
     use std::arch::x86_64::{
         __m256i, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256,
     };
-    for i in (0..len).step_by(32) {
-        let v = _mm256_loadu_si256(src.add(i) as *const __m256i);
-        _mm256_stream_si256(streamed.add(i) as *mut __m256i, v);
-        _mm256_storeu_si256(also.add(i) as *mut __m256i, v);
+    // SAFETY: each access covers `[i, i + 32)` with `i + 32 <= len` (a multiple of 64),
+    // inside the three ranges the caller vouches for; the load and the plain store are
+    // unaligned ones and the streaming store lands on a 32-byte boundary of the line-aligned
+    // `streamed`, as `_mm256_stream_si256` requires; the caller promises AVX.
+    unsafe {
+        for i in (0..len).step_by(32) {
+            let v = _mm256_loadu_si256(src.add(i) as *const __m256i);
+            _mm256_stream_si256(streamed.add(i) as *mut __m256i, v);
+            _mm256_storeu_si256(also.add(i) as *mut __m256i, v);
+        }
     }
 }
 
@@ -140,10 +170,16 @@ unsafe fn lines_twice(streamed: *mut u8, also: *mut u8, src: *const u8, len: usi
 #[cfg(target_arch = "x86_64")]
 unsafe fn quarters_twice(streamed: *mut u8, also: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_stream_si128};
-    for i in (0..len).step_by(16) {
-        let v = _mm_loadu_si128(src.add(i) as *const __m128i);
-        _mm_stream_si128(streamed.add(i) as *mut __m128i, v);
-        _mm_storeu_si128(also.add(i) as *mut __m128i, v);
+    // SAFETY: each access covers `[i, i + 16)` with `i + 16 <= len` (a multiple of 64),
+    // inside the three ranges the caller vouches for; the load and the plain store are
+    // unaligned ones and the streaming store lands on a 16-byte boundary of the line-aligned
+    // `streamed`, as `_mm_stream_si128` requires; SSE2 is part of every x86_64 CPU.
+    unsafe {
+        for i in (0..len).step_by(16) {
+            let v = _mm_loadu_si128(src.add(i) as *const __m128i);
+            _mm_stream_si128(streamed.add(i) as *mut __m128i, v);
+            _mm_storeu_si128(also.add(i) as *mut __m128i, v);
+        }
     }
 }
 

@@ -643,8 +643,8 @@ pub(crate) fn register(
                         let pid = c.placements[r].pid;
                         if i.len > 0 {
                             let mut probe = [0u8; 1];
-                            // SAFETY: probe is one writable byte.
                             if let Err(e) =
+                                // SAFETY: probe is one writable byte.
                                 unsafe { sys::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
                             {
                                 return crate::invalid_usage!(
@@ -985,7 +985,10 @@ pub(crate) unsafe fn put(
     let peer = peer_index(c, peer)?;
     check_range(&w.peers[peer], off, len, peer)?;
     check_local(src as usize, "localbuff", &w, peer)?;
-    put_checked(&w, peer, off, src, len, signal, None)
+    // SAFETY: `peer` and the range were checked just above, as `put_checked` requires; `src`
+    // holds `len` bytes (this function's caller), and without a stream the copy is done on
+    // return.
+    unsafe { put_checked(&w, peer, off, src, len, signal, None) }
 }
 
 /// [`put`] on a window already looked up, with `peer` and the range checked. Into device
@@ -1148,17 +1151,20 @@ impl DirectPuts {
         };
         // The full path's checks: the range (check_range), a host source buffer for a host
         // part (check_local), the part still registered (check_live).
-        // SAFETY (both derefs): the mappings are held by `_w`.
         let plain = off.checked_add(len).is_some_and(|end| end <= d.len)
             && !matches!(
                 crate::cuda::classify(src.cast()),
                 crate::cuda::MemKind::Device(_)
             )
-            && d.live
-                .is_none_or(|(word, handle)| unsafe { &*word }.load(Ordering::Acquire) == handle);
+            && d.live.is_none_or(|(word, handle)| {
+                // SAFETY: the live word sits in the peer's control block, which the window
+                // `_w` (held by `self`) keeps mapped.
+                unsafe { &*word }.load(Ordering::Acquire) == handle
+            });
         if plain {
             // SAFETY: inside the peer's part (checked), mapped here; src as this function's.
             unsafe { store_direct(d.base.add(off), src, len) };
+            // SAFETY: `ctl` points into the window's control blocks, which `_w` keeps alive.
             signal_ctl(unsafe { &*d.ctl }, self.rank);
         }
         plain

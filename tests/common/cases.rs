@@ -146,6 +146,8 @@ impl Call {
     ) -> ncclResult_t {
         let (c, s, root) = (comm, stream, self.root as i32);
         let (dt, count, redop) = (self.dt, self.count, self.redop);
+        // SAFETY: each arm is one C API call with the caller's buffers, communicator and
+        // stream, which the caller promises suit it (# Safety), and this case's own counts.
         unsafe {
             match self.coll {
                 Coll::AllReduce => ncclAllReduce(send, recv, count, dt, redop, c, s),

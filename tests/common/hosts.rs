@@ -34,6 +34,7 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 impl Hosts {
     /// `n` hosts, or None (with the reason printed) where namespaces cannot be made here.
     pub fn up(n: usize) -> Option<Hosts> {
+        // SAFETY: geteuid takes nothing and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let ip = Command::new("ip").arg("-V").output().is_ok();
         if !root || !ip {

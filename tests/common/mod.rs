@@ -22,6 +22,7 @@ macro_rules! nccl {
     ($e:expr) => {{
         // Test code calls the C ABI as C would; the macro saves an unsafe block per call.
         #[allow(unused_unsafe, clippy::macro_metavars_in_unsafe)]
+        // SAFETY: `$e` is a C API call whose arguments the test made for it.
         let r = unsafe { $e };
         if r != comm::ffi::types::ncclResult_t::ncclSuccess {
             return Err(format!(
@@ -45,6 +46,7 @@ pub fn unique_id() -> ncclUniqueId {
     let mut id = ncclUniqueId {
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
+    // SAFETY: `id` is a local out-parameter of the right type.
     let r = unsafe { ncclGetUniqueId(&mut id) };
     assert_eq!(r, OK, "ncclGetUniqueId: {}", last_error());
     id
@@ -105,6 +107,7 @@ pub fn settled(comm: ncclComm_t, r: ncclResult_t, limit: Duration) -> ncclResult
     let t = std::time::Instant::now();
     loop {
         let mut state = ncclResult_t::ncclInternalError;
+        // SAFETY: `comm` is the caller's live communicator; `state` is a local out-parameter.
         let q = unsafe { ncclCommGetAsyncError(comm, &mut state) };
         if q != OK {
             return q;
@@ -379,6 +382,8 @@ pub fn with_threads_on(
 ) {
     let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
     let list = devs.map_or(std::ptr::null(), |d| d.as_ptr());
+    // SAFETY: `comms` has room for `n` communicators; `list` is null or `devs`, one device per
+    // rank as callers give it.
     let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, list) };
     assert_eq!(r, OK, "ncclCommInitAll: {}", last_error());
     let body = std::sync::Arc::new(body);
@@ -408,6 +413,7 @@ pub fn with_threads_on(
         }
     }
     for c in comms {
+        // SAFETY: `c` came from ncclCommInitAll above and is destroyed once, its threads done.
         unsafe { ncclCommDestroy(c) };
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -34,6 +34,7 @@ impl Buf {
         }
     }
     pub fn ptr(&mut self) -> *mut c_void {
+        // SAFETY: `start` is `GUARD + offset`, inside the `len + offset + 2 * GUARD` bytes.
         unsafe { self.bytes.as_mut_ptr().add(self.start) as *mut c_void }
     }
     pub fn data(&self) -> &[u8] {
@@ -243,10 +244,12 @@ impl<'a> Case<'a> {
         } else {
             (bufs.send.ptr() as *mut u8, bufs.recv.ptr() as *mut u8)
         };
+        // SAFETY: `send_at` is 0 or the in-place send part's offset inside `big`.
         let sendp = unsafe { send_base.add(send_at) } as *const c_void;
         let recvp = if null_recv {
             std::ptr::null_mut()
         } else {
+            // SAFETY: `recv_at` is 0 or the in-place receive part's offset inside `big`.
             unsafe { recv_base.add(recv_at) as *mut c_void }
         };
         Ok(Case {

@@ -116,6 +116,12 @@ pub(super) struct Tables {
     pub(super) tried: bool,
 }
 
+// SAFETY: what keeps the cache from being Send automatically is raw pointers into the user's
+// buffers and scratch (`HostOp`, the built steps), left from the last run. They are followed
+// only during a run, by the thread that holds the comm's `Mutex<ExecCache>` for it, after that
+// run stored its own call's buffers in them (`run_again_in` replaces `send`/`recv` once the
+// new call is admitted); between runs nothing reads through them, so the cache may move to
+// another thread.
 unsafe impl Send for ExecCache {}
 
 /// How an operation's send and receive buffers overlap (see `Aliasing`).

@@ -129,17 +129,23 @@ impl Sink for RecvSink {
 pub(super) unsafe fn copy_scaled(dst: *mut u8, a: Src, len: usize, reduction: Option<Reduction>) {
     match (a.scale, reduction) {
         (Some(s), Some(red)) => {
-            let d = std::slice::from_raw_parts_mut(dst, len);
+            // SAFETY: the caller vouches for `len` bytes at `dst`; nothing else refers to them
+            // while `d` lives (the shared view of `a` below is made only when it is elsewhere).
+            let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
             if std::ptr::eq(a.ptr, dst) {
                 red.reducer.scale_in_place(d, s);
             } else {
-                red.reducer
-                    .scale(d, std::slice::from_raw_parts(a.ptr, len), s);
+                // SAFETY: `a.ptr` covers `len` bytes (caller) and, not coinciding with `dst`,
+                // does not overlap it (caller), so it does not alias `d`.
+                let a = unsafe { std::slice::from_raw_parts(a.ptr, len) };
+                red.reducer.scale(d, a, s);
             }
         }
         _ => {
             if !std::ptr::eq(a.ptr, dst) {
-                crate::reduce::copy_bytes(dst, a.ptr, len);
+                // SAFETY: both cover `len` bytes (caller), and not coinciding they do not
+                // overlap (caller): `copy_bytes`'s contract.
+                unsafe { crate::reduce::copy_bytes(dst, a.ptr, len) };
             }
         }
     }
@@ -150,22 +156,39 @@ pub(super) unsafe fn copy_scaled(dst: *mut u8, a: Src, len: usize, reduction: Op
 /// # Safety
 /// All three cover `len` bytes; dst coincides with a, with b, or overlaps neither.
 pub(super) unsafe fn combine(dst: *mut u8, a: Src, b: Src, len: usize, reducer: &Reducer) {
-    if a.scale.is_none() && b.scale.is_none() && reducer.reduce_small(dst, a.ptr, b.ptr, len) {
+    if a.scale.is_none()
+        && b.scale.is_none()
+        // SAFETY: `reduce_small` asks exactly this function's contract, which the caller
+        // upholds.
+        && unsafe { reducer.reduce_small(dst, a.ptr, b.ptr, len) }
+    {
         return;
     }
-    let d = std::slice::from_raw_parts_mut(dst, len);
+    // SAFETY: the caller vouches for `len` bytes at `dst`; the shared views below are of
+    // operands that are not `dst` and so (caller) do not overlap it.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
     if std::ptr::eq(a.ptr, dst) {
-        reducer.reduce_in_place(d, a.scale, std::slice::from_raw_parts(b.ptr, len), b.scale);
+        // SAFETY: `b.ptr` covers `len` bytes (caller). With `dst` being `a`, the caller's
+        // promise leaves `b` apart from `dst` or (not ruled out) equal to it too, which would
+        // alias `d`: sound only because no caller passes one buffer as all three (a
+        // schedule's local step folds two different contributions).
+        let b_bytes = unsafe { std::slice::from_raw_parts(b.ptr, len) };
+        reducer.reduce_in_place(d, a.scale, b_bytes, b.scale);
     } else if std::ptr::eq(b.ptr, dst) {
-        reducer.reduce_in_place(d, b.scale, std::slice::from_raw_parts(a.ptr, len), a.scale);
+        // SAFETY: `a.ptr` covers `len` bytes (caller) and is not `dst`, so it overlaps
+        // neither (caller).
+        let a_bytes = unsafe { std::slice::from_raw_parts(a.ptr, len) };
+        reducer.reduce_in_place(d, b.scale, a_bytes, a.scale);
     } else {
-        reducer.reduce(
-            d,
-            std::slice::from_raw_parts(a.ptr, len),
-            a.scale,
-            std::slice::from_raw_parts(b.ptr, len),
-            b.scale,
-        );
+        // SAFETY: both cover `len` bytes (caller) and, being neither `dst`, overlap neither
+        // (caller); shared views of the two may overlap each other.
+        let (a_bytes, b_bytes) = unsafe {
+            (
+                std::slice::from_raw_parts(a.ptr, len),
+                std::slice::from_raw_parts(b.ptr, len),
+            )
+        };
+        reducer.reduce(d, a_bytes, a.scale, b_bytes, b.scale);
     }
 }
 
@@ -176,8 +199,10 @@ pub(super) unsafe fn combine(dst: *mut u8, a: Src, b: Src, len: usize, reducer: 
 pub(super) unsafe fn finish(dst: *mut u8, len: usize, last: bool, reduction: Option<Reduction>) {
     if let (true, Some(red)) = (last, reduction) {
         if let Some(n) = red.divide_by {
-            red.reducer
-                .divide_in_place(std::slice::from_raw_parts_mut(dst, len), n);
+            // SAFETY: the caller vouches for `len` bytes at `dst`, and no other reference to
+            // them is live here.
+            let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            red.reducer.divide_in_place(d, n);
         }
     }
 }

@@ -452,8 +452,8 @@ impl Link for SocketLink {
                 let direct = sink.direct();
                 let at = start + p.done;
                 let io = match direct {
-                    // SAFETY: the destination covers the message; this piece lies inside it.
                     Some(dst) => {
+                        // SAFETY: the destination covers the message; this piece lies inside it.
                         self.read(i, unsafe { dst.add(at + p.staged) }, chunk - p.staged)?
                     }
                     None => {
