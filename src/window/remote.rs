@@ -5,10 +5,12 @@
 //! Puts and signals are not answered; gets, atomics, pad updates and flushes are, and a flush
 //! is answered only after everything sent before it was applied.
 
-use super::{window_by_handle, Reach, Window};
+use super::ctl::Ctl;
+use super::ops::{atomic_at, check_range};
+use super::registry::window_by_handle;
+use super::{Reach, Window};
 use crate::bootstrap::auth;
 use crate::error::{Error, ErrorKind, Result};
-use crate::window::ctl::Ctl;
 use parking_lot::Mutex;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -194,7 +196,7 @@ fn target(win: u64, tag: u64, me: usize) -> Result<Arc<Window>> {
 /// The window a put or get names and the address of its range in this rank's part, checked.
 fn own_range(f: &Frame, tag: u64, me: usize) -> Result<(Arc<Window>, usize)> {
     let w = target(f.win, tag, me)?;
-    super::check_range(&w.peers[me], f.off as usize, f.len as usize, me)?;
+    check_range(&w.peers[me], f.off as usize, f.len as usize, me)?;
     match w.peers[me].data {
         Reach::Direct(base) => Ok((w.clone(), base + f.off as usize)),
         _ => crate::internal_err!("this rank's own window is not directly addressable"),
@@ -274,8 +276,8 @@ fn apply(
         OP_FETCH_ADD | OP_CAS => {
             let r = target(f.win, tag, me).and_then(|w| {
                 let cas = (f.op == OP_CAS).then_some(f.a);
-                super::check_range(&w.peers[me], f.off as usize, 8, me)?;
-                super::atomic_at(&w, me, f.off as usize, cas, f.b, ctl, Default::default())
+                check_range(&w.peers[me], f.off as usize, 8, me)?;
+                atomic_at(&w, me, f.off as usize, cas, f.b, ctl, Default::default())
             });
             reply(s, r, None)
         }
