@@ -34,6 +34,13 @@ static int64_t mem_used(void);
 static double g_bw_sum;
 static int g_bw_count, g_errors;
 
+/* On softgpu's stand-in driver (device memory, softgpu_counters in every process): the work each
+ * timed call gave the GPU, per call and rank, reported under each row. */
+enum { GC_KERNELS, GC_WRITES, GC_WAITS, GC_COPIES, GC_COPY_BYTES, GC_MEMSETS, GC_HOST_FUNCS,
+       GC_EVENT_RECORDS, GC_EVENT_WAITS, GC_GRAPH_LAUNCHES, GC_N };
+static int g_gpu_counts;
+static double g_row_counts[2][GC_N]; /* out-of-place, in-place: the row being printed */
+
 double bench_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -636,6 +643,64 @@ static void free_ops(bench_thread* t, const test* x) {
   for (int i = 0; i < t->n; i++) NCCLCHECK(t, ncclRedOpDestroy(t->ops[i], t->comms[i]));
 }
 
+/* ---- the stand-in's counts ----------------------------------------------------------------- */
+
+/* This process's counts, read by its thread 0 between two barriers of its threads: every thread
+ * has given its earlier work and none has started the next. Barriers of this process only, as
+ * the counts are the process's and the run-wide ones may be collectives themselves. */
+static void gpu_counts_take(bench_thread* t, bench_softgpu_counts* out) {
+  bench_local_barrier(t);
+  if (t->thread == 0 && bench_cu.softgpu_counters(out) != 0) memset(out, 0, sizeof *out);
+  bench_local_barrier(t);
+}
+
+/* The counts between two snapshots, summed over processes, per call (`calls` per rank) and rank:
+ * the same result in every thread. */
+static void gpu_counts_per_call(bench_thread* t, const bench_softgpu_counts* a, const bench_softgpu_counts* b,
+                                double calls, double* out) {
+  for (int k = 0; k < GC_N; k++) out[k] = 0;
+  if (t->thread == 0) {
+    out[GC_KERNELS] = (double)(b->kernel_launches - a->kernel_launches);
+    out[GC_WRITES] = (double)(b->write_values - a->write_values);
+    out[GC_WAITS] = (double)(b->wait_values - a->wait_values);
+    out[GC_COPIES] = (double)(b->copies - a->copies);
+    out[GC_COPY_BYTES] = (double)(b->copy_bytes - a->copy_bytes);
+    out[GC_MEMSETS] = (double)(b->memsets - a->memsets);
+    out[GC_HOST_FUNCS] = (double)(b->host_funcs - a->host_funcs);
+    out[GC_EVENT_RECORDS] = (double)(b->event_records - a->event_records);
+    out[GC_EVENT_WAITS] = (double)(b->event_waits - a->event_waits);
+    out[GC_GRAPH_LAUNCHES] = (double)(b->graph_launches - a->graph_launches);
+  }
+  bench_sync_reduce(t, out, GC_N, SYNC_SUM);
+  for (int k = 0; k < GC_N; k++) out[k] /= calls * bench_w.nranks;
+}
+
+static void gpu_counts_json(const double* c) {
+  static const char* const keys[GC_N] = {"kernels", "write_values", "wait_values", "copies", "copy_bytes",
+                                         "memsets", "host_funcs", "event_records", "event_waits",
+                                         "graph_launches"};
+  bench_json_key("softgpu_per_call_per_rank");
+  bench_json_begin_object();
+  for (int k = 0; k < GC_N; k++) {
+    bench_json_key(keys[k]);
+    bench_json_double(c[k]);
+  }
+  bench_json_key("memops");
+  bench_json_double(c[GC_WRITES] + c[GC_WAITS]);
+  bench_json_end();
+}
+
+/* One comment line under the row: the table itself stays nccl-tests'. */
+static void gpu_counts_line(const test* x) {
+  printf("# softgpu: size=%zu", x->total_bytes);
+  for (int ip = 0; ip < 2; ip++) {
+    const double* c = g_row_counts[ip];
+    printf("%s kernels=%.10g memops=%.10g copies=%.10g copy_bytes=%.10g", ip ? " | in-place" : " out-of-place",
+           c[GC_KERNELS], c[GC_WRITES] + c[GC_WAITS], c[GC_COPIES], c[GC_COPY_BYTES]);
+  }
+  printf("\n");
+}
+
 /* ---- output rows -------------------------------------------------------------------------- */
 
 static void row_begin(const test* x) {
@@ -685,7 +750,7 @@ static void compute_stats(const double* times, int n, iter_stats* s) {
 }
 
 static void row_body(int in_place, double time_us, double algbw, double busbw, int checked, double wrong,
-                     const double* iter_times) {
+                     const double* iter_times, const double* gpu_counts) {
   char ts[16], ab[16], bb[16];
   bench_float_str(time_us, 7, ts);
   bench_float_str(algbw, 6, ab);
@@ -707,6 +772,7 @@ static void row_body(int in_place, double time_us, double algbw, double busbw, i
     bench_json_double(wrong);
   else
     bench_json_null();
+  if (gpu_counts) gpu_counts_json(gpu_counts);
   bench_json_end();
   if (iter_times) {
     int skip = bench_opt.per_iter_skip, n = bench_opt.iters - skip;
@@ -770,6 +836,8 @@ static void bench_time(bench_thread* t, const test* x, int in_place) {
     for (;;) sleep(1);
   }
 
+  bench_softgpu_counts c0, c1;
+  if (g_gpu_counts) gpu_counts_take(t, &c0);
   int agg = o->agg_iters;
   int grouped = agg > 1 && g_be->uses_nccl_comms;
   double barrier_time = 0;
@@ -807,6 +875,11 @@ static void bench_time(bench_thread* t, const test* x, int in_place) {
   double cputime = (bench_now() - t0) / ((double)o->iters * agg);
   complete(t);
   double delta = (bench_now() - t0 - barrier_time) / ((double)o->iters * agg);
+  double gpu[GC_N];
+  if (g_gpu_counts) {
+    gpu_counts_take(t, &c1);
+    gpu_counts_per_call(t, &c0, &c1, (double)o->iters * agg, gpu);
+  }
 
   /* Combine across threads and processes per -a. */
   double v[2] = {delta, cputime};
@@ -851,7 +924,9 @@ static void bench_time(bench_thread* t, const test* x, int in_place) {
   }
   if (is_main(t)) {
     double time_us = (o->report_cputime ? cputime : delta) * 1e6;
-    row_body(in_place, time_us, algbw, busbw, checked, wrong, o->per_iter ? t->iter_times : NULL);
+    row_body(in_place, time_us, algbw, busbw, checked, wrong, o->per_iter ? t->iter_times : NULL,
+             g_gpu_counts ? gpu : NULL);
+    if (g_gpu_counts) memcpy(g_row_counts[in_place], gpu, sizeof gpu);
   }
   if (t->thread == 0) { /* busbw is every process's (delta is combined): so is the average */
     g_bw_sum += busbw;
@@ -893,6 +968,7 @@ static void time_test(bench_thread* t, int type_index, int op, int root) {
     bench_time(t, &x, 1);
     if (is_main(t)) {
       row_end();
+      if (g_gpu_counts) gpu_counts_line(&x);
       fflush(stdout);
     }
   }
@@ -1057,6 +1133,7 @@ typedef struct proc_info {
   int64_t mem_limit; /* largest -e this process can hold, bytes */
   int32_t pid;
   int32_t env_local_rank; /* LOCAL_RANK, or -1 */
+  int32_t gpu_counts;     /* device memory on softgpu's stand-in: softgpu_counters answers */
 } proc_info;
 
 typedef struct rank_info {
@@ -1247,8 +1324,15 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
       me.mem_limit = avail < 0 ? INT64_MAX : avail / 10 * 8;
     }
   }
+  if (bench_w.device_mode && bench_cu.softgpu_counters) {
+    bench_softgpu_counts c;
+    me.gpu_counts = bench_cu.softgpu_counters(&c) == 0 && c.version == 1;
+  }
   if (bench_oob_allgather(&me, all, sizeof me) != 0)
     bench_fail(BENCH_ERR_INTERNAL, "%s: start-up exchange between processes failed\n", bench_w.hostname);
+  /* Counted only where every process can count: the snapshots are taken between barriers. */
+  g_gpu_counts = 1;
+  for (int p = 0; p < bench_w.nprocs; p++) g_gpu_counts &= all[p].gpu_counts != 0;
   for (int p = 0; p < bench_w.nprocs; p++) {
     if (all[p].host_hash != me.host_hash) continue;
     procs_on_host++;
@@ -1389,6 +1473,8 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
     bench_json_str(be->name);
     bench_json_key("memory");
     bench_json_str(bench_w.device_mode ? "device" : "host");
+    bench_json_key("softgpu_counters");
+    bench_json_bool_str(g_gpu_counts);
     bench_json_key("nranks");
     bench_json_int(bench_w.nranks);
     bench_json_key("nprocs");
@@ -1450,6 +1536,10 @@ int bench_main(int argc, char** argv, const char* program, const bench_coll* col
     const char* ts_label = o->report_timestamps ? "timestamp" : "";
     const char* ts_fmt = o->report_timestamps ? "%Y-%m-%d %H:%M:%S" : "";
     int ts_pad = o->report_timestamps ? 19 : 0;
+    if (g_gpu_counts)
+      printf("#\n# softgpu: under each row, what one timed call gave the GPU, per rank (the stand-in driver's\n"
+             "#   softgpu_counters, summed over processes, divided by iterations and ranks): kernels launched,\n"
+             "#   memops (stream write and wait value operations), copies and copy_bytes\n");
     printf("#\n");
     if (o->per_iter) {
       printf("# %10s  %12s  %8s  %6s  %6s              out-of-place (+ per-iteration)                                in-place (+ per-iteration)\n",

@@ -4,6 +4,7 @@
  * name comes from the driver's cuDeviceGetName: cudaDeviceProp's layout changes between
  * runtime versions, so reading its name field through a struct compiled here would be wrong
  * for some of them. */
+#define _GNU_SOURCE /* RTLD_DEFAULT */
 #include "harness.h"
 
 #include <dlfcn.h>
@@ -68,6 +69,10 @@ int bench_cuda_load(char* why, size_t len) {
     snprintf(why, len, "the CUDA driver lacks cuInit/cuDeviceGet/cuDeviceGetName");
     return -1;
   }
+  /* In the process's global scope when something loaded the stand-in so; else in the driver
+   * opened here (RTLD_LOCAL). A real driver has neither. */
+  *(void**)&bench_cu.softgpu_counters = dlsym(RTLD_DEFAULT, "softgpu_counters");
+  if (!bench_cu.softgpu_counters) *(void**)&bench_cu.softgpu_counters = dlsym(drv, "softgpu_counters");
 
   int count = 0;
   int err = bench_cu.GetDeviceCount(&count);

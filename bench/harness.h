@@ -106,6 +106,13 @@ int bench_expect(const bench_data* d, size_t j, int* src, uint64_t* index);
 /* ---- CUDA, loaded at run time (cudart.c) --------------------------------------------------- */
 
 enum { BENCH_H2D = 1, BENCH_D2H = 2 };
+/* softgpu_counters()'s layout, version 1 (struct softgpu_counters in softgpu/counts.cpp). */
+typedef struct bench_softgpu_counts {
+  uint64_t version;
+  uint64_t kernel_launches, write_values, wait_values, copies, memsets, host_funcs, event_records,
+      event_waits, graph_launches, copy_bytes, captured;
+  uint64_t copy_sizes[40];
+} bench_softgpu_counts;
 typedef struct bench_cuda {
   int (*GetDeviceCount)(int*);
   int (*SetDevice)(int);
@@ -121,6 +128,9 @@ typedef struct bench_cuda {
   int (*cuInit)(unsigned);
   int (*cuDeviceGet)(int*, int);
   int (*cuDeviceGetName)(char*, int, int);
+  /* softgpu's stand-in driver (softgpu/counts.cpp) only: the work its streams were given so far
+   * in this process. NULL on a real driver. */
+  int (*softgpu_counters)(struct bench_softgpu_counts*);
 } bench_cuda;
 extern bench_cuda bench_cu;
 /* Loads libcudart (13, 12, unversioned) and libcuda; returns the device count, or -1 with the
@@ -195,6 +205,9 @@ enum { SYNC_SUM, SYNC_MIN, SYNC_MAX };
  * thread; the result is the same everywhere. */
 void bench_sync_reduce(bench_thread* t, double* vals, int n, int op);
 void bench_sync_barrier(bench_thread* t);
+/* The threads of this process only: unlike bench_sync_barrier, never a collective on a GPU (the
+ * launcher ENV's processes meet through NCCL). */
+void bench_local_barrier(bench_thread* t);
 void bench_sync_init(int max_values);
 
 /* ---- per-thread state (common.c) ---------------------------------------------------------- */

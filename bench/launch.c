@@ -578,3 +578,24 @@ void bench_sync_reduce(bench_thread* t, double* vals, int n, int op) {
 }
 
 void bench_sync_barrier(bench_thread* t) { bench_sync_reduce(t, NULL, 0, SYNC_SUM); }
+
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int arrived;
+  unsigned long generation;
+} lb = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+
+void bench_local_barrier(bench_thread* t) {
+  (void)t;
+  pthread_mutex_lock(&lb.mu);
+  unsigned long gen = lb.generation;
+  if (++lb.arrived == bench_w.nthreads) {
+    lb.arrived = 0;
+    lb.generation++;
+    pthread_cond_broadcast(&lb.cv);
+  } else {
+    while (lb.generation == gen) pthread_cond_wait(&lb.cv, &lb.mu);
+  }
+  pthread_mutex_unlock(&lb.mu);
+}

@@ -143,5 +143,27 @@ bench_run "$bench/bench/reduce_scatter_perf" --memory device -t 4 -b 8 -e 4M -f 
 SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/sendrecv_perf" --memory device -t 2 -g 2 -b 8 -e 1M -f 32 -c 1 -n 2 -w 1 -m 2
 SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
 SOFTGPU_ADVERSARIAL=1 bench_run "$bench/bench/all_reduce_perf" --memory device -t 1 -g 4 -b 8 -e 1M -f 32 -c 1 -n 1 -w 1 -y 1
+# On the stand-in, a "# softgpu:" line under each row gives the work one timed call gave the GPU
+# per rank (softgpu_counters), and the JSON output the same: all_reduce on two thread ranks gives
+# every call at least one stream memory operation, and a handful at most (the counts are divided
+# by the 10 iterations and the 2 ranks).
+bench_run "$bench/bench/all_reduce_perf" --memory device -t 2 -b 8 -e 8K -f 32 -c 1 -n 10 -w 1 -J "$logs/counts.json"
+if ! awk '
+    /^# softgpu: size=/ {
+      lines++
+      for (i = 1; i <= NF; i++) {
+        split($i, kv, "=")
+        if (kv[1] == "memops") { halves++; if (kv[2] < 1 || kv[2] > 32) bad = 1 }
+        if (kv[1] == "kernels" && kv[2] > 4) bad = 1
+      }
+    }
+    $1 ~ /^[0-9]+$/ { rows++ }
+    END { exit (bad || rows == 0 || lines != rows || halves != 2 * rows) }' "$logs/bench.txt" ||
+   ! grep -q '"softgpu_per_call_per_rank"' "$logs/counts.json"; then
+  echo "FAILED: the benchmark's per-call GPU work (# softgpu: lines, softgpu_per_call_per_rank) is missing or implausible"
+  cat "$logs/bench.txt"
+  exit 1
+fi
+grep "^# softgpu: size=8 " "$logs/bench.txt"
 echo "   benchmarks on device memory: $((SECONDS - t0)) s"
 echo "softgpu: all device runs passed"

@@ -20,7 +20,7 @@ struct softgpu_counters {
   uint64_t write_values;     // cuStreamWriteValue32/64
   uint64_t wait_values;      // cuStreamWaitValue32
   uint64_t copies;           // cuMemcpyAsync, cuMemcpy, cuMemcpyHtoD/DtoH
-  uint64_t memsets;          // cuMemsetD32Async
+  uint64_t memsets;          // cuMemsetD8Async/D32Async
   uint64_t host_funcs;       // cuLaunchHostFunc
   uint64_t event_records;    // cuEventRecord
   uint64_t event_waits;      // cuStreamWaitEvent

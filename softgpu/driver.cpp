@@ -1609,7 +1609,7 @@ SOFTGPU_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, si
   SG_API("cuMemsetD8Async", "dst=%#llx value=%u count=%zu", dst, (unsigned)value, count);
   SG_STREAM(h, s);
   if (count && !is_device_range(dst, count)) SG_RET(CUDA_ERROR_INVALID_VALUE);
-  SG_RET(enqueue(s, [dst, value, count] { memset((void *)dst, value, count); }));
+  SG_RET(enqueue(s, softgpu::Count::Memset, 0, [dst, value, count] { memset((void *)dst, value, count); }));
 }
 
 SOFTGPU_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t count,

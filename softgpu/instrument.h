@@ -16,7 +16,7 @@ enum class Count {
   WriteValue,    // cuStreamWriteValue32/64
   WaitValue,     // cuStreamWaitValue32
   Copy,          // cuMemcpyAsync and the synchronous copies
-  Memset,        // cuMemsetD32Async
+  Memset,        // cuMemsetD8Async/D32Async
   HostFunc,      // cuLaunchHostFunc
   EventRecord,   // cuEventRecord
   EventWait,     // cuStreamWaitEvent
