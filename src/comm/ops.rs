@@ -553,13 +553,13 @@ impl Comm {
         }
     }
 
-    /// Runs a call outside any group (the caller checks that) on `send` and `recv` the short way when it repeats the
-    /// last call this communicator ran (`key`, see `Repeat`) on buffers that lie alike
-    /// (`Footprint::admits`): that call's checks passed and give the same answers now (the
-    /// communicator is still usable, and no device memory exists in the process that the
-    /// buffers could be), its operation is kept and takes the new buffers, and only its
-    /// number in the sequence is new. None, having done nothing, where the full path must take
-    /// the call.
+    /// Runs a call outside any group (the caller checks that) on `send` and `recv` the short
+    /// way when it repeats the last call this communicator ran (`key`, see `Repeat`) on buffers
+    /// that lie alike (`Footprint::admits`): that call's checks passed and give the same
+    /// answers now (the communicator is still usable, and no device memory exists in the
+    /// process that the buffers could be), its operation is kept and takes the new buffers, and
+    /// only its number in the sequence is new. None, having done nothing, where the full path
+    /// must take the call.
     pub(crate) fn again(&self, key: &Repeat, send: *const u8, recv: *mut u8) -> Option<Result<()>> {
         if self.device.is_some()
             || !self.blocking()
