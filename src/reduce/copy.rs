@@ -28,7 +28,7 @@ const FROM: usize = 2048;
 pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len >= FROM && just_ahead(dst, src) {
-        if super::stream::wide() {
+        if super::stream::wide().avx() {
             // SAFETY: `wide()` just found AVX on this CPU, which is `wide_copy`'s one demand
             // beyond this function's own contract, which the caller upholds.
             unsafe { wide_copy(dst, src, len) };
@@ -163,7 +163,7 @@ mod tests {
                     #[cfg(target_arch = "x86_64")]
                     {
                         run(narrow_copy);
-                        if super::super::stream::wide() {
+                        if super::super::stream::wide().avx() {
                             run(wide_copy);
                         }
                     }

@@ -10,12 +10,27 @@
 //! (which need AVX-512 intrinsics, newer than the crate's minimum Rust). Elsewhere on x86_64 the
 //! stores are SSE2's; other architectures copy plainly.
 
+/// Whether 32-byte (AVX) stores may run, as only `wide()` can find out: the functions that run
+/// AVX instructions when it says yes take it, so that no caller can claim AVX it did not detect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Wide(bool);
+
+impl Wide {
+    /// No AVX: 16-byte stores only.
+    pub(super) const NARROW: Wide = Wide(false);
+
+    /// Whether the CPU has AVX.
+    pub(super) fn avx(self) -> bool {
+        self.0
+    }
+}
+
 /// Whether 32-byte stores are available (cached by the standard library after the first look).
-pub(super) fn wide() -> bool {
+pub(super) fn wide() -> Wide {
     #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx");
+    return Wide(std::arch::is_x86_feature_detected!("avx"));
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    Wide(false)
 }
 
 /// Copies `len` bytes from `src` to `dst` with non-temporal stores; `fence`: then
@@ -37,7 +52,7 @@ pub(crate) unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize, fence
         // `dst`'s offset to a line, not clamped to `len`); `lines` runs only where `wide()`
         // found AVX.
         unsafe {
-            if wide() {
+            if wide().0 {
                 lines(d, s, body);
             } else {
                 quarters(d, s, body);
@@ -68,11 +83,11 @@ pub(crate) fn stream_fence() {
 
 /// Copies `from` to `streamed` with non-temporal stores (unfenced). `wide`: as `wide()` said.
 #[inline(always)]
-pub(super) fn stream_from(streamed: &mut [u8], from: &[u8], wide: bool) {
+pub(super) fn stream_from(streamed: &mut [u8], from: &[u8], wide: Wide) {
     debug_assert_eq!(streamed.len(), from.len());
     #[cfg(target_arch = "x86_64")]
-    if wide && streamed.as_ptr() as usize % 64 == 0 && from.len() % 64 == 0 {
-        // SAFETY: the caller saw AVX; both cover from.len() bytes, a multiple of 64, and
+    if wide.0 && streamed.as_ptr() as usize % 64 == 0 && from.len() % 64 == 0 {
+        // SAFETY: `wide()` saw AVX; both cover from.len() bytes, a multiple of 64, and
         // the destination is line-aligned.
         unsafe { lines(streamed.as_mut_ptr(), from.as_ptr(), from.len()) };
         return;
@@ -86,15 +101,15 @@ pub(super) fn stream_from(streamed: &mut [u8], from: &[u8], wide: bool) {
 /// Writes `bytes` to `streamed` with non-temporal stores (unfenced) and to `also` with plain
 /// ones, reading them once. `wide`: as `wide()` said.
 #[inline(always)]
-pub(super) fn emit_twice(streamed: &mut [u8], also: &mut [u8], bytes: &[u8], wide: bool) {
+pub(super) fn emit_twice(streamed: &mut [u8], also: &mut [u8], bytes: &[u8], wide: Wide) {
     debug_assert!(streamed.len() == bytes.len() && also.len() == bytes.len());
     #[cfg(target_arch = "x86_64")]
     if streamed.as_ptr() as usize % 64 == 0 && bytes.len() % 64 == 0 {
         let (s, d, b) = (streamed.as_mut_ptr(), also.as_mut_ptr(), bytes.as_ptr());
         // SAFETY: all three cover bytes.len() bytes, a multiple of 64; the streamed
-        // destination is line-aligned; `lines_twice` only where the CPU has AVX.
+        // destination is line-aligned; `lines_twice` only where `wide()` saw AVX.
         unsafe {
-            if wide {
+            if wide.0 {
                 lines_twice(s, d, b, bytes.len());
             } else {
                 quarters_twice(s, d, b, bytes.len());
@@ -104,7 +119,7 @@ pub(super) fn emit_twice(streamed: &mut [u8], also: &mut [u8], bytes: &[u8], wid
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = wide;
-    stream_from(streamed, bytes, false);
+    stream_from(streamed, bytes, Wide::NARROW);
     also.copy_from_slice(bytes);
 }
 
@@ -193,10 +208,12 @@ mod tests {
 
     #[test]
     fn streamed_copies_match_the_source_at_every_alignment_and_length() {
-        for wide in [false, true] {
-            if wide && !super::wide() {
-                continue;
-            }
+        let widths: &[Wide] = if super::wide() == Wide::NARROW {
+            &[Wide::NARROW]
+        } else {
+            &[Wide::NARROW, super::wide()]
+        };
+        for &wide in widths {
             for len in [0, 1, 15, 16, 63, 64, 65, 127, 128, 1000, 4096, 4099] {
                 for skew in [0, 1, 16, 63] {
                     let src = pattern(len + skew);

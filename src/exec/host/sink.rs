@@ -167,11 +167,14 @@ pub(super) unsafe fn combine(dst: *mut u8, a: Src, b: Src, len: usize, reducer: 
     // SAFETY: the caller vouches for `len` bytes at `dst`; the shared views below are of
     // operands that are not `dst` and so (caller) do not overlap it.
     let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
-    if std::ptr::eq(a.ptr, dst) {
-        // SAFETY: `b.ptr` covers `len` bytes (caller). With `dst` being `a`, the caller's
-        // promise leaves `b` apart from `dst` or (not ruled out) equal to it too, which would
-        // alias `d`: sound only because no caller passes one buffer as all three (a
-        // schedule's local step folds two different contributions).
+    if std::ptr::eq(a.ptr, dst) && std::ptr::eq(b.ptr, dst) {
+        // One buffer as both operands (no schedule folds a buffer with itself today): fold
+        // with a copy of it, so that no shared view aliases `d`.
+        let b_copy = d.to_vec();
+        reducer.reduce_in_place(d, a.scale, &b_copy, b.scale);
+    } else if std::ptr::eq(a.ptr, dst) {
+        // SAFETY: `b.ptr` covers `len` bytes (caller) and is not `dst` (the branch above), so
+        // it overlaps neither (caller).
         let b_bytes = unsafe { std::slice::from_raw_parts(b.ptr, len) };
         reducer.reduce_in_place(d, a.scale, b_bytes, b.scale);
     } else if std::ptr::eq(b.ptr, dst) {

@@ -5,6 +5,7 @@ use super::engine::LOSS_GRACE;
 use super::hazards::{Hazards, Hint, Near};
 use super::placement::{crowding, stuck, Crowding, PeerSeen, WAKE_GRACE};
 use super::plan::{overlaps, Action, Src, XStep};
+use super::sink::combine;
 use super::straight::{run_again, STRAIGHT_RUNS};
 use super::*;
 use crate::algo::{direct, ring, tree, Buf, Operand, Region, Schedule, Shape, Step};
@@ -1796,4 +1797,19 @@ fn repeated_waits_are_counted() {
     assert_eq!(count_repeats(parts), "a, b (x3), c");
     assert_eq!(count_repeats(vec!["x".into()]), "x");
     assert_eq!(count_repeats(Vec::new()), "");
+}
+
+#[test]
+fn a_buffer_folded_with_itself_is_folded_with_its_own_values() {
+    // Large enough to pass the small-reduction path by.
+    let mut v = i32s(0..4096);
+    let p = v.as_mut_ptr();
+    let src = Src {
+        ptr: p,
+        scale: None,
+    };
+    let red = plain(DataType::Int32);
+    // SAFETY: `v` covers the bytes, and one buffer as dst, a and b is what is tested.
+    unsafe { combine(p, src, src, v.len(), &red.reducer) };
+    assert_eq!(as_i32s(&v), (0..4096).map(|x| 2 * x).collect::<Vec<_>>());
 }
