@@ -19,6 +19,7 @@ use crate::sys::{self, Mapping};
 use crate::topo::Path;
 use crate::transport::net::ib::onesided;
 use crate::transport::net::ib::verbs::{Remote, Source};
+use crate::transport::Doorbell;
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -97,7 +98,9 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
                 if imm == onesided::IMM_SIGNAL {
                     ctl.counter(from).fetch_add(1, Ordering::SeqCst);
                 }
-                ctl.ring();
+                // A pad was written by the HCA, not by a SeqCst store of this thread: the
+                // doorbell's ring, with its fence.
+                Doorbell::ring(&*ctl);
             }),
         )?;
         let (base, len) = own.region();

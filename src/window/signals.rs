@@ -9,7 +9,7 @@ use super::{CommWindows, Members};
 use crate::cuda::Stream;
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
-use crate::wait::{wait, Patience, Wait};
+use crate::wait::{nap_on, wait, Patience, Wait};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -113,7 +113,8 @@ impl Wait for ForPeer<'_, '_> {
     }
 
     fn sleep(&mut self, nap: Duration) -> Result<Option<()>> {
-        Ok(self.cw.own().sleep_unless(nap, self.ready).then_some(()))
+        let ready = &mut *self.ready;
+        nap_on(self.cw.own(), nap, || Ok(ready().then_some(())))
     }
 
     fn check(&mut self) -> Result<Option<()>> {
