@@ -18,11 +18,12 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::sys::{self, Mapping};
 use crate::topo::Path;
 use crate::transport::net::ib::onesided;
+use crate::transport::net::ib::onesided::Exposed;
 use crate::transport::net::ib::verbs::{Remote, Source};
 use crate::transport::Doorbell;
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -179,7 +180,9 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
 
 /// ncclCommWindowRegister (and commWindowAllocate with `owned`): collective. `precheck` is
 /// this rank's verdict on its arguments; every rank learns every verdict, so bad arguments on
-/// one rank fail the call everywhere instead of leaving the others waiting.
+/// one rank fail the call everywhere instead of leaving the others waiting. Then the ranks
+/// exchange how each reaches its part (`exchange`), map the others' parts (`map`), and agree
+/// that every rank did, publishing the window (`publish`).
 pub(crate) fn register(
     c: &Members,
     buff: usize,
@@ -195,80 +198,168 @@ pub(crate) fn register(
     });
     agree(c, precheck)?;
     let cw = comm_windows(c)?;
-    let n = c.nranks;
-    let slot = cw.take_slot();
-    let shared = shared::find(buff, size);
-    // Where peers reach windows by RDMA: this rank's part registered with the device, through
-    // a dmabuf where it is device memory (the descriptor is closed once registered).
-    let exposed = match (&cw.rdma, &exported) {
-        (Some(r), _) => Some(gdr::PartSource::of(buff, size).and_then(|part| {
-            r.qps.expose(part.source(), size, true).map_err(|e| {
-                if part.is_device() {
-                    e.context("GPUDirect RDMA of this rank's device-memory window part (ranks on other hosts reach it only that way; register host memory for windows across hosts where it is unavailable)")
-                } else {
-                    e
-                }
-            })
-        }))
-        .transpose(),
-        (None, Some(_)) if c.paths.contains(&Path::Network) => {
-            Err(Error::new(ErrorKind::InvalidUsage, ACROSS_HOSTS_NEEDS_IB))
-        }
-        (None, _) => Ok(None),
+    let mine = Mine::new(c, &cw, buff, size, exported);
+    let (infos, mut fds) = exchange(c, &cw, &mine)?;
+    // Free: `exchange` fails where any rank's slot is not.
+    let slot = mine.slot.clone()?;
+    let peers = match &mine.exposed {
+        Err(e) => Err(e
+            .clone()
+            .context("registering the window with the InfiniBand device")),
+        Ok(_) => map(c, cw.rdma.is_some(), &infos, &mut fds),
     };
-    let rkey = exposed
-        .as_ref()
-        .ok()
-        .and_then(|e| e.as_ref())
-        .map_or(0, |e| e.rkey);
-    let handle = HANDLE_BASE + HANDLE_STEP * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst);
-    let mut mine = Vec::new();
-    match &slot {
-        Ok(s) => wire::put_u32(&mut mine, *s as u32),
-        Err(_) => wire::put_u32(&mut mine, u32::MAX),
-    }
-    for v in [buff as u64, size as u64, handle as u64] {
-        wire::put_u64(&mut mine, v);
-    }
-    match &shared {
-        Some((_, alloc_len, off)) => {
-            wire::put_u32(&mut mine, 1);
-            wire::put_u64(&mut mine, *alloc_len as u64);
-            wire::put_u64(&mut mine, *off as u64);
-        }
-        None => wire::put_u32(&mut mine, 0),
-    }
-    // Device memory: how peers on this host map it, its allocation's length and our offset.
-    match &exported {
-        None => wire::put_u32(&mut mine, DEV_NONE),
-        Some(ex) => {
-            match &ex.how {
-                None => wire::put_u32(&mut mine, DEV_UNSHARED),
-                Some(Shareable::Ipc(h)) => {
-                    wire::put_u32(&mut mine, DEV_IPC);
-                    wire::put_blob(&mut mine, h);
-                }
-                Some(Shareable::Fd(_)) => wire::put_u32(&mut mine, DEV_FD),
+    let w = publish(c, &cw, mine, slot, flags, owned, peers)?;
+    crate::info!(
+        "window {:#x}: {size} bytes at {buff:#x}; peers reached {}",
+        w.handle,
+        w.peers
+            .iter()
+            .enumerate()
+            .map(|(r, p)| format!("{r}:{}", p.data.name()))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    Ok(w.handle)
+}
+
+/// This rank's part of a window being registered, before the exchange.
+struct Mine {
+    buff: usize,
+    size: usize,
+    handle: usize,
+    /// Its window slot in this rank's control segment (none free: the error).
+    slot: Result<usize>,
+    /// Library memory: its memfd, the allocation's length and the part's offset in it.
+    shared: Option<(OwnedFd, usize, usize)>,
+    /// Device memory: the allocation around it and how other processes map it.
+    exported: Option<share::Exported>,
+    /// Where peers reach windows by RDMA: the part registered with the device.
+    exposed: Result<Option<Exposed>>,
+}
+
+impl Mine {
+    fn new(
+        c: &Members,
+        cw: &CommWindows,
+        buff: usize,
+        size: usize,
+        exported: Option<share::Exported>,
+    ) -> Mine {
+        let exposed = match (&cw.rdma, &exported) {
+            (Some(r), _) => expose(r, buff, size).map(Some),
+            (None, Some(_)) if c.paths.contains(&Path::Network) => {
+                Err(Error::new(ErrorKind::InvalidUsage, ACROSS_HOSTS_NEEDS_IB))
             }
-            wire::put_u64(&mut mine, ex.alloc_len as u64);
-            wire::put_u64(&mut mine, (buff as u64).wrapping_sub(ex.alloc_base));
+            (None, _) => Ok(None),
+        };
+        Mine {
+            buff,
+            size,
+            handle: HANDLE_BASE + HANDLE_STEP * NEXT_HANDLE.fetch_add(1, Ordering::SeqCst),
+            slot: cw.take_slot(),
+            shared: shared::find(buff, size),
+            exported,
+            exposed,
         }
     }
-    wire::put_u32(&mut mine, rkey);
-    let all = c.boot.allgather(&mine)?;
-    struct Info {
-        slot: u32,
-        addr: usize,
-        len: usize,
-        handle: u64,
-        shared: Option<(usize, usize)>,
-        /// Device memory: (how, IPC handle, allocation length, offset in it).
-        dev: Option<(u32, [u8; 64], usize, usize)>,
-        /// Its key for RDMA (0 without).
-        rkey: u32,
+
+    /// What the peers learn of it.
+    fn info(&self) -> Info {
+        let dev = self.exported.as_ref().map(|ex| {
+            let (how, ipc) = match &ex.how {
+                None => (DEV_UNSHARED, [0u8; 64]),
+                Some(Shareable::Ipc(h)) => (DEV_IPC, *h),
+                Some(Shareable::Fd(_)) => (DEV_FD, [0u8; 64]),
+            };
+            let off = (self.buff as u64).wrapping_sub(ex.alloc_base) as usize;
+            (how, ipc, ex.alloc_len, off)
+        });
+        Info {
+            slot: self.slot.as_ref().map_or(u32::MAX, |s| *s as u32),
+            addr: self.buff,
+            len: self.size,
+            handle: self.handle as u64,
+            shared: self.shared.as_ref().map(|s| (s.1, s.2)),
+            dev,
+            rkey: self
+                .exposed
+                .as_ref()
+                .ok()
+                .and_then(|e| e.as_ref())
+                .map_or(0, |e| e.rkey),
+        }
     }
-    let mut infos = Vec::with_capacity(n);
-    for b in &all {
+
+    /// The descriptor of its device memory, where peers on this host map it from one.
+    fn device_fd(&self) -> Option<&OwnedFd> {
+        match &self.exported {
+            Some(share::Exported {
+                how: Some(Shareable::Fd(fd)),
+                ..
+            }) => Some(fd),
+            _ => None,
+        }
+    }
+}
+
+/// A part registered with the InfiniBand device, through a dmabuf where it is device memory
+/// (the descriptor is closed once registered).
+fn expose(r: &RdmaSide, buff: usize, size: usize) -> Result<Exposed> {
+    let part = gdr::PartSource::of(buff, size)?;
+    r.qps.expose(part.source(), size, true).map_err(|e| {
+        if part.is_device() {
+            e.context("GPUDirect RDMA of this rank's device-memory window part (ranks on other hosts reach it only that way; register host memory for windows across hosts where it is unavailable)")
+        } else {
+            e
+        }
+    })
+}
+
+/// One rank's part of a window as the others learn it.
+struct Info {
+    slot: u32,
+    addr: usize,
+    len: usize,
+    handle: u64,
+    /// Library memory: the allocation's length and the part's offset in it.
+    shared: Option<(usize, usize)>,
+    /// Device memory: (how, IPC handle, allocation length, offset in it).
+    dev: Option<(u32, [u8; 64], usize, usize)>,
+    /// Its key for RDMA (0 without).
+    rkey: u32,
+}
+
+impl Info {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        wire::put_u32(&mut b, self.slot);
+        for v in [self.addr as u64, self.len as u64, self.handle] {
+            wire::put_u64(&mut b, v);
+        }
+        match self.shared {
+            Some((alloc_len, off)) => {
+                wire::put_u32(&mut b, 1);
+                wire::put_u64(&mut b, alloc_len as u64);
+                wire::put_u64(&mut b, off as u64);
+            }
+            None => wire::put_u32(&mut b, 0),
+        }
+        match &self.dev {
+            None => wire::put_u32(&mut b, DEV_NONE),
+            Some((how, ipc, alloc_len, off)) => {
+                wire::put_u32(&mut b, *how);
+                if *how == DEV_IPC {
+                    wire::put_blob(&mut b, ipc);
+                }
+                wire::put_u64(&mut b, *alloc_len as u64);
+                wire::put_u64(&mut b, *off as u64);
+            }
+        }
+        wire::put_u32(&mut b, self.rkey);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Result<Info> {
         let mut r = Reader::new(b);
         let slot = r.u32()?;
         let (addr, len, handle) = (r.u64()? as usize, r.u64()? as usize, r.u64()?);
@@ -291,165 +382,184 @@ pub(crate) fn register(
                 Some((how, ipc, r.u64()? as usize, r.u64()? as usize))
             }
         };
-        let rkey = r.u32()?;
-        infos.push(Info {
+        Ok(Info {
             slot,
             addr,
             len,
             handle,
             shared,
             dev,
-            rkey,
-        });
+            rkey: r.u32()?,
+        })
     }
-    let taken = slot.as_ref().ok().copied();
-    let release = |cw: &CommWindows| {
-        if let Some(s) = taken {
+}
+
+/// Descriptors received from the peers on this host: of library memory and of VMM device
+/// memory, per rank.
+struct Fds {
+    data: Vec<Option<OwnedFd>>,
+    dev: Vec<Option<OwnedFd>>,
+}
+
+/// Collective: every rank learns every rank's part, and receives the descriptors of the
+/// peers on this host whose parts travel as one. On failure this rank's slot is free again.
+fn exchange(c: &Members, cw: &CommWindows, mine: &Mine) -> Result<(Vec<Info>, Fds)> {
+    let release = || {
+        if let Ok(s) = mine.slot {
             cw.slots.lock()[s] = false;
         }
     };
+    let infos = c
+        .boot
+        .allgather(&mine.info().encode())?
+        .iter()
+        .map(|b| Info::decode(b))
+        .collect::<Result<Vec<_>>>()?;
     if let Some(r) = infos.iter().position(|i| i.slot == u32::MAX) {
-        release(&cw);
-        slot?;
+        release();
+        mine.slot.clone()?;
         return crate::invalid_usage!(
             "rank {r} already has {} windows registered on this communicator",
             ctl::MAX_WINDOWS
         );
     }
-    let slot = slot?;
-    // Library memory: hand its memfd to the peers on this host, which map it.
-    let mut data_fds: Vec<Option<std::os::fd::OwnedFd>> = (0..n).map(|_| None).collect();
+    let none = || (0..c.nranks).map(|_| None).collect::<Vec<_>>();
+    let mut fds = Fds {
+        data: none(),
+        dev: none(),
+    };
+    // Library memory: its memfd goes to the peers on this host, which map it.
     if infos.iter().any(|i| i.shared.is_some()) {
-        let deadline = deadline_of(crate::bootstrap::init_timeout());
-        let tag = c.tag ^ 0x5769_6e44_6174_0000 ^ ((infos[0].handle) << 16);
-        match fds::exchange(
-            c.boot,
-            c.paths,
-            c.placements,
-            tag,
-            shared.as_ref().map(|s| &s.0),
-            deadline,
-        ) {
-            Ok(f) => data_fds = f,
-            Err(e) => {
-                release(&cw);
-                return Err(e);
-            }
-        }
+        let tag = c.tag ^ 0x5769_6e44_6174_0000 ^ (infos[0].handle << 16);
+        let mine = mine.shared.as_ref().map(|s| &s.0);
+        fds.data = exchange_fds(c, tag, mine).inspect_err(|_| release())?;
     }
     // VMM device memory (ncclMemAlloc) travels as a file descriptor.
-    let mut dev_fds: Vec<Option<std::os::fd::OwnedFd>> = (0..n).map(|_| None).collect();
     if infos.iter().any(|i| matches!(i.dev, Some((DEV_FD, ..)))) {
-        let deadline = deadline_of(crate::bootstrap::init_timeout());
-        let tag = c.tag ^ 0x5769_6e44_6576_0000 ^ ((infos[0].handle) << 16);
-        let mine = match &exported {
-            Some(share::Exported {
-                how: Some(Shareable::Fd(fd)),
-                ..
-            }) => Some(fd),
-            _ => None,
-        };
-        match fds::exchange(c.boot, c.paths, c.placements, tag, mine, deadline) {
-            Ok(f) => dev_fds = f,
-            Err(e) => {
-                release(&cw);
-                return Err(e);
-            }
-        }
+        let tag = c.tag ^ 0x5769_6e44_6576_0000 ^ (infos[0].handle << 16);
+        fds.dev = exchange_fds(c, tag, mine.device_fd()).inspect_err(|_| release())?;
     }
-    let rdma = cw.rdma.is_some();
-    let exposed_failed = exposed.as_ref().err().cloned();
-    let built = (|| -> Result<Vec<PeerWin>> {
-        if let Some(e) = exposed_failed {
-            return Err(e.context("registering the window with the InfiniBand device"));
-        }
-        let mut peers = Vec::with_capacity(n);
-        for (r, i) in infos.iter().enumerate() {
-            if let Some((how, ipc, alloc_len, off)) = &i.dev {
-                let rkey = rdma.then_some(i.rkey);
-                let (data, keep) = device_reach(
-                    c,
-                    r,
-                    i.addr,
-                    *how,
-                    ipc,
-                    *alloc_len,
-                    *off,
-                    &mut dev_fds[r],
-                    rkey,
-                )?;
-                peers.push(PeerWin {
-                    len: i.len,
+    Ok((infos, fds))
+}
+
+fn exchange_fds(c: &Members, tag: u64, mine: Option<&OwnedFd>) -> Result<Vec<Option<OwnedFd>>> {
+    let deadline = deadline_of(crate::bootstrap::init_timeout());
+    fds::exchange(c.boot, c.paths, c.placements, tag, mine, deadline)
+}
+
+/// How this rank reaches each rank's part, mapping what it must; `rdma` where the
+/// communicator's windows use InfiniBand.
+fn map(c: &Members, rdma: bool, infos: &[Info], fds: &mut Fds) -> Result<Vec<PeerWin>> {
+    let mut peers = Vec::with_capacity(infos.len());
+    for (r, i) in infos.iter().enumerate() {
+        let rkey = rdma.then_some(i.rkey);
+        let (data, keep, locked) = match &i.dev {
+            // Atomics on device memory are a read and a write by the driver, or verbs atomics
+            // of the target's HCA where windows use RDMA.
+            Some((how, ipc, alloc_len, off)) => {
+                let dev = DevicePart {
                     addr: i.addr,
-                    slot: i.slot as usize,
-                    handle: i.handle,
-                    // Atomics on device memory are a read and a write by the driver, or
-                    // verbs atomics of the target's HCA where windows use RDMA.
-                    locked: true,
-                    rkey,
-                    data,
-                    _keep: keep,
-                });
-                continue;
+                    how: *how,
+                    ipc,
+                    alloc_len: *alloc_len,
+                    off: *off,
+                };
+                let (data, keep) = device_reach(c, r, &dev, &mut fds.dev[r], rkey)?;
+                (data, keep, true)
             }
-            let (data, map, locked) = match c.paths[r] {
-                Path::SelfRank | Path::SameProcess => {
-                    (Reach::Direct(i.addr), None, i.shared.is_none())
-                }
-                Path::SameHost => match (&i.shared, &data_fds[r]) {
-                    (Some((alloc_len, off)), Some(fd)) => {
-                        let m = Mapping::map(fd.as_raw_fd(), *alloc_len)?;
-                        (Reach::Direct(m.ptr() as usize + off), Some(m), false)
-                    }
-                    _ => {
-                        let pid = c.placements[r].pid;
-                        if i.len > 0 {
-                            let mut probe = [0u8; 1];
-                            if let Err(e) =
-                                // SAFETY: probe is one writable byte.
-                                unsafe { sys::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) }
-                            {
-                                return crate::invalid_usage!(
-                                    "rank {r}'s window ({} bytes at {:#x}) is ordinary memory of another process (pid {pid}), and this rank may not reach it with process_vm_readv/writev: {e}. Allocate window memory with ncclMemAlloc or commMemAllocShared (shared memory every rank on the host maps), or allow the ranks to trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
-                                    i.len, i.addr
-                                );
-                            }
-                        }
-                        (Reach::Cma(reach::Cma { pid, addr: i.addr }), None, true)
-                    }
-                },
-                Path::Network if rdma => (
-                    Reach::Rdma(reach::Rdma {
-                        addr: i.addr,
-                        rkey: i.rkey,
-                    }),
-                    None,
-                    false,
-                ),
-                Path::Network => (
-                    Reach::Net(reach::Net { id: i.handle }),
-                    None,
-                    i.shared.is_none(),
-                ),
-            };
-            peers.push(PeerWin {
-                len: i.len,
-                addr: i.addr,
-                slot: i.slot as usize,
-                handle: i.handle,
-                locked,
-                rkey: rdma.then_some(i.rkey),
-                data,
-                _keep: map.map_or(Keep::Nothing, Keep::Host),
-            });
+            None => host_reach(c, r, i, &fds.data[r], rdma)?,
+        };
+        peers.push(PeerWin {
+            len: i.len,
+            addr: i.addr,
+            slot: i.slot as usize,
+            handle: i.handle,
+            locked,
+            rkey,
+            data,
+            _keep: keep,
+        });
+    }
+    Ok(peers)
+}
+
+/// How this rank reaches rank `r`'s part in host memory (`fd`: the memfd of library memory
+/// it received), what keeps it mapped, and whether its atomics take the lock.
+fn host_reach(
+    c: &Members,
+    r: usize,
+    i: &Info,
+    fd: &Option<OwnedFd>,
+    rdma: bool,
+) -> Result<(Reach, Keep, bool)> {
+    Ok(match c.paths[r] {
+        Path::SelfRank | Path::SameProcess => {
+            (Reach::Direct(i.addr), Keep::Nothing, i.shared.is_none())
         }
-        Ok(peers)
-    })();
-    let ok = built.as_ref().map(|_| ()).map_err(|e| e.clone());
-    // Published before the last agreement: once any rank is past it, every rank's window is
-    // in its table, so a peer's first put over the network finds it.
+        Path::SameHost => match (&i.shared, fd) {
+            (Some((alloc_len, off)), Some(fd)) => {
+                let m = Mapping::map(fd.as_raw_fd(), *alloc_len)?;
+                (Reach::Direct(m.ptr() as usize + off), Keep::Host(m), false)
+            }
+            _ => {
+                let pid = c.placements[r].pid;
+                probe_cma(r, pid, i)?;
+                (
+                    Reach::Cma(reach::Cma { pid, addr: i.addr }),
+                    Keep::Nothing,
+                    true,
+                )
+            }
+        },
+        Path::Network if rdma => {
+            let part = reach::Rdma {
+                addr: i.addr,
+                rkey: i.rkey,
+            };
+            (Reach::Rdma(part), Keep::Nothing, false)
+        }
+        Path::Network => (
+            Reach::Net(reach::Net { id: i.handle }),
+            Keep::Nothing,
+            i.shared.is_none(),
+        ),
+    })
+}
+
+/// Refuses rank `r`'s part in ordinary memory of process `pid` where this rank may not reach
+/// it with process_vm_readv/writev, saying how to do without.
+fn probe_cma(r: usize, pid: u32, i: &Info) -> Result<()> {
+    if i.len == 0 {
+        return Ok(());
+    }
+    let mut probe = [0u8; 1];
+    // SAFETY: probe is one writable byte.
+    match unsafe { sys::cma_read(pid, probe.as_mut_ptr(), i.addr, 1) } {
+        Ok(_) => Ok(()),
+        Err(e) => crate::invalid_usage!(
+            "rank {r}'s window ({} bytes at {:#x}) is ordinary memory of another process (pid {pid}), and this rank may not reach it with process_vm_readv/writev: {e}. Allocate window memory with ncclMemAlloc or commMemAllocShared (shared memory every rank on the host maps), or allow the ranks to trace each other (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE)",
+            i.len, i.addr
+        ),
+    }
+}
+
+/// Makes the window from `peers` (or this rank's failure to map them) and agrees with the
+/// other ranks: all succeed or all fail. It is published before the agreement, so that once
+/// any rank is past it every rank's window is in its table and a peer's first put over the
+/// network finds it; on failure it is taken back and the slot freed.
+fn publish(
+    c: &Members,
+    cw: &Arc<CommWindows>,
+    mine: Mine,
+    slot: usize,
+    flags: i32,
+    owned: bool,
+    peers: Result<Vec<PeerWin>>,
+) -> Result<Arc<Window>> {
+    let ok = peers.as_ref().map(|_| ()).map_err(|e| e.clone());
+    let handle = mine.handle;
     let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
-    let published = built.ok().map(|peers| {
+    let published = peers.ok().map(|peers| {
         let has_device = peers.iter().any(|p| p.data.is_device());
         let w = Arc::new(Window {
             handle,
@@ -457,10 +567,10 @@ pub(crate) fn register(
             flags,
             slot,
             peers,
-            owned: owned.then_some(buff),
+            owned: owned.then_some(mine.buff),
             cw: cw.clone(),
             device: c.device.clone().filter(|_| has_device),
-            exposed: Mutex::new(exposed.ok().flatten()),
+            exposed: Mutex::new(mine.exposed.ok().flatten()),
         });
         let mut all = WINDOWS.lock();
         if all.len() <= at {
@@ -475,22 +585,13 @@ pub(crate) fn register(
             WINDOWS.lock()[at] = None;
             cw.own().live(slot).store(0, Ordering::SeqCst);
         }
-        release(&cw);
+        cw.slots.lock()[slot] = false;
         return Err(e);
     }
-    let Some(w) = published else {
-        return crate::internal_err!("window registration agreed although this rank failed");
-    };
-    crate::info!(
-        "window {handle:#x}: {size} bytes at {buff:#x}; peers reached {}",
-        w.peers
-            .iter()
-            .enumerate()
-            .map(|(r, p)| format!("{r}:{}", p.data.name()))
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
-    Ok(handle)
+    match published {
+        Some(w) => Ok(w),
+        None => crate::internal_err!("window registration agreed although this rank failed"),
+    }
 }
 
 /// Why a device-memory window part cannot be reached from other hosts without InfiniBand.
@@ -528,20 +629,35 @@ pub(super) fn device_part(c: &Members, buff: usize) -> Result<Option<share::Expo
     share::export(dev, buff as u64).map(Some)
 }
 
-/// How this rank reaches rank `r`'s device-memory part at `addr` (in r's process); `rkey`
-/// where windows use RDMA (the part was registered through a dmabuf).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn device_reach(
+/// Rank `r`'s part in device memory, as it described it.
+struct DevicePart<'a> {
+    /// Its address in r's process.
+    addr: usize,
+    /// How other processes map it (`DEV_*`), with its CUDA IPC handle where that is how.
+    how: u32,
+    ipc: &'a [u8; 64],
+    alloc_len: usize,
+    /// The part's offset in its allocation.
+    off: usize,
+}
+
+/// How this rank reaches rank `r`'s device-memory part; `fd`, the descriptor of its VMM
+/// allocation where it sent one; `rkey` where windows use RDMA (the part was registered
+/// through a dmabuf).
+fn device_reach(
     c: &Members,
     r: usize,
-    addr: usize,
-    how: u32,
-    ipc: &[u8; 64],
-    alloc_len: usize,
-    off: usize,
-    fd: &mut Option<std::os::fd::OwnedFd>,
+    part: &DevicePart,
+    fd: &mut Option<OwnedFd>,
     rkey: Option<u32>,
 ) -> Result<(Reach, Keep)> {
+    let DevicePart {
+        addr,
+        how,
+        ipc,
+        alloc_len,
+        off,
+    } = *part;
     // GPUDirect RDMA: its part was registered through a dmabuf; no GPU of this rank involved.
     if c.paths[r] == Path::Network {
         return match rkey {
