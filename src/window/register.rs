@@ -20,6 +20,7 @@ use crate::topo::Path;
 use crate::transport::net::ib::onesided;
 use crate::transport::net::ib::onesided::Exposed;
 use crate::transport::net::ib::verbs::{Remote, Source};
+use crate::transport::net::ib::IbWorld;
 use crate::transport::Doorbell;
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
@@ -54,111 +55,30 @@ pub(super) fn agree(c: &Members, mine: Result<()>) -> Result<()> {
     Ok(())
 }
 
-/// The communicator's window state, made collectively the first time.
+/// The communicator's window state, made collectively the first time: the signal channels
+/// agreed, every rank's control segment mapped by its peers on the host, and the ranks on
+/// other hosts reached by RDMA or the network.
 pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
     if let Some(cw) = find_comm(c) {
         return Ok(cw);
     }
-    let (me, n) = (c.rank, c.nranks);
     let channels = {
         let mine = (crate::env::WIN_CHANNELS.int().clamp(1, 4096) as u32).to_le_bytes();
         let b = c.boot.broadcast(0, &mine)?;
         u32::from_le_bytes(b[..4].try_into().unwrap_or(32u32.to_le_bytes())) as usize
     };
-    let deadline = deadline_of(crate::bootstrap::init_timeout());
-    let (own, fd) = Ctl::create(n, channels)?;
-    let own = Arc::new(own);
-    // The same tag on every rank: derived from the communicator alone.
-    let tag = c.tag ^ 0x5769_6e43_746c_0000;
-    let fds = fds::exchange(c.boot, c.paths, c.placements, tag, Some(&fd), deadline)?;
-    let mut ctls: Vec<Option<Arc<Ctl>>> = Vec::with_capacity(n);
-    for (r, f) in fds.iter().enumerate() {
-        ctls.push(match f {
-            _ if r == me => Some(own.clone()),
-            Some(f) => Some(Arc::new(Ctl::open(f, n, channels)?)),
-            None => None,
-        });
-    }
-    let remote_peers = c.paths.contains(&Path::Network);
-    // RDMA where every rank can: each needs a device, and all need the same protocol.
-    let can_rdma = remote_peers && c.ib.is_some();
-    let use_rdma = c
-        .boot
-        .allgather(&[u8::from(can_rdma)])?
-        .iter()
-        .all(|v| v.first() == Some(&1));
-    let mut rdma = None;
-    let mut mine = Vec::new();
-    let mut lost = None;
+    let (ctls, own_fd) = control_segments(c, channels)?;
+    let own = ctls[c.rank].clone().expect("own control segment");
     let stop = Arc::new(AtomicBool::new(false));
-    if let (true, Some(ib)) = (use_rdma, c.ib) {
-        let ctl = own.clone();
-        let qps = ib.one_sided(
-            c.boot,
-            Arc::new(move |from, imm| {
-                if imm == onesided::IMM_SIGNAL {
-                    ctl.counter(from).fetch_add(1, Ordering::SeqCst);
-                }
-                // A pad was written by the HCA, not by a SeqCst store of this thread: the
-                // doorbell's ring, with its fence.
-                Doorbell::ring(&*ctl);
-            }),
-        )?;
-        let (base, len) = own.region();
-        let exposed = qps.expose(Source::Host(base), len, false)?;
-        wire::put_u64(&mut mine, base as u64);
-        wire::put_u32(&mut mine, exposed.rkey);
-        rdma = Some((qps, exposed));
-    } else if remote_peers {
-        let (addr, l) = remote::listen(
-            c.boot.listen_ip(),
-            c.tag,
-            me,
-            n,
-            *c.boot.secret(),
-            own.clone(),
-            stop.clone(),
-        )?;
-        mine.extend_from_slice(&crate::bootstrap::encode_addr(&addr));
-        lost = Some(l);
-    }
-    let addrs = c.boot.allgather(&mine)?;
-    let rdma = match rdma {
-        Some((qps, own_ctl)) => {
-            let mut ctls = Vec::with_capacity(n);
-            for a in &addrs {
-                let mut r = Reader::new(a);
-                ctls.push(Remote {
-                    addr: r.u64()?,
-                    rkey: r.u32()?,
-                });
-            }
-            Some(RdmaSide {
-                qps,
-                ctls,
-                _own_ctl: own_ctl,
-            })
-        }
-        None => None,
-    };
-    let net = lost.map(|lost| {
-        NetSide::new(
-            me,
-            c.tag,
-            *c.boot.secret(),
-            addrs
-                .iter()
-                .map(|a| crate::bootstrap::decode_addr(a))
-                .collect(),
-            lost,
-            c.timeout,
-        )
-    });
+    let (rdma, net) = other_hosts(c, &own, &stop)?;
+    // Only now, past a collective step after the exchange, may it close (see
+    // `control_segments`).
+    drop(own_fd);
     let cw = Arc::new(CommWindows {
-        rank: me,
+        rank: c.rank,
         channels,
         ctls,
-        waited: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        waited: (0..c.nranks).map(|_| AtomicU64::new(0)).collect(),
         slots: Mutex::new(vec![false; ctl::MAX_WINDOWS]),
         net,
         rdma,
@@ -176,6 +96,112 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
     );
     COMMS.lock().push((key(c), cw.clone()));
     Ok(cw)
+}
+
+/// Collective: every rank's control segment as this rank maps it: a new one of its own, and
+/// those of the peers on this host; and the descriptor of its own. Threads of this process
+/// duplicate that descriptor by its number in their part of the exchange, which may end after
+/// this rank's: the caller keeps it open until every rank has passed a later collective step.
+fn control_segments(c: &Members, channels: usize) -> Result<(Vec<Option<Arc<Ctl>>>, OwnedFd)> {
+    let n = c.nranks;
+    let deadline = deadline_of(crate::bootstrap::init_timeout());
+    let (own, fd) = Ctl::create(n, channels)?;
+    let own = Arc::new(own);
+    // The same tag on every rank: derived from the communicator alone.
+    let tag = c.tag ^ 0x5769_6e43_746c_0000;
+    let fds = fds::exchange(c.boot, c.paths, c.placements, tag, Some(&fd), deadline)?;
+    let mut ctls = Vec::with_capacity(n);
+    for (r, f) in fds.iter().enumerate() {
+        ctls.push(match f {
+            _ if r == c.rank => Some(own.clone()),
+            Some(f) => Some(Arc::new(Ctl::open(f, n, channels)?)),
+            None => None,
+        });
+    }
+    Ok((ctls, fd))
+}
+
+/// Collective: how this rank reaches ranks on other hosts: RDMA where every rank can (each
+/// needs a device, and all need the same protocol), else active messages over TCP served by
+/// a listener of this rank's (stopped by `stop`). Every rank takes part, with or without
+/// such peers.
+fn other_hosts(
+    c: &Members,
+    own: &Arc<Ctl>,
+    stop: &Arc<AtomicBool>,
+) -> Result<(Option<RdmaSide>, Option<NetSide>)> {
+    let remote_peers = c.paths.contains(&Path::Network);
+    let can_rdma = remote_peers && c.ib.is_some();
+    let use_rdma = c
+        .boot
+        .allgather(&[u8::from(can_rdma)])?
+        .iter()
+        .all(|v| v.first() == Some(&1));
+    match c.ib.filter(|_| use_rdma) {
+        Some(ib) => rdma_side(c, ib, own).map(|r| (Some(r), None)),
+        None if remote_peers => net_side(c, own, stop).map(|n| (None, Some(n))),
+        None => c.boot.allgather(&[]).map(|_| (None, None)),
+    }
+}
+
+/// Windows' queue pairs to every rank, and every rank's control segment registered with its
+/// device (for the signals and pads carried by RDMA).
+fn rdma_side(c: &Members, ib: &IbWorld, own: &Arc<Ctl>) -> Result<RdmaSide> {
+    let ctl = own.clone();
+    let qps = ib.one_sided(
+        c.boot,
+        Arc::new(move |from, imm| {
+            if imm == onesided::IMM_SIGNAL {
+                ctl.counter(from).fetch_add(1, Ordering::SeqCst);
+            }
+            // A pad was written by the HCA, not by a SeqCst store of this thread: the
+            // doorbell's ring, with its fence.
+            Doorbell::ring(&*ctl);
+        }),
+    )?;
+    let (base, len) = own.region();
+    let exposed = qps.expose(Source::Host(base), len, false)?;
+    let mut mine = Vec::new();
+    wire::put_u64(&mut mine, base as u64);
+    wire::put_u32(&mut mine, exposed.rkey);
+    let mut ctls = Vec::with_capacity(c.nranks);
+    for a in &c.boot.allgather(&mine)? {
+        let mut r = Reader::new(a);
+        ctls.push(Remote {
+            addr: r.u64()?,
+            rkey: r.u32()?,
+        });
+    }
+    Ok(RdmaSide {
+        qps,
+        ctls,
+        _own_ctl: exposed,
+    })
+}
+
+/// This rank's listener for window requests from other hosts, and every rank's address.
+fn net_side(c: &Members, own: &Arc<Ctl>, stop: &Arc<AtomicBool>) -> Result<NetSide> {
+    let (addr, lost) = remote::listen(
+        c.boot.listen_ip(),
+        c.tag,
+        c.rank,
+        c.nranks,
+        *c.boot.secret(),
+        own.clone(),
+        stop.clone(),
+    )?;
+    let addrs = c.boot.allgather(&crate::bootstrap::encode_addr(&addr))?;
+    Ok(NetSide::new(
+        c.rank,
+        c.tag,
+        *c.boot.secret(),
+        addrs
+            .iter()
+            .map(|a| crate::bootstrap::decode_addr(a))
+            .collect(),
+        lost,
+        c.timeout,
+    ))
 }
 
 /// ncclCommWindowRegister (and commWindowAllocate with `owned`): collective. `precheck` is
@@ -222,7 +248,9 @@ pub(crate) fn register(
     Ok(w.handle)
 }
 
-/// This rank's part of a window being registered, before the exchange.
+/// This rank's part of a window being registered, before the exchange. It lives until the
+/// registration's last agreement (`publish`): threads of this process duplicate its
+/// descriptors by number in their part of the exchange, which may end after this rank's.
 struct Mine {
     buff: usize,
     size: usize,
