@@ -264,6 +264,7 @@ impl Comm {
         let crate::transport::Links {
             links,
             doorbell,
+            presence,
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
@@ -306,6 +307,7 @@ impl Comm {
         let wiring = Wiring {
             rank,
             doorbell,
+            presence,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: crate::exec::op::Limit::new(op_timeout()),
             warn_after: crate::bootstrap::warn_after(),

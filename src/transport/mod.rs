@@ -21,7 +21,7 @@ pub(crate) mod shm;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
-use crate::topo::{Path, Placement};
+use crate::topo::{Path, Placement, Presence};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,6 +31,9 @@ pub(crate) struct Links {
     /// One per rank, this rank's own loopback included.
     pub links: Vec<Arc<dyn Link>>,
     pub doorbell: Arc<dyn Doorbell>,
+    /// Where the ranks on this host run, from the transport that shares memory with them
+    /// (None without such peers).
+    pub presence: Option<Arc<dyn Presence>>,
     /// The shared-memory world, which device-buffer registration builds on.
     pub shm: Option<shm::ShmWorld>,
     /// Keeps the network links' progress thread alive.
@@ -139,6 +142,9 @@ pub(crate) fn establish_with(
     Ok(Links {
         links,
         doorbell,
+        presence: shm_world
+            .as_ref()
+            .map(|w| w.presence() as Arc<dyn Presence>),
         shm: shm_world,
         net: net_world,
     })
@@ -336,18 +342,6 @@ pub(crate) trait Link: Send + Sync {
     fn tells_its_losses(&self) -> bool {
         false
     }
-    /// The CPU the peer's progress loop last said it runs on, where the transport can tell
-    /// (shared memory); None when it cannot or the peer is not polling.
-    fn peer_running_on(&self) -> Option<(u32, Activity)> {
-        None
-    }
-    /// Whether neither what the peer says it does (`peer_running_on`) nor its heartbeat has
-    /// changed for `after` up to `now`. False where the transport cannot tell. Called by this
-    /// rank's progress loop only.
-    fn peer_stalled(&self, now: std::time::Instant, after: std::time::Duration) -> bool {
-        let _ = (now, after);
-        false
-    }
     /// The length and tag of the next message on the channel once it has begun to arrive,
     /// without taking anything off the channel; None while nothing has. Called only between
     /// messages (no receive on the channel in progress). A receive from any source uses it to
@@ -454,18 +448,6 @@ impl Closing {
     }
 }
 
-/// What a rank's progress loop is doing, as its peers on the host see it (with the CPU it
-/// last ran on).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Activity {
-    /// Polling its links: running, unless its heartbeat stopped.
-    Polling,
-    /// Asleep on its doorbell, until a peer rings.
-    Sleeping,
-    /// Back in the application between operations: it may compute for long.
-    Outside,
-}
-
 /// What a waiting executor sleeps on. Links ring it when they give the rank something to do:
 /// shm peers through the futex word in this rank's segment, network links from their
 /// progress thread. The protocol: `prepare_sleep`, one more look for work, then `sleep` or
@@ -475,15 +457,6 @@ pub(crate) trait Doorbell: Send + Sync {
     fn prepare_sleep(&self) -> u32;
     fn cancel_sleep(&self);
     fn sleep(&self, seen: u32, timeout: std::time::Duration);
-    /// Tells the peers on this host which CPU this rank last ran on and what it does there. A
-    /// peer that finds itself on that CPU knows this rank is not running, and gives the core
-    /// up instead of spinning for it.
-    fn set_running_on(&self, cpu: u32, what: Activity) {
-        let _ = (cpu, what);
-    }
-    /// Tells the peers on this host that this rank's progress loop is running (see
-    /// `Link::peer_stalled`): called now and then while it polls.
-    fn heartbeat(&self) {}
 }
 
 /// A doorbell in this process's memory, for ranks without a shared-memory segment.

@@ -5,17 +5,15 @@ use super::packed::{entry_bytes, stamp_of, Found, KIND_PACKED, PACK_AREA, PACK_F
 use super::peer::{Access, Carriage, Carried, ShmPeer};
 use super::pull::write_back;
 use super::segment::{
-    SlotHeader, CPU_MASK, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, KIND_PULL, KIND_RETURNED,
-    SLOT_HEADER,
+    SlotHeader, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, KIND_PULL, KIND_RETURNED, SLOT_HEADER,
 };
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::transport::{
-    Activity, Closing, Doorbell, InExpect, Link, OutMsg, Progress, Pulling, RecvCursor, SendCursor,
+    Closing, Doorbell, InExpect, Link, OutMsg, Progress, Pulling, RecvCursor, SendCursor,
     SendState, Sink,
 };
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 impl Link for ShmPeer {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
@@ -362,30 +360,6 @@ impl Link for ShmPeer {
             state: cur.started && cur.received == expect.len,
             moved,
         })
-    }
-
-    fn peer_running_on(&self) -> Option<(u32, Activity)> {
-        let v = self.remote.running_on().load(Ordering::Relaxed);
-        let cpu = (v & CPU_MASK).checked_sub(1)?;
-        let what = match v >> 30 {
-            0 => Activity::Polling,
-            1 => Activity::Sleeping,
-            _ => Activity::Outside,
-        };
-        Some((cpu, what))
-    }
-
-    fn peer_stalled(&self, now: Instant, after: Duration) -> bool {
-        let word = u64::from(self.remote.running_on().load(Ordering::Relaxed));
-        let beat = word << 32 | u64::from(self.remote.beat().load(Ordering::Relaxed));
-        let mut seen = self.beat_seen.lock();
-        match *seen {
-            Some((b, since)) if b == beat => now.saturating_duration_since(since) >= after,
-            _ => {
-                *seen = Some((beat, now));
-                false
-            }
-        }
     }
 
     fn tells_its_losses(&self) -> bool {

@@ -10,7 +10,6 @@ use crate::transport::{Doorbell, InExpect, Link, OutMsg};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// A message whose bytes this rank moved while it received what they were combined from, and
 /// whose send is still to come: the send of `len` bytes from `local` with `tag`.
@@ -105,9 +104,6 @@ pub(crate) struct ShmPeer {
     pub(super) tail_step: u64,
     /// Where this end stands in packed slots, sending and receiving.
     pub(super) pack: Packing,
-    /// The peer's `running_on` and heartbeat as last read, and since when they have had
-    /// those values.
-    pub(super) beat_seen: Mutex<Option<(u64, Instant)>>,
 }
 
 impl ShmPeer {

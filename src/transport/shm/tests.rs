@@ -13,8 +13,9 @@ use super::setup::{probe_cma, stopped_serving};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::Scale;
 use crate::sys::{self, ProcessWatch};
+use crate::topo::{Activity, Presence};
 use crate::transport::{
-    Activity, Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -62,7 +63,6 @@ fn pair(
         consumed: AtomicU64::new(0),
         tail_step: tail_step(nslots),
         pack: Packing::default(),
-        beat_seen: Mutex::new(None),
     };
     (link(0, &s0, &s1), link(1, &s1, &s0))
 }
@@ -71,22 +71,29 @@ fn pair(
 #[test]
 fn a_peer_sees_where_this_rank_runs_and_what_it_does() {
     let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
-    assert_eq!(b.peer_running_on(), None, "a fresh segment says nothing");
-    a.local.set_running_on(3, Activity::Polling);
-    assert_eq!(b.peer_running_on(), Some((3, Activity::Polling)));
+    let seen_by_b = ShmPresence::new(b.local.clone(), vec![Some(a.local.clone()), None]);
+    let seen_by_a = ShmPresence::new(a.local.clone(), vec![None, Some(b.local.clone())]);
     assert_eq!(
-        a.peer_running_on(),
+        seen_by_b.running_on(0),
+        None,
+        "a fresh segment says nothing"
+    );
+    seen_by_a.set_running_on(3, Activity::Polling);
+    assert_eq!(seen_by_b.running_on(0), Some((3, Activity::Polling)));
+    assert_eq!(
+        seen_by_a.running_on(1),
         None,
         "only the owner's own word changed"
     );
-    a.local.set_running_on(0, Activity::Sleeping);
+    assert_eq!(seen_by_b.running_on(1), None, "no segment, nothing said");
+    seen_by_a.set_running_on(0, Activity::Sleeping);
     assert_eq!(
-        b.peer_running_on(),
+        seen_by_b.running_on(0),
         Some((0, Activity::Sleeping)),
         "CPU 0 is a CPU, not 'nothing'"
     );
-    a.local.set_running_on(1023, Activity::Outside);
-    assert_eq!(b.peer_running_on(), Some((1023, Activity::Outside)));
+    seen_by_a.set_running_on(1023, Activity::Outside);
+    assert_eq!(seen_by_b.running_on(0), Some((1023, Activity::Outside)));
 }
 
 /// A peer is stalled once neither its word nor its heartbeat moved for the given time;
@@ -94,27 +101,39 @@ fn a_peer_sees_where_this_rank_runs_and_what_it_does() {
 #[test]
 fn a_peer_without_a_heartbeat_is_stalled() {
     let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+    let seen_by_b = ShmPresence::new(b.local.clone(), vec![Some(a.local.clone()), None]);
+    let seen_by_a = ShmPresence::new(a.local.clone(), vec![None, Some(b.local.clone())]);
     let after = Duration::from_micros(10);
     let t0 = Instant::now();
-    a.local.set_running_on(2, Activity::Polling);
-    assert!(!b.peer_stalled(t0, after), "first look: nothing to compare");
+    seen_by_a.set_running_on(2, Activity::Polling);
     assert!(
-        !b.peer_stalled(t0 + after / 2, after),
+        !seen_by_b.stalled(0, t0, after),
+        "first look: nothing to compare"
+    );
+    assert!(
+        !seen_by_b.stalled(0, t0 + after / 2, after),
         "not for long enough"
     );
-    assert!(b.peer_stalled(t0 + after, after), "silent for `after`");
-    a.local.heartbeat();
     assert!(
-        !b.peer_stalled(t0 + after * 2, after),
+        seen_by_b.stalled(0, t0 + after, after),
+        "silent for `after`"
+    );
+    seen_by_a.heartbeat();
+    assert!(
+        !seen_by_b.stalled(0, t0 + after * 2, after),
         "a beat is a sign of life"
     );
-    assert!(b.peer_stalled(t0 + after * 3, after));
-    a.local.set_running_on(2, Activity::Sleeping);
+    assert!(seen_by_b.stalled(0, t0 + after * 3, after));
+    seen_by_a.set_running_on(2, Activity::Sleeping);
     assert!(
-        !b.peer_stalled(t0 + after * 4, after),
+        !seen_by_b.stalled(0, t0 + after * 4, after),
         "so is a change of state"
     );
-    assert!(b.peer_stalled(t0 + after * 5, after));
+    assert!(seen_by_b.stalled(0, t0 + after * 5, after));
+    assert!(
+        !seen_by_b.stalled(1, t0 + after * 9, after),
+        "a rank without a segment cannot tell"
+    );
 }
 
 /// Where received bytes land: written by the link itself (`direct`) or handed over.
