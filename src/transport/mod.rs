@@ -34,6 +34,10 @@ pub(crate) struct Links {
     /// Where the ranks on this host run, from the transport that shares memory with them
     /// (None without such peers).
     pub presence: Option<Arc<dyn Presence>>,
+    /// Whether large buffers should be backed by huge pages: a transport copies from or
+    /// into them with the kernel, which pins every page it touches (shm's pulls between
+    /// processes). A property of how the transports use memory, not of one message.
+    pub huge_pages: bool,
     /// The shared-memory world, which device-buffer registration builds on.
     pub shm: Option<shm::ShmWorld>,
     /// Keeps the network links' progress thread alive.
@@ -145,6 +149,7 @@ pub(crate) fn establish_with(
         presence: shm_world
             .as_ref()
             .map(|w| w.presence() as Arc<dyn Presence>),
+        huge_pages: shm_world.as_ref().is_some_and(|w| w.prefers_huge_pages()),
         shm: shm_world,
         net: net_world,
     })
@@ -354,11 +359,6 @@ pub(crate) trait Link: Send + Sync {
     }
     /// A short description for logs ("shm/cma", "shm/direct", ...).
     fn describe(&self) -> String;
-    /// Whether large buffers should be backed by huge pages for this peer (its copies are
-    /// made by the kernel, which pins every page it touches).
-    fn prefers_huge_pages(&self) -> bool {
-        false
-    }
     /// Brings back into this core's caches and TLB the lines and pages that the next small
     /// messages either way will touch, after an operation that pushed them out; a hint, which
     /// links without such state ignore.

@@ -459,11 +459,6 @@ impl Link for ShmPeer {
         self.remote.read_slot_numbers(self.me);
     }
 
-    fn prefers_huge_pages(&self) -> bool {
-        matches!(self.access, Access::Cma(_))
-            && self.remote.pull_ok(self.me).load(Ordering::Relaxed) != 0
-    }
-
     fn describe(&self) -> String {
         match self.access {
             Access::Direct => "shm/direct".into(),

@@ -72,6 +72,16 @@ impl ShmWorld {
             segments.collect(),
         ))
     }
+
+    /// Whether some peer in another process may pull from this rank's buffers: the kernel
+    /// then copies them (process_vm_readv/writev), pinning every page it touches, and large
+    /// ones are better backed by huge pages.
+    pub(crate) fn prefers_huge_pages(&self) -> bool {
+        self.peers.iter().flatten().any(|p| {
+            matches!(p.access, Access::Cma(_))
+                && p.remote.pull_ok(p.me).load(Ordering::Relaxed) != 0
+        })
+    }
 }
 
 pub(super) fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {

@@ -676,10 +676,15 @@ fn a_cma_pull_into_a_combining_sink_goes_piece_by_piece() {
         1,
         "pulled, not eager"
     );
-    assert!(a.prefers_huge_pages());
     assert_eq!(a.describe(), "shm/cma");
     // The probe reads the segment's first word: another address does not pass.
     assert!(!probe_cma(std::process::id(), a.local.base_addr() + 64));
+    // The kernel copies this rank's buffers: large ones are better on huge pages.
+    let world = ShmWorld {
+        local: a.local.clone(),
+        peers: vec![None, Some(Arc::new(a))],
+    };
+    assert!(world.prefers_huge_pages());
 }
 
 /// A sink over memory it does not own: copies into it (`direct`) or folds into it (XOR),
@@ -1451,4 +1456,16 @@ fn segment_areas_do_not_overlap() {
         assert_eq!(g.total(), g.registry_base() + 4096);
         assert_eq!(g.slot_stride() % 64, 0);
     }
+}
+
+/// Threads of one process copy each other's buffers themselves, without the kernel: no huge
+/// pages asked for them, pulls or not.
+#[test]
+fn only_pulls_through_the_kernel_ask_for_huge_pages() {
+    let (a, _b) = pair(2, 4096, true, 1024, Access::Direct);
+    let world = ShmWorld {
+        local: a.local.clone(),
+        peers: vec![None, Some(Arc::new(a))],
+    };
+    assert!(!world.prefers_huge_pages());
 }
