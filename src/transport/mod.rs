@@ -219,38 +219,28 @@ pub(crate) enum SendState {
     Complete,
 }
 
-/// Per-message progress of a send, kept by the caller between calls.
+/// Per-message progress of a send, kept by the caller between calls: which message (the
+/// cursor belongs to one) and how far it got. `link` is the link's own word about it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SendCursor {
     pub sent: usize,
     pub started: bool,
-    /// The FIFO position whose release means the peer finished reading `src`.
-    pub await_release: Option<u64>,
+    /// What the link needs to tell when a message it handed over (`SendState::Posted`) is
+    /// complete: a FIFO position whose release means the peer finished reading `src` (shm,
+    /// loopback), a work request's number (ib). Only the link reads or writes it.
+    pub link: Option<u64>,
 }
 
-/// Per-message progress of a receive, kept by the caller between calls.
+/// Per-message progress of a receive, kept by the caller between calls: which message and
+/// how far it got. `link` is the link's own word about it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct RecvCursor {
     pub received: usize,
     pub started: bool,
-    /// A descriptor being pulled.
-    pub pulling: Option<Pulling>,
-    /// Bytes of the reply this receive forwards (`Sink::forwards`) already sent.
-    pub forwarded: usize,
-    /// Forwarding stopped (the FIFO was full): the reply's send sends the rest.
-    pub forward_stopped: bool,
-}
-
-/// A message the receiver is copying out of the sender's buffer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Pulling {
-    /// Its address in the sender.
-    pub src: usize,
-    pub total: usize,
-    pub scale: Option<Scale>,
-    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
-    /// sender's memory.
-    pub reply_at: Option<usize>,
+    /// The link's own state of this message while it is in progress (shm: whether it is
+    /// being pulled, and how much of the reply went ahead with it); zero before it starts.
+    /// Only the link reads or writes it.
+    pub link: u64,
 }
 
 /// Where received bytes go. The executor implements it: a plain copy, or a reduction into the

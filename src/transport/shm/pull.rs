@@ -2,11 +2,11 @@
 //! processes, a plain read between threads), and replies written back into it or forwarded.
 
 use super::peer::{Access, ShmPeer};
-use super::segment::{SlotHeader, KIND_EAGER};
+use super::segment::{SlotHeader, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, SLOT_HEADER};
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::sys;
-use crate::transport::{Doorbell, Pulling, RecvCursor, Sink};
+use crate::transport::{Doorbell, RecvCursor, Sink};
 use std::sync::atomic::Ordering;
 
 /// The smallest message a receiver pulls from the sender's buffer instead of taking it through
@@ -72,13 +72,76 @@ pub(super) fn landing(src: usize) -> usize {
     src % PAGE_SPAN
 }
 
+/// A message the receiver is copying out of the sender's buffer, as its descriptor says.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pulling {
+    /// Its address in the sender.
+    pub(super) src: usize,
+    pub(super) total: usize,
+    pub(super) scale: Option<Scale>,
+    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
+    /// sender's memory.
+    pub(super) reply_at: Option<usize>,
+}
+
+/// What a receive in progress holds for this transport, in the cursor's word of the link's
+/// own (`RecvCursor::link`): whether its bytes are being pulled (the descriptor stays in
+/// its slot until then, so what it says is read there), how many bytes of the reply went
+/// ahead through the slots (`forward`), and whether forwarding stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PullState {
+    pub(super) pulling: bool,
+    pub(super) forwarded: usize,
+    pub(super) stopped: bool,
+}
+
+const PULLING: u64 = 1 << 63;
+const STOPPED: u64 = 1 << 62;
+
+impl PullState {
+    /// A pull that begins.
+    pub(super) const START: u64 = PULLING;
+
+    pub(super) fn of(word: u64) -> PullState {
+        PullState {
+            pulling: word & PULLING != 0,
+            stopped: word & STOPPED != 0,
+            forwarded: (word & (STOPPED - 1)) as usize,
+        }
+    }
+
+    pub(super) fn word(self) -> u64 {
+        // A message's bytes fit 62 bits.
+        (self.forwarded as u64 & (STOPPED - 1))
+            | if self.pulling { PULLING } else { 0 }
+            | if self.stopped { STOPPED } else { 0 }
+    }
+}
+
 impl ShmPeer {
+    /// The pull descriptor of the message being received: the first slot not yet released,
+    /// which the sender leaves alone until the pull is done.
+    pub(super) fn descriptor(&self) -> Pulling {
+        let tail = self.consumed.load(Ordering::Relaxed);
+        let h = self.read_header(tail);
+        Pulling {
+            src: h.src_addr as usize,
+            total: h.msg_len as usize,
+            scale: (h.flags & FLAG_SCALE != 0).then_some(Scale(h.scale)),
+            // SAFETY: the descriptor's data word, published with it.
+            reply_at: (h.flags & FLAG_REPLY_AT != 0).then(|| unsafe {
+                (self.local.slot(self.peer, tail).add(SLOT_HEADER) as *const u64).read() as usize
+            }),
+        }
+    }
+
     /// Moves up to PULL_BUDGET bytes of a pulled message into the sink; and, where the sender
     /// lets us and the sink will send the combined bytes straight back, writes them into the
     /// sender's buffer piece by piece while they are in cache (`write_back`).
     pub(super) fn pull(
         &self,
         cur: &mut RecvCursor,
+        st: &mut PullState,
         p: Pulling,
         tag: u64,
         sink: &mut dyn Sink,
@@ -155,14 +218,14 @@ impl ShmPeer {
                         .map_err(|e| self.cma_error(e))?;
                     // SAFETY: the n bytes at `land` were just written.
                     let data = unsafe { std::slice::from_raw_parts(land, n) };
-                    let done = if forward && !cur.forward_stopped {
-                        self.forward(cur, (tag, total), data, scale, sink)?
+                    let done = if forward && !st.stopped {
+                        self.forward(cur, st, (tag, total), data, scale, sink)?
                     } else {
                         0
                     };
                     if done < n {
                         // What is forwarded must be the reply's first bytes: no more of it.
-                        cur.forward_stopped = true;
+                        st.stopped = true;
                         sink.put(cur.received + done, &data[done..], scale)?;
                     }
                     if let Some((d, at)) = back {
@@ -186,6 +249,7 @@ impl ShmPeer {
     pub(super) fn forward(
         &self,
         cur: &mut RecvCursor,
+        st: &mut PullState,
         (tag, total): (u64, usize),
         data: &[u8],
         scale: Option<Scale>,
@@ -194,8 +258,8 @@ impl ShmPeer {
         let Some(from) = sink.returns() else {
             return Ok(0);
         };
-        if cur.forwarded != cur.received {
-            cur.forward_stopped = true;
+        if st.forwarded != cur.received {
+            st.stopped = true;
             return Ok(0);
         }
         let mut head = self.remote.head(self.me).load(Ordering::Relaxed);
@@ -203,7 +267,7 @@ impl ShmPeer {
         let mut k = 0;
         while k < data.len() {
             if !self.slot_free(head, &mut tail) {
-                cur.forward_stopped = true;
+                st.stopped = true;
                 break;
             }
             let m = self.remote.geo.slot_bytes.min(data.len() - k);
@@ -224,7 +288,7 @@ impl ShmPeer {
             head += 1;
             k += m;
         }
-        cur.forwarded += k;
+        st.forwarded += k;
         if k > 0 {
             self.remote.ring();
         }

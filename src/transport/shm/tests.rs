@@ -7,7 +7,7 @@ use super::packed::{
     PACK_MAX, STAMP_SHIFT,
 };
 use super::peer::{tail_step, Access, CarriedList, ShmPeer};
-use super::pull::{PAGE_SPAN, PULL_BUDGET, PULL_PIECE};
+use super::pull::{PullState, PAGE_SPAN, PULL_BUDGET, PULL_PIECE};
 use super::segment::{Geometry, CTL_BASE, CTL_STRIDE, SLOT_FIELDS};
 use super::setup::{probe_cma, stopped_serving};
 use crate::error::{Error, ErrorKind, Result};
@@ -513,7 +513,7 @@ fn large_messages_are_pulled_in_budgeted_pieces_and_released() {
     let mut sc = SendCursor::default();
     let p = a.send(&msg, &mut sc).unwrap();
     assert_eq!((p.state, p.moved), (SendState::Posted, true));
-    assert_eq!(sc.await_release, Some(0));
+    assert_eq!(sc.link, Some(0), "released with slot 0");
     assert_eq!(b.local.head(0).load(Ordering::Relaxed), 1, "one slot");
     assert_eq!(b.peek().unwrap(), Some((data.len(), TAG)));
     let p = a.send(&msg, &mut sc).unwrap();
@@ -1468,4 +1468,30 @@ fn only_pulls_through_the_kernel_ask_for_huge_pages() {
         peers: vec![None, Some(Arc::new(a))],
     };
     assert!(!world.prefers_huge_pages());
+}
+
+/// What a receive keeps of a pull in its cursor's word comes back the same, and a fresh
+/// cursor's zero is a receive that pulls nothing.
+#[test]
+fn a_pull_in_progress_lives_in_the_cursor_word() {
+    let states = [
+        PullState::default(),
+        PullState::of(PullState::START),
+        PullState {
+            pulling: true,
+            forwarded: 123_456_789,
+            stopped: true,
+        },
+        PullState {
+            pulling: false,
+            forwarded: (1 << 40) + 3,
+            stopped: true,
+        },
+    ];
+    for st in states {
+        assert_eq!(PullState::of(st.word()), st);
+    }
+    assert_eq!(PullState::of(0), PullState::default());
+    assert!(PullState::of(PullState::START).pulling);
+    assert_eq!(PullState::of(PullState::START).forwarded, 0);
 }
