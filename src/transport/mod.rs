@@ -177,7 +177,7 @@ pub(crate) struct OutMsg {
     /// with nothing touching those bytes before: `src` itself (the other half of a two-rank
     /// all-reduce in place) or the same place in the receive buffer (out of place). A
     /// receiver that folds the message and will send the result straight back
-    /// (`Sink::returns`) may write that result there as it folds, while the bytes are still
+    /// (`Sink::reply`) may write that result there as it folds, while the bytes are still
     /// in its cache, and later send only a notice (shm does, for pulled messages).
     pub reply_at: Option<usize>,
 }
@@ -252,27 +252,15 @@ pub(crate) trait Sink {
     fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()>;
     /// Bytes `[offset, offset + len)` were written straight into `direct()`.
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
-    /// Where the combined bytes are when this rank's next use of them is to send them,
-    /// unchanged and whole, back to the peer they came from (see `OutMsg::reply_at`). None
-    /// by default.
-    fn returns(&self) -> Option<*const u8> {
+    /// The one optional capability the executor offers a link: this receive and a send of
+    /// its result back to the same peer are a matched pair (`Reply`). None by default; a link
+    /// may ignore it.
+    fn reply(&self) -> Option<Reply> {
         None
     }
-    /// The combined bytes are the very next message this rank sends the peer they came from
-    /// (what `returns` says, with every earlier message to that peer handed over already), so a
-    /// transport may send them while it folds (shm does: the folded pieces go straight into its
-    /// FIFO's slots). False by default.
-    fn forwards(&self) -> bool {
-        false
-    }
-    /// Where the sender also offered a place for the reply (`OutMsg::reply_at`), forward
-    /// (`forwards`) rather than write back: which is faster changes from run to run
-    /// (`exec::replies`), and the executor chooses. False by default.
-    fn forward_first(&self) -> bool {
-        false
-    }
     /// `put`, leaving a copy of the combined bytes at `out` as well (`len` bytes of memory
-    /// that nothing else touches meanwhile).
+    /// that nothing else touches meanwhile): how a link that takes up a `reply` folds the
+    /// bytes into the reply's message as well.
     fn put_also(
         &mut self,
         offset: usize,
@@ -284,7 +272,25 @@ pub(crate) trait Sink {
     }
 }
 
-/// `Sink::put_also` done plainly: `put`, then a copy of the combined bytes out of `returns`.
+/// What a receive's sink tells a link that may fold and return (`Sink::reply`): this rank's
+/// next use of the combined bytes is to send them, unchanged and whole, back to the peer
+/// they came from. A link may then move the reply while it folds (shm writes it into the
+/// sender's buffer where the sender offered a place, `OutMsg::reply_at`, or forwards it
+/// through its slots), and its later send of those bytes finishes what was begun.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reply {
+    /// Where the combined bytes are.
+    pub at: *const u8,
+    /// The reply is the very next message this rank sends that peer (every earlier one is
+    /// handed over already), so a link may send it while it folds.
+    pub next: bool,
+    /// Where the sender also offered a place for the reply, send it as the next message
+    /// (`next`) rather than write it there: which is faster changes from run to run
+    /// (`exec::replies`), and the executor chooses.
+    pub forward_first: bool,
+}
+
+/// `Sink::put_also` done plainly: `put`, then a copy of the combined bytes out of the reply.
 pub(crate) fn put_then_copy<S: Sink + ?Sized>(
     sink: &mut S,
     offset: usize,
@@ -293,13 +299,13 @@ pub(crate) fn put_then_copy<S: Sink + ?Sized>(
     out: *mut u8,
 ) -> Result<()> {
     sink.put(offset, data, scale)?;
-    let d = sink.returns().ok_or_else(|| {
+    let d = sink.reply().map(|r| r.at).ok_or_else(|| {
         Error::new(
             crate::error::ErrorKind::Internal,
             "a copy of combined bytes asked of a sink that keeps none",
         )
     })?;
-    // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
+    // SAFETY: the reply's bytes cover the message, which this piece lies inside; `out` is the
     // caller's memory of `data.len()` bytes.
     unsafe { crate::reduce::copy_bytes(out, d.add(offset), data.len()) };
     Ok(())

@@ -192,7 +192,7 @@ impl Link for ShmPeer {
                         how: Carriage::WrittenBack { remote: at },
                     });
                 } else if st.forwarded > 0 {
-                    if let Some(d) = sink.returns() {
+                    if let Some(d) = sink.reply().map(|r| r.at) {
                         self.carried.push(Carried {
                             tag: expect.tag,
                             local: d as usize,

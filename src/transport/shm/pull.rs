@@ -150,7 +150,7 @@ impl ShmPeer {
             src, total, scale, ..
         } = p;
         let back = write_back(p, &*sink, self.access);
-        let forward = back.is_none() && sink.forwards();
+        let forward = back.is_none() && sink.reply().is_some_and(|r| r.next);
         let end = total.min(cur.received + PULL_BUDGET);
         if let Some(dst) = sink.direct() {
             let (off, n) = (cur.received, end - cur.received);
@@ -240,7 +240,7 @@ impl ShmPeer {
 
     /// Folds `data`, bytes `[cur.received, ..)` of a pulled message, through the sink
     /// (`Sink::put_also`) straight into free slots of our FIFO to the peer, as the first bytes
-    /// of the reply (`Sink::forwards`: the next message to that peer, `total` bytes with `tag`,
+    /// of the reply (`Reply::next`: the next message to that peer, `total` bytes with `tag`,
     /// from the sink's result). Returns how many bytes went; when the slots run out,
     /// forwarding stops for the rest of the message, which the reply's send then sends. So
     /// it does where earlier bytes of the message went elsewhere (the sink began forwarding
@@ -255,7 +255,7 @@ impl ShmPeer {
         scale: Option<Scale>,
         sink: &mut dyn Sink,
     ) -> Result<usize> {
-        let Some(from) = sink.returns() else {
+        let Some(from) = sink.reply().map(|r| r.at) else {
             return Ok(0);
         };
         if st.forwarded != cur.received {
@@ -349,8 +349,8 @@ impl ShmPeer {
 
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
 /// them there as it pulls: the sender offered a place (`OutMsg::reply_at`), the sink sends the
-/// bytes straight back (`Sink::returns`) and would not rather forward them through the slots
-/// (`Sink::forward_first`: the executor's choice by measured times, whose measurements are in
+/// bytes straight back (`Sink::reply`) and would not rather forward them through the slots
+/// (`Reply::forward_first`: the executor's choice by measured times, whose measurements are in
 /// `exec::replies`). Below the sizes that forward, writing back wins: 512 KiB 115-130 us
 /// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time.
 ///
@@ -362,8 +362,9 @@ pub(super) fn write_back(
     access: Access,
 ) -> Option<(*const u8, usize)> {
     let at = p.reply_at?;
-    if sink.forward_first() && matches!(access, Access::Cma(_)) {
+    let r = sink.reply()?;
+    if r.forward_first && matches!(access, Access::Cma(_)) {
         return None;
     }
-    sink.returns().map(|d| (d, at))
+    Some((r.at, at))
 }

@@ -15,7 +15,7 @@ use crate::reduce::Scale;
 use crate::sys::{self, ProcessWatch};
 use crate::topo::{Activity, Presence};
 use crate::transport::{
-    Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, Reply, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -743,16 +743,12 @@ impl Sink for Fold {
         Ok(())
     }
 
-    fn returns(&self) -> Option<*const u8> {
-        self.returns.then_some(self.dst.cast_const())
-    }
-
-    fn forwards(&self) -> bool {
-        self.forwards
-    }
-
-    fn forward_first(&self) -> bool {
-        self.forward_first
+    fn reply(&self) -> Option<Reply> {
+        self.returns.then_some(Reply {
+            at: self.dst.cast_const(),
+            next: self.forwards,
+            forward_first: self.forward_first,
+        })
     }
 }
 
@@ -931,7 +927,7 @@ fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
     }
 }
 
-/// A folding receiver whose result is the next message to the sender (`Sink::forwards`)
+/// A folding receiver whose result is the next message to the sender (`Reply::next`)
 /// puts each folded piece straight into its FIFO's slots while it pulls, as long as slots
 /// are free; the result's send then sends only the rest (nothing, when every piece went),
 /// and the sender receives the whole result in order. Without `forwards` nothing goes
@@ -1001,7 +997,7 @@ fn a_forwarded_fold_goes_into_the_slots_as_it_folds_and_its_send_sends_the_rest(
 }
 
 /// Where the sender offered a place for the reply and the folded bytes may also be
-/// forwarded, the sink's choice (`Sink::forward_first`, the executor's by measured times)
+/// forwarded, the sink's choice (`Reply::forward_first`, the executor's by measured times)
 /// decides: forwarding fills the slots and leaves the offered place untouched, otherwise
 /// the bytes are written back there and no slot fills. Between threads (plain copies,
 /// which never forward) they are written back whatever the sink would rather.
