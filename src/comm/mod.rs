@@ -264,6 +264,8 @@ impl Comm {
         let crate::transport::Links {
             links,
             doorbell,
+            presence,
+            huge_pages,
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
@@ -295,17 +297,12 @@ impl Comm {
         let yield_us = crate::env::YIELD_US
             .int_if_set()
             .unwrap_or(if oversubscribed { 200 } else { 0 });
-        let huge_pages_from = if !crate::env::SHM_HUGEPAGES.flag() {
-            None
-        } else {
-            links
-                .iter()
-                .any(|l| l.prefers_huge_pages())
-                .then(|| crate::env::SHM_HUGEPAGES_FROM.size())
-        };
+        let huge_pages_from = (huge_pages && crate::env::SHM_HUGEPAGES.flag())
+            .then(|| crate::env::SHM_HUGEPAGES_FROM.size());
         let wiring = Wiring {
             rank,
             doorbell,
+            presence,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: crate::exec::op::Limit::new(op_timeout()),
             warn_after: crate::bootstrap::warn_after(),

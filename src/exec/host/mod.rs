@@ -23,7 +23,8 @@ use super::op::{HostOp, Limit};
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::sys;
-use crate::transport::{Activity, Doorbell, Link};
+use crate::topo::{Activity, Presence};
+use crate::transport::{Doorbell, Link};
 use blame::WARM_AFTER;
 use drive::drive;
 use engine::Exec;
@@ -66,6 +67,9 @@ pub(crate) struct Wiring {
     pub links: Vec<Arc<dyn Link>>,
     /// The doorbell links ring when they give this rank something to do.
     pub doorbell: Arc<dyn Doorbell>,
+    /// Where this communicator's ranks on this host run, told and read (`placement`); None
+    /// without peers on this host that share memory.
+    pub presence: Option<Arc<dyn Presence>>,
     pub abort: Arc<AtomicBool>,
     /// Give up (ncclTimeout) after this long without progress.
     pub timeout: Limit,
@@ -129,8 +133,8 @@ impl Wiring {
         }
         let first = !SETTLED.replace(true);
         let moved = self.home.filter(|_| first).and_then(sys::move_to_nth_cpu);
-        if let Some(cpu) = this_cpu() {
-            self.doorbell.set_running_on(cpu, Activity::Outside);
+        if let (Some(cpu), Some(p)) = (this_cpu(), &self.presence) {
+            p.set_running_on(cpu, Activity::Outside);
         }
         moved
     }

@@ -10,7 +10,6 @@ use crate::transport::{Doorbell, InExpect, Link, OutMsg};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// A message whose bytes this rank moved while it received what they were combined from, and
 /// whose send is still to come: the send of `len` bytes from `local` with `tag`.
@@ -28,7 +27,7 @@ pub(super) enum Carriage {
     /// notice.
     WrittenBack { remote: usize },
     /// The first `sent` bytes went into the FIFO's slots as they were folded
-    /// (`Sink::forwards`): the send goes on from there.
+    /// (`Reply::next`): the send goes on from there.
     Forwarded { sent: usize },
 }
 
@@ -92,8 +91,8 @@ pub(crate) struct ShmPeer {
     /// (`OutMsg::copied`) and for those that offer their buffer for the reply.
     pub(super) pull_threshold_copied: usize,
     pub(super) scratch: Mutex<Option<sys::HugeMem>>,
-    /// Combined bytes this rank wrote back into the peer's buffer (`Sink::returns`) or
-    /// forwarded (`Sink::forwards`), whose sends are a notice or the rest of the bytes.
+    /// Combined bytes this rank wrote back into the peer's buffer or forwarded through the
+    /// slots (`Sink::reply`), whose sends are a notice or the rest of the bytes.
     pub(super) carried: CarriedList,
     /// The last value of the peer's tail this rank read (a lower bound of the real one).
     pub(super) tail_seen: AtomicU64,
@@ -105,9 +104,6 @@ pub(crate) struct ShmPeer {
     pub(super) tail_step: u64,
     /// Where this end stands in packed slots, sending and receiving.
     pub(super) pack: Packing,
-    /// The peer's `running_on` and heartbeat as last read, and since when they have had
-    /// those values.
-    pub(super) beat_seen: Mutex<Option<(u64, Instant)>>,
 }
 
 impl ShmPeer {

@@ -60,6 +60,30 @@ pub(crate) struct ShmWorld {
     pub peers: Vec<Option<Arc<ShmPeer>>>,
 }
 
+impl ShmWorld {
+    /// Where this host's ranks run, read from their segments (`topo::Presence`).
+    pub(crate) fn presence(&self) -> Arc<super::ShmPresence> {
+        let segments = self
+            .peers
+            .iter()
+            .map(|p| p.as_ref().map(|p| p.remote.clone()));
+        Arc::new(super::ShmPresence::new(
+            self.local.clone(),
+            segments.collect(),
+        ))
+    }
+
+    /// Whether some peer in another process may pull from this rank's buffers: the kernel
+    /// then copies them (process_vm_readv/writev), pinning every page it touches, and large
+    /// ones are better backed by huge pages.
+    pub(crate) fn prefers_huge_pages(&self) -> bool {
+        self.peers.iter().flatten().any(|p| {
+            matches!(p.access, Access::Cma(_))
+                && p.remote.pull_ok(p.me).load(Ordering::Relaxed) != 0
+        })
+    }
+}
+
 pub(super) fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {
     format!("comm shm {comm_tag:016x} {from}->{to}").into_bytes()
 }
@@ -245,7 +269,6 @@ pub(crate) fn connect(
                 consumed: AtomicU64::new(0),
                 tail_step: tail_step(local.geo.nslots),
                 pack: Packing::default(),
-                beat_seen: Mutex::new(None),
             }));
         }
         match lost {
