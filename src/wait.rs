@@ -6,11 +6,16 @@
 //! doorbell's announce-then-look-again protocol, so that a ring between the last look and the
 //! sleep wakes the sleeper) and the words of its errors; the phases and their order are here.
 //!
+//! `FutexBell` is the doorbell on two futex words that window control segments ring and
+//! sleep on; `nap_on` is the announce-look-sleep step of a wait on any `Doorbell`.
+//!
 //! The host executor's loop (`exec::host::drive`) runs the same phases with more to weigh
 //! (CPU crowding, several communicators, a peer that gave up); its parameters are the same
 //! `Wiring` fields these waits take theirs from.
 
 use crate::error::{Error, Result};
+use crate::transport::Doorbell;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long each phase lasts.
@@ -90,6 +95,82 @@ pub(crate) fn wait<W: Wait>(patience: &Patience, w: &mut W) -> Result<W::Out> {
         }
         // The next look reads the clock again.
         looks = LOOKS_PER_CLOCK - 1;
+    }
+}
+
+/// The sleep of a `Wait` on a doorbell, with the doorbell's protocol: announce the sleep, look
+/// once more (a change published before the announcement was seen is found by this look; one
+/// published after it rings), then sleep at most `nap` or cancel. Returns what the look found.
+pub(crate) fn nap_on<T, D: Doorbell + ?Sized>(
+    bell: &D,
+    nap: Duration,
+    look: impl FnOnce() -> Result<Option<T>>,
+) -> Result<Option<T>> {
+    let seen = bell.prepare_sleep();
+    match look() {
+        Ok(None) => {
+            bell.sleep(seen, nap);
+            Ok(None)
+        }
+        other => {
+            bell.cancel_sleep();
+            other
+        }
+    }
+}
+
+/// A doorbell made of two futex words, which may lie in memory shared between processes: the
+/// bell, which a ring moves and a sleeper sleeps on, and the number of sleepers, so that a
+/// ring writes nothing (and the bell's cache line stays put) while nobody sleeps. A ring after
+/// `prepare_sleep` always wakes the sleeper: the ringer publishes its change and then looks
+/// at the sleepers; the sleeper counts itself and then looks at the change; a fence on each
+/// side (or a SeqCst change, see `ring_after_seqcst`) makes at least one of them see the
+/// other's write.
+#[derive(Clone, Copy)]
+pub(crate) struct FutexBell<'a> {
+    pub bell: &'a AtomicU32,
+    pub sleepers: &'a AtomicU32,
+}
+
+impl FutexBell<'_> {
+    /// Wakes the sleepers, if any, after a change the caller published in any way.
+    #[inline]
+    pub(crate) fn ring(&self) {
+        fence(Ordering::SeqCst);
+        self.ring_after_seqcst();
+    }
+
+    /// Wakes the sleepers, if any, after a change the caller made with a SeqCst store or
+    /// read-modify-write: that change and this look at the sleepers are then both in the one
+    /// order of SeqCst operations, which `ring`'s fence gives otherwise (a fence is not free
+    /// on a signal's critical path).
+    #[inline]
+    pub(crate) fn ring_after_seqcst(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.bell.fetch_add(1, Ordering::SeqCst);
+            crate::sys::futex_wake_all(self.bell);
+        }
+    }
+
+    /// Counts the caller as a sleeper and returns the bell's value to sleep on. The caller
+    /// looks for its change once more, then calls `sleep` or `cancel_sleep`.
+    pub(crate) fn prepare_sleep(&self) -> u32 {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the ringer's fence or SeqCst change: the caller's next look cannot move
+        // before the count.
+        fence(Ordering::SeqCst);
+        self.bell.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn cancel_sleep(&self) {
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Sleeps until a ring after `prepare_sleep` returned `seen`, or `timeout`, and stops
+    /// counting as a sleeper.
+    pub(crate) fn sleep(&self, seen: u32, timeout: Duration) {
+        crate::sys::futex_wait(self.bell, seen, timeout);
+        self.cancel_sleep();
     }
 }
 
@@ -221,5 +302,88 @@ mod tests {
         let mut r = ReadyInSleep(w);
         assert_eq!(wait(&p, &mut r).unwrap(), 7);
         assert_eq!(r.0.sleeps, 1);
+    }
+
+    #[test]
+    fn a_ring_after_prepare_sleep_wakes_the_sleeper_and_a_ring_without_one_writes_nothing() {
+        use std::sync::atomic::AtomicU32;
+        let (bell, sleepers) = (AtomicU32::new(0), AtomicU32::new(0));
+        let b = FutexBell {
+            bell: &bell,
+            sleepers: &sleepers,
+        };
+        b.ring();
+        b.ring_after_seqcst();
+        assert_eq!(bell.load(Ordering::SeqCst), 0);
+        let seen = b.prepare_sleep();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                b.ring();
+            });
+            b.sleep(seen, Duration::from_secs(20));
+        });
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert_eq!(sleepers.load(Ordering::SeqCst), 0);
+        assert_eq!(bell.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_nap_whose_look_finds_the_change_does_not_sleep() {
+        use std::sync::atomic::AtomicU32;
+        #[derive(Default)]
+        struct Bell {
+            bell: AtomicU32,
+            sleepers: AtomicU32,
+        }
+        impl Doorbell for Bell {
+            fn ring(&self) {
+                FutexBell {
+                    bell: &self.bell,
+                    sleepers: &self.sleepers,
+                }
+                .ring()
+            }
+            fn prepare_sleep(&self) -> u32 {
+                FutexBell {
+                    bell: &self.bell,
+                    sleepers: &self.sleepers,
+                }
+                .prepare_sleep()
+            }
+            fn cancel_sleep(&self) {
+                FutexBell {
+                    bell: &self.bell,
+                    sleepers: &self.sleepers,
+                }
+                .cancel_sleep()
+            }
+            fn sleep(&self, seen: u32, timeout: Duration) {
+                FutexBell {
+                    bell: &self.bell,
+                    sleepers: &self.sleepers,
+                }
+                .sleep(seen, timeout)
+            }
+        }
+        let b = Bell::default();
+        let t = Instant::now();
+        let found = nap_on(&b, Duration::from_secs(20), || {
+            assert_eq!(
+                b.sleepers.load(Ordering::SeqCst),
+                1,
+                "the look comes after the count"
+            );
+            Ok(Some(3))
+        });
+        assert_eq!(found.unwrap(), Some(3));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert_eq!(b.sleepers.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            nap_on(&b, Duration::from_millis(5), || Ok(None::<u32>)).unwrap(),
+            None
+        );
+        assert_eq!(b.sleepers.load(Ordering::SeqCst), 0);
     }
 }

@@ -1,13 +1,13 @@
 //! Signal-pad channels (PyTorch's symmetric-memory signal pads): signal, wait and barrier
 //! per channel.
 
+use super::ctl::Stop;
 use super::ops::{check_live, peer_index};
+use super::reach::{PeerWindow, Target};
 use super::registry::lookup;
-use super::remote::Frame;
 use super::signals::wait_until;
-use super::{deadline_of, remote, CommWindows, Members, Reach, Window};
+use super::{deadline_of, CommWindows, Members, Window};
 use crate::error::{Error, Result};
-use crate::transport::net::ib::verbs::Remote;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,7 +55,7 @@ pub(crate) fn channel_signal(
 ) -> Result<()> {
     let (w, dst, ch) = channel_args(c, handle, dst, channel)?;
     check_live(&w.cw, &w, dst)?;
-    channel_signal_to(c, &w.cw, &w, dst, ch, pad_deadline(c, timeout_ms))
+    channel_signal_to(c, &w, dst, ch, pad_deadline(c, timeout_ms))
 }
 
 /// The window, peer and channel of a channel operation, checked.
@@ -73,47 +73,24 @@ pub(super) fn channel_args(
 
 pub(super) fn channel_signal_to(
     c: &Members,
-    cw: &CommWindows,
     w: &Window,
     dst: usize,
     ch: usize,
     deadline: Option<Instant>,
 ) -> Result<()> {
     let me = c.rank;
+    let target = Target {
+        w,
+        peer: dst,
+        stop: Stop {
+            deadline,
+            abort: None,
+        },
+        link: None,
+    };
     let mut pause = Duration::from_micros(1);
     loop {
-        let set = match (&cw.ctls[dst], &w.peers[dst].data) {
-            (Some(ctl), _) => {
-                let ok = ctl
-                    .pad(w.peers[dst].slot, ch, me)
-                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok();
-                if ok {
-                    ctl.ring();
-                }
-                ok
-            }
-            (None, Reach::Rdma { .. }) => {
-                let r = cw.rdma(dst)?;
-                let pad = Remote {
-                    addr: r.ctls[dst].addr + cw.own().pad_offset(w.peers[dst].slot, ch, me) as u64,
-                    rkey: r.ctls[dst].rkey,
-                };
-                r.qps.set_pad(dst, pad, deadline)?
-            }
-            (None, Reach::Net { id }) => {
-                let f = Frame {
-                    op: remote::OP_PAD_CAS,
-                    win: *id,
-                    off: ch as u64,
-                    a: 0,
-                    b: 1,
-                    ..Default::default()
-                };
-                cw.net(dst)?.call(dst, &f, &[], true, &mut [])? == 0
-            }
-            (None, _) => return crate::internal_err!("rank {dst}'s signal pads are unreachable"),
-        };
+        let set = w.peers[dst].data.set_pad(&target, ch)?;
         if set {
             return Ok(());
         }
@@ -192,7 +169,7 @@ pub(crate) fn channel_barrier(
         check_live(&cw, &w, p)?;
     }
     for p in (0..c.nranks).filter(|&p| p != c.rank) {
-        channel_signal_to(c, &cw, &w, p, ch, deadline)?;
+        channel_signal_to(c, &w, p, ch, deadline)?;
     }
     for p in (0..c.nranks).filter(|&p| p != c.rank) {
         channel_wait_from(c, &cw, &w, p, ch, deadline)?;

@@ -6,6 +6,8 @@
 
 use crate::error::Result;
 use crate::sys::{self, Mapping};
+use crate::transport::Doorbell;
+use crate::wait::FutexBell;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -187,29 +189,40 @@ impl Ctl {
         Ok(r)
     }
 
-    /// Wakes this rank's waiters after a signal or a pad changed.
-    /// Callers changed the word a waiter looks at (SeqCst) first: a waiter that registered
-    /// as a sleeper before that change is woken, one that registers after it sees the change.
+    /// This rank's doorbell: the bell word and the count of its sleepers, in this segment, so
+    /// that the peers on the host ring it.
     #[inline]
-    pub(crate) fn ring(&self) {
-        if self.word32(SLEEPERS).load(Ordering::SeqCst) > 0 {
-            self.word32(BELL).fetch_add(1, Ordering::SeqCst);
-            sys::futex_wake_all(self.word32(BELL));
+    fn bell(&self) -> FutexBell<'_> {
+        FutexBell {
+            bell: self.word32(BELL),
+            sleepers: self.word32(SLEEPERS),
         }
     }
 
-    /// Sleeps until the bell rings or `slice` passes, unless `ready` holds on a last look
-    /// (then returns true: `ready` may consume what it found). The protocol makes a ring
-    /// between the last look and the sleep wake the sleeper.
-    pub(crate) fn sleep_unless(&self, slice: Duration, ready: &mut dyn FnMut() -> bool) -> bool {
-        let sleepers = self.word32(SLEEPERS);
-        sleepers.fetch_add(1, Ordering::SeqCst);
-        let seen = self.word32(BELL).load(Ordering::SeqCst);
-        let found = ready();
-        if !found {
-            sys::futex_wait(self.word32(BELL), seen, slice);
-        }
-        sleepers.fetch_sub(1, Ordering::SeqCst);
-        found
+    /// Wakes this rank's waiters after a signal or a pad changed. Callers change the word a
+    /// waiter looks at with a SeqCst store or read-modify-write first (then no fence is
+    /// needed, see `FutexBell::ring_after_seqcst`); the `Doorbell` ring is for any other.
+    #[inline]
+    pub(crate) fn ring(&self) {
+        self.bell().ring_after_seqcst();
+    }
+}
+
+/// The control segment's bell is the doorbell window waits sleep on (`wait::nap_on`).
+impl Doorbell for Ctl {
+    fn ring(&self) {
+        self.bell().ring();
+    }
+
+    fn prepare_sleep(&self) -> u32 {
+        self.bell().prepare_sleep()
+    }
+
+    fn cancel_sleep(&self) {
+        self.bell().cancel_sleep();
+    }
+
+    fn sleep(&self, seen: u32, timeout: Duration) {
+        self.bell().sleep(seen, timeout);
     }
 }

@@ -1,13 +1,18 @@
 //! Windows, one-sided operations and symmetric memory.
 //!
 //! A [`Window`] is a region of every rank's memory, registered collectively, plus for each peer
-//! the way this rank reaches that peer's region:
+//! the way this rank reaches that peer's region: a [`Reach`], which holds one implementation
+//! of the small interface of one-sided operations (`reach::PeerWindow`: put, get, atomic,
+//! signal, signal-pad update, flush) per medium, each in a file of its own under `reach/`:
 //!
 //! - **direct**: the peer is this rank, a thread of this process, or a process on this host whose
 //!   region the library allocated (a memfd every rank on the host maps): loads, stores and
 //!   hardware atomics;
 //! - **cma**: a process on this host whose region is ordinary memory: single-copy
 //!   `process_vm_writev` / `readv`, and atomics under a lock in the target's control segment;
+//! - **device**: device memory this process addresses (a peer's GPU memory mapped with CUDA
+//!   IPC or a VMM descriptor, or a thread's): copies by the driver, on the caller's stream or
+//!   complete on return, and atomics under the lock as for cma;
 //! - **rdma**: a rank on another host, where the communicator's network transport is
 //!   InfiniBand: RDMA writes, reads and verbs atomics on queue pairs of the windows' own
 //!   (`transport::net::ib::onesided`). Device memory there, window parts and local buffers
@@ -35,6 +40,7 @@ mod ctl;
 mod fds;
 pub(crate) mod gdr;
 mod ops;
+mod reach;
 mod register;
 mod registry;
 mod remote;
@@ -64,6 +70,7 @@ pub(crate) use ops::{
     atomic, check_access, check_local, check_peer, flush, get, peer_device_ptr, peer_ptr,
     peer_size, put, put_checked, DirectPuts,
 };
+pub(crate) use reach::Reach;
 pub(crate) use register::{deregister, register};
 pub(crate) use registry::{forget, lookup, registered_state, user_ptr};
 pub(crate) use signals::{signal, took_signals, wait_signals, wait_signals_on};
@@ -89,21 +96,6 @@ pub(crate) struct Members<'a> {
     pub device: Option<Arc<Device>>,
     /// The InfiniBand side of the network transport, where it is InfiniBand.
     pub ib: Option<&'a IbWorld>,
-}
-
-/// How this rank reaches one rank's part of a window.
-pub(crate) enum Reach {
-    /// Loads and stores at this address.
-    Direct(usize),
-    /// process_vm_writev / readv into process `pid` at `addr`.
-    Cma { pid: u32, addr: usize },
-    /// Active messages to the target, naming its window handle `id`.
-    Net { id: u64 },
-    /// RDMA into the target's memory at `addr` (in its process), registered with `rkey`.
-    Rdma { addr: usize, rkey: u32 },
-    /// Device memory at this address of this process (the peer's own GPU memory mapped with
-    /// CUDA IPC, or a thread's in this process): copies by the driver, on a stream or not.
-    Device(usize),
 }
 
 /// What keeps a peer's part mapped in this process.
@@ -161,7 +153,7 @@ pub(crate) struct CommWindows {
     slots: Mutex<Vec<bool>>,
     net: Option<NetSide>,
     /// Peers reached over InfiniBand, where the network transport is InfiniBand.
-    rdma: Option<Rdma>,
+    rdma: Option<RdmaSide>,
     /// Operations give up after this long (ncclTimeout).
     timeout: Option<Duration>,
     /// Stops the listener for peers on other hosts once this state is dropped.
@@ -176,7 +168,7 @@ impl Drop for CommWindows {
 
 /// Windows over InfiniBand: the queue pairs, and every rank's control segment as its peers
 /// reach it (the signal pads; and some key for the zero-byte writes that carry signals).
-struct Rdma {
+struct RdmaSide {
     qps: OneSided,
     ctls: Vec<Remote>,
     _own_ctl: Exposed,
@@ -212,7 +204,7 @@ impl CommWindows {
         }
     }
 
-    fn rdma(&self, peer: usize) -> Result<&Rdma> {
+    fn rdma(&self, peer: usize) -> Result<&RdmaSide> {
         self.rdma.as_ref().map_or_else(
             || {
                 crate::internal_err!(
@@ -250,6 +242,6 @@ impl Window {
 
     /// Whether `peer`'s part is device memory (then this rank has the communicator's GPU).
     pub(crate) fn is_device(&self, peer: usize) -> bool {
-        matches!(self.peers[peer].data, Reach::Device(_))
+        self.peers[peer].data.is_device()
     }
 }

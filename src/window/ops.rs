@@ -1,18 +1,15 @@
-//! One-sided operations on a window: put, get, atomics and flush, per reach kind, with the
-//! checks of their arguments; and the direct puts of the short way.
+//! One-sided operations on a window: put, get, atomics and flush, with the checks of their
+//! arguments, each handed once to the medium that reaches the peer's part (`super::reach`);
+//! and the direct puts of the short way.
 
 use super::ctl::{Ctl, Stop};
+use super::reach::direct::store_direct;
+use super::reach::{self, Atomic, PeerWindow, Target};
 use super::registry::{lookup, window_by_handle};
-use super::remote::Frame;
-use super::signals::{signal_ctl, signal_on, signal_to};
-use super::{
-    deadline_of, gdr, remote, CommWindows, Members, PeerWin, Reach, Window, WIN_COLL_SYMMETRIC,
-};
-use crate::cuda::{Device, MemKind, Stream};
-use crate::error::{Error, ErrorKind, Result};
-use crate::sys;
-use crate::transport::net::ib::onesided;
-use crate::transport::net::ib::verbs::Remote;
+use super::signals::signal_ctl;
+use super::{deadline_of, CommWindows, Members, PeerWin, Reach, Window, WIN_COLL_SYMMETRIC};
+use crate::cuda::{MemKind, Stream};
+use crate::error::Result;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -60,7 +57,7 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
 /// is the GPU's) or one reached by RDMA (GPUDirect); host buffers go with either.
 pub(crate) fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
     if let MemKind::Device(d) = crate::cuda::classify(buf as *const std::ffi::c_void) {
-        if !w.is_device(peer) && !matches!(w.peers[peer].data, Reach::Rdma { .. }) {
+        if !w.peers[peer].data.takes_device_buffers() {
             return crate::invalid_usage!(
                 "{name} is memory of GPU {d}, but rank {peer}'s part of the window is host memory: use a host buffer, or register the window on device memory"
             );
@@ -84,15 +81,6 @@ pub(super) fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()
         }
         _ => Ok(()),
     }
-}
-
-pub(super) fn cma_error(peer: usize, what: &str, e: std::io::Error) -> Error {
-    let kind = if e.raw_os_error() == Some(libc::ESRCH) {
-        ErrorKind::Remote
-    } else {
-        ErrorKind::System
-    };
-    Error::new(kind, format!("{what} rank {peer}'s window: {e}"))
 }
 
 /// Puts `len` bytes from `src` at `off` of `peer`'s part of window `handle`, then (with
@@ -135,84 +123,15 @@ pub(crate) unsafe fn put_checked(
     signal: bool,
     stream: Option<Stream>,
 ) -> Result<()> {
-    let p = &w.peers[peer];
-    let cw = &*w.cw;
-    check_live(cw, w, peer)?;
-    match p.data {
-        Reach::Device(base) => {
-            let dev = w.device_of()?;
-            let (dst, src) = ((base + off) as u64, src as u64);
-            if let Some(s) = stream {
-                s.copy(dst, src, len)?;
-                if signal {
-                    signal_on(s, w.cw.clone(), peer)?;
-                }
-                return Ok(());
-            }
-            crate::cuda::copy_sync(dev, dst, src, len)?;
-        }
-        // SAFETY: the destination lies inside the peer's registered window (checked by the
-        // caller), mapped here; the caller guarantees src holds len bytes.
-        Reach::Direct(base) => unsafe { store_direct((base + off) as *mut u8, src, len) },
-        Reach::Cma { pid, addr } => {
-            if len > 0 {
-                // SAFETY: the caller guarantees src holds len bytes.
-                unsafe { sys::cma_write(pid, src, addr + off, len) }
-                    .map_err(|e| cma_error(peer, "writing into", e))?;
-            }
-        }
-        Reach::Rdma { addr, rkey } => {
-            let r = cw.rdma(peer)?;
-            let to = Remote {
-                addr: (addr + off) as u64,
-                rkey,
-            };
-            let from_device = stream.zip(match crate::cuda::classify(src.cast()) {
-                MemKind::Device(o) => Some(o),
-                MemKind::Host => None,
-            });
-            if let Some((s, o)) = from_device {
-                // A device-memory source (GPUDirect RDMA) written by work queued on the
-                // stream: the HCA reads it once that is done, the caller waiting meanwhile, as
-                // collectives on device buffers across hosts do.
-                if s.capturing() {
-                    return crate::invalid_usage!(
-                        "a put from device memory to rank {peer} on another host waits for its stream, which a CUDA graph capture cannot record; issue it outside the capture"
-                    );
-                }
-                let dev = Device::get(o)?;
-                let _bound = dev.bind()?;
-                s.synchronize()?;
-            }
-            let lkey = gdr::local_key(&r.qps, src as usize, len, "localbuff")?;
-            // SAFETY: the caller guarantees src holds len bytes.
-            unsafe { r.qps.put(peer, src, len, to, lkey, cw.deadline()) }?;
-            if signal {
-                // On the same queue pair: counted at the target after the data landed.
-                r.qps
-                    .notify(peer, onesided::IMM_SIGNAL, r.ctls[peer], cw.deadline())?;
-            }
-            return Ok(());
-        }
-        Reach::Net { id } => {
-            // SAFETY: the caller guarantees src holds len bytes.
-            let payload = unsafe { std::slice::from_raw_parts(src, len) };
-            let f = Frame {
-                op: remote::OP_PUT,
-                flags: if signal { remote::FLAG_SIGNAL } else { 0 },
-                win: id,
-                off: off as u64,
-                len: len as u64,
-                ..Default::default()
-            };
-            cw.net(peer)?.call(peer, &f, payload, false, &mut [])?;
-            return Ok(());
-        }
-    }
-    if signal {
-        signal_to(cw, peer)?;
-    }
-    Ok(())
+    check_live(&w.cw, w, peer)?;
+    let t = Target {
+        w,
+        peer,
+        stop: Stop::default(),
+        link: None,
+    };
+    // SAFETY: as this function's.
+    unsafe { w.peers[peer].data.put(&t, off, src, len, signal, stream) }
 }
 
 /// What ncclPutSignal's short way (see `ffi::lane`) needs of a window, worked out once: for
@@ -299,25 +218,6 @@ impl DirectPuts {
     }
 }
 
-/// A put's bytes into a part mapped here. `src` and `dst` may overlap when a rank puts into its
-/// own window (a word is read whole before it is written). One word, the common signal
-/// payload, goes without a call to memmove.
-///
-/// # Safety
-/// `dst` valid for `len` bytes of writes, `src` for `len` bytes of reads.
-#[inline]
-pub(super) unsafe fn store_direct(dst: *mut u8, src: *const u8, len: usize) {
-    // SAFETY: as this function's.
-    unsafe {
-        if len == 8 {
-            dst.cast::<u64>()
-                .write_unaligned(src.cast::<u64>().read_unaligned());
-        } else if len > 0 {
-            std::ptr::copy(src, dst, len);
-        }
-    }
-}
-
 /// Reads `len` bytes at `off` of `peer`'s part of window `handle` into `dst`.
 ///
 /// # Safety
@@ -339,119 +239,37 @@ pub(crate) unsafe fn get(
     if len == 0 {
         return Ok(());
     }
-    match p.data {
-        Reach::Device(base) => {
-            crate::cuda::copy_sync(w.device_of()?, dst as u64, (base + off) as u64, len)?
-        }
-        // SAFETY: the source lies inside the peer's window; the caller guarantees dst holds len bytes.
-        Reach::Direct(base) => unsafe { std::ptr::copy((base + off) as *const u8, dst, len) },
-        // SAFETY: as above.
-        Reach::Cma { pid, addr } => unsafe { sys::cma_read(pid, dst, addr + off, len) }
-            .map_err(|e| cma_error(peer, "reading from", e))?,
-        Reach::Rdma { addr, rkey } => {
-            let from = Remote {
-                addr: (addr + off) as u64,
-                rkey,
-            };
-            let r = w.cw.rdma(peer)?;
-            let lkey = gdr::local_key(&r.qps, dst as usize, len, "localbuff")?;
-            // SAFETY: the caller guarantees dst holds len bytes.
-            unsafe { r.qps.get(peer, dst, len, from, lkey, w.cw.deadline()) }?;
-        }
-        Reach::Net { id } => {
-            let cw = w.cw.clone();
-            let f = Frame {
-                op: remote::OP_GET,
-                win: id,
-                off: off as u64,
-                len: len as u64,
-                ..Default::default()
-            };
-            // SAFETY: the caller guarantees dst holds len bytes.
-            let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
-            cw.net(peer)?.call(peer, &f, &[], true, out)?;
-        }
-    }
-    Ok(())
+    let t = Target {
+        w: &w,
+        peer,
+        stop: Stop::default(),
+        link: None,
+    };
+    // SAFETY: as this function's.
+    unsafe { p.data.get(&t, off, dst, len) }
 }
 
 /// An 8-byte atomic on `peer`'s part of `w` done by this process (the peer is reached
 /// directly or with CMA): fetch-add of `val`, or with `cas` a compare-and-swap to `val`.
-/// Returns the old value. `ctl` is the target's control segment (for the lock); `stop` ends a
-/// wait for the lock.
+/// Returns the old value. `stop` ends a wait for the lock in the target's control segment
+/// (`_ctl`, which the part's medium finds itself). The network server applies its peers'
+/// atomics on this rank's own part with it.
 pub(crate) fn atomic_at(
     w: &Window,
     peer: usize,
     off: usize,
     cas: Option<u64>,
     val: u64,
-    ctl: &Ctl,
+    _ctl: &Ctl,
     stop: Stop,
 ) -> Result<u64> {
-    let p = &w.peers[peer];
-    // The lock of the word where it lies in the target's memory, whichever window reaches it.
-    let key = p.addr + off;
-    let new = |old: u64| match cas {
-        Some(cmp) if old == cmp => val,
-        Some(_) => old,
-        None => old.wrapping_add(val),
+    let t = Target {
+        w,
+        peer,
+        stop,
+        link: None,
     };
-    match p.data {
-        Reach::Direct(base) => {
-            // SAFETY: the word lies inside the window (checked by the caller), is 8-byte aligned
-            // (checked too) and is only ever accessed atomically by the library.
-            let a = unsafe { &*((base + off) as *const AtomicU64) };
-            if p.locked {
-                ctl.locked(key, stop, || {
-                    let old = a.load(Ordering::SeqCst);
-                    crate::fault::point("window_atomic_locked");
-                    a.store(new(old), Ordering::SeqCst);
-                    old
-                })
-            } else {
-                Ok(match cas {
-                    Some(cmp) => {
-                        match a.compare_exchange(cmp, val, Ordering::SeqCst, Ordering::SeqCst) {
-                            Ok(v) | Err(v) => v,
-                        }
-                    }
-                    None => a.fetch_add(val, Ordering::SeqCst),
-                })
-            }
-        }
-        Reach::Cma { pid, addr } => ctl.locked(key, stop, || {
-            let mut old = [0u8; 8];
-            // SAFETY: old is 8 writable bytes.
-            unsafe { sys::cma_read(pid, old.as_mut_ptr(), addr + off, 8) }
-                .map_err(|e| cma_error(peer, "an atomic on", e))?;
-            let old = u64::from_ne_bytes(old);
-            crate::fault::point("window_atomic_locked");
-            let v = new(old);
-            if v != old {
-                // SAFETY: v is 8 readable bytes.
-                unsafe { sys::cma_write(pid, v.to_ne_bytes().as_ptr(), addr + off, 8) }
-                    .map_err(|e| cma_error(peer, "an atomic on", e))?;
-            }
-            Ok(old)
-        })?,
-        Reach::Device(base) => {
-            let dev = w.device_of()?;
-            ctl.locked(key, stop, || {
-                let mut old = 0u64;
-                let at = (base + off) as u64;
-                crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8)?;
-                crate::fault::point("window_atomic_locked");
-                let v = new(old);
-                if v != old {
-                    crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8)?;
-                }
-                Ok(old)
-            })?
-        }
-        Reach::Net { .. } | Reach::Rdma { .. } => {
-            crate::internal_err!("atomic on a remote window applied locally")
-        }
-    }
+    w.peers[peer].data.atomic(&t, off, Atomic::of(cas, val))
 }
 
 /// 8-byte fetch-add (`cas` None) or compare-and-swap on `peer`'s window at `off`; the old value.
@@ -473,55 +291,22 @@ pub(crate) fn atomic(
             p.addr + off
         );
     }
-    let cw = w.cw.clone();
-    if let (Some(r), Some(rkey)) = (&cw.rdma, p.rkey) {
-        // Every atomic through the target's HCA, this host's ranks and this rank included.
-        check_live(&cw, &w, peer)?;
-        let at = Remote {
-            addr: (p.addr + off) as u64,
-            rkey,
-        };
-        return r.qps.atomic(peer, at, cas, val, deadline_of(c.timeout));
-    }
-    match p.data {
-        Reach::Net { id } => {
-            let f = Frame {
-                op: if cas.is_some() {
-                    remote::OP_CAS
-                } else {
-                    remote::OP_FETCH_ADD
-                },
-                win: id,
-                off: off as u64,
-                a: cas.unwrap_or(0),
-                b: val,
-                ..Default::default()
-            };
-            cw.net(peer)?.call(peer, &f, &[], true, &mut [])
-        }
-        _ => {
-            let ctl = cw.ctls[peer].as_deref().ok_or_else(|| {
-                Error::new(ErrorKind::Internal, "no control segment for a local peer")
-            })?;
-            check_live(&cw, &w, peer)?;
-            // The word is mapped here and outlives its owner: an atomic into a rank that is
-            // gone would succeed and return a value nobody will see change again.
-            if peer != c.rank {
-                c.links[peer].check_peer()?;
-            }
-            atomic_at(
-                &w,
-                peer,
-                off,
-                cas,
-                val,
-                ctl,
-                Stop {
-                    deadline: deadline_of(c.timeout),
-                    abort: Some(c.abort),
-                },
-            )
-        }
+    check_live(&w.cw, &w, peer)?;
+    let t = Target {
+        w: &w,
+        peer,
+        stop: Stop {
+            deadline: deadline_of(c.timeout),
+            abort: Some(c.abort),
+        },
+        link: (peer != c.rank).then(|| &*c.links[peer]),
+    };
+    let op = Atomic::of(cas, val);
+    match (&w.cw.rdma, p.rkey) {
+        // Where windows use InfiniBand, every atomic goes through the target's HCA, this
+        // host's ranks and this rank included (see the module's notes).
+        (Some(_), Some(rkey)) => reach::Rdma { addr: p.addr, rkey }.atomic(&t, off, op),
+        _ => p.data.atomic(&t, off, op),
     }
 }
 
@@ -537,21 +322,18 @@ pub(crate) fn flush(c: &Members, handle: usize, peer: Option<i32>) -> Result<()>
         // Puts into device memory queued on streams (ncclPutSignal) are done once the device is.
         crate::cuda::synchronize(dev)?;
     }
-    let cw = w.cw.clone();
-    for p in peers {
-        if let Reach::Rdma { .. } = w.peers[p].data {
-            let r = cw.rdma(p)?;
-            // Any 8 bytes of the peer serve the read that ends the flush: its control segment.
-            r.qps.flush(p, r.ctls[p], deadline_of(c.timeout))?;
-        }
-        if let Reach::Net { id } = w.peers[p].data {
-            let f = Frame {
-                op: remote::OP_FLUSH,
-                win: id,
-                ..Default::default()
-            };
-            cw.net(p)?.call(p, &f, &[], true, &mut [])?;
-        }
+    let stop = Stop {
+        deadline: deadline_of(c.timeout),
+        abort: None,
+    };
+    for peer in peers {
+        let t = Target {
+            w: &w,
+            peer,
+            stop,
+            link: None,
+        };
+        w.peers[peer].data.flush(&t)?;
     }
     Ok(())
 }
@@ -561,10 +343,7 @@ pub(crate) fn peer_ptr(c: &Members, handle: usize, peer: i32) -> Result<Option<u
     let w = lookup(c, handle)?;
     let peer = peer_index(c, peer)?;
     check_live(&w.cw, &w, peer)?;
-    Ok(match w.peers[peer].data {
-        Reach::Direct(a) | Reach::Device(a) => Some(a),
-        _ => None,
-    })
+    Ok(w.peers[peer].data.address())
 }
 
 /// The bytes of `peer`'s part of window `handle` (sizes may differ between ranks).
@@ -593,8 +372,8 @@ pub(crate) fn peer_device_ptr(handle: usize, offset: usize, peer: i32) -> Result
     };
     check_range(&w.peers[peer], offset, 0, peer)?;
     check_live(&w.cw, &w, peer)?;
-    match w.peers[peer].data {
-        Reach::Device(a) => Ok(a + offset),
+    match &w.peers[peer].data {
+        Reach::Device(d) => Ok(d.base + offset),
         _ => crate::invalid_usage!(
             "rank {peer}'s part of window {handle:#x} is host memory, which has no device pointer (commWinPeerPtr gives host addresses)"
         ),

@@ -3,13 +3,14 @@
 //! the network), and map them.
 
 use super::ctl::Ctl;
+use super::reach;
 use super::registry::{
     find_comm, handle_number, key, lookup, COMMS, HANDLE_BASE, HANDLE_STEP, NEXT_HANDLE, WINDOWS,
 };
 use super::remote::NetSide;
 use super::{
-    ctl, deadline_of, fds, gdr, remote, shared, CommWindows, Keep, Members, PeerWin, Rdma, Reach,
-    Window,
+    ctl, deadline_of, fds, gdr, remote, shared, CommWindows, Keep, Members, PeerWin, RdmaSide,
+    Reach, Window,
 };
 use crate::cuda::share::{self, Shareable};
 use crate::cuda::MemKind;
@@ -18,6 +19,7 @@ use crate::sys::{self, Mapping};
 use crate::topo::Path;
 use crate::transport::net::ib::onesided;
 use crate::transport::net::ib::verbs::{Remote, Source};
+use crate::transport::Doorbell;
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -96,7 +98,9 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
                 if imm == onesided::IMM_SIGNAL {
                     ctl.counter(from).fetch_add(1, Ordering::SeqCst);
                 }
-                ctl.ring();
+                // A pad was written by the HCA, not by a SeqCst store of this thread: the
+                // doorbell's ring, with its fence.
+                Doorbell::ring(&*ctl);
             }),
         )?;
         let (base, len) = own.region();
@@ -128,7 +132,7 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
                     rkey: r.u32()?,
                 });
             }
-            Some(Rdma {
+            Some(RdmaSide {
                 qps,
                 ctls,
                 _own_ctl: own_ctl,
@@ -411,18 +415,22 @@ pub(crate) fn register(
                                 );
                             }
                         }
-                        (Reach::Cma { pid, addr: i.addr }, None, true)
+                        (Reach::Cma(reach::Cma { pid, addr: i.addr }), None, true)
                     }
                 },
                 Path::Network if rdma => (
-                    Reach::Rdma {
+                    Reach::Rdma(reach::Rdma {
                         addr: i.addr,
                         rkey: i.rkey,
-                    },
+                    }),
                     None,
                     false,
                 ),
-                Path::Network => (Reach::Net { id: i.handle }, None, i.shared.is_none()),
+                Path::Network => (
+                    Reach::Net(reach::Net { id: i.handle }),
+                    None,
+                    i.shared.is_none(),
+                ),
             };
             peers.push(PeerWin {
                 len: i.len,
@@ -442,7 +450,7 @@ pub(crate) fn register(
     // in its table, so a peer's first put over the network finds it.
     let at = handle / HANDLE_STEP - HANDLE_BASE / HANDLE_STEP;
     let published = built.ok().map(|peers| {
-        let has_device = peers.iter().any(|p| matches!(p.data, Reach::Device(_)));
+        let has_device = peers.iter().any(|p| p.data.is_device());
         let w = Arc::new(Window {
             handle,
             comm: key(c),
@@ -478,16 +486,7 @@ pub(crate) fn register(
         w.peers
             .iter()
             .enumerate()
-            .map(|(r, p)| format!(
-                "{r}:{}",
-                match p.data {
-                    Reach::Direct(_) => "direct",
-                    Reach::Cma { .. } => "cma",
-                    Reach::Net { .. } => "net",
-                    Reach::Rdma { .. } => "rdma",
-                    Reach::Device(_) => "device",
-                }
-            ))
+            .map(|(r, p)| format!("{r}:{}", p.data.name()))
             .collect::<Vec<_>>()
             .join(" ")
     );
@@ -546,7 +545,7 @@ pub(super) fn device_reach(
     // GPUDirect RDMA: its part was registered through a dmabuf; no GPU of this rank involved.
     if c.paths[r] == Path::Network {
         return match rkey {
-            Some(rkey) => Ok((Reach::Rdma { addr, rkey }, Keep::Nothing)),
+            Some(rkey) => Ok((Reach::Rdma(reach::Rdma { addr, rkey }), Keep::Nothing)),
             None => crate::invalid_usage!(
                 "rank {r}'s window part is device memory on another host, and windows of this communicator do not use RDMA: {ACROSS_HOSTS_NEEDS_IB}"
             ),
@@ -559,7 +558,9 @@ pub(super) fn device_reach(
     };
     let imported = match c.paths[r] {
         // A thread of this process (or this rank): the address is valid here.
-        Path::SelfRank | Path::SameProcess => return Ok((Reach::Device(addr), Keep::Nothing)),
+        Path::SelfRank | Path::SameProcess => {
+            return Ok((Reach::Device(reach::Device { base: addr }), Keep::Nothing))
+        }
         Path::Network => return crate::internal_err!("a network peer's device part handled above"),
         Path::SameHost => match (how, fd.take()) {
             (DEV_IPC, _) => share::import_ipc(dev, ipc)?,
@@ -572,7 +573,10 @@ pub(super) fn device_reach(
         },
     };
     let at = imported.base() as usize + off;
-    Ok((Reach::Device(at), Keep::Device(imported)))
+    Ok((
+        Reach::Device(reach::Device { base: at }),
+        Keep::Device(imported),
+    ))
 }
 
 /// ncclCommWindowDeregister: local. Memory allocated with the window is freed.

@@ -3,14 +3,13 @@
 
 use super::ctl::Ctl;
 use super::ops::peer_index;
+use super::reach;
 use super::registry::existing;
-use super::remote::Frame;
-use super::{remote, CommWindows, Members};
+use super::{CommWindows, Members};
 use crate::cuda::Stream;
 use crate::error::{Error, ErrorKind, Result};
 use crate::topo::Path;
-use crate::transport::net::ib::onesided;
-use crate::wait::{wait, Patience, Wait};
+use crate::wait::{nap_on, wait, Patience, Wait};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,25 +22,16 @@ pub(super) fn signal_ctl(ctl: &Ctl, from: usize) {
     ctl.ring();
 }
 
+/// One NCCL signal to `peer` over whatever reaches its control segment: mapped here (a peer
+/// on this host), RDMA or the network (see `super::reach`).
 pub(super) fn signal_to(cw: &CommWindows, peer: usize) -> Result<()> {
     match &cw.ctls[peer] {
         Some(ctl) => {
             signal_ctl(ctl, cw.rank);
             Ok(())
         }
-        None if cw.rdma.is_some() => {
-            let r = cw.rdma(peer)?;
-            r.qps
-                .notify(peer, onesided::IMM_SIGNAL, r.ctls[peer], cw.deadline())
-        }
-        None => {
-            let f = Frame {
-                op: remote::OP_SIGNAL,
-                ..Default::default()
-            };
-            cw.net(peer)?.call(peer, &f, &[], false, &mut [])?;
-            Ok(())
-        }
+        None if cw.rdma.is_some() => reach::rdma::signal(cw, peer),
+        None => reach::net::signal(cw, peer),
     }
 }
 
@@ -123,7 +113,8 @@ impl Wait for ForPeer<'_, '_> {
     }
 
     fn sleep(&mut self, nap: Duration) -> Result<Option<()>> {
-        Ok(self.cw.own().sleep_unless(nap, self.ready).then_some(()))
+        let ready = &mut *self.ready;
+        nap_on(self.cw.own(), nap, || Ok(ready().then_some(())))
     }
 
     fn check(&mut self) -> Result<Option<()>> {
