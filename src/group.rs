@@ -3,6 +3,7 @@
 //! one executor pass, so send/recv pairs never deadlock whatever their order, and one thread can
 //! drive several communicators. Communicator inits queued in a group run concurrently.
 
+use crate::algo::Collective;
 use crate::comm::ops::Call;
 use crate::comm::registry::Entry;
 use crate::comm::Comm;
@@ -43,12 +44,12 @@ pub(crate) enum Phase {
 }
 
 /// A window operation to run at the end of the group.
-pub(crate) struct OneSided {
-    pub phase: Phase,
+struct OneSided {
+    phase: Phase,
     /// Which communicator it belongs to (any value equal for the same one): collective
     /// operations of one communicator run one after the other, in order.
-    pub comm: usize,
-    pub run: Box<dyn FnOnce() -> Result<()> + Send>,
+    comm: usize,
+    run: Box<dyn FnOnce() -> Result<()> + Send>,
 }
 
 #[derive(Default)]
@@ -260,6 +261,54 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     result
 }
 
+/// commRecvAny: waits for the first message of `count` elements of `dtype` that any rank
+/// sends to this one, then receives it as a receive from that rank; returns the rank. Outside
+/// groups only (the source is chosen when the call runs, a group runs its calls at its end),
+/// on host memory, and of at least one element (a send of nothing puts no message on the
+/// channel to match).
+pub(crate) fn recv_any(
+    c: &Arc<Comm>,
+    recv: *mut u8,
+    count: usize,
+    dtype: i32,
+    stream: usize,
+) -> Result<usize> {
+    if depth() > 0 {
+        return crate::invalid_usage!(
+            "commRecvAny cannot be part of a group: it chooses its source when it runs, and a group runs its calls only at ncclGroupEnd"
+        );
+    }
+    // The same checks as a receive from a named peer (this rank stands in for it).
+    let mine = Collective::Recv {
+        peer: c.rank,
+        count,
+    };
+    let call = c.check_call(mine, std::ptr::null(), recv, dtype, None, stream)?;
+    if call.device {
+        return crate::invalid_usage!(
+            "commRecvAny takes host memory only; recvbuff is device memory"
+        );
+    }
+    if count == 0 {
+        return crate::invalid_arg!(
+            "count is 0: a send of nothing puts no message on the channel, so a receive from any source has nothing to match"
+        );
+    }
+    // A send travels in slices of whole elements (algo::Shape::slices); the matching one
+    // begins with a slice of this length.
+    let elem = call.dtype.size();
+    let first = (count * elem).min((c.slice_bytes / elem).max(1) * elem);
+    let p2p = crate::tag::tag(crate::tag::kind::P2P, 0);
+    let peer = crate::exec::anysource::wait_any_source(&c.wiring, p2p, first)?;
+    let coll = Collective::Recv { peer, count };
+    let repeat = crate::comm::ops::repeat_key(&coll, dtype, None, stream);
+    let call = c
+        .check_call(coll, std::ptr::null(), recv, dtype, None, stream)
+        .map_err(|e| e.context(format!("peer {peer}, count {count}")))?;
+    run_one(c, &call, repeat)?;
+    Ok(peer)
+}
+
 /// A prepared operation moved to the thread that runs it in the background.
 struct SendOp(crate::exec::op::HostOp);
 // SAFETY: its pointers are addresses of the caller's buffers, which a caller of a non-blocking
@@ -367,9 +416,26 @@ fn defer<T>(item: T, blocking: bool, list: fn(&mut Group) -> &mut Vec<T>) -> Res
     })
 }
 
-/// Queues a one-sided operation in the current group; gives it back when there is no group.
-pub(crate) fn defer_one_sided(op: OneSided, blocking: bool) -> Result<Option<OneSided>> {
-    defer(op, blocking, |g| &mut g.one_sided)
+/// Runs a window operation of communicator `comm` (any value equal for the same one), which
+/// is `blocking` or not, now, or in `phase` of the end of the current group.
+pub(crate) fn one_sided(
+    comm: usize,
+    blocking: bool,
+    phase: Phase,
+    run: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<()> {
+    if depth() == 0 {
+        return run();
+    }
+    let op = OneSided {
+        phase,
+        comm,
+        run: Box::new(run),
+    };
+    match defer(op, blocking, |g| &mut g.one_sided)? {
+        Some(op) => (op.run)(),
+        None => Ok(()),
+    }
 }
 
 /// Queues an init in the current group; gives it back when there is no group.

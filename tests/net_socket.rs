@@ -35,18 +35,22 @@ const SILENT: usize = 300;
 // ---------------------------------------------------------------------------------------------
 // Rank side
 
+/// Every scenario by name: `launch` names one, the worker runs it (the attacker is no rank).
+const SCENARIOS: &[(&str, Scenario)] = &[("hostile", hostile), ("split_messages", split_messages)];
+
 #[test]
 fn worker() {
     if let Ok(base) = std::env::var("COMM_TEST_ATTACK") {
         finish(attacker(&base));
     }
-    let Some(w) = worker_env() else { return };
-    let run: fn(&Worker) -> Result<(), String> = match w.scenario.as_str() {
-        "hostile" => hostile,
-        "split_messages" => split_messages,
-        other => finish(Err(format!("unknown scenario {other}"))),
-    };
-    finish(run(&w));
+    if let Some(w) = worker_env() {
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
+    }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 fn now_ns() -> u128 {

@@ -1,6 +1,7 @@
 //! The communicator: lifecycle (init, split, shrink, grow, finalize, destroy, abort), its
 //! configuration and state, and turning validated calls into executable operations.
 
+pub(crate) mod buffers;
 pub(crate) mod config;
 pub(crate) mod gate;
 pub(crate) mod ops;

@@ -995,7 +995,6 @@ fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), Strin
 
 /// One worker per rank for `--faults`, with a deadline.
 fn run_faults(n: usize) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut ids = Vec::new();
     for _ in 0..3 {
         let mut id = ncclUniqueId {
@@ -1004,26 +1003,47 @@ fn run_faults(n: usize) -> Result<(), String> {
         nccl!(ncclGetUniqueId(&mut id));
         ids.push(id_hex(&id));
     }
+    let outs = spawn_ranks(
+        "--fault-worker",
+        n,
+        &ids,
+        Duration::from_secs(120),
+        |_, cmd| {
+            cmd.env("COMM_TIMEOUT", "20").env("COMM_DEBUG", "WARN");
+        },
+    )?;
+    all_passed(&outs)
+}
+
+/// Runs this program once per rank as `role rank n args...`, each command given its
+/// environment by `env(rank, command)`, and waits for them all (killed at `limit`). Returns
+/// each rank's output, in rank order.
+fn spawn_ranks(
+    role: &str,
+    n: usize,
+    args: &[String],
+    limit: Duration,
+    env: impl Fn(usize, &mut Command),
+) -> Result<Vec<std::process::Output>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(["--fault-worker", &r.to_string(), &n.to_string()])
-            .args(&ids)
-            .env("COMM_TIMEOUT", "20")
-            .env("COMM_DEBUG", "WARN")
+        cmd.args([role, &r.to_string(), &n.to_string()])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
+        env(r, &mut cmd);
+        match cmd.spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(format!("rank {r}: {e}"));
+            }
+        }
     }
-    wait_children(children, Duration::from_secs(120), n)
-}
-
-/// Waits for the workers (killed at `limit`) and gathers the failures.
-fn wait_children(
-    mut children: Vec<std::process::Child>,
-    limit: Duration,
-    n: usize,
-) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     while !children
         .iter_mut()
@@ -1040,20 +1060,32 @@ fn wait_children(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// What a failed rank said: its output and the last lines of its log.
+fn rank_failure(r: usize, out: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
+    format!(
+        "rank {r}: {}\n{}",
+        stdout.trim(),
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    )
+}
+
+/// Prints what the ranks that passed said; Ok when they all passed, else every failure.
+fn all_passed(outs: &[std::process::Output]) -> Result<(), String> {
     let mut failures = Vec::new();
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
-            failures.push(format!(
-                "rank {r}: {}\n{}",
-                stdout.trim(),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            ));
+    for (r, out) in outs.iter().enumerate() {
+        if out.status.success() {
+            print!("{}", String::from_utf8_lossy(&out.stdout));
         } else {
-            print!("{stdout}");
+            failures.push(rank_failure(r, out));
         }
     }
     if failures.is_empty() {
@@ -1141,22 +1173,16 @@ fn run_cost(n: usize) -> Result<(), String> {
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
     nccl!(ncclGetUniqueId(&mut id));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = Vec::new();
-    for r in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "--cost-worker",
-            &r.to_string(),
-            &n.to_string(),
-            &id_hex(&id),
-        ])
-        .env("COMM_DEBUG", "WARN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
-    }
-    wait_children(children, Duration::from_secs(600), n)
+    let outs = spawn_ranks(
+        "--cost-worker",
+        n,
+        &[id_hex(&id)],
+        Duration::from_secs(600),
+        |_, cmd| {
+            cmd.env("COMM_DEBUG", "WARN");
+        },
+    )?;
+    all_passed(&outs)
 }
 
 /// `hosts`: tell the ranks they are on two hosts (COMM_HOSTID by parity), so that device
@@ -1172,54 +1198,33 @@ fn run_processes(
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
     nccl!(ncclGetUniqueId(&mut id));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = Vec::new();
-    for r in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "--worker",
-            &r.to_string(),
-            &n.to_string(),
-            &id_hex(&id),
-            &max_bytes.to_string(),
-            if quick { "1" } else { "0" },
-            memory.name(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        if hosts {
-            cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
-        }
-        // The log says when a pair switches to reading registered buffers in place, and
-        // warns when destroy leaves device memory allocated.
-        cmd.env(
-            "COMM_DEBUG",
-            if memory.registered() { "INFO" } else { "WARN" },
-        );
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
-    }
-    let deadline = Instant::now() + Duration::from_secs(60 * 20);
-    loop {
-        if children
-            .iter_mut()
-            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
-        {
-            break;
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
+    let args = [
+        id_hex(&id),
+        max_bytes.to_string(),
+        if quick { "1" } else { "0" }.to_string(),
+        memory.name().to_string(),
+    ];
+    let outs = spawn_ranks(
+        "--worker",
+        n,
+        &args,
+        Duration::from_secs(60 * 20),
+        |r, cmd| {
+            if hosts {
+                cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
             }
-            return Err(format!("{n} ranks did not finish within 20 minutes"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+            // The log says when a pair switches to reading registered buffers in place, and
+            // warns when destroy leaves device memory allocated.
+            cmd.env(
+                "COMM_DEBUG",
+                if memory.registered() { "INFO" } else { "WARN" },
+            );
+        },
+    )?;
     let mut failures = Vec::new();
     let mut in_place = 0;
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    for (r, out) in outs.iter().enumerate() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
         in_place += stderr.matches("read through descriptors").count();
         // Destroy after a clean run frees the device memory (every rank reaches it).
         let leaked: Vec<&str> = stderr
@@ -1232,14 +1237,9 @@ fn run_processes(
                 leaked.join("\n")
             ));
         } else if !out.status.success() {
-            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
-            failures.push(format!(
-                "rank {r}: {}\n{}",
-                stdout.trim(),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            ));
+            failures.push(rank_failure(r, out));
         } else if r == 0 {
-            print!("{stdout}");
+            print!("{}", String::from_utf8_lossy(&out.stdout));
         }
     }
     if failures.is_empty() && memory.registered() && n > 1 {
