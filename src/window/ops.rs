@@ -149,7 +149,9 @@ pub(crate) unsafe fn put_checked(
                 }
                 return Ok(());
             }
-            crate::cuda::copy_sync(dev, dst, src, len)?;
+            // SAFETY: the destination lies inside the peer's window (checked by the caller),
+            // mapped here; the caller guarantees src holds len bytes.
+            unsafe { crate::cuda::copy_sync(dev, dst, src, len) }?;
         }
         // SAFETY: the destination lies inside the peer's registered window (checked by the
         // caller), mapped here; the caller guarantees src holds len bytes.
@@ -341,7 +343,9 @@ pub(crate) unsafe fn get(
     }
     match p.data {
         Reach::Device(base) => {
-            crate::cuda::copy_sync(w.device_of()?, dst as u64, (base + off) as u64, len)?
+            // SAFETY: the source lies inside the peer's window (checked above); the caller
+            // guarantees dst holds len bytes.
+            unsafe { crate::cuda::copy_sync(w.device_of()?, dst as u64, (base + off) as u64, len) }?
         }
         // SAFETY: the source lies inside the peer's window; the caller guarantees dst holds len bytes.
         Reach::Direct(base) => unsafe { std::ptr::copy((base + off) as *const u8, dst, len) },
@@ -439,11 +443,14 @@ pub(crate) fn atomic_at(
             ctl.locked(key, stop, || {
                 let mut old = 0u64;
                 let at = (base + off) as u64;
-                crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8)?;
+                // SAFETY: `at` is 8 bytes inside the peer's window (its callers checked the
+                // range), `old` 8 writable bytes; the lock keeps other atomics off the word.
+                unsafe { crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8) }?;
                 crate::fault::point("window_atomic_locked");
                 let v = new(old);
                 if v != old {
-                    crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8)?;
+                    // SAFETY: as above, `v` 8 readable bytes.
+                    unsafe { crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8) }?;
                 }
                 Ok(old)
             })?
