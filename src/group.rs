@@ -5,7 +5,7 @@
 
 use crate::algo::Collective;
 use crate::comm::ops::Call;
-use crate::comm::registry::Entry;
+use crate::comm::registry::{self, Entry};
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::host::Repeat;
@@ -14,18 +14,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// A communicator initialisation to run at the end of the group.
-pub(crate) struct InitJob {
-    pub entry: Arc<Entry>,
+struct InitJob {
+    entry: Arc<Entry>,
     /// The communicator it derives from (split, shrink, grow), as an address: derivations of
     /// one communicator exchange through it and take their tags from its counters, so those
     /// of a group run one after the other, in the order called.
-    pub parent: Option<usize>,
-    pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
+    parent: Option<usize>,
+    run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
 impl InitJob {
     /// Runs the initialisation where ncclCommAbort on its handle can stop it.
-    pub(crate) fn execute(self) -> Result<Comm> {
+    fn execute(self) -> Result<Comm> {
         crate::bootstrap::abortable(&self.entry.abort, self.run)
     }
 }
@@ -438,15 +438,79 @@ pub(crate) fn one_sided(
     }
 }
 
-/// Queues an init in the current group; gives it back when there is no group.
-pub(crate) fn defer_init(job: InitJob) -> Result<Option<InitJob>> {
-    let blocking = job.entry.blocking;
-    defer(job, blocking, |g| &mut g.inits)
+/// Creates the handle of a communicator that `run` makes, hands it to `publish` (the caller's
+/// out-parameter, which has it as soon as it exists), and runs `run`: at the end of the group
+/// inside one, now when `blocking`, else in the background (the call returns InProgress and
+/// ncclCommGetAsyncError reports the end). `parent`: the address of the communicator it
+/// derives from (see `InitJob::parent`). Where the init fails before this returns, the handle
+/// is removed and `publish` gets 0.
+pub(crate) fn init(
+    blocking: bool,
+    parent: Option<usize>,
+    run: impl FnOnce() -> Result<Comm> + Send + 'static,
+    publish: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    let entry = Entry::new(blocking);
+    let h = registry::insert(entry.clone());
+    publish(h)?;
+    let job = InitJob {
+        entry: entry.clone(),
+        parent,
+        run: Box::new(run),
+    };
+    let job = match defer(job, blocking, |g| &mut g.inits) {
+        Ok(Some(job)) => job,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            let _ = registry::remove(h);
+            publish(0)?;
+            return Err(e);
+        }
+    };
+    if blocking {
+        entry.settle(job.execute());
+        if let Err(e) = entry.init_outcome() {
+            let _ = registry::remove(h);
+            publish(0)?;
+            return Err(e);
+        }
+        Ok(())
+    } else {
+        run_inits(vec![job])
+    }
+}
+
+/// A derivation (split, shrink, grow) of the communicator at address `parent`, run now, or at
+/// the end of the group inside one (several ranks driven by one thread must derive their
+/// communicators together); `publish` gets the new handle, 0 where `run` gives None (this
+/// rank chose NCCL_SPLIT_NOCOLOR, which a group cannot take: its handle exists before).
+pub(crate) fn derive(
+    parent: usize,
+    blocking: bool,
+    run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
+    publish: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    if depth() > 0 {
+        let run = move || {
+            run()?.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidUsage,
+                    "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
+                )
+            })
+        };
+        return init(blocking, Some(parent), run, publish);
+    }
+    let h = match run()? {
+        Some(c) => registry::insert(Entry::ready_now(c)),
+        None => 0,
+    };
+    publish(h)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;
 /// when any is non-blocking the caller gets InProgress and polls ncclCommGetAsyncError.
-pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
+fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     if inits.is_empty() {
         return Ok(());
     }

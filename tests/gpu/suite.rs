@@ -221,7 +221,8 @@ impl Rank {
         for (j, e) in host.chunks_exact_mut(es).enumerate() {
             encode(dt, contribution(coll, dt, op, rank, j), e);
         }
-        cuda::copy_to_device(&self.device, sendp, &host).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_to_device(&self.device, sendp, &host) }.map_err(|e| e.msg)?;
         let mut scalar_bytes = [0u8; 8];
         let mut redop = op;
         if reduces(coll) && op == PREMULSUM {
@@ -229,7 +230,8 @@ impl Rank {
             // Odd counts take the scalar from device memory (ncclScalarDevice), read by the
             // kernels when the call runs; even ones as an immediate value.
             let (at, residence) = if count % 2 == 1 {
-                cuda::copy_to_device(&self.device, self.scalar.ptr, &scalar_bytes)
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, self.scalar.ptr, &scalar_bytes) }
                     .map_err(|e| e.msg)?;
                 (self.scalar.ptr as *mut c_void, 0)
             } else {
@@ -261,7 +263,8 @@ impl Rank {
             return Ok(());
         }
         let mut out = vec![0u8; recv_bytes];
-        cuda::copy_from_device(&self.device, &mut out, recvp).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut out, recvp) }.map_err(|e| e.msg)?;
         verify(coll, dt, op, rank, n, count, &what, &out)
     }
 
@@ -317,7 +320,8 @@ impl Rank {
         let host: Vec<u8> = (0..count)
             .flat_map(|j| ((self.rank * 100 + j) as f32).to_ne_bytes())
             .collect();
-        cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &host) }.map_err(|e| e.msg)?;
         let (send, recv, comm) = (self.a.ptr, self.b.ptr, self.comm as usize);
         let outcome = std::thread::spawn(move || {
             // SAFETY: valid device buffers of `count` floats and a communicator no other
@@ -348,7 +352,8 @@ impl Rank {
             .synchronize()
             .map_err(|e| e.msg)?;
         let mut out = vec![0u8; count * 4];
-        cuda::copy_from_device(&self.device, &mut out, recv).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut out, recv) }.map_err(|e| e.msg)?;
         for (j, b) in out.chunks_exact(4).enumerate() {
             let got = f32::from_ne_bytes(b.try_into().unwrap());
             let want = (0..n).map(|r| (r * 100 + j) as f32).sum::<f32>();
@@ -385,7 +390,8 @@ impl Rank {
             let host: Vec<u8> = (0..count)
                 .flat_map(|j| ((self.rank * 7 + j + k) as f32).to_ne_bytes())
                 .collect();
-            cuda::copy_to_device(&self.device, base, &host).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, base, &host) }.map_err(|e| e.msg)?;
             bufs.push((base, self.b.ptr + k as u64 * half));
         }
         nccl!(ncclGroupStart());
@@ -408,7 +414,8 @@ impl Rank {
         }
         for (k, (_, dst)) in bufs.iter().enumerate() {
             let mut out = vec![0u8; count * 4];
-            cuda::copy_from_device(&self.device, &mut out, *dst).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_from_device(&self.device, &mut out, *dst) }.map_err(|e| e.msg)?;
             for (j, c) in out.chunks_exact(4).enumerate() {
                 let got = f32::from_ne_bytes(c.try_into().unwrap());
                 let want: f32 = (0..n).map(|r| (r * 7 + j + k) as f32).sum();
@@ -435,7 +442,8 @@ impl Rank {
                 let host: Vec<u8> = (0..count)
                     .flat_map(|j| ((self.rank * 3 + j % 1000 + round) as f32).to_ne_bytes())
                     .collect();
-                cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &host) }.map_err(|e| e.msg)
             };
             let reduce = || {
                 nccl!(ncclAllReduce(
@@ -462,7 +470,9 @@ impl Rank {
                 graph.launch(stream).map_err(|e| e.msg)?;
                 stream.synchronize().map_err(|e| e.msg)?;
                 let mut out = vec![0u8; count * 4];
-                cuda::copy_from_device(&self.device, &mut out, self.b.ptr).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_from_device(&self.device, &mut out, self.b.ptr) }
+                    .map_err(|e| e.msg)?;
                 for (j, c) in out.chunks_exact(4).enumerate() {
                     let got = f32::from_ne_bytes(c.try_into().unwrap());
                     let want: f32 = (0..self.n).map(|r| (r * 3 + j % 1000 + round) as f32).sum();
@@ -500,7 +510,8 @@ impl Rank {
                 let host: Vec<u8> = (0..count)
                     .flat_map(|j| ((self.rank * 5 + j % 100 + round + k) as f32).to_ne_bytes())
                     .collect();
-                cuda::copy_to_device(&self.device, *p, &host).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, *p, &host) }.map_err(|e| e.msg)?;
             }
             Ok(())
         };
@@ -558,7 +569,8 @@ impl Rank {
             a.synchronize().map_err(|e| e.msg)?;
             for (k, p) in dst.iter().enumerate() {
                 let mut out = vec![0u8; count * 4];
-                cuda::copy_from_device(&self.device, &mut out, *p).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_from_device(&self.device, &mut out, *p) }.map_err(|e| e.msg)?;
                 // Buffer 1 was reduced twice: the second all-reduce sums the first's result.
                 let times = if k == 0 { 1.0 } else { self.n as f32 };
                 for (j, c) in out.chunks_exact(4).enumerate() {
@@ -592,7 +604,9 @@ impl Rank {
         b.set_flag(self.scalar.ptr, 9).map_err(|e| e.msg)?;
         b.synchronize().map_err(|e| e.msg)?;
         let mut flag = [0u8; 4];
-        cuda::copy_from_device(&self.device, &mut flag, self.scalar.ptr).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut flag, self.scalar.ptr) }
+            .map_err(|e| e.msg)?;
         if u32::from_ne_bytes(flag) != 9 {
             return Err(format!(
                 "after the failed capture, stream B's write gave {}, not 9",
@@ -629,7 +643,9 @@ impl Rank {
                 plain = Some(m);
                 p
             };
-            cuda::copy_to_device(&self.device, mem, &vec![0u8; size]).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, mem, &vec![0u8; size]) }
+                .map_err(|e| e.msg)?;
             let mut win: ncclWindow_t = std::ptr::null_mut();
             nccl!(ncclCommWindowRegister(
                 self.comm,
@@ -639,7 +655,8 @@ impl Rank {
                 NCCL_WIN_COLL_SYMMETRIC
             ));
             let src: Vec<u8> = (0..len).map(|i| pat(me, i)).collect();
-            cuda::copy_to_device(&self.device, self.a.ptr, &src).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &src) }.map_err(|e| e.msg)?;
             let s = self.stream.0 as cudaStream_t;
             nccl!(ncclPutSignal(
                 self.a.ptr as *const c_void,
@@ -663,7 +680,8 @@ impl Rank {
             nccl!(ncclWaitSignal(1, d.as_mut_ptr(), self.comm, s));
             self.stream.synchronize().map_err(|e| e.msg)?;
             let mut got = vec![0u8; len];
-            cuda::copy_from_device(&self.device, &mut got, mem).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_from_device(&self.device, &mut got, mem) }.map_err(|e| e.msg)?;
             if let Some(i) = (0..len).find(|&i| got[i] != pat(prev, i)) {
                 return Err(format!(
                     "device window (vmm {vmm}): byte {i} from rank {prev} is {}, expected {}",
@@ -708,11 +726,14 @@ impl Rank {
             nccl!(commWinChannelBarrier(0, 60_000, win, self.comm));
             if me == 0 {
                 let mut word = [0u8; 8];
-                cuda::copy_from_device(
-                    &self.device,
-                    &mut word,
-                    mem + len.next_multiple_of(8) as u64,
-                )
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe {
+                    cuda::copy_from_device(
+                        &self.device,
+                        &mut word,
+                        mem + len.next_multiple_of(8) as u64,
+                    )
+                }
                 .map_err(|e| e.msg)?;
                 let v = u64::from_ne_bytes(word);
                 if v != 100 * n as u64 {
