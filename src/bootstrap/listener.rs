@@ -1,16 +1,19 @@
 //! Every rank's listener: the one authenticated connection service of a communicator. A thread
 //! accepts connections, runs their handshakes side by side from one poll loop (a silent or
 //! half-open client only costs a slot until its handshake deadline; past `MAX_PENDING`, or when
-//! descriptors run out, the oldest that has not spoken yet is dropped) and keeps each
-//! authenticated connection, keyed by its whole context (what it is for), until someone asks
-//! for it (`Bootstrap::accept`: the ring, sub-communicators, the TCP transport's sockets). Connections for a sub-communicator may arrive long before this rank
+//! descriptors run out, the oldest that has not spoken yet is dropped) and hands each
+//! authenticated connection on by what it is for: to the handler a module registered for that
+//! purpose (`Bootstrap::route`: window operations), or into a stash, keyed by its whole context,
+//! until someone asks for it (`Bootstrap::accept`: the ring, sub-communicators, the TCP
+//! transport's sockets). Connections for a sub-communicator may arrive long before this rank
 //! calls `sub`; they wait here.
 //!
 //! The service lives as long as the communicator's bootstrap, so a peer may connect at any time,
 //! not only during init. A client proves the communicator's secret for a context that names the
 //! communicator, the purpose, a key within it (a socket's index, a child's tag), and both ranks
 //! (`PeerCtx`): a connection authenticated for one of those cannot be passed off as another.
-//! `Dialer` is the client side, which outlives the bootstrap's borrow (to connect on demand).
+//! `Dialer` is the client side, which outlives the bootstrap's borrow (to connect on demand:
+//! windows do).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -315,17 +318,54 @@ pub(crate) fn accept_all(
     }
 }
 
+/// Takes the authenticated connections of one purpose as they arrive, on the listener's thread:
+/// it must only hand them on (to a queue, a thread's wake-up), never serve them there.
+pub(crate) type Handler = Box<dyn Fn(PeerCtx, TcpStream) + Send + Sync>;
+
 #[derive(Default)]
 struct Shared {
     stash: Mutex<HashMap<Vec<u8>, VecDeque<TcpStream>>>,
     arrived: Condvar,
+    /// Registered handlers by purpose, each with the number its `Route` removes it by.
+    routes: Mutex<HashMap<u8, (u64, Arc<Handler>)>>,
+    next_route: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
-    /// Keeps an authenticated connection until someone takes it.
+    /// Hands an authenticated connection to its purpose's handler, or stashes it.
     fn deliver(&self, ctx: Vec<u8>, stream: TcpStream) {
+        if let Some(c) = PeerCtx::decode(&ctx) {
+            let handler = self
+                .routes
+                .lock()
+                .get(&(c.purpose as u8))
+                .map(|h| h.1.clone());
+            if let Some(h) = handler {
+                h(c, stream);
+                return;
+            }
+        }
         self.stash.lock().entry(ctx).or_default().push_back(stream);
         self.arrived.notify_all();
+    }
+}
+
+/// While it lives, connections of its purpose go to its handler. Dropping it unregisters the
+/// handler (later connections are stashed again) unless another registration replaced it.
+pub(crate) struct Route {
+    shared: std::sync::Weak<Shared>,
+    purpose: u8,
+    id: u64,
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            let mut routes = shared.routes.lock();
+            if routes.get(&self.purpose).is_some_and(|r| r.0 == self.id) {
+                routes.remove(&self.purpose);
+            }
+        }
     }
 }
 
@@ -375,6 +415,47 @@ impl Listener {
 
     pub(super) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sends every connection for `purpose` to `handler` from now on, those already stashed
+    /// first.
+    pub(super) fn route(&self, purpose: Purpose, handler: Handler) -> Route {
+        let id = self
+            .shared
+            .next_route
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let handler = Arc::new(handler);
+        let waiting: Vec<(PeerCtx, TcpStream)> = {
+            // Registered under the stash's lock, so that none arrives between the two.
+            let mut stash = self.shared.stash.lock();
+            self.shared
+                .routes
+                .lock()
+                .insert(purpose as u8, (id, handler.clone()));
+            let keys: Vec<Vec<u8>> = stash
+                .keys()
+                .filter(|k| PeerCtx::decode(k).is_some_and(|c| c.purpose == purpose))
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .flat_map(|k| {
+                    let c = PeerCtx::decode(&k).expect("decoded above");
+                    stash
+                        .remove(&k)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(move |s| (c, s))
+                })
+                .collect()
+        };
+        for (c, s) in waiting {
+            handler(c, s);
+        }
+        Route {
+            shared: Arc::downgrade(&self.shared),
+            purpose: purpose as u8,
+            id,
+        }
     }
 
     /// The next authenticated connection whose context is `ctx`, waiting for it if needed.
@@ -669,6 +750,12 @@ impl super::Bootstrap {
             &|| watch.alive(peer, &self.abort),
         )
     }
+
+    /// Hands every connection made to this rank for `purpose` to `handler` while the returned
+    /// route lives (connections that arrived before are handed over at once).
+    pub(crate) fn route(&self, purpose: Purpose, handler: Handler) -> Route {
+        self.listener.route(purpose, handler)
+    }
 }
 
 /// Drops one handshaking connection to make room: the oldest that has sent nothing yet (a real
@@ -755,6 +842,32 @@ mod tests {
             "{}",
             e.msg
         );
+    }
+
+    /// A registered route takes its purpose's connections as they come, and those that came
+    /// before it; once the route is dropped they are stashed again.
+    #[test]
+    fn routes_take_their_purpose_at_any_time() {
+        let _w = super::super::tests::watchdog("routes", Duration::from_secs(30));
+        let b = boots(3);
+        let early = b[0].dial(1, Purpose::Window, 0, soon()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let route = b[1].route(
+            Purpose::Window,
+            Box::new(move |c: PeerCtx, s: TcpStream| {
+                tx.lock().unwrap().send((c.from, c.purpose, s)).unwrap();
+            }),
+        );
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((got.0, got.1), (0, Purpose::Window));
+        let _late = b[2].dial(1, Purpose::Window, 0, soon()).unwrap();
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((got.0, got.1), (2, Purpose::Window));
+        drop(route);
+        let _after = b[2].dial(1, Purpose::Window, 0, soon()).unwrap();
+        b[1].accept(2, Purpose::Window, 0, soon(), "again").unwrap();
+        drop(early);
     }
 
     /// A rank waiting for a peer that is gone learns it at once, named, not at its deadline.
