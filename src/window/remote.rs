@@ -600,3 +600,66 @@ fn kind_of(code: u32) -> ErrorKind {
     .find(|k| k.code() as u32 == code)
     .unwrap_or(ErrorKind::Remote)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::time::Instant;
+
+    /// A connected pair of TCP streams on loopback: (origin's end, target's end).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let origin = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (target, _) = l.accept().unwrap();
+        target.set_nonblocking(true).unwrap();
+        (origin, target)
+    }
+
+    /// An origin that stopped in the middle of a request holds up only itself: another
+    /// origin's signal is applied at once, the stalled request completes when its bytes come,
+    /// and a closed connection marks its rank lost.
+    #[test]
+    fn a_stalled_origin_holds_up_only_itself() {
+        let (ctl, _fd) = Ctl::create(3, 1).unwrap();
+        let ctl = Arc::new(ctl);
+        let (wake, woken) = UnixStream::pair().unwrap();
+        woken.set_nonblocking(true).unwrap();
+        let arrived: Mutex<Vec<(usize, TcpStream)>> = Mutex::default();
+        let lost: Vec<AtomicBool> = (0..3).map(|_| AtomicBool::new(false)).collect();
+        let stop = AtomicBool::new(false);
+        let (mut slow, slow_t) = pair();
+        let (mut quick, quick_t) = pair();
+        arrived.lock().extend([(1, slow_t), (2, quick_t)]);
+        (&wake).write_all(&[1]).unwrap();
+        let signal = Frame {
+            op: OP_SIGNAL,
+            ..Frame::default()
+        }
+        .encode();
+        let until = |what: &str, done: &dyn Fn() -> bool| {
+            let t0 = Instant::now();
+            while !done() {
+                assert!(t0.elapsed() < Duration::from_secs(5), "{what}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| serve(&woken, &arrived, 0, 0, 3, &ctl, &lost, &stop));
+            slow.write_all(&signal[..FRAME / 2]).unwrap();
+            quick.write_all(&signal).unwrap();
+            until("the quick origin's signal", &|| {
+                ctl.counter(2).load(Ordering::SeqCst) == 1
+            });
+            assert_eq!(ctl.counter(1).load(Ordering::SeqCst), 0);
+            slow.write_all(&signal[FRAME / 2..]).unwrap();
+            until("the slow origin's signal", &|| {
+                ctl.counter(1).load(Ordering::SeqCst) == 1
+            });
+            drop(quick);
+            until("rank 2 marked lost", &|| lost[2].load(Ordering::SeqCst));
+            assert!(!lost[1].load(Ordering::SeqCst));
+            stop.store(true, Ordering::SeqCst);
+        });
+    }
+}
