@@ -25,7 +25,6 @@ mod id;
 pub(crate) mod iface;
 mod listener;
 mod net;
-pub(crate) use net::refused;
 mod ring;
 mod root;
 
@@ -41,10 +40,10 @@ use parking_lot::Mutex;
 
 pub(crate) use id::{new_unique_id, UniqueId};
 pub(crate) use iface::local_ip;
-pub(crate) use net::{decode_addr, encode_addr};
 
 use crate::error::{ErrorKind, Result};
-use listener::{Identity, Listener, PeerCtx, Purpose};
+pub(crate) use listener::{Dialer, PeerCtx, Purpose};
+use listener::{Identity, Listener};
 use net::Waiter;
 use ring::Ring;
 pub(crate) use root::warn_after;

@@ -109,17 +109,14 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
         wire::put_u32(&mut mine, exposed.rkey);
         rdma = Some((qps, exposed));
     } else if remote_peers {
-        let (addr, l) = remote::listen(
-            c.boot.listen_ip(),
+        lost = Some(remote::listen(
+            c.boot,
             c.tag,
             me,
             n,
-            *c.boot.secret(),
             own.clone(),
             stop.clone(),
-        )?;
-        mine.extend_from_slice(&crate::bootstrap::encode_addr(&addr));
-        lost = Some(l);
+        )?);
     }
     let addrs = c.boot.allgather(&mine)?;
     let rdma = match rdma {
@@ -140,19 +137,7 @@ pub(super) fn comm_windows(c: &Members) -> Result<Arc<CommWindows>> {
         }
         None => None,
     };
-    let net = lost.map(|lost| {
-        NetSide::new(
-            me,
-            c.tag,
-            *c.boot.secret(),
-            addrs
-                .iter()
-                .map(|a| crate::bootstrap::decode_addr(a))
-                .collect(),
-            lost,
-            c.timeout,
-        )
-    });
+    let net = lost.map(|lost| NetSide::new(c.boot.dialer(), n, lost, c.timeout));
     let cw = Arc::new(CommWindows {
         rank: me,
         channels,
