@@ -267,6 +267,7 @@ impl Comm {
             doorbell,
             presence,
             huge_pages,
+            warm,
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
@@ -304,6 +305,7 @@ impl Comm {
             rank,
             doorbell,
             presence,
+            warm,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: crate::exec::op::Limit::new(op_timeout()),
             warn_after: crate::bootstrap::warn_after(),

@@ -38,6 +38,9 @@ pub(crate) struct Links {
     /// into them with the kernel, which pins every page it touches (shm's pulls between
     /// processes). A property of how the transports use memory, not of one message.
     pub huge_pages: bool,
+    /// What keeps the transports' small-message state warm between operations (None where
+    /// no transport has such state).
+    pub warm: Option<Arc<dyn Warm>>,
     /// The shared-memory world, which device-buffer registration builds on.
     pub shm: Option<shm::ShmWorld>,
     /// Keeps the network links' progress thread alive.
@@ -150,6 +153,7 @@ pub(crate) fn establish_with(
             .as_ref()
             .map(|w| w.presence() as Arc<dyn Presence>),
         huge_pages: shm_world.as_ref().is_some_and(|w| w.prefers_huge_pages()),
+        warm: shm_world.as_ref().map(|w| w.warm() as Arc<dyn Warm>),
         shm: shm_world,
         net: net_world,
     })
@@ -355,10 +359,6 @@ pub(crate) trait Link: Send + Sync {
     }
     /// A short description for logs ("shm/cma", "shm/direct", ...).
     fn describe(&self) -> String;
-    /// Brings back into this core's caches and TLB the lines and pages that the next small
-    /// messages either way will touch, after an operation that pushed them out; a hint, which
-    /// links without such state ignore.
-    fn warm(&self) {}
     /// This end is going away: the peer must stop waiting for it and fail instead, told how
     /// and, when this rank failed because it lost a rank, which one.
     fn close(&self, _how: Closing, _lost: Option<usize>) {}
@@ -453,6 +453,15 @@ pub(crate) trait Doorbell: Send + Sync {
     fn prepare_sleep(&self) -> u32;
     fn cancel_sleep(&self);
     fn sleep(&self, seen: u32, timeout: std::time::Duration);
+}
+
+/// A communicator's transports, told that an operation large enough to push them out of this
+/// core's caches and TLB has ended: they bring back the lines and pages that the next small
+/// messages either way will touch (shm: the slot numbers of every FIFO with every peer). A
+/// hint about the communicator's state between operations, not about any message, so it
+/// is asked of the transports rather than of each link.
+pub(crate) trait Warm: Send + Sync {
+    fn warm(&self);
 }
 
 /// A doorbell in this process's memory, for ranks without a shared-memory segment.

@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::reduce::Scale;
 use crate::sys;
 use crate::topo::{Activity, Presence};
-use crate::transport::{Doorbell, Link};
+use crate::transport::{Doorbell, Link, Warm};
 use blame::WARM_AFTER;
 use drive::drive;
 use engine::Exec;
@@ -70,6 +70,8 @@ pub(crate) struct Wiring {
     /// Where this communicator's ranks on this host run, told and read (`placement`); None
     /// without peers on this host that share memory.
     pub presence: Option<Arc<dyn Presence>>,
+    /// What the transports keep warm between operations (`warm_links`); None where nothing.
+    pub warm: Option<Arc<dyn Warm>>,
     pub abort: Arc<AtomicBool>,
     /// Give up (ncclTimeout) after this long without progress.
     pub timeout: Limit,
@@ -102,11 +104,11 @@ pub(crate) struct Wiring {
 
 impl Wiring {
     /// After an operation large enough to push them out, brings back into this core's caches
-    /// and TLB what the links' next small messages touch (`Link::warm`), so that the next
-    /// small calls do not pay for it one page walk at a time.
+    /// and TLB what the links' next small messages touch (`transport::Warm`), so that the
+    /// next small calls do not pay for it one page walk at a time.
     pub(super) fn warm_links(&self) {
-        for l in &self.links {
-            l.warm();
+        if let Some(w) = &self.warm {
+            w.warm();
         }
     }
 

@@ -441,15 +441,6 @@ impl Link for ShmPeer {
         }
     }
 
-    /// Reads the number of every slot of both FIFOs with this peer: one line and one page each,
-    /// which a large operation pushed out of the caches and the TLB. In a sweep that came back
-    /// from 64 MiB the first 8 B calls ran at 0.4-0.7 us (2 ranks) and 6.5-9 us (4 ranks on 2
-    /// cores) instead of 0.24 and 3.3 until every slot had been used once.
-    fn warm(&self) {
-        self.local.read_slot_numbers(self.peer);
-        self.remote.read_slot_numbers(self.me);
-    }
-
     fn describe(&self) -> String {
         match self.access {
             Access::Direct => "shm/direct".into(),

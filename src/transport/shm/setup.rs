@@ -73,6 +73,11 @@ impl ShmWorld {
         ))
     }
 
+    /// What warms every link of this world again (`transport::Warm`).
+    pub(crate) fn warm(&self) -> Arc<ShmWarm> {
+        Arc::new(ShmWarm(self.peers.iter().flatten().cloned().collect()))
+    }
+
     /// Whether some peer in another process may pull from this rank's buffers: the kernel
     /// then copies them (process_vm_readv/writev), pinning every page it touches, and large
     /// ones are better backed by huge pages.
@@ -81,6 +86,17 @@ impl ShmWorld {
             matches!(p.access, Access::Cma(_))
                 && p.remote.pull_ok(p.me).load(Ordering::Relaxed) != 0
         })
+    }
+}
+
+/// The links of one shm world, warmed together after a large operation.
+pub(crate) struct ShmWarm(Vec<Arc<ShmPeer>>);
+
+impl crate::transport::Warm for ShmWarm {
+    fn warm(&self) {
+        for p in &self.0 {
+            p.warm();
+        }
     }
 }
 
