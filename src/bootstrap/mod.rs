@@ -21,6 +21,7 @@
 //!   connection that has not completed its handshake.
 
 pub(crate) mod auth;
+mod checkin;
 mod id;
 pub(crate) mod iface;
 mod listener;
@@ -44,11 +45,11 @@ pub(crate) use iface::local_ip;
 pub(crate) use net::{decode_addr, encode_addr};
 
 use crate::error::{ErrorKind, Result};
+pub(crate) use checkin::warn_after;
+use checkin::{CheckIn, RootSession};
 use listener::{Identity, Listener, PeerCtx, Purpose};
 use net::Waiter;
 use ring::Ring;
-pub(crate) use root::warn_after;
-use root::{CheckIn, RootSession};
 
 pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
@@ -240,16 +241,16 @@ impl Bootstrap {
         } else {
             None
         };
-        let warn = root::WarnWait {
+        let warn = checkin::WarnWait {
             rank,
             nranks,
             id_made_here: root::made_here(id),
         };
-        let mut ready = root::Ready::decode(&session.wait_ready(w, started, Some(&warn))?)?;
+        let mut ready = checkin::Ready::decode(&session.wait_ready(w, started, Some(&warn))?)?;
         if let Some(a) = &announce {
             // The previous root answers with our predecessor, the last rank of its block.
             let answer = a.wait_ready(w, started, None)?;
-            ready.prev = Some(root::announced_prev(&answer)?);
+            ready.prev = Some(checkin::announced_prev(&answer)?);
         }
         let next_addr = ready.next;
         // Used to probe the predecessor's liveness while waiting for its connection.

@@ -7,9 +7,10 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::checkin::{self, CheckIn, RootSession};
 use super::iface::{choose, Family, IfSpec, Iface};
 use super::net::Waiter;
-use super::root::{self, CheckIn, RootService, RootSession, SessionHandle};
+use super::root::{self, RootService, SessionHandle};
 use super::*;
 use crate::error::ErrorKind;
 
@@ -235,7 +236,7 @@ fn neighbours_from_the_roots(
     ids: &[UniqueId],
     n: usize,
     listen: impl Fn(usize) -> SocketAddr + Sync,
-) -> Vec<(root::Ready, Option<SocketAddr>)> {
+) -> Vec<(checkin::Ready, Option<SocketAddr>)> {
     let (_, tag) = comm_identity(ids);
     let nroots = ids.len();
     let listen = &listen;
@@ -265,9 +266,9 @@ fn neighbours_from_the_roots(
                         RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
                     });
                     let ready =
-                        root::Ready::decode(&own.wait_ready(w, started, None).unwrap()).unwrap();
+                        checkin::Ready::decode(&own.wait_ready(w, started, None).unwrap()).unwrap();
                     let announced = announce.map(|a| {
-                        root::announced_prev(&a.wait_ready(w, started, None).unwrap()).unwrap()
+                        checkin::announced_prev(&a.wait_ready(w, started, None).unwrap()).unwrap()
                     });
                     (ready, announced)
                 })
