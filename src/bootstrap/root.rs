@@ -5,8 +5,8 @@
 //! [`root_context`]). Ranks check in with their listener address. A session knows which ranks to
 //! expect from the first valid check-in (nranks, and with several roots which block of ranks is its
 //! own). When all are there it tells each rank the listener addresses of its successor and
-//! predecessor (see [`super::checkin::Ready`]), so the ranks can form a ring and learn everything
-//! else from each other; the root never sends the O(nranks) table to everyone.
+//! predecessor (see [`super::checkin::Ready`]), so the ranks can make their first connections and learn
+//! everything else from each other; the root never sends the O(nranks) table to everyone.
 //!
 //! With several roots (ncclCommInitRankScalable), root k serves the ranks r with
 //! r * nroots / nranks == k, and the first rank of the next block also announces itself to root k,
