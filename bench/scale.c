@@ -136,6 +136,20 @@ static long check_all(ncclComm_t comm, int rank, int n) {
   for (int r = 0; r < n; r++)
     for (int i = 0; i < c; i++)
       if (out[r * c + i] != (float)(r + 1) + (rank * c + i) % 7) bad++;
+  /* all-to-all: block r of rank s's output is rank r's block s */
+  CHECK("ncclAlltoAll", ncclAlltoAll(in, out, c, ncclFloat, comm, NULL));
+  for (int r = 0; r < n; r++)
+    for (int i = 0; i < c; i++)
+      if (out[r * c + i] != (float)(r + 1) + (rank * c + i) % 7) bad++;
+  /* gather to the last rank, scatter from rank 0 */
+  CHECK("ncclGather", ncclGather(in, out, c, ncclFloat, n - 1, comm, NULL));
+  if (rank == n - 1)
+    for (int r = 0; r < n; r++)
+      for (int i = 0; i < c; i++)
+        if (out[r * c + i] != (float)(r + 1) + i % 7) bad++;
+  CHECK("ncclScatter", ncclScatter(in, out, c, ncclFloat, 0, comm, NULL));
+  for (int i = 0; i < c; i++)
+    if (out[i] != 1.0f + (rank * c + i) % 7) bad++;
   /* a ring of send/recv */
   CHECK("ncclGroupStart", ncclGroupStart());
   CHECK("ncclSend", ncclSend(in, c, ncclFloat, (rank + 1) % n, comm, NULL));
