@@ -17,6 +17,10 @@
 #   COMPARE_MIN, COMPARE_MAX   sizes in bytes     8, 64M
 #   COMPARE_ITERS, COMPARE_WARMUP                 20, 5
 #   COMPARE_TIMEOUT  seconds per run              600
+#   COMPARE_BASELINE a directory holding another libcomm.so (an older build): its runs, named
+#                    "base", take turns with the others on the same benchmark binaries (loaded
+#                    through LD_LIBRARY_PATH), and the summary adds a table of the new library
+#                    against the old one and of each against the best MPI of the same round
 # Pinned means rank r on CPU r mod ncpu: `taskset` for comm, `--bind-to core` for OpenMPI
 # (overload allowed when ranks outnumber cores) and `-bind-to core` for MPICH. Unpinned means
 # no binding at all (OpenMPI binds by default, so it gets `--bind-to none`).
@@ -41,6 +45,12 @@ for p in "${pinnings[@]}"; do
 done
 
 libs=(comm)
+base=${COMPARE_BASELINE:-}
+if [ -n "$base" ]; then
+  [ -f "$base/libcomm.so" ] || { echo "COMPARE_BASELINE: no libcomm.so in $base" >&2; exit 2; }
+  base=$(cd "$base" && pwd)
+  libs+=(base)
+fi
 if [ -x "$bin/mpi_perf" ] && command -v mpirun.openmpi >/dev/null; then
   libs+=(openmpi)
 else
@@ -63,12 +73,13 @@ failures=0
 run() {
   local lib=$1 n=$2 pin=$3 c=$4 stem=$5 rc=0
   case $lib in
-    comm)
+    comm | base)
       port=$((20000 + (port - 20000 + 1) % 12000))
       local pids=() r pre
       for ((r = 0; r < n; r++)); do
         pre=()
         [ "$pin" = pinned ] && pre=(taskset -c $((r % ncpu)))
+        [ "$lib" = base ] && pre=(env LD_LIBRARY_PATH="$base" "${pre[@]}")
         RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
           timeout "$limit" "${pre[@]}" "$bin/${c}_perf" "${args[@]}" -J "$stem.json" >"$stem.$r.log" 2>&1 &
         pids+=($!)

@@ -7,6 +7,10 @@ A cell is marked `<` where the median ratio is below 1.0, and `~` where comm's o
 by more than 2x across rounds (a bimodal cell). The header gives the memory-bandwidth bound
 (bench/membw) and where the 64 MiB all-reduce stands against it.
 
+With runs of an older library ("base", COMPARE_BASELINE), a second set of tables puts the new
+library beside the old one: per cell, the old library's time over the new one's in the same round
+(above 1 the new one is faster) and each library's ratio against the best MPI of its round.
+
     summarize.py <out-dir>          (the directory compare_mpi.sh wrote)
 """
 import glob
@@ -16,7 +20,7 @@ import re
 import statistics
 import sys
 
-NAME = re.compile(r"^(comm|openmpi|mpich)\.(.+)\.n(\d+)\.(pinned|unpinned)\.r(\d+)\.json$")
+NAME = re.compile(r"^(comm|base|openmpi|mpich)\.(.+)\.n(\d+)\.(pinned|unpinned)\.r(\d+)\.json$")
 PLACES = ("out_of_place", "in_place")
 
 
@@ -40,19 +44,23 @@ def load(out):
     return cells
 
 
-def ratios(libs):
-    """Per round where comm and at least one MPI ran: best MPI time / comm time."""
-    comm = libs.get("comm", {})
+OURS = ("comm", "base")
+
+
+def ratios(libs, who="comm"):
+    """Per round where `who` (comm, or the older build) and at least one MPI ran: best MPI
+    time / its time."""
+    comm = libs.get(who, {})
     out = []
     for rnd, (t, _) in comm.items():
-        mpi = [libs[l][rnd][0] for l in libs if l != "comm" and rnd in libs[l]]
+        mpi = [libs[l][rnd][0] for l in libs if l not in OURS and rnd in libs[l]]
         if mpi and t > 0:
             out.append(min(mpi) / t)
     return out
 
 
 def best_mpi(libs):
-    med = {l: statistics.median(t for t, _ in v.values()) for l, v in libs.items() if l != "comm" and v}
+    med = {l: statistics.median(t for t, _ in v.values()) for l, v in libs.items() if l not in OURS and v}
     if not med:
         return None, None
     lib = min(med, key=med.get)
@@ -140,6 +148,56 @@ def main(out):
         worst.sort()
         summary.append(f"{n} ranks {pin}: comm at or ahead of the best MPI in {ahead} of {total} cells, "
                        f"{bimodal} bimodal; slowest: " + "; ".join(f"{w} {r:.2f}" for r, w in worst[:3]))
+    print("\n" + "\n".join(summary))
+    if any("base" in v for v in cells.values()):
+        against_base(cells, groups)
+
+
+def paired(libs):
+    """Per round where both ran: the old library's time / the new one's (above 1: new faster)."""
+    new, old = libs.get("comm", {}), libs.get("base", {})
+    return [old[r][0] / t for r, (t, _) in new.items() if r in old and t > 0]
+
+
+def against_base(cells, groups):
+    print("\n## The new library against the old one (COMPARE_BASELINE)\n")
+    print("new/old = the old library's time / the new one's in the same round (above 1.0 the new one "
+          "is faster), median [min, max]; vs MPI = best MPI time / the library's time, medians. "
+          "`!` marks a cell where the new library's median ratio against MPI is more than 10% "
+          "below the old one's.\n")
+    summary = []
+    for n, pin in groups:
+        print(f"\n### {n} ranks, {pin}\n")
+        print("| collective | size | new/old (oop) | vs MPI new, old (oop) | new/old (ip) | vs MPI new, old (ip) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        all_pairs = []
+        flagged = []
+        for coll in sorted({k[0] for k in cells if k[1:3] == (n, pin)}):
+            for size in sorted({k[3] for k in cells if k[:3] == (coll, n, pin)}):
+                texts = []
+                for place in PLACES:
+                    libs = cells.get((coll, n, pin, size, place), {})
+                    p = paired(libs)
+                    if not p:
+                        texts.append("- | -")
+                        continue
+                    all_pairs.append(statistics.median(p))
+                    rn, ro = ratios(libs, "comm"), ratios(libs, "base")
+                    vs = "-"
+                    mark = ""
+                    if rn and ro:
+                        mn, mo = statistics.median(rn), statistics.median(ro)
+                        vs = f"{mn:.2f}, {mo:.2f}"
+                        if mn < 0.9 * mo:
+                            mark = "!"
+                            flagged.append(f"{coll} {fmt_size(size)} {place.replace('_', ' ')}")
+                    texts.append(f"{statistics.median(p):.2f}{mark} [{min(p):.2f}, {max(p):.2f}] | {vs}")
+                print(f"| {coll} | {fmt_size(size)} | {' | '.join(texts)} |")
+        if all_pairs:
+            summary.append(f"{n} ranks {pin}: median of the cells' new/old ratios {statistics.median(all_pairs):.3f} "
+                           f"(cells {min(all_pairs):.2f} to {max(all_pairs):.2f}); "
+                           f"{len(flagged)} cells more than 10% behind the old ratio against MPI"
+                           + (": " + "; ".join(flagged) if flagged else ""))
     print("\n" + "\n".join(summary))
 
 

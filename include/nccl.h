@@ -395,6 +395,11 @@ ncclResult_t commMemAllocShared(void **ptr, size_t size);
 
 ncclResult_t commMemFreeShared(void *ptr);
 
+/*
+ Registered buffers: device memory is published to the peers on this host, which then
+ read it in place; host memory is registered with the InfiniBand device where the network
+ links use one. The handle is checked when it is deregistered.
+ */
 ncclResult_t ncclCommRegister(ncclComm_t comm, void *buff, size_t size, void **handle);
 
 ncclResult_t ncclCommDeregister(ncclComm_t comm, void *handle);

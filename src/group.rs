@@ -3,8 +3,9 @@
 //! one executor pass, so send/recv pairs never deadlock whatever their order, and one thread can
 //! drive several communicators. Communicator inits queued in a group run concurrently.
 
+use crate::algo::Collective;
 use crate::comm::ops::Call;
-use crate::comm::registry::Entry;
+use crate::comm::registry::{self, Entry};
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::host::Repeat;
@@ -13,18 +14,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// A communicator initialisation to run at the end of the group.
-pub(crate) struct InitJob {
-    pub entry: Arc<Entry>,
+struct InitJob {
+    entry: Arc<Entry>,
     /// The communicator it derives from (split, shrink, grow), as an address: derivations of
     /// one communicator exchange through it and take their tags from its counters, so those
     /// of a group run one after the other, in the order called.
-    pub parent: Option<usize>,
-    pub run: Box<dyn FnOnce() -> Result<Comm> + Send>,
+    parent: Option<usize>,
+    run: Box<dyn FnOnce() -> Result<Comm> + Send>,
 }
 
 impl InitJob {
     /// Runs the initialisation where ncclCommAbort on its handle can stop it.
-    pub(crate) fn execute(self) -> Result<Comm> {
+    fn execute(self) -> Result<Comm> {
         crate::bootstrap::abortable(&self.entry.abort, self.run)
     }
 }
@@ -43,12 +44,12 @@ pub(crate) enum Phase {
 }
 
 /// A window operation to run at the end of the group.
-pub(crate) struct OneSided {
-    pub phase: Phase,
+struct OneSided {
+    phase: Phase,
     /// Which communicator it belongs to (any value equal for the same one): collective
     /// operations of one communicator run one after the other, in order.
-    pub comm: usize,
-    pub run: Box<dyn FnOnce() -> Result<()> + Send>,
+    comm: usize,
+    run: Box<dyn FnOnce() -> Result<()> + Send>,
 }
 
 #[derive(Default)]
@@ -260,6 +261,54 @@ fn run_one(c: &Arc<Comm>, call: &Call, repeat: Option<Repeat>) -> Result<()> {
     result
 }
 
+/// commRecvAny: waits for the first message of `count` elements of `dtype` that any rank
+/// sends to this one, then receives it as a receive from that rank; returns the rank. Outside
+/// groups only (the source is chosen when the call runs, a group runs its calls at its end),
+/// on host memory, and of at least one element (a send of nothing puts no message on the
+/// channel to match).
+pub(crate) fn recv_any(
+    c: &Arc<Comm>,
+    recv: *mut u8,
+    count: usize,
+    dtype: i32,
+    stream: usize,
+) -> Result<usize> {
+    if depth() > 0 {
+        return crate::invalid_usage!(
+            "commRecvAny cannot be part of a group: it chooses its source when it runs, and a group runs its calls only at ncclGroupEnd"
+        );
+    }
+    // The same checks as a receive from a named peer (this rank stands in for it).
+    let mine = Collective::Recv {
+        peer: c.rank,
+        count,
+    };
+    let call = c.check_call(mine, std::ptr::null(), recv, dtype, None, stream)?;
+    if call.device {
+        return crate::invalid_usage!(
+            "commRecvAny takes host memory only; recvbuff is device memory"
+        );
+    }
+    if count == 0 {
+        return crate::invalid_arg!(
+            "count is 0: a send of nothing puts no message on the channel, so a receive from any source has nothing to match"
+        );
+    }
+    // A send travels in slices of whole elements (algo::Shape::slices); the matching one
+    // begins with a slice of this length.
+    let elem = call.dtype.size();
+    let first = (count * elem).min((c.slice_bytes / elem).max(1) * elem);
+    let p2p = crate::tag::tag(crate::tag::kind::P2P, 0);
+    let peer = crate::exec::anysource::wait_any_source(&c.wiring, p2p, first)?;
+    let coll = Collective::Recv { peer, count };
+    let repeat = crate::comm::ops::repeat_key(&coll, dtype, None, stream);
+    let call = c
+        .check_call(coll, std::ptr::null(), recv, dtype, None, stream)
+        .map_err(|e| e.context(format!("peer {peer}, count {count}")))?;
+    run_one(c, &call, repeat)?;
+    Ok(peer)
+}
+
 /// A prepared operation moved to the thread that runs it in the background.
 struct SendOp(crate::exec::op::HostOp);
 // SAFETY: its pointers are addresses of the caller's buffers, which a caller of a non-blocking
@@ -367,20 +416,101 @@ fn defer<T>(item: T, blocking: bool, list: fn(&mut Group) -> &mut Vec<T>) -> Res
     })
 }
 
-/// Queues a one-sided operation in the current group; gives it back when there is no group.
-pub(crate) fn defer_one_sided(op: OneSided, blocking: bool) -> Result<Option<OneSided>> {
-    defer(op, blocking, |g| &mut g.one_sided)
+/// Runs a window operation of communicator `comm` (any value equal for the same one), which
+/// is `blocking` or not, now, or in `phase` of the end of the current group.
+pub(crate) fn one_sided(
+    comm: usize,
+    blocking: bool,
+    phase: Phase,
+    run: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<()> {
+    if depth() == 0 {
+        return run();
+    }
+    let op = OneSided {
+        phase,
+        comm,
+        run: Box::new(run),
+    };
+    match defer(op, blocking, |g| &mut g.one_sided)? {
+        Some(op) => (op.run)(),
+        None => Ok(()),
+    }
 }
 
-/// Queues an init in the current group; gives it back when there is no group.
-pub(crate) fn defer_init(job: InitJob) -> Result<Option<InitJob>> {
-    let blocking = job.entry.blocking;
-    defer(job, blocking, |g| &mut g.inits)
+/// Creates the handle of a communicator that `run` makes, hands it to `publish` (the caller's
+/// out-parameter, which has it as soon as it exists), and runs `run`: at the end of the group
+/// inside one, now when `blocking`, else in the background (the call returns InProgress and
+/// ncclCommGetAsyncError reports the end). `parent`: the address of the communicator it
+/// derives from (see `InitJob::parent`). Where the init fails before this returns, the handle
+/// is removed and `publish` gets 0.
+pub(crate) fn init(
+    blocking: bool,
+    parent: Option<usize>,
+    run: impl FnOnce() -> Result<Comm> + Send + 'static,
+    publish: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    let entry = Entry::new(blocking);
+    let h = registry::insert(entry.clone());
+    publish(h)?;
+    let job = InitJob {
+        entry: entry.clone(),
+        parent,
+        run: Box::new(run),
+    };
+    let job = match defer(job, blocking, |g| &mut g.inits) {
+        Ok(Some(job)) => job,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            let _ = registry::remove(h);
+            publish(0)?;
+            return Err(e);
+        }
+    };
+    if blocking {
+        entry.settle(job.execute());
+        if let Err(e) = entry.init_outcome() {
+            let _ = registry::remove(h);
+            publish(0)?;
+            return Err(e);
+        }
+        Ok(())
+    } else {
+        run_inits(vec![job])
+    }
+}
+
+/// A derivation (split, shrink, grow) of the communicator at address `parent`, run now, or at
+/// the end of the group inside one (several ranks driven by one thread must derive their
+/// communicators together); `publish` gets the new handle, 0 where `run` gives None (this
+/// rank chose NCCL_SPLIT_NOCOLOR, which a group cannot take: its handle exists before).
+pub(crate) fn derive(
+    parent: usize,
+    blocking: bool,
+    run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
+    publish: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    if depth() > 0 {
+        let run = move || {
+            run()?.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidUsage,
+                    "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
+                )
+            })
+        };
+        return init(blocking, Some(parent), run, publish);
+    }
+    let h = match run()? {
+        Some(c) => registry::insert(Entry::ready_now(c)),
+        None => 0,
+    };
+    publish(h)
 }
 
 /// Runs inits concurrently (they rendezvous with each other). Blocking ones are waited for;
 /// when any is non-blocking the caller gets InProgress and polls ncclCommGetAsyncError.
-pub(crate) fn run_inits(inits: Vec<InitJob>) -> Result<()> {
+fn run_inits(inits: Vec<InitJob>) -> Result<()> {
     if inits.is_empty() {
         return Ok(());
     }

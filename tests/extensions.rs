@@ -174,32 +174,34 @@ fn any_source(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn scenario(w: &Worker) -> Result<(), String> {
-    let c = init_rank(w)?;
-    match w.scenario.as_str() {
-        "alltoallv" => common::run::alltoallv_uneven(c, w.rank, w.nranks)?,
-        "bitwise" => bitwise(c, w.rank, w.nranks)?,
-        "nested" => nested_groups(c, w.rank, w.nranks)?,
-        "anysource" => any_source(c, w.rank, w.nranks)?,
-        "log" => {
-            // Provoke a warning: it must reach the log with host, pid and rank.
-            let r =
-                unsafe { ncclAllReduce(std::ptr::null(), std::ptr::null_mut(), 4, FLOAT, 0, c, S) };
-            if r == OK {
-                return Err("NULL buffers accepted".into());
-            }
-        }
-        other => return Err(format!("unknown scenario {other}")),
+/// Provokes a warning: it must reach the log with host, pid and rank.
+fn log(c: ncclComm_t, _rank: usize, _n: usize) -> Result<(), String> {
+    let r = unsafe { ncclAllReduce(std::ptr::null(), std::ptr::null_mut(), 4, FLOAT, 0, c, S) };
+    if r == OK {
+        return Err("NULL buffers accepted".into());
     }
-    nccl!(ncclCommDestroy(c));
     Ok(())
 }
+
+/// Every scenario by name: `launch` names one, the worker runs it.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("alltoallv", |w| on_comm(w, common::run::alltoallv_uneven)),
+    ("bitwise", |w| on_comm(w, bitwise)),
+    ("nested", |w| on_comm(w, nested_groups)),
+    ("anysource", |w| on_comm(w, any_source)),
+    ("log", |w| on_comm(w, log)),
+];
 
 #[test]
 fn worker() {
     if let Some(w) = worker_env() {
-        finish(scenario(&w));
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 #[test]

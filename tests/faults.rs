@@ -36,8 +36,6 @@ const TIMEOUT: ncclResult_t = ncclResult_t::ncclTimeout;
 /// the rest is slack for a loaded 2-core CI machine.
 const DETECT_BOUND: Duration = Duration::from_secs(3);
 
-type Scenario = fn(&Worker) -> Result<(), String>;
-
 /// Every scenario by name: `launch` names one, the worker runs it.
 const SCENARIOS: &[(&str, Scenario)] = &[
     ("kill_in_bootstrap", kill_in_bootstrap),
@@ -53,11 +51,13 @@ const SCENARIOS: &[(&str, Scenario)] = &[
 #[test]
 fn worker() {
     if let Some(w) = worker_env() {
-        let Some((_, run)) = SCENARIOS.iter().find(|(name, _)| *name == w.scenario) else {
-            finish(Err(format!("unknown scenario {}", w.scenario)));
-        };
-        finish(run(&w));
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 // ---------------------------------------------------------------------------------------------

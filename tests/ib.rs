@@ -1269,7 +1269,9 @@ fn windows_rdma_on_device_memory_of_the_software_gpu() {
                 let len = 64 + REGION * n;
                 let alloc = DeviceMem::new(&dev, WIN_AT + len + 4096).map_err(|e| e.msg)?;
                 let win_ptr = alloc.ptr + WIN_AT as u64;
-                cuda::copy_to_device(&dev, alloc.ptr, &vec![0u8; alloc.len]).map_err(|e| e.msg)?;
+                // SAFETY: inside a device allocation of this test's, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&dev, alloc.ptr, &vec![0u8; alloc.len]) }
+                    .map_err(|e| e.msg)?;
                 let mut win: ncclWindow_t = std::ptr::null_mut();
                 nccl!(ncclCommWindowRegister(
                     c,
@@ -1285,7 +1287,8 @@ fn windows_rdma_on_device_memory_of_the_software_gpu() {
                     let back = local.ptr + LOCAL_AT as u64;
                     let src = back + REGION as u64;
                     let pat: Vec<u8> = (0..REGION).map(|i| pattern(rank, i)).collect();
-                    cuda::copy_to_device(&dev, src, &pat).map_err(|e| e.msg)?;
+                    // SAFETY: inside a device allocation of this test's, sized for it, idle at this point.
+                    unsafe { cuda::copy_to_device(&dev, src, &pat) }.map_err(|e| e.msg)?;
                     let mut at = 64 + REGION * rank;
                     for &l in &PUT_SIZES {
                         nccl!(commWinPut(src as *const c_void, l, UINT8, 0, win, at, c));
@@ -1303,7 +1306,8 @@ fn windows_rdma_on_device_memory_of_the_software_gpu() {
                         c
                     ));
                     let mut got = vec![0u8; total];
-                    cuda::copy_from_device(&dev, &mut got, back).map_err(|e| e.msg)?;
+                    // SAFETY: inside a device allocation of this test's, sized for it, idle at this point.
+                    unsafe { cuda::copy_from_device(&dev, &mut got, back) }.map_err(|e| e.msg)?;
                     let mut off = 0;
                     for &l in &PUT_SIZES {
                         if let Some(i) = (0..l).find(|&i| got[off + i] != pat[i]) {
@@ -1324,7 +1328,9 @@ fn windows_rdma_on_device_memory_of_the_software_gpu() {
                         return Ok(());
                     }
                     let mut mem = vec![0u8; len];
-                    cuda::copy_from_device(&dev, &mut mem, win_ptr).map_err(|e| e.msg)?;
+                    // SAFETY: inside a device allocation of this test's, sized for it, idle at this point.
+                    unsafe { cuda::copy_from_device(&dev, &mut mem, win_ptr) }
+                        .map_err(|e| e.msg)?;
                     let want = ADDS * (n as u64 - 1);
                     let counter = u64::from_ne_bytes(mem[..8].try_into().unwrap());
                     if counter != want {
@@ -1335,7 +1341,9 @@ fn windows_rdma_on_device_memory_of_the_software_gpu() {
                     }
                     // Nothing landed before the window part: the registration's offset was right.
                     let mut before = vec![0u8; WIN_AT];
-                    cuda::copy_from_device(&dev, &mut before, alloc.ptr).map_err(|e| e.msg)?;
+                    // SAFETY: inside a device allocation of this test's, sized for it, idle at this point.
+                    unsafe { cuda::copy_from_device(&dev, &mut before, alloc.ptr) }
+                        .map_err(|e| e.msg)?;
                     if let Some(i) = before.iter().position(|&b| b != 0) {
                         return Err(format!(
                             "byte {i} of the allocation, before the window, changed"

@@ -28,22 +28,29 @@ const S: cudaStream_t = std::ptr::null_mut();
 // ---------------------------------------------------------------------------------------------
 // Rank side
 
+/// Every scenario by name: `launch_on` names one, the worker runs it.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("matrix", matrix),
+    ("split", split_by_host),
+    ("host_dies", host_dies),
+    ("link_cut", link_cut),
+    ("link_cut_abort", link_cut_abort),
+    ("ring_traffic", ring_traffic),
+    ("every_collective", every_collective),
+    ("rated_all_reduce", rated_all_reduce),
+    ("extras", extras),
+];
+
 #[test]
 fn worker() {
-    let Some(w) = worker_env() else { return };
-    let run: fn(&Worker) -> Result<(), String> = match w.scenario.as_str() {
-        "matrix" => matrix,
-        "split" => split_by_host,
-        "host_dies" => host_dies,
-        "link_cut" => link_cut,
-        "link_cut_abort" => link_cut_abort,
-        "ring_traffic" => ring_traffic,
-        "every_collective" => every_collective,
-        "rated_all_reduce" => rated_all_reduce,
-        "extras" => extras,
-        other => finish(Err(format!("unknown scenario {other}"))),
-    };
-    finish(run(&w));
+    if let Some(w) = worker_env() {
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
+    }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 /// The id every rank derives from NCCL_COMM_ID and COMM_SECRET.

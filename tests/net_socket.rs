@@ -1,5 +1,6 @@
 //! The TCP transport between simulated hosts (network namespaces, `scripts/netns.sh`): hostile
-//! connections to its listener during setup, and several sockets per peer.
+//! connections to the connection service it sets up through (the bootstrap's listener), and
+//! several sockets per peer.
 //!
 //! Needs root and iproute2 (CI has both). Without them each test says so and passes only when
 //! not in CI; in CI (CI=true) a missing prerequisite fails the test. Every launch has a
@@ -25,28 +26,53 @@ const INT32: i32 = 2;
 const SUM: i32 = 0;
 const MAX: i32 = 2;
 
-/// How long the transport gives a connection to finish its handshake.
+/// How long the service gives a connection to finish its handshake.
 const HANDSHAKE: Duration = Duration::from_secs(5);
 
-/// Silent connections the attacker holds open: more than the 256 handshakes the transport's
-/// listener keeps going at once.
-const SILENT: usize = 300;
+/// Handshakes the service keeps going at once (the bootstrap listener's MAX_PENDING).
+const MAX_PENDING: usize = 1024;
+
+/// Silent connections the attacker holds open: more than the service handshakes with at once,
+/// where the descriptor limit lets it (see `silent_count`).
+const SILENT: usize = 1100;
+
+/// This process's hard limit on descriptors, which the attacker (a child) inherits.
+fn nofile_hard() -> libc::rlim_t {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a local rlimit the call fills in.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    lim.rlim_max
+}
+
+/// How many silent connections the attacker makes: SILENT, or fewer where its hard descriptor
+/// limit would not allow that many (then the service is not crowded past MAX_PENDING, and only
+/// the rest is checked).
+fn silent_count() -> usize {
+    SILENT.min((nofile_hard() as usize).saturating_sub(64))
+}
 
 // ---------------------------------------------------------------------------------------------
 // Rank side
+
+/// Every scenario by name: `launch` names one, the worker runs it (the attacker is no rank).
+const SCENARIOS: &[(&str, Scenario)] = &[("hostile", hostile), ("split_messages", split_messages)];
 
 #[test]
 fn worker() {
     if let Ok(base) = std::env::var("COMM_TEST_ATTACK") {
         finish(attacker(&base));
     }
-    let Some(w) = worker_env() else { return };
-    let run: fn(&Worker) -> Result<(), String> = match w.scenario.as_str() {
-        "hostile" => hostile,
-        "split_messages" => split_messages,
-        other => finish(Err(format!("unknown scenario {other}"))),
-    };
-    finish(run(&w));
+    if let Some(w) = worker_env() {
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
+    }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 fn now_ns() -> u128 {
@@ -81,7 +107,8 @@ fn each_collective(ctx: &Ctx) -> Result<(), String> {
 }
 
 /// arg: a path prefix for the files the ranks and the attacker share. The ranks log to
-/// `<arg>.log` (COMM_DEBUG_FILE), where rank 1's TCP transport says where it listens. Rank 0
+/// `<arg>.log` (COMM_DEBUG_FILE), where rank 1's TCP transport says where it takes its
+/// connections (the bootstrap's service) and under which tag. Rank 0
 /// freezes itself
 /// once every listener is published (COMM_FAULT_INJECT=net:published:stop), after starting an
 /// attacker process of its own, which goes at rank 1's listener while rank 1 waits for rank 0
@@ -154,12 +181,26 @@ fn hostile(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-/// The hello the transport expects before its authentication: tag, rank, socket index.
-fn hello(tag: u64, rank: u32, socket: u32) -> Vec<u8> {
-    let mut b = tag.to_le_bytes().to_vec();
-    b.extend_from_slice(&rank.to_le_bytes());
+/// What a connection to the service says it is for: the bootstrap's peer context for a TCP
+/// transport socket (purpose 4) from rank `from` to rank 1.
+fn context(tag: u64, from: u32, socket: u64) -> Vec<u8> {
+    let mut b = b"comm-peer-v1".to_vec();
+    b.extend_from_slice(&tag.to_le_bytes());
+    b.push(4);
     b.extend_from_slice(&socket.to_le_bytes());
+    b.extend_from_slice(&from.to_le_bytes());
+    b.extend_from_slice(&1u32.to_le_bytes());
     b
+}
+
+/// The first message of the handshake: magic, version, the context and a client nonce.
+fn hello(ctx: &[u8]) -> Vec<u8> {
+    let mut auth = b"COMMAUTH".to_vec();
+    auth.extend_from_slice(&1u16.to_le_bytes());
+    auth.extend_from_slice(&(ctx.len() as u16).to_le_bytes());
+    auth.extend_from_slice(&[7u8; 32]);
+    auth.extend_from_slice(ctx);
+    auth
 }
 
 /// The listener must close `s`: reads until the end of the stream, at most 10 s. Returns what
@@ -189,8 +230,9 @@ fn dial(addr: SocketAddr, bytes: &[u8]) -> Result<TcpStream, String> {
     Ok(s)
 }
 
-/// The attacker: finds rank 1's listener in its log, waits until rank 0 is frozen, connects
-/// in every wrong way, releases rank 0 and checks that the listener is gone after setup.
+/// The attacker: finds rank 1's service in its log, waits until rank 0 is frozen, connects
+/// in every wrong way, releases rank 0 and checks that the service still refuses garbage after
+/// setup (it stays up, for connections made on demand).
 fn attacker(base: &str) -> Result<(), String> {
     // SAFETY: getppid takes nothing and cannot fail.
     let parent = unsafe { libc::getppid() };
@@ -203,43 +245,43 @@ fn attacker(base: &str) -> Result<(), String> {
 }
 
 fn attack_and_release(base: &str, parent: i32, log: &str) -> Result<(), String> {
-    let (tag, addr) = wait_for(Duration::from_secs(60), "rank 1's listener", || {
+    let (tag, addr) = wait_for(Duration::from_secs(60), "rank 1's service", || {
         let text = std::fs::read_to_string(log).ok()?;
-        let line = text.lines().find(|l| l.contains("listening on "))?;
-        let tag = line.split("communicator ").nth(1)?.get(..16)?;
+        let line = text
+            .lines()
+            .find(|l| l.contains("rank 1: TCP transport") && l.contains("listening on "))?;
+        let tag = line.split("service of communicator ").nth(1)?.get(..16)?;
         let addr = line.split("listening on ").nth(1)?.trim();
         Some((
             u64::from_str_radix(tag, 16).ok()?,
             addr.parse::<SocketAddr>().ok()?,
         ))
     })?;
-    println!("attacker: rank 1 listens on {addr} for communicator {tag:016x}");
+    println!("attacker: rank 1's service listens on {addr} for communicator {tag:016x}");
     wait_for(Duration::from_secs(60), "rank 0 to freeze", || {
         let stat = std::fs::read_to_string(format!("/proc/{parent}/stat")).ok()?;
         let state = stat.rsplit(')').next()?.split_whitespace().next()?;
         (state == "T").then_some(())
     })?;
     let outcome = attack(tag, addr);
+    let made = Instant::now();
     std::fs::write(format!("{base}.released"), now_ns().to_string()).unwrap();
     // SAFETY: kill takes a pid and a signal number and touches no memory of ours.
     unsafe { libc::kill(parent, libc::SIGCONT) };
     let held = outcome?;
-    // Setup ends when rank 1 has its link to rank 0; then nobody listens there any more.
+    // Setup ends when rank 1 has its link to rank 0; the service stays up for the
+    // communicator's life, and still refuses what does not authenticate.
     wait_for(Duration::from_secs(60), "rank 1's link to rank 0", || {
         let text = std::fs::read_to_string(log).ok()?;
         text.contains("rank 1 -> rank 0: net/socket").then_some(())
     })?;
-    match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-        Err(e) => {
-            return Err(format!(
-                "after setup, connecting to {addr} failed with {e}, not a refusal"
-            ))
-        }
-        Ok(_) => return Err(format!("after setup, {addr} still takes connections")),
-    }
+    let s = dial(addr, b"GET / HTTP/1.1\r\nHost: comm\r\n\r\n")?;
+    expect_closed(s, "garbage after setup")?;
+    // Held open until the service has dropped every one (at its handshake deadline at the
+    // latest), so that each is refused for being silent, not for closing.
+    std::thread::sleep((HANDSHAKE + Duration::from_secs(1)).saturating_sub(made.elapsed()));
     drop(held);
-    println!("attacker: every attack refused, and the port is closed after setup");
+    println!("attacker: every attack refused, during and after setup");
     Ok(())
 }
 
@@ -250,17 +292,11 @@ fn attack(tag: u64, addr: SocketAddr) -> Result<Vec<TcpStream>, String> {
     let s = dial(addr, b"GET / HTTP/1.1\r\nHost: comm\r\n\r\n")?;
     expect_closed(s, "garbage")?;
     // (c) A well-formed hello for another communicator.
-    let s = dial(addr, &hello(tag ^ 0x5a5a, 0, 0))?;
+    let s = dial(addr, &hello(&context(tag ^ 0x5a5a, 0, 0)))?;
     expect_closed(s, "another communicator's tag")?;
-    // (d) The right tag and a rank that is due, but no knowledge of the secret: the server's
-    // challenge is answered with a proof made up of nothing.
-    let ctx = format!("comm net/socket {tag:016x} 0->1 #0").into_bytes();
-    let mut auth = b"COMMAUTH".to_vec();
-    auth.extend_from_slice(&1u16.to_le_bytes());
-    auth.extend_from_slice(&(ctx.len() as u16).to_le_bytes());
-    auth.extend_from_slice(&[7u8; 32]);
-    auth.extend_from_slice(&ctx);
-    let mut s = dial(addr, &[hello(tag, 0, 0), auth].concat())?;
+    // (d) The right tag and a rank of the communicator, but no knowledge of the secret: the
+    // server's challenge is answered with a proof made up of nothing.
+    let mut s = dial(addr, &hello(&context(tag, 0, 0)))?;
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut challenge = [0u8; 65];
     s.read_exact(&mut challenge)
@@ -281,17 +317,26 @@ fn attack(tag: u64, addr: SocketAddr) -> Result<Vec<TcpStream>, String> {
             "wrong secret: the listener answered {said:?}, not [4]"
         ));
     }
-    // (e) Ranks that are not due: the listener's own rank, and one beyond the communicator.
+    // (e) Ranks that cannot be: the service's own rank, and one beyond the communicator.
     for rank in [1, 7] {
-        let s = dial(addr, &hello(tag, rank, 0))?;
-        expect_closed(s, &format!("rank {rank}, not due"))?;
+        let s = dial(addr, &hello(&context(tag, rank, 0)))?;
+        expect_closed(s, &format!("rank {rank}, not a peer"))?;
+    }
+    // More descriptors than a default soft limit gives.
+    // SAFETY: `lim` is a local rlimit the call reads.
+    unsafe {
+        let lim = libc::rlimit {
+            rlim_cur: nofile_hard(),
+            rlim_max: nofile_hard(),
+        };
+        libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
     }
     // (a) Half-open: connected, silent, held open through setup. Made last, just before rank 0
     // is released, so that a listener that served connections one at a time would make the
     // real peer wait behind them; and more of them than the listener handshakes with at once,
     // so that it must drop some to make room (never the real peer's).
     let mut silent = Vec::new();
-    for _ in 0..SILENT {
+    for _ in 0..silent_count() {
         silent.push(dial(addr, &[])?);
     }
     std::thread::sleep(Duration::from_millis(200));
@@ -373,12 +418,13 @@ fn remove(paths: &[String]) {
     }
 }
 
-/// While rank 1's transport listener waits for rank 0, an attacker connects to it: garbage,
-/// another communicator's hello, a due rank without the secret, ranks that are not due, then
-/// 300 silent connections held open. Setup must finish as soon as rank 0 comes, whatever the
-/// silent connections do; every attack must be refused and logged; collectives must be right
-/// afterwards; and the port must refuse connections once setup is over. With `nofile`, rank 1
-/// may hold only that many descriptors, fewer than the silent connections.
+/// While rank 1's TCP transport waits for rank 0's connections at its connection service, an
+/// attacker connects there: garbage, another communicator's hello, a peer's context without
+/// the secret, ranks that cannot be, then more silent connections than the service handshakes
+/// with at once, held open. Setup must finish as soon as rank 0 comes, whatever the silent
+/// connections do; every attack must be refused and logged; collectives must be right
+/// afterwards; and garbage must still be refused once setup is over. With `nofile`, rank 1 may
+/// hold only that many descriptors, fewer than the silent connections.
 fn hostile_run(nofile: Option<&str>) {
     let Some(hosts) = Hosts::up(2) else { return };
     let base = std::env::temp_dir()
@@ -415,32 +461,39 @@ fn hostile_run(nofile: Option<&str>) {
     assert_all_ok(&r, "hostile connections");
     let refused: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("rank 1: refused a connection to the TCP transport from"))
+        .filter(|l| {
+            l.contains("bootstrap listener of rank 1 (") && l.contains(": refused connection from ")
+        })
         .collect();
     let count = |what: &str| refused.iter().filter(|l| l.contains(what)).count();
     assert_eq!(
-        count("or sent garbage"),
+        count("bad magic"),
         2,
-        "garbage and another tag: {refused:#?}"
+        "garbage during and after setup: {refused:#?}"
     );
+    assert_eq!(count("belongs to another communicator"), 1, "{refused:#?}");
     assert_eq!(count("wrong secret"), 1, "{refused:#?}");
-    assert_eq!(count("which is not due to connect"), 2, "{refused:#?}");
-    // The silent ones: some dropped to make room (past 256 in flight, or when descriptors ran
-    // out), the rest when setup was done.
-    let crowded = count("too many connections were handshaking at once");
+    assert_eq!(count("this rank itself"), 1, "{refused:#?}");
+    assert_eq!(count("claims to come from rank 7"), 1, "{refused:#?}");
+    // The silent ones: some dropped to make room (past MAX_PENDING in flight, or when
+    // descriptors ran out), the rest at their handshake deadline.
+    let crowded = count("too many unfinished handshakes");
     let starved = count("this process ran out of file descriptors");
-    let outlived = count("every peer connected before it finished its handshake");
+    let expired = count("no complete handshake within");
     if nofile.is_some() {
         assert!(starved > 0, "descriptors never ran out");
     } else {
-        assert!(crowded >= SILENT - 256, "{crowded} dropped to make room");
+        assert!(
+            crowded + starved >= silent_count().saturating_sub(MAX_PENDING),
+            "{crowded} + {starved} dropped to make room"
+        );
     }
     assert_eq!(
-        crowded + starved + outlived,
-        SILENT,
-        "{crowded} + {starved} + {outlived}"
+        crowded + starved + expired,
+        silent_count(),
+        "{crowded} + {starved} + {expired}"
     );
-    assert_eq!(refused.len(), SILENT + 5, "{refused:#?}");
+    assert_eq!(refused.len(), silent_count() + 6, "{refused:#?}");
     assert!(
         log.contains("rank 1 -> rank 0: net/socket 10.77.0.1:"),
         "{log}"

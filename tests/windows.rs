@@ -1342,32 +1342,35 @@ fn abort_while_signalling(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-fn scenario(w: &Worker) -> Result<(), String> {
-    match w.scenario.as_str() {
-        "sleeping" => busy_target(w, false),
-        "computing" => busy_target(w, true),
-        "signals" => signals(w),
-        "contention" => contention(w),
-        "channels" => channels(w),
-        "bad" => bad_input(w),
-        "dies" => peer_dies(w),
-        "group_register" => group_register(w),
-        "fresh" => fresh_windows(w),
-        "deregistered" => target_deregistered(w),
-        "lock_dies" => lock_holder_dies(w),
-        "destroyed" => destroyed_target(w),
-        "group_put_fails" => group_with_failing_put(w),
-        "two_windows" => two_windows_one_word(w),
-        "abort_signal" => abort_while_signalling(w),
-        other => Err(format!("unknown scenario {other}")),
-    }
-}
+/// Every scenario by name: `run` names one, the worker runs it.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("sleeping", |w| busy_target(w, false)),
+    ("computing", |w| busy_target(w, true)),
+    ("signals", signals),
+    ("contention", contention),
+    ("channels", channels),
+    ("bad", bad_input),
+    ("dies", peer_dies),
+    ("group_register", group_register),
+    ("fresh", fresh_windows),
+    ("deregistered", target_deregistered),
+    ("lock_dies", lock_holder_dies),
+    ("destroyed", destroyed_target),
+    ("group_put_fails", group_with_failing_put),
+    ("two_windows", two_windows_one_word),
+    ("abort_signal", abort_while_signalling),
+];
 
 #[test]
 fn worker() {
     if let Some(w) = worker_env() {
-        finish(scenario(&w));
+        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
     }
+}
+
+#[test]
+fn scenario_names_are_distinct() {
+    assert_distinct_names(SCENARIOS);
 }
 
 fn run(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)], secs: u64) {

@@ -9,13 +9,13 @@ use super::{interleave, partition, Buf, Operand, Region, Schedule, Shape, Step};
 ///
 /// The last reduce-scatter step and the first all-gather step go slice by slice together:
 /// each slice is sent on right after its final value is folded, while it is still in cache,
-/// and a transport can send it while it folds (`Sink::forwards`).
+/// and a transport can send it while it folds (`Reply::next`).
 /// The smallest all-reduce (bytes) that `fuses`.
 pub(crate) const FUSE_FROM: usize = 32 << 20;
 
 /// Whether a two-rank all-reduce out of place sends each slice's final value back right after
 /// folding it, slice by slice, instead of all folds first: then the value is the very next
-/// message to the peer, which a transport may send as it folds (`Sink::forwards`; shm writes it
+/// message to the peer, which a transport may send as it folds (`Reply::next`; shm writes it
 /// into the FIFO's slots and into the receive buffer with non-temporal stores). That pays off
 /// only where the buffers are too large to stay in cache: two processes on a machine with a
 /// large shared L3, against all folds first, 64 MiB 0.88-0.93x the time, 32 MiB 0.93x,

@@ -296,6 +296,15 @@ impl ServerHandshake {
         }
     }
 
+    /// Why a client whose next message begins with `partial` is refused before the rest comes:
+    /// a hello that does not start like one is garbage, however short, so that it is dropped
+    /// at once instead of holding a slot until its deadline.
+    pub(crate) fn refuses_early(&self, partial: &[u8]) -> Option<String> {
+        let n = partial.len().min(MAGIC.len());
+        (matches!(self.stage, Stage::Hello) && partial[..n] != MAGIC[..n])
+            .then(|| "sent garbage instead of a handshake (bad magic)".to_string())
+    }
+
     /// The context the client asked for; meaningful once the handshake is done.
     pub(crate) fn context(&self) -> &[u8] {
         &self.ctx

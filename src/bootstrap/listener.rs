@@ -1,20 +1,33 @@
-//! Every rank's listener: a thread that accepts connections, runs their handshakes side by side
-//! from one poll loop (a silent or half-open client only costs a slot until its handshake deadline)
-//! and keeps each authenticated connection, keyed by what it is for, until someone asks for it.
-//! Connections for a sub-communicator may arrive long before this rank calls `sub`; they wait here.
+//! Every rank's listener: the one authenticated connection service of a communicator. A thread
+//! accepts connections, runs their handshakes side by side from one poll loop (a silent or
+//! half-open client only costs a slot until its handshake deadline; past `MAX_PENDING`, or when
+//! descriptors run out, the oldest that has not spoken yet is dropped) and hands each
+//! authenticated connection on by what it is for: to the handler a module registered for that
+//! purpose (`Bootstrap::route`: window operations), or into a stash, keyed by its whole context,
+//! until someone asks for it (`Bootstrap::accept`: the ring, sub-communicators, the TCP
+//! transport's sockets). Connections for a sub-communicator may arrive long before this rank
+//! calls `sub`; they wait here.
+//!
+//! The service lives as long as the communicator's bootstrap, so a peer may connect at any time,
+//! not only during init. A client proves the communicator's secret for a context that names the
+//! communicator, the purpose, a key within it (a socket's index, a child's tag), and both ranks
+//! (`PeerCtx`): a connection authenticated for one of those cannot be passed off as another.
+//! `Dialer` is the client side, which outlives the bootstrap's borrow (to connect on demand:
+//! windows do).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::auth::{Lookup, ServerHandshake, Step};
+use super::auth::{self, Lookup, ServerHandshake, Step, TcpWire};
 use super::net::{self, pollfd, Waiter, SLICE};
 use crate::error::{Error, Result};
 
@@ -36,6 +49,10 @@ pub(crate) enum Purpose {
     Sub = 2,
     /// A rank waiting for this one checks that it is still alive; dropped once authenticated.
     Probe = 3,
+    /// A socket of the TCP transport (`key` is its index among the pair's sockets).
+    Net = 4,
+    /// One-sided window operations from another host (`key` 0).
+    Window = 5,
 }
 
 /// What a rank-to-rank connection is for; bound into its handshake.
@@ -69,6 +86,8 @@ impl PeerCtx {
             1 => Purpose::Ring,
             2 => Purpose::Sub,
             3 => Purpose::Probe,
+            4 => Purpose::Net,
+            5 => Purpose::Window,
             _ => return None,
         };
         Some(PeerCtx {
@@ -108,6 +127,12 @@ impl Identity {
                 c.to, self.rank
             ));
         }
+        if c.from == c.to {
+            return Err(format!(
+                "claims to come from rank {}, this rank itself",
+                c.from
+            ));
+        }
         if c.from as usize >= self.nranks {
             return Err(format!(
                 "claims to come from rank {} of a communicator of {} ranks",
@@ -129,6 +154,7 @@ pub(crate) struct Handshaking {
     out: Vec<u8>,
     out_off: usize,
     finished: bool,
+    spoke: bool,
 }
 
 pub(crate) enum Progress {
@@ -153,6 +179,7 @@ impl Handshaking {
             out: Vec::new(),
             out_off: 0,
             finished: false,
+            spoke: false,
         }
     }
 
@@ -166,6 +193,11 @@ impl Handshaking {
         } else {
             libc::POLLIN
         }
+    }
+
+    /// Whether the client has sent any byte yet.
+    fn spoke(&self) -> bool {
+        self.spoke
     }
 
     pub(super) fn context(&self) -> &[u8] {
@@ -201,7 +233,13 @@ impl Handshaking {
                             "closed the connection in the middle of the handshake".into(),
                         )
                     }
-                    Ok(n) => self.filled += n,
+                    Ok(n) => {
+                        self.filled += n;
+                        self.spoke = true;
+                        if let Some(why) = self.hs.refuses_early(&self.inbuf[..self.filled]) {
+                            return Progress::Failed(why);
+                        }
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Progress::Pending,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => return Progress::Failed(format!("read failed: {e}")),
@@ -280,10 +318,55 @@ pub(crate) fn accept_all(
     }
 }
 
+/// Takes the authenticated connections of one purpose as they arrive, on the listener's thread:
+/// it must only hand them on (to a queue, a thread's wake-up), never serve them there.
+pub(crate) type Handler = Box<dyn Fn(PeerCtx, TcpStream) + Send + Sync>;
+
 #[derive(Default)]
 struct Shared {
     stash: Mutex<HashMap<Vec<u8>, VecDeque<TcpStream>>>,
     arrived: Condvar,
+    /// Registered handlers by purpose, each with the number its `Route` removes it by.
+    routes: Mutex<HashMap<u8, (u64, Arc<Handler>)>>,
+    next_route: std::sync::atomic::AtomicU64,
+}
+
+impl Shared {
+    /// Hands an authenticated connection to its purpose's handler, or stashes it.
+    fn deliver(&self, ctx: Vec<u8>, stream: TcpStream) {
+        if let Some(c) = PeerCtx::decode(&ctx) {
+            let handler = self
+                .routes
+                .lock()
+                .get(&(c.purpose as u8))
+                .map(|h| h.1.clone());
+            if let Some(h) = handler {
+                h(c, stream);
+                return;
+            }
+        }
+        self.stash.lock().entry(ctx).or_default().push_back(stream);
+        self.arrived.notify_all();
+    }
+}
+
+/// While it lives, connections of its purpose go to its handler. Dropping it unregisters the
+/// handler (later connections are stashed again) unless another registration replaced it.
+pub(crate) struct Route {
+    shared: std::sync::Weak<Shared>,
+    purpose: u8,
+    id: u64,
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.upgrade() {
+            let mut routes = shared.routes.lock();
+            if routes.get(&self.purpose).is_some_and(|r| r.0 == self.id) {
+                routes.remove(&self.purpose);
+            }
+        }
+    }
 }
 
 pub(crate) struct Listener {
@@ -332,6 +415,47 @@ impl Listener {
 
     pub(super) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sends every connection for `purpose` to `handler` from now on, those already stashed
+    /// first.
+    pub(super) fn route(&self, purpose: Purpose, handler: Handler) -> Route {
+        let id = self
+            .shared
+            .next_route
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let handler = Arc::new(handler);
+        let waiting: Vec<(PeerCtx, TcpStream)> = {
+            // Registered under the stash's lock, so that none arrives between the two.
+            let mut stash = self.shared.stash.lock();
+            self.shared
+                .routes
+                .lock()
+                .insert(purpose as u8, (id, handler.clone()));
+            let keys: Vec<Vec<u8>> = stash
+                .keys()
+                .filter(|k| PeerCtx::decode(k).is_some_and(|c| c.purpose == purpose))
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .flat_map(|k| {
+                    let c = PeerCtx::decode(&k).expect("decoded above");
+                    stash
+                        .remove(&k)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(move |s| (c, s))
+                })
+                .collect()
+        };
+        for (c, s) in waiting {
+            handler(c, s);
+        }
+        Route {
+            shared: Arc::downgrade(&self.shared),
+            purpose: purpose as u8,
+            id,
+        }
     }
 
     /// The next authenticated connection whose context is `ctx`, waiting for it if needed.
@@ -451,13 +575,7 @@ fn serve(
                             c.purpose
                         );
                     }
-                    shared
-                        .stash
-                        .lock()
-                        .entry(ctx)
-                        .or_default()
-                        .push_back(p.into_stream());
-                    shared.arrived.notify_all();
+                    shared.deliver(ctx, p.into_stream());
                 }
                 Progress::Failed(why) => {
                     crate::warn!("{label}: refused connection from {}: {why}", p.peer);
@@ -475,19 +593,180 @@ fn serve(
         pending = kept;
         if fds[1].revents != 0 {
             let (fresh, healthy) = accept_all(&listener, handshake_timeout, &label);
-            if !healthy {
-                paused_until = Some(Instant::now() + SLICE);
-            }
             pending.extend(fresh);
+            if !healthy {
+                if pending.is_empty() {
+                    paused_until = Some(Instant::now() + SLICE);
+                } else {
+                    // The connection waits in the backlog: make room for it, so that a flood
+                    // of idle connections cannot keep a real peer out until their deadlines.
+                    evict(
+                        &mut pending,
+                        &label,
+                        "this process ran out of file descriptors",
+                    );
+                }
+            }
             while pending.len() > MAX_PENDING {
-                let old = pending.remove(0);
-                crate::warn!(
-                    "{label}: refused connection from {}: too many unfinished handshakes",
-                    old.peer
-                );
+                evict(&mut pending, &label, "too many unfinished handshakes");
             }
         }
     }
+}
+
+/// The client side of the service: dials a peer's listener and proves the communicator's secret
+/// for one purpose. Cheap to clone, and independent of the bootstrap's lifetime, so that a
+/// module can connect on demand long after init.
+#[derive(Clone)]
+pub(crate) struct Dialer {
+    rank: usize,
+    tag: u64,
+    secret: [u8; 32],
+    addrs: Arc<Vec<SocketAddr>>,
+    abort: Arc<AtomicBool>,
+}
+
+impl Dialer {
+    /// An authenticated connection to `peer` for `purpose` (and `key` within it), non-blocking
+    /// and without Nagle. A peer whose listener refuses connections is gone (ncclRemoteError
+    /// naming it); the wait ends at `deadline` or when the communicator is aborted.
+    pub(crate) fn dial(
+        &self,
+        peer: usize,
+        purpose: Purpose,
+        key: u64,
+        deadline: Option<Instant>,
+    ) -> Result<TcpStream> {
+        if peer >= self.addrs.len() || peer == self.rank {
+            return crate::internal_err!(
+                "rank {} cannot dial rank {peer} of a communicator of {} ranks",
+                self.rank,
+                self.addrs.len()
+            );
+        }
+        let addr = self.addrs[peer];
+        let who = format!("rank {peer} ({addr})");
+        let w = Waiter::new(deadline, &self.abort);
+        let s = net::connect(addr, w, false, &who)?;
+        let ctx = PeerCtx {
+            tag: self.tag,
+            purpose,
+            key,
+            from: self.rank as u32,
+            to: peer as u32,
+        };
+        let mut wire = TcpWire {
+            stream: &s,
+            waiter: w,
+            peer: &who,
+        };
+        auth::client_on(&mut wire, &self.secret, &ctx.encode())?;
+        Ok(s)
+    }
+}
+
+/// The connection service as the rest of the library sees it.
+impl super::Bootstrap {
+    /// What dials this communicator's peers, for as long as the caller keeps it.
+    pub(crate) fn dialer(&self) -> Dialer {
+        Dialer {
+            rank: self.rank,
+            tag: self.tag,
+            secret: self.secret,
+            addrs: Arc::new(self.addrs.clone()),
+            abort: self.abort.clone(),
+        }
+    }
+
+    /// Where this rank's service listens (for messages).
+    pub(crate) fn service_addr(&self) -> SocketAddr {
+        self.listener.addr()
+    }
+
+    /// The tag the service's connections name (for messages and tests).
+    pub(crate) fn service_tag(&self) -> u64 {
+        self.tag
+    }
+
+    /// An authenticated connection to `peer` for `purpose`/`key`; see [`Dialer::dial`].
+    pub(crate) fn dial(
+        &self,
+        peer: usize,
+        purpose: Purpose,
+        key: u64,
+        deadline: Option<Instant>,
+    ) -> Result<TcpStream> {
+        self.dialer().dial(peer, purpose, key, deadline)
+    }
+
+    /// The connection `peer` made to this rank for `purpose`/`key` (non-blocking), waiting for
+    /// it until `deadline` or an abort. While it waits it checks that `peer`'s process still
+    /// exists, so a dead peer ends the wait at once, named. `what` completes "waiting for rank
+    /// N to connect ..." in messages.
+    pub(crate) fn accept(
+        &self,
+        peer: usize,
+        purpose: Purpose,
+        key: u64,
+        deadline: Option<Instant>,
+        what: &str,
+    ) -> Result<TcpStream> {
+        if peer >= self.nranks || peer == self.rank {
+            return crate::internal_err!(
+                "rank {} cannot take a connection from rank {peer} of {}",
+                self.rank,
+                self.nranks
+            );
+        }
+        let started = Instant::now();
+        let ctx = PeerCtx {
+            tag: self.tag,
+            purpose,
+            key,
+            from: peer as u32,
+            to: self.rank as u32,
+        };
+        let watch = super::Watch {
+            addr: self.addrs[peer],
+            secret: self.secret,
+            ctx: PeerCtx {
+                purpose: Purpose::Probe,
+                key: 0,
+                from: self.rank as u32,
+                to: peer as u32,
+                ..ctx
+            },
+        };
+        let w = Waiter::new(deadline, &self.abort);
+        self.listener.take(
+            &ctx.encode(),
+            w,
+            &|| {
+                format!(
+                    "rank {peer} to connect {what}{}",
+                    accept_trouble_since(started)
+                )
+            },
+            &|| watch.alive(peer, &self.abort),
+        )
+    }
+
+    /// Hands every connection made to this rank for `purpose` to `handler` while the returned
+    /// route lives (connections that arrived before are handed over at once).
+    pub(crate) fn route(&self, purpose: Purpose, handler: Handler) -> Route {
+        self.listener.route(purpose, handler)
+    }
+}
+
+/// Drops one handshaking connection to make room: the oldest that has sent nothing yet (a real
+/// peer speaks at once), else the oldest.
+fn evict(pending: &mut Vec<Handshaking>, label: &str, why: &str) {
+    let i = pending.iter().position(|p| !p.spoke()).unwrap_or(0);
+    let old = pending.remove(i);
+    crate::warn!(
+        "{label}: refused connection from {}: {why}; it was dropped to make room",
+        old.peer
+    );
 }
 
 #[cfg(test)]
@@ -516,5 +795,126 @@ mod tests {
         );
         assert_eq!(accept_trouble_since(Instant::now()), "");
         *OUT_OF_DESCRIPTORS.lock() = None;
+    }
+
+    fn boots(n: usize) -> Vec<super::super::Bootstrap> {
+        let id = super::super::new_unique_id().unwrap();
+        super::super::tests::init_all(std::slice::from_ref(&id), n)
+    }
+
+    fn soon() -> Option<Instant> {
+        Some(Instant::now() + Duration::from_secs(10))
+    }
+
+    /// Connections for one purpose and key reach whoever takes exactly that: two sockets of the
+    /// TCP transport from one rank, taken in the opposite order, each arrive where they were
+    /// meant to.
+    #[test]
+    fn accepted_connections_are_told_apart_by_purpose_and_key() {
+        let _w = super::super::tests::watchdog("told_apart", Duration::from_secs(30));
+        let b = boots(3);
+        for key in [0u64, 1] {
+            let mut s = b[0].dial(2, Purpose::Net, key, soon()).unwrap();
+            s.set_nonblocking(false).unwrap();
+            s.write_all(&[key as u8 + 10]).unwrap();
+        }
+        for key in [1u64, 0] {
+            let mut s = b[2]
+                .accept(0, Purpose::Net, key, soon(), "for the test")
+                .unwrap();
+            s.set_nonblocking(false).unwrap();
+            let mut got = [0u8];
+            s.read_exact(&mut got).unwrap();
+            assert_eq!(got[0], key as u8 + 10);
+        }
+        // Rank 1 connected for nothing of this kind: the wait ends at its deadline, named.
+        let e = b[2]
+            .accept(
+                1,
+                Purpose::Net,
+                0,
+                Some(Instant::now() + Duration::from_millis(300)),
+                "over TCP (socket 0)",
+            )
+            .unwrap_err();
+        assert!(
+            e.msg.contains("rank 1 to connect over TCP (socket 0)"),
+            "{}",
+            e.msg
+        );
+    }
+
+    /// A registered route takes its purpose's connections as they come, and those that came
+    /// before it; once the route is dropped they are stashed again.
+    #[test]
+    fn routes_take_their_purpose_at_any_time() {
+        let _w = super::super::tests::watchdog("routes", Duration::from_secs(30));
+        let b = boots(3);
+        let early = b[0].dial(1, Purpose::Window, 0, soon()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = std::sync::Mutex::new(tx);
+        let route = b[1].route(
+            Purpose::Window,
+            Box::new(move |c: PeerCtx, s: TcpStream| {
+                tx.lock().unwrap().send((c.from, c.purpose, s)).unwrap();
+            }),
+        );
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((got.0, got.1), (0, Purpose::Window));
+        let _late = b[2].dial(1, Purpose::Window, 0, soon()).unwrap();
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((got.0, got.1), (2, Purpose::Window));
+        drop(route);
+        let _after = b[2].dial(1, Purpose::Window, 0, soon()).unwrap();
+        b[1].accept(2, Purpose::Window, 0, soon(), "again").unwrap();
+        drop(early);
+    }
+
+    /// A rank waiting for a peer that is gone learns it at once, named, not at its deadline.
+    #[test]
+    fn waiting_for_a_dead_peer_names_it() {
+        let _w = super::super::tests::watchdog("dead_peer", Duration::from_secs(30));
+        let mut b = boots(2);
+        drop(b.remove(0));
+        let t0 = Instant::now();
+        let e = b[0]
+            .accept(
+                0,
+                Purpose::Net,
+                0,
+                Some(Instant::now() + Duration::from_secs(20)),
+                "",
+            )
+            .unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert_eq!(e.kind, crate::error::ErrorKind::Remote, "{}", e.msg);
+        assert!(e.msg.contains("rank 0 is gone"), "{}", e.msg);
+        let e = b[0].dial(0, Purpose::Net, 0, soon()).unwrap_err();
+        assert!(e.msg.contains("rank 0"), "{}", e.msg);
+    }
+
+    /// A client that claims to be the rank it connects to is refused: no purpose connects a
+    /// rank to itself.
+    #[test]
+    fn a_connection_from_the_rank_itself_is_refused() {
+        let me = Identity {
+            secret: [1; 32],
+            tag: 7,
+            rank: 1,
+            nranks: 2,
+        };
+        let ctx = |from: u32| {
+            PeerCtx {
+                tag: 7,
+                purpose: Purpose::Net,
+                key: 0,
+                from,
+                to: 1,
+            }
+            .encode()
+        };
+        assert!(me.admit(&ctx(0)).is_ok());
+        let e = me.admit(&ctx(1)).unwrap_err();
+        assert!(e.contains("this rank itself"), "{e}");
     }
 }

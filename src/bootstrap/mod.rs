@@ -4,11 +4,16 @@
 //! `new_unique_id` (ncclGetUniqueId) makes a random secret and registers a session with the
 //! process's one root service (started with the first id, listening on a local address); the id
 //! carries the address and the secret. Each rank starts a listener of its own, checks in with the
-//! root, learns its successor's and predecessor's listener addresses, and the ranks close a ring
-//! over which they exchange everything else (first of all every rank's listener address). While a
-//! rank waits for its predecessor to connect it probes the predecessor's listener, so a dead
-//! predecessor ends the wait at once. Every connection,
-//! to the root or between ranks, opens with the HMAC challenge/response of [`auth`], bound to what
+//! root and learns its successor's and predecessor's listener addresses: the root sends each rank
+//! two addresses, never the table of all N. The ranks then make their connections in ceil(log2 N)
+//! rounds, round k to rank r + 2^k and from rank r - 2^k, and exchange listener addresses on
+//! them as they go: before round k a rank knows the addresses of ranks r .. r + 2^k, the one it
+//! connects to in that round included, and the round doubles that (see [`rounds`], which also
+//! runs the later allgathers, barriers and broadcasts on the same connections in as many
+//! rounds). No step of init waits on an O(N) chain of ranks. While a rank waits for its round's
+//! connection it watches the connections it already has, and in the first round it probes its
+//! predecessor's listener, so a dead or failed peer ends the wait at once. Every connection, to
+//! the root or between ranks, opens with the HMAC challenge/response of [`auth`], bound to what
 //! the connection is for; anything that fails it is logged and dropped without disturbing the
 //! rendezvous.
 //!
@@ -21,13 +26,13 @@
 //!   connection that has not completed its handshake.
 
 pub(crate) mod auth;
+mod checkin;
 mod id;
 pub(crate) mod iface;
 mod listener;
 mod net;
-pub(crate) use net::refused;
-mod ring;
 mod root;
+mod rounds;
 
 #[cfg(test)]
 mod tests;
@@ -41,14 +46,14 @@ use parking_lot::Mutex;
 
 pub(crate) use id::{new_unique_id, UniqueId};
 pub(crate) use iface::local_ip;
-pub(crate) use net::{decode_addr, encode_addr};
 
 use crate::error::{ErrorKind, Result};
-use listener::{Identity, Listener, PeerCtx, Purpose};
+pub(crate) use checkin::warn_after;
+use checkin::{CheckIn, RootSession};
+pub(crate) use listener::{Dialer, PeerCtx, Purpose};
+use listener::{Identity, Listener};
 use net::Waiter;
-use ring::Ring;
-pub(crate) use root::warn_after;
-use root::{CheckIn, RootSession};
+use rounds::{rounds_for, Rounds};
 
 pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
@@ -126,7 +131,7 @@ pub(crate) struct Bootstrap {
     /// Every rank's listener, indexed by rank: where `sub` reaches the members.
     addrs: Vec<SocketAddr>,
     listener: Listener,
-    ring: Mutex<Ring>,
+    rounds: Mutex<Rounds>,
     abort: Arc<AtomicBool>,
 }
 
@@ -240,16 +245,16 @@ impl Bootstrap {
         } else {
             None
         };
-        let warn = root::WarnWait {
+        let warn = checkin::WarnWait {
             rank,
             nranks,
             id_made_here: root::made_here(id),
         };
-        let mut ready = root::Ready::decode(&session.wait_ready(w, started, Some(&warn))?)?;
+        let mut ready = checkin::Ready::decode(&session.wait_ready(w, started, Some(&warn))?)?;
         if let Some(a) = &announce {
             // The previous root answers with our predecessor, the last rank of its block.
             let answer = a.wait_ready(w, started, None)?;
-            ready.prev = Some(root::announced_prev(&answer)?);
+            ready.prev = Some(checkin::announced_prev(&answer)?);
         }
         let next_addr = ready.next;
         // Used to probe the predecessor's liveness while waiting for its connection.
@@ -260,38 +265,69 @@ impl Bootstrap {
         };
         drop((session, announce));
 
-        let ring = if nranks == 1 {
-            Ring::solo()
-        } else {
-            let ctx = |from: usize, to: usize| PeerCtx {
-                tag,
-                purpose: Purpose::Ring,
-                key: 0,
-                from: from as u32,
-                to: to as u32,
-            };
-            let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
-            let prev_watch = Some(Watch {
+        let ctx = |from: usize, to: usize| PeerCtx {
+            tag,
+            purpose: Purpose::Ring,
+            key: 0,
+            from: from as u32,
+            to: to as u32,
+        };
+        let mut rounds = Rounds::new(rank, nranks);
+        // The allgather of listener addresses runs while the connections are made: before
+        // round k a rank knows the addresses of ranks r .. r + 2^k, the one it connects to
+        // in that round included (the root named the successor, r + 1).
+        let seq = rounds.begin_forming();
+        let mut known = vec![
+            net::encode_addr(&listener.addr()).to_vec(),
+            net::encode_addr(&next_addr).to_vec(),
+        ];
+        known.truncate(nranks);
+        for k in 0..rounds_for(nranks) {
+            let step = 1usize << k;
+            let (up, down) = ((rank + step) % nranks, (rank + nranks - step) % nranks);
+            let up_addr = net::Dec::new(&known[step]).addr()?;
+            // Only the predecessor's listener address is known this early.
+            let watch = (k == 0).then(|| Watch {
                 addr: prev_addr,
                 secret,
                 ctx: PeerCtx {
                     purpose: Purpose::Probe,
-                    ..ctx(rank, prev)
+                    ..ctx(rank, down)
                 },
             });
-            form_ring(
+            form_round(
                 &listener,
                 &secret,
-                (next, next_addr, ctx(rank, next)),
-                (prev, ctx(prev, rank), prev_watch),
-                rank,
-                nranks,
+                &mut rounds,
+                (up, up_addr, ctx(rank, up)),
+                (down, ctx(down, rank), watch),
                 w,
-            )?
+            )?;
+            if k == 0 {
+                // The successor and the predecessor are connected; nothing is exchanged yet.
+                crate::fault::point("init:ring");
+            }
+            rounds.forming_round(k, seq, &mut known, w)?;
+        }
+        known.rotate_right(rank);
+        let addrs = known
+            .iter()
+            .map(|b| net::Dec::new(b).addr())
+            .collect::<Result<Vec<_>>>()?;
+        crate::trace!(
+            "bootstrap: rank {rank}/{nranks} ready, listening on {}",
+            listener.addr()
+        );
+        let boot = Bootstrap {
+            rank,
+            nranks,
+            tag,
+            secret,
+            addrs,
+            listener,
+            rounds: Mutex::new(rounds),
+            abort: abort.clone(),
         };
-        crate::fault::point("init:ring");
-        let boot =
-            Bootstrap::assemble(rank, nranks, tag, secret, listener, ring, abort.clone(), w)?;
         if rank == 0 {
             crate::info!(
                 "bootstrap: {nranks} ranks connected in {:.3} s (root {})",
@@ -302,7 +338,7 @@ impl Bootstrap {
         Ok(boot)
     }
 
-    /// Exchanges listener addresses over a freshly formed ring and wraps everything up.
+    /// Exchanges listener addresses over freshly made connections and wraps everything up.
     #[allow(clippy::too_many_arguments)]
     fn assemble(
         rank: usize,
@@ -310,12 +346,12 @@ impl Bootstrap {
         tag: u64,
         secret: [u8; 32],
         listener: Listener,
-        mut ring: Ring,
+        mut rounds: Rounds,
         abort: Arc<AtomicBool>,
         w: Waiter<'_>,
     ) -> Result<Bootstrap> {
         let mine = net::encode_addr(&listener.addr());
-        let all = ring.allgather(&mine, ring::ALLGATHER, w)?;
+        let all = rounds.allgather(&mine, rounds::ALLGATHER, w)?;
         let addrs = all
             .iter()
             .map(|b| net::Dec::new(b).addr())
@@ -331,7 +367,7 @@ impl Bootstrap {
             secret,
             addrs,
             listener,
-            ring: Mutex::new(ring),
+            rounds: Mutex::new(rounds),
             abort,
         })
     }
@@ -395,46 +431,45 @@ impl Bootstrap {
             },
             handshake_timeout(),
         )?;
-        let ring = if n == 1 {
-            Ring::solo()
-        } else {
-            let (next, prev) = (members[(i + 1) % n], members[(i + n - 1) % n]);
-            let ctx = |from: usize, to: usize| PeerCtx {
-                tag: self.tag,
-                purpose: Purpose::Sub,
-                key: child_tag,
-                from: from as u32,
-                to: to as u32,
-            };
-            // The predecessor's listener is its parent listener, which answers as long as its
-            // process lives.
-            let prev_watch = Watch {
-                addr: self.addrs[prev],
+        let ctx = |from: usize, to: usize| PeerCtx {
+            tag: self.tag,
+            purpose: Purpose::Sub,
+            key: child_tag,
+            from: from as u32,
+            to: to as u32,
+        };
+        let mut rounds = Rounds::new(i, n);
+        for k in 0..rounds_for(n) {
+            let step = 1usize << k;
+            let (up, down) = (members[(i + step) % n], members[(i + n - step) % n]);
+            // The peer's listener is its parent listener, which answers as long as its process
+            // lives.
+            let watch = Watch {
+                addr: self.addrs[down],
                 secret: self.secret,
                 ctx: PeerCtx {
                     purpose: Purpose::Probe,
                     key: 0,
-                    ..ctx(self.rank, prev)
+                    ..ctx(self.rank, down)
                 },
             };
-            form_ring(
+            form_round(
                 &self.listener,
                 &self.secret,
-                (next, self.addrs[next], ctx(self.rank, next)),
-                (prev, ctx(prev, self.rank), Some(prev_watch)),
-                i,
-                n,
+                &mut rounds,
+                (up, self.addrs[up], ctx(self.rank, up)),
+                (down, ctx(down, self.rank), Some(watch)),
                 w,
             )
-            .map_err(|e| e.context(format!("sub-communicator {tag:#x} of {n} ranks")))?
-        };
+            .map_err(|e| e.context(format!("sub-communicator {tag:#x} of {n} ranks")))?;
+        }
         let child = Bootstrap::assemble(
             i,
             n,
             child_tag,
             secret,
             listener,
-            ring,
+            rounds,
             Arc::new(AtomicBool::new(false)),
             w,
         )
@@ -467,7 +502,7 @@ impl Bootstrap {
     /// Every rank's contribution, indexed by rank (contributions may differ in length).
     pub(crate) fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let w = Waiter::new(None, &self.abort);
-        self.ring.lock().allgather(mine, ring::ALLGATHER, w)
+        self.rounds.lock().allgather(mine, rounds::ALLGATHER, w)
     }
 
     pub(crate) fn barrier(&self) -> Result<()> {
@@ -477,9 +512,9 @@ impl Bootstrap {
     /// A barrier that fails once `deadline` has passed.
     pub(crate) fn barrier_until(&self, deadline: Option<Instant>) -> Result<()> {
         let w = Waiter::new(deadline, &self.abort);
-        self.ring
+        self.rounds
             .lock()
-            .allgather(&[], ring::BARRIER, w)
+            .allgather(&[], rounds::BARRIER, w)
             .map(|_| ())
     }
 
@@ -490,9 +525,9 @@ impl Bootstrap {
     pub(crate) fn barrier_at_teardown(&self, deadline: Instant) -> Result<()> {
         let not_aborted = AtomicBool::new(false);
         let w = Waiter::new(Some(deadline), &not_aborted);
-        self.ring
+        self.rounds
             .lock()
-            .allgather(&[], ring::BARRIER, w)
+            .allgather(&[], rounds::BARRIER, w)
             .map(|_| ())
     }
 
@@ -505,7 +540,7 @@ impl Bootstrap {
             );
         }
         let w = Waiter::new(None, &self.abort);
-        self.ring.lock().broadcast(root, data, w)
+        self.rounds.lock().broadcast(root, data, w)
     }
 
     /// Setting the flag makes any call blocked in this bootstrap return an error within ~100 ms.
@@ -551,67 +586,79 @@ impl Watch {
     }
 }
 
-/// Connects to the successor and takes the predecessor's connection from our listener, checking
-/// while it waits that the predecessor still exists when `prev` says how.
-fn form_ring(
+/// Makes round k's two connections (see [`rounds`]): to `up` and, through our listener, from
+/// `down`. While it waits for `down` it checks that `down` still exists when `watch` says how,
+/// and that no connection made so far brings a failure notice or a hang-up.
+fn form_round(
     listener: &Listener,
     secret: &[u8; 32],
-    next: (usize, SocketAddr, PeerCtx),
-    prev: (usize, PeerCtx, Option<Watch>),
-    rank: usize,
-    nranks: usize,
+    rounds: &mut Rounds,
+    up: (usize, SocketAddr, PeerCtx),
+    down: (usize, PeerCtx, Option<Watch>),
     w: Waiter<'_>,
-) -> Result<Ring> {
+) -> Result<()> {
     let started = Instant::now();
-    let (next_rank, next_addr, next_ctx) = next;
-    let (prev_rank, prev_ctx, prev_watch) = prev;
-    let who = format!("rank {next_rank} ({next_addr})");
-    let to_next = net::connect(next_addr, w, false, &who).and_then(|s| {
+    let (up_rank, up_addr, up_ctx) = up;
+    let (down_rank, down_ctx, watch) = down;
+    let who = format!("rank {up_rank} ({up_addr})");
+    let to_up = net::connect(up_addr, w, false, &who).and_then(|s| {
         let mut wire = auth::TcpWire {
             stream: &s,
             waiter: w,
             peer: &who,
         };
-        auth::client_on(&mut wire, secret, &next_ctx.encode()).map(|_| s)
+        auth::client_on(&mut wire, secret, &up_ctx.encode()).map(|_| s)
     });
-    let to_next = match to_next {
+    let to_up = match to_up {
         Ok(s) => s,
         Err(e) => {
-            // The predecessor connects to us and would wait on that connection: give it a
-            // moment to arrive and tell it why nothing will come.
+            // `down` connects to us and would wait on that connection: give it a moment to
+            // arrive and tell it why nothing will come.
             let brief = Waiter::new(Some(Instant::now() + Duration::from_secs(1)), w.abort);
             let no_probe = || Ok(());
-            if let Ok(s) = listener.take(&prev_ctx.encode(), brief, &String::new, &no_probe) {
-                return Err(Ring::new(rank, nranks, None, Some(s)).fail(e));
+            if let Ok(s) = listener.take(&down_ctx.encode(), brief, &String::new, &no_probe) {
+                rounds.add_down(s);
             }
-            return Err(e);
+            return Err(rounds.fail(e));
         }
     };
-    let alive = || match &prev_watch {
-        Some(watch) => watch.alive(prev_rank, w.abort),
-        None => Ok(()),
+    let (me, n) = (rounds.rank(), rounds.nranks());
+    let cell = std::cell::RefCell::new(&mut *rounds);
+    let alive = || {
+        if let Some(watch) = &watch {
+            watch.alive(down_rank, w.abort)?;
+        }
+        match cell.borrow_mut().trouble() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     };
-    let from_prev = listener
+    let from_down = listener
         .take(
-            &prev_ctx.encode(),
+            &down_ctx.encode(),
             w,
             &|| {
                 format!(
-                    "rank {prev_rank} to connect to this rank's bootstrap listener{}",
+                    "rank {down_rank} to connect to this rank's bootstrap listener{}",
                     listener::accept_trouble_since(started)
                 )
             },
             &alive,
         )
         .map_err(|e| match e.kind {
-            ErrorKind::Timeout => e.context(format!("rank {rank} of {nranks}")),
+            ErrorKind::Timeout => e.context(format!("rank {me} of {n}")),
             _ => e,
         });
-    let from_prev = match from_prev {
-        Ok(s) => s,
-        // The successor is already connected and will wait on it: tell it why nothing comes,
-        // so that the cause travels around the ring instead of a bare hang-up.
-        Err(e) => return Err(Ring::new(rank, nranks, Some(to_next), None).fail(e)),
-    };
-    Ok(Ring::new(rank, nranks, Some(to_next), Some(from_prev)))
+    match from_down {
+        Ok(s) => {
+            rounds.add_round(to_up, s);
+            Ok(())
+        }
+        // `up` is already connected and will wait on it: tell it why nothing comes, so that
+        // the cause travels on instead of a bare hang-up.
+        Err(e) => {
+            rounds.add_up(to_up);
+            Err(rounds.fail(e))
+        }
+    }
 }

@@ -342,11 +342,6 @@ impl<'a> FrameWriter<'a> {
         FrameWriter { small, big, off: 0 }
     }
 
-    /// Some bytes are on the wire but not all: the stream is in the middle of this frame.
-    pub(super) fn started(&self) -> bool {
-        self.off > 0
-    }
-
     /// Writes what the socket takes; Ok(true) once everything is sent.
     pub(super) fn progress(&mut self, s: &TcpStream, who: &str) -> Result<bool> {
         let total = self.small.len() + self.big.len();

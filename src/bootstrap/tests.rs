@@ -7,9 +7,10 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::checkin::{self, CheckIn, RootSession};
 use super::iface::{choose, Family, IfSpec, Iface};
 use super::net::Waiter;
-use super::root::{self, CheckIn, RootService, RootSession, SessionHandle};
+use super::root::{self, RootService, SessionHandle};
 use super::*;
 use crate::error::ErrorKind;
 
@@ -17,9 +18,9 @@ const T: Option<Duration> = Some(Duration::from_secs(20));
 
 /// Kills the test process if a test is still running after `limit`: a regression that makes a
 /// collective wait forever must fail the run, not hang it.
-struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub(super) struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
-fn watchdog(name: &'static str, limit: Duration) -> Watchdog {
+pub(super) fn watchdog(name: &'static str, limit: Duration) -> Watchdog {
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seen = done.clone();
     std::thread::spawn(move || {
@@ -60,7 +61,7 @@ fn loopback_root(cfg: RootConfig) -> (UniqueId, SessionHandle, RootService) {
     (id, handle, service)
 }
 
-fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
+pub(super) fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| s.spawn(move || Bootstrap::init(ids, r, n, T)))
@@ -209,6 +210,98 @@ fn ranks_rendezvous_and_run_collectives() {
 }
 
 #[test]
+fn rounds_work_at_every_size_and_from_every_root() {
+    let _w = watchdog(
+        "rounds_work_at_every_size_and_from_every_root",
+        Duration::from_secs(120),
+    );
+    // Powers of two, one past them and one short of them: every shape of the last round.
+    for n in [4usize, 6, 7, 9, 12, 16, 17] {
+        let id = new_unique_id().unwrap();
+        let boots = init_all(std::slice::from_ref(&id), n);
+        for b in &boots {
+            assert_eq!(b.addrs, boots[0].addrs, "{n} ranks");
+            assert_eq!(b.addrs[b.rank()], b.listener.addr());
+        }
+        let small = |r: usize| vec![r as u8; r % 5];
+        for g in on_all(&boots, |b| b.allgather(&small(b.rank()))) {
+            assert_eq!(
+                g.unwrap(),
+                (0..n).map(small).collect::<Vec<_>>(),
+                "{n} ranks"
+            );
+        }
+        for root in 0..n {
+            let data = format!("root {root} of {n}").into_bytes();
+            let got = on_all(&boots, |b| {
+                b.broadcast(root, if b.rank() == root { &data } else { b"" })
+            });
+            for g in got {
+                assert_eq!(g.unwrap(), data);
+            }
+        }
+        for r in on_all(&boots, |b| b.barrier()) {
+            r.unwrap();
+        }
+        // A sub-communicator of every third rank, in reverse order.
+        let members: Vec<usize> = (0..n).rev().filter(|r| r % 3 == 0).collect();
+        let subs = on_all(&boots, |b| {
+            members.contains(&b.rank()).then(|| b.sub(&members, 9, T))
+        });
+        let subs: Vec<Bootstrap> = subs.into_iter().flatten().map(|c| c.unwrap()).collect();
+        for g in on_all(&subs, |c| c.allgather(&[c.rank() as u8])) {
+            let want: Vec<Vec<u8>> = (0..members.len()).map(|i| vec![i as u8]).collect();
+            assert_eq!(g.unwrap(), want);
+        }
+    }
+}
+
+/// TCP connections the bootstraps of this process hold between ranks: twice ceil(log2 n) per
+/// rank, not one per peer.
+#[test]
+fn each_rank_holds_two_connections_per_round() {
+    for (n, rounds) in [(1usize, 0usize), (2, 1), (3, 2), (8, 3), (9, 4), (33, 6)] {
+        assert_eq!(rounds::rounds_for(n), rounds, "{n} ranks");
+    }
+    let _w = watchdog(
+        "each_rank_holds_two_connections_per_round",
+        Duration::from_secs(60),
+    );
+    let id = new_unique_id().unwrap();
+    let boots = init_all(std::slice::from_ref(&id), 9);
+    for b in &boots {
+        let r = b.rounds.lock();
+        assert_eq!(r.connections(), 2 * 4);
+    }
+}
+
+#[test]
+fn a_failure_reaches_every_rank_and_names_its_origin() {
+    let _w = watchdog(
+        "a_failure_reaches_every_rank_and_names_its_origin",
+        Duration::from_secs(60),
+    );
+    let id = new_unique_id().unwrap();
+    let boots = init_all(std::slice::from_ref(&id), 11);
+    let flag = boots[6].abort_handle();
+    let t0 = Instant::now();
+    let results = on_all(&boots, |b| {
+        if b.rank() == 6 {
+            std::thread::sleep(Duration::from_millis(200));
+            flag.store(true, Ordering::Release);
+        }
+        b.allgather(&[1]).and_then(|_| b.barrier())
+    });
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res.unwrap_err();
+        // The others name the rank where the failure started.
+        assert!(r == 6 || e.msg.contains("rank 6"), "rank {r}: {}", e.msg);
+        assert!(e.msg.contains("aborted"), "rank {r}: {}", e.msg);
+    }
+}
+
+#[test]
 fn scalable_init_with_several_roots() {
     let _w = watchdog("scalable_init_with_several_roots", Duration::from_secs(30));
     let ids: Vec<UniqueId> = (0..3).map(|_| new_unique_id().unwrap()).collect();
@@ -235,7 +328,7 @@ fn neighbours_from_the_roots(
     ids: &[UniqueId],
     n: usize,
     listen: impl Fn(usize) -> SocketAddr + Sync,
-) -> Vec<(root::Ready, Option<SocketAddr>)> {
+) -> Vec<(checkin::Ready, Option<SocketAddr>)> {
     let (_, tag) = comm_identity(ids);
     let nroots = ids.len();
     let listen = &listen;
@@ -265,9 +358,9 @@ fn neighbours_from_the_roots(
                         RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
                     });
                     let ready =
-                        root::Ready::decode(&own.wait_ready(w, started, None).unwrap()).unwrap();
+                        checkin::Ready::decode(&own.wait_ready(w, started, None).unwrap()).unwrap();
                     let announced = announce.map(|a| {
-                        root::announced_prev(&a.wait_ready(w, started, None).unwrap()).unwrap()
+                        checkin::announced_prev(&a.wait_ready(w, started, None).unwrap()).unwrap()
                     });
                     (ready, announced)
                 })

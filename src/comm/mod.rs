@@ -1,6 +1,7 @@
 //! The communicator: lifecycle (init, split, shrink, grow, finalize, destroy, abort), its
 //! configuration and state, and turning validated calls into executable operations.
 
+pub(crate) mod buffers;
 pub(crate) mod config;
 pub(crate) mod gate;
 pub(crate) mod ops;
@@ -264,6 +265,9 @@ impl Comm {
         let crate::transport::Links {
             links,
             doorbell,
+            presence,
+            huge_pages,
+            warm,
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
@@ -295,17 +299,13 @@ impl Comm {
         let yield_us = crate::env::YIELD_US
             .int_if_set()
             .unwrap_or(if oversubscribed { 200 } else { 0 });
-        let huge_pages_from = if !crate::env::SHM_HUGEPAGES.flag() {
-            None
-        } else {
-            links
-                .iter()
-                .any(|l| l.prefers_huge_pages())
-                .then(|| crate::env::SHM_HUGEPAGES_FROM.size())
-        };
+        let huge_pages_from = (huge_pages && crate::env::SHM_HUGEPAGES.flag())
+            .then(|| crate::env::SHM_HUGEPAGES_FROM.size());
         let wiring = Wiring {
             rank,
             doorbell,
+            presence,
+            warm,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: crate::exec::op::Limit::new(op_timeout()),
             warn_after: crate::bootstrap::warn_after(),

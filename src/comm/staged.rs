@@ -69,7 +69,9 @@ impl Staged {
             let mut hosts: Vec<(u64, Vec<u8>)> = Vec::new();
             for (a, b) in host_ranges(s, sb, r, rb) {
                 let mut h = vec![0u8; (b - a) as usize];
-                crate::cuda::copy_from_device(&device, &mut h, a)?;
+                // SAFETY: `[a, b)` lies within the call's device buffers (`host_ranges`),
+                // which the caller keeps valid for the call, after its streams synchronised.
+                unsafe { crate::cuda::copy_from_device(&device, &mut h, a) }?;
                 hosts.push((a, h));
             }
             // Where a non-empty device buffer starting at `addr` is in the host copies.
@@ -89,7 +91,9 @@ impl Staged {
             if let Some(OpChoice::PreMulSum(ScalarSrc::Pointer(p))) = call.op {
                 let mut b = [0u8; 8];
                 let n = call.dtype.size();
-                crate::cuda::copy_from_device(&device, &mut b[..n], p as u64)?;
+                // SAFETY: a device scalar of PreMulSum is one element of the call's datatype,
+                // which the caller keeps valid for the call.
+                unsafe { crate::cuda::copy_from_device(&device, &mut b[..n], p as u64) }?;
                 host_call.op = Some(OpChoice::PreMulSum(ScalarSrc::Value(Scale::from_bytes(
                     call.dtype,
                     &b[..n],
@@ -126,11 +130,15 @@ impl Staged {
         for c in &self.copies {
             let (off, len) = c.back;
             if len > 0 {
-                crate::cuda::copy_to_device(
-                    &self.device,
-                    c.dev + off as u64,
-                    &c.host[off..off + len],
-                )?;
+                // SAFETY: `c.dev + off .. + len` is the receive buffer's range in the device
+                // copy it was taken from (`stage`), valid for the call.
+                unsafe {
+                    crate::cuda::copy_to_device(
+                        &self.device,
+                        c.dev + off as u64,
+                        &c.host[off..off + len],
+                    )
+                }?;
             }
         }
         Ok(())

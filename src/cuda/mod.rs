@@ -587,12 +587,17 @@ impl Stream {
 
 /// Copies `len` bytes between any two addresses the driver knows (host, this device, a
 /// mapped peer), and returns once the bytes are in place.
-pub(crate) fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `len` bytes (host memory, or device memory
+/// the driver can reach from `device`'s context), and nothing else may write `dst` during the
+/// copy. The driver tells the kinds apart by unified addressing; it checks neither range.
+pub(crate) unsafe fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     let _b = device.bind()?;
-    // SAFETY: the caller resolved both ranges (unified addressing tells the kinds apart).
+    // SAFETY: this function's contract: both ranges are valid for `len` bytes.
     check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")?;
     landed()
 }
@@ -643,10 +648,14 @@ impl Stream {
 
 /// Copies host bytes to device memory; the bytes are in place when it returns, for work on any
 /// stream (for tests, setup, and results staged back to the device).
-pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
+///
+/// # Safety
+/// `dst` must be device memory reachable from `device`'s context, writable for `src.len()`
+/// bytes, that no other work writes or reads during the copy; the driver does not check it.
+pub unsafe fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
     let _b = device.bind()?;
     check(
-        // SAFETY: dst covers src.len() bytes of device memory (caller's allocation).
+        // SAFETY: this function's contract: `dst` covers `src.len()` bytes of device memory.
         unsafe { cu::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()) },
         "cuMemcpyHtoD",
     )?;
@@ -654,9 +663,13 @@ pub fn copy_to_device(device: &Device, dst: u64, src: &[u8]) -> Result<()> {
 }
 
 /// Copies device memory to host bytes (synchronously; for tests and setup).
-pub fn copy_from_device(device: &Device, dst: &mut [u8], src: u64) -> Result<()> {
+///
+/// # Safety
+/// `src` must be device memory reachable from `device`'s context, readable for `dst.len()`
+/// bytes; the driver does not check it.
+pub unsafe fn copy_from_device(device: &Device, dst: &mut [u8], src: u64) -> Result<()> {
     let _b = device.bind()?;
-    // SAFETY: src covers dst.len() bytes of device memory (caller's allocation).
+    // SAFETY: this function's contract: `src` covers `dst.len()` bytes of device memory.
     check(
         unsafe { cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()) },
         "cuMemcpyDtoH",
@@ -1017,15 +1030,18 @@ mod tests {
         let stream = Stream::create(&dev).expect("stream");
         for round in 1..=10u8 {
             let host = vec![round; len];
-            copy_to_device(&dev, a.ptr, &host).expect("host to device");
-            copy_sync(&dev, b.ptr, a.ptr, len).expect("device to device");
+            // SAFETY: `a` and `b` are allocations of `len` bytes on `dev`, used by nothing else.
+            unsafe { copy_to_device(&dev, a.ptr, &host) }.expect("host to device");
+            // SAFETY: as above.
+            unsafe { copy_sync(&dev, b.ptr, a.ptr, len) }.expect("device to device");
             {
                 let _bound = dev.bind().expect("bind");
                 stream.copy(c.ptr, b.ptr, len).expect("copy on the stream");
                 stream.synchronize().expect("synchronize");
             }
             let mut out = vec![0u8; len];
-            copy_from_device(&dev, &mut out, c.ptr).expect("device to host");
+            // SAFETY: `c` is an allocation of `len` bytes on `dev`; the stream is done with it.
+            unsafe { copy_from_device(&dev, &mut out, c.ptr) }.expect("device to host");
             assert!(
                 out.iter().all(|&x| x == round),
                 "round {round}: stale bytes"

@@ -1,6 +1,6 @@
 //! How a large two-rank all-reduce out of place on one host sends each folded slice back
 //! (`algo::ring::FUSE_FROM`): forwarded through the FIFO's slots as it folds
-//! (`Sink::forwards`: the folded bytes go into shared lines the peer reads next, and into the
+//! (`Reply::next`: the folded bytes go into shared lines the peer reads next, and into the
 //! receive buffer with non-temporal stores) or written back into the peer's receive buffer
 //! (`OutMsg::reply_at`, a kernel copy into lines no cache holds).
 //!

@@ -388,49 +388,7 @@ pub unsafe extern "C" fn commRecvAny(
 ) -> ncclResult_t {
     guard_comm("commRecvAny", comm, |c| {
         out(source, "source")?;
-        if group::depth() > 0 {
-            return crate::invalid_usage!(
-                "commRecvAny cannot be part of a group: it chooses its source when it runs, and a group runs its calls only at ncclGroupEnd"
-            );
-        }
-        // The same checks as a receive from a named peer (this rank stands in for it).
-        let call = c.check_call(
-            Collective::Recv {
-                peer: c.rank,
-                count,
-            },
-            std::ptr::null(),
-            recvbuff as *mut u8,
-            datatype,
-            None,
-            stream as usize,
-        )?;
-        if call.device {
-            return crate::invalid_usage!(
-                "commRecvAny takes host memory only; recvbuff is device memory"
-            );
-        }
-        if count == 0 {
-            return crate::invalid_arg!(
-                "count is 0: a send of nothing puts no message on the channel, so a receive from any source has nothing to match"
-            );
-        }
-        // A send travels in slices of whole elements (algo::Shape::slices); the matching one
-        // begins with a slice of this length.
-        let bytes = count * call.dtype.size();
-        let elem = call.dtype.size();
-        let first = bytes.min((c.slice_bytes / elem).max(1) * elem);
-        let p2p = crate::tag::tag(crate::tag::kind::P2P, 0);
-        let peer = crate::exec::anysource::wait_any_source(&c.wiring, p2p, first)?;
-        submit(
-            c,
-            Collective::Recv { peer, count },
-            std::ptr::null(),
-            recvbuff,
-            datatype,
-            None,
-            stream,
-        )?;
+        let peer = group::recv_any(c, recvbuff as *mut u8, count, datatype, stream as usize)?;
         // SAFETY: `source` is the C caller's out-parameter.
         unsafe { write_out(source, "source", peer as c_int) }
     })

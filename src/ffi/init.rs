@@ -7,7 +7,7 @@ use crate::comm::config::{Config, RawConfig};
 use crate::comm::registry::{self, Entry};
 use crate::comm::Comm;
 use crate::error::{Error, ErrorKind, Result};
-use crate::group::{self, InitJob};
+use crate::group;
 use std::os::raw::{c_char, c_int};
 use std::sync::Arc;
 
@@ -46,8 +46,9 @@ fn default_config() -> Result<Config> {
     Config::resolve(RawConfig::default())
 }
 
-/// Creates a handle and runs `run` to fill it: now when blocking, at the end of the group when
-/// inside one, or in the background for a non-blocking config (the call returns InProgress).
+/// Creates a handle for the communicator `run` makes and writes it to `out_comm` (see
+/// `group::init`: now when blocking, at the end of the group inside one, in the background
+/// for a non-blocking config).
 ///
 /// # Safety
 /// `out_comm` is NULL or writable (the caller's out-parameter).
@@ -57,37 +58,10 @@ unsafe fn start_init(
     parent: Option<usize>,
     run: impl FnOnce() -> Result<Comm> + Send + 'static,
 ) -> Result<()> {
-    let entry = Entry::new(blocking);
-    let h = registry::insert(entry.clone());
-    // SAFETY: this function's contract.
-    unsafe { write_out(out_comm, "comm", h as ncclComm_t) }?;
-    let job = InitJob {
-        entry: entry.clone(),
-        parent,
-        run: Box::new(run),
-    };
-    let job = match group::defer_init(job) {
-        Ok(Some(job)) => job,
-        Ok(None) => return Ok(()),
-        Err(e) => {
-            let _ = registry::remove(h);
-            // SAFETY: this function's contract.
-            unsafe { write_out(out_comm, "comm", std::ptr::null_mut()) }?;
-            return Err(e);
-        }
-    };
-    if blocking {
-        entry.settle(job.execute());
-        if let Err(e) = entry.init_outcome() {
-            let _ = registry::remove(h);
-            // SAFETY: this function's contract.
-            unsafe { write_out(out_comm, "comm", std::ptr::null_mut()) }?;
-            return Err(e);
-        }
-        Ok(())
-    } else {
-        group::run_inits(vec![job])
-    }
+    group::init(blocking, parent, run, &mut |h| {
+        // SAFETY: this function's contract.
+        unsafe { write_out(out_comm, "comm", h as ncclComm_t) }
+    })
 }
 
 #[no_mangle]
@@ -316,8 +290,8 @@ pub unsafe extern "C" fn ncclCommRevoke(comm: ncclComm_t, revokeFlags: c_int) ->
     })
 }
 
-/// Runs a derivation (split, shrink, grow) now, or at the end of the group: several ranks
-/// driven by one thread must derive their communicators together.
+/// Runs a derivation (split, shrink, grow) of the communicator at address `parent` and
+/// writes the new handle to `newcomm` (see `group::derive`).
 ///
 /// # Safety
 /// `newcomm` is NULL or writable (the caller's out-parameter).
@@ -327,25 +301,10 @@ unsafe fn start_derive(
     blocking: bool,
     run: impl FnOnce() -> Result<Option<Comm>> + Send + 'static,
 ) -> Result<()> {
-    if group::depth() > 0 {
-        // SAFETY: this function's contract is `start_init`'s.
-        return unsafe {
-            start_init(newcomm, blocking, Some(parent), move || {
-                run()?.ok_or_else(|| {
-                    Error::new(
-                        ErrorKind::InvalidUsage,
-                        "this rank chose NCCL_SPLIT_NOCOLOR inside a group",
-                    )
-                })
-            })
-        };
-    }
-    let h = match run()? {
-        Some(c) => registry::insert(Entry::ready_now(c)) as ncclComm_t,
-        None => std::ptr::null_mut(),
-    };
-    // SAFETY: this function's contract.
-    unsafe { write_out(newcomm, "newcomm", h) }
+    group::derive(parent, blocking, run, &mut |h| {
+        // SAFETY: this function's contract.
+        unsafe { write_out(newcomm, "newcomm", h as ncclComm_t) }
+    })
 }
 
 #[no_mangle]

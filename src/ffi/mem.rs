@@ -6,12 +6,9 @@
 use super::types::*;
 use super::{guard, guard_comm, input_slice, out, write_out};
 use crate::error::Result;
+use crate::group;
 use crate::window;
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::LazyLock;
 
 /// Device memory from CUDA's virtual memory management API on the calling thread's GPU (NCCL
 /// 2.19): suitable for every path of the library, freed with ncclMemFree. Where no GPU is
@@ -66,21 +63,9 @@ pub unsafe extern "C" fn commMemFreeShared(ptr: *mut c_void) -> ncclResult_t {
     })
 }
 
-/// Registered buffers. Device memory is published to the peers on this host, which then read
-/// it in place instead of having it staged (`transport::reg`); host memory needs no pinning or
-/// mapping for the host transports. Handles are tracked so that deregistration is checked.
-struct Registration {
-    comm: usize,
-    /// The communicator's registry entry, for device memory published to the peers.
-    entry: Option<usize>,
-    /// The InfiniBand registration the network links send from.
-    net: Option<u64>,
-}
-
-static REGISTRATIONS: LazyLock<Mutex<HashMap<usize, Registration>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
-static NEXT_REG: AtomicUsize = AtomicUsize::new(1);
-
+/// Registered buffers: device memory is published to the peers on this host, which then
+/// read it in place; host memory is registered with the InfiniBand device where the network
+/// links use one. The handle is checked when it is deregistered.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommRegister(
     comm: ncclComm_t,
@@ -94,49 +79,7 @@ pub unsafe extern "C" fn ncclCommRegister(
         if buff.is_null() && size > 0 {
             return crate::invalid_arg!("buff is NULL but size is {size}");
         }
-        let (mut entry, mut net) = (None, None);
-        match crate::cuda::classify(buff) {
-            crate::cuda::MemKind::Device(ordinal) if size > 0 => {
-                match (&c.device, &c.shm, &c.registry) {
-                    (Some(w), _, _) if w.device.ordinal != ordinal => {
-                        return crate::invalid_arg!(
-                            "buff is memory of GPU {ordinal} but this communicator was created on GPU {}",
-                            w.device.ordinal
-                        )
-                    }
-                    (Some(w), Some(shm), Some(reg)) => {
-                        entry = reg.export(shm, &w.device, buff as u64, size)?;
-                    }
-                    _ => crate::info!(
-                        "registered {size} bytes of device memory at {buff:p}; no peer on this host reads it in place (no device path, no local peers, or NCCL_LOCAL_REGISTER=0)"
-                    ),
-                }
-            }
-            // Host memory, with peers over InfiniBand: the links send from it without a copy.
-            crate::cuda::MemKind::Host if size > 0 => {
-                if let Some(w) = &c.net {
-                    net = w.register(buff.cast(), size)?;
-                }
-                match net {
-                    Some(_) => crate::info!(
-                        "registered {size} bytes at {buff:p} with the InfiniBand device: sends from it skip the copy"
-                    ),
-                    None => crate::info!(
-                        "registered {size} bytes at {buff:p} (host memory, no InfiniBand peers: nothing to pin)"
-                    ),
-                }
-            }
-            _ => {}
-        }
-        let h = 0x5e60_0000_0000 + 0x40 * NEXT_REG.fetch_add(1, Ordering::SeqCst);
-        REGISTRATIONS.lock().insert(
-            h,
-            Registration {
-                comm: comm as usize,
-                entry,
-                net,
-            },
-        );
+        let h = c.register_buffer(buff.cast(), size)?;
         // SAFETY: `handle` is the C caller's out-parameter.
         unsafe { write_out(handle, "handle", h as *mut c_void) }
     })
@@ -145,21 +88,7 @@ pub unsafe extern "C" fn ncclCommRegister(
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDeregister(comm: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
     guard_comm("ncclCommDeregister", comm, |c| {
-        let mut regs = REGISTRATIONS.lock();
-        match regs.get(&(handle as usize)) {
-            Some(r) if r.comm == comm as usize => {
-                if let (Some(i), Some(shm), Some(reg)) = (r.entry, &c.shm, &c.registry) {
-                    reg.unexport(shm, i);
-                }
-                if let (Some(id), Some(w)) = (r.net, &c.net) {
-                    w.deregister(id);
-                }
-                regs.remove(&(handle as usize));
-                Ok(())
-            }
-            Some(_) => crate::invalid_arg!("handle {handle:p} was registered on another communicator"),
-            None => crate::invalid_arg!("handle {handle:p} is not a live registration (never registered, or already deregistered)"),
-        }
+        c.deregister_buffer(handle as usize)
     })
 }
 
@@ -202,8 +131,8 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
             .and_then(|_| window_args(buff, size, winFlags));
         let (b, w) = (buff as usize, win as usize);
         let c = c.clone();
-        one_sided(
-            comm,
+        group::one_sided(
+            comm as usize,
             c.blocking(),
             crate::group::Phase::Collective,
             move || {
@@ -313,27 +242,6 @@ fn buffer_bytes(
     Ok(bytes)
 }
 
-/// Runs a one-sided operation now, or at the end of the current group.
-fn one_sided(
-    comm: ncclComm_t,
-    blocking: bool,
-    phase: crate::group::Phase,
-    run: impl FnOnce() -> Result<()> + Send + 'static,
-) -> Result<()> {
-    if crate::group::depth() == 0 {
-        return run();
-    }
-    let op = crate::group::OneSided {
-        phase,
-        comm: comm as usize,
-        run: Box::new(run),
-    };
-    match crate::group::defer_one_sided(op, blocking)? {
-        Some(op) => (op.run)(),
-        None => Ok(()),
-    }
-}
-
 /// Host memory: `localbuff` may be reused when the call (or the group) returns. For a peer on
 /// this host the data is in its window and counted by one signal by then; for one on another
 /// host it may still be on its way, and lands before the signal counts (the peer's
@@ -401,14 +309,19 @@ pub unsafe extern "C" fn ncclPutSignal(
             );
         }
         let src = localbuff as usize;
-        one_sided(comm, c.blocking(), crate::group::Phase::Issue, move || {
-            // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
-            // which NCCL requires valid until the call, or its group, returns (on a stream:
-            // until the stream has done the copy).
-            unsafe {
-                window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
-            }
-        })
+        group::one_sided(
+            comm as usize,
+            c.blocking(),
+            crate::group::Phase::Issue,
+            move || {
+                // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
+                // which NCCL requires valid until the call, or its group, returns (on a stream:
+                // until the stream has done the copy).
+                unsafe {
+                    window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
+                }
+            },
+        )
     })
 }
 
@@ -427,9 +340,12 @@ pub unsafe extern "C" fn ncclSignal(
         let on = crate::cuda::Stream(stream as *mut c_void);
         window::check_peer(&c.window_members(), peer)?;
         let c = c.clone();
-        one_sided(comm, c.blocking(), crate::group::Phase::Issue, move || {
-            window::signal(&c.window_members(), peer, Some(on))
-        })
+        group::one_sided(
+            comm as usize,
+            c.blocking(),
+            crate::group::Phase::Issue,
+            move || window::signal(&c.window_members(), peer, Some(on)),
+        )
     })
 }
 
@@ -481,9 +397,12 @@ pub unsafe extern "C" fn ncclWaitSignal(
         }
         let descs: Vec<(usize, u64)> = descs.collect();
         let c = c.clone();
-        one_sided(comm, c.blocking(), crate::group::Phase::Wait, move || {
-            window::wait_signals(&c.window_members(), descs)
-        })
+        group::one_sided(
+            comm as usize,
+            c.blocking(),
+            crate::group::Phase::Wait,
+            move || window::wait_signals(&c.window_members(), descs),
+        )
     })
 }
 

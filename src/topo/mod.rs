@@ -57,6 +57,41 @@ fn identify() -> Placement {
     }
 }
 
+/// What a rank's progress loop is doing, as its peers on the host see it (with the CPU it
+/// last ran on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Activity {
+    /// Polling its links: running, unless its heartbeat stopped.
+    Polling,
+    /// Asleep on its doorbell, until a peer rings.
+    Sleeping,
+    /// Back in the application between operations: it may compute for long.
+    Outside,
+}
+
+/// Where the ranks of one communicator on this host run, as each tells the others: the
+/// CPU its progress loop last ran on, what it does there, and a heartbeat. The host
+/// executor's placement (`exec::host::placement`) reads it to give way to a peer stuck
+/// behind it; a transport whose peers share memory with this rank provides it (shm, from
+/// its segments), and a communicator without such peers has none. Nothing here moves
+/// messages, so links need not know of it.
+pub(crate) trait Presence: Send + Sync {
+    /// Tells the peers on this host which CPU this rank last ran on and what it does there. A
+    /// peer that finds itself on that CPU knows this rank is not running, and gives the core
+    /// up instead of spinning for it.
+    fn set_running_on(&self, cpu: u32, what: Activity);
+    /// Tells the peers on this host that this rank's progress loop is running (see
+    /// `stalled`): called now and then while it polls.
+    fn heartbeat(&self);
+    /// The CPU `rank`'s progress loop last said it runs on, and what it does there; None for
+    /// this rank, for ranks elsewhere, and for a peer that has not said yet.
+    fn running_on(&self, rank: usize) -> Option<(u32, Activity)>;
+    /// Whether neither what `rank` says it does (`running_on`) nor its heartbeat has changed
+    /// for `after` up to `now`. False where that cannot be told. Called by this rank's
+    /// progress loop only.
+    fn stalled(&self, rank: usize, now: std::time::Instant, after: std::time::Duration) -> bool;
+}
+
 static THIS_PROCESS: Mutex<Option<Placement>> = Mutex::new(None);
 
 /// Where this process runs. Recomputed in a child after fork(), which must not pass for its

@@ -22,7 +22,7 @@ unsafe impl Send for OutMsgSend {}
 impl Link for Loopback {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
         let mut st = self.state.lock();
-        if let Some(seq) = cur.await_release {
+        if let Some(seq) = cur.link {
             let done = st.2 > seq;
             return Ok(Progress {
                 state: if done {
@@ -38,7 +38,7 @@ impl Link for Loopback {
         st.1 += 1;
         cur.started = true;
         cur.sent = msg.len;
-        cur.await_release = Some(seq);
+        cur.link = Some(seq);
         Ok(Progress {
             state: SendState::Posted,
             moved: true,

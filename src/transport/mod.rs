@@ -21,7 +21,7 @@ pub(crate) mod shm;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
-use crate::topo::{Path, Placement};
+use crate::topo::{Path, Placement, Presence};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,6 +31,16 @@ pub(crate) struct Links {
     /// One per rank, this rank's own loopback included.
     pub links: Vec<Arc<dyn Link>>,
     pub doorbell: Arc<dyn Doorbell>,
+    /// Where the ranks on this host run, from the transport that shares memory with them
+    /// (None without such peers).
+    pub presence: Option<Arc<dyn Presence>>,
+    /// Whether large buffers should be backed by huge pages: a transport copies from or
+    /// into them with the kernel, which pins every page it touches (shm's pulls between
+    /// processes). A property of how the transports use memory, not of one message.
+    pub huge_pages: bool,
+    /// What keeps the transports' small-message state warm between operations (None where
+    /// no transport has such state).
+    pub warm: Option<Arc<dyn Warm>>,
     /// The shared-memory world, which device-buffer registration builds on.
     pub shm: Option<shm::ShmWorld>,
     /// Keeps the network links' progress thread alive.
@@ -139,6 +149,11 @@ pub(crate) fn establish_with(
     Ok(Links {
         links,
         doorbell,
+        presence: shm_world
+            .as_ref()
+            .map(|w| w.presence() as Arc<dyn Presence>),
+        huge_pages: shm_world.as_ref().is_some_and(|w| w.prefers_huge_pages()),
+        warm: shm_world.as_ref().map(|w| w.warm() as Arc<dyn Warm>),
         shm: shm_world,
         net: net_world,
     })
@@ -166,7 +181,7 @@ pub(crate) struct OutMsg {
     /// with nothing touching those bytes before: `src` itself (the other half of a two-rank
     /// all-reduce in place) or the same place in the receive buffer (out of place). A
     /// receiver that folds the message and will send the result straight back
-    /// (`Sink::returns`) may write that result there as it folds, while the bytes are still
+    /// (`Sink::reply`) may write that result there as it folds, while the bytes are still
     /// in its cache, and later send only a notice (shm does, for pulled messages).
     pub reply_at: Option<usize>,
 }
@@ -208,38 +223,28 @@ pub(crate) enum SendState {
     Complete,
 }
 
-/// Per-message progress of a send, kept by the caller between calls.
+/// Per-message progress of a send, kept by the caller between calls: which message (the
+/// cursor belongs to one) and how far it got. `link` is the link's own word about it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SendCursor {
     pub sent: usize,
     pub started: bool,
-    /// The FIFO position whose release means the peer finished reading `src`.
-    pub await_release: Option<u64>,
+    /// What the link needs to tell when a message it handed over (`SendState::Posted`) is
+    /// complete: a FIFO position whose release means the peer finished reading `src` (shm,
+    /// loopback), a work request's number (ib). Only the link reads or writes it.
+    pub link: Option<u64>,
 }
 
-/// Per-message progress of a receive, kept by the caller between calls.
+/// Per-message progress of a receive, kept by the caller between calls: which message and
+/// how far it got. `link` is the link's own word about it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct RecvCursor {
     pub received: usize,
     pub started: bool,
-    /// A descriptor being pulled.
-    pub pulling: Option<Pulling>,
-    /// Bytes of the reply this receive forwards (`Sink::forwards`) already sent.
-    pub forwarded: usize,
-    /// Forwarding stopped (the FIFO was full): the reply's send sends the rest.
-    pub forward_stopped: bool,
-}
-
-/// A message the receiver is copying out of the sender's buffer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Pulling {
-    /// Its address in the sender.
-    pub src: usize,
-    pub total: usize,
-    pub scale: Option<Scale>,
-    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
-    /// sender's memory.
-    pub reply_at: Option<usize>,
+    /// The link's own state of this message while it is in progress (shm: whether it is
+    /// being pulled, and how much of the reply went ahead with it); zero before it starts.
+    /// Only the link reads or writes it.
+    pub link: u64,
 }
 
 /// Where received bytes go. The executor implements it: a plain copy, or a reduction into the
@@ -251,27 +256,15 @@ pub(crate) trait Sink {
     fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()>;
     /// Bytes `[offset, offset + len)` were written straight into `direct()`.
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
-    /// Where the combined bytes are when this rank's next use of them is to send them,
-    /// unchanged and whole, back to the peer they came from (see `OutMsg::reply_at`). None
-    /// by default.
-    fn returns(&self) -> Option<*const u8> {
+    /// The one optional capability the executor offers a link: this receive and a send of
+    /// its result back to the same peer are a matched pair (`Reply`). None by default; a link
+    /// may ignore it.
+    fn reply(&self) -> Option<Reply> {
         None
     }
-    /// The combined bytes are the very next message this rank sends the peer they came from
-    /// (what `returns` says, with every earlier message to that peer handed over already), so a
-    /// transport may send them while it folds (shm does: the folded pieces go straight into its
-    /// FIFO's slots). False by default.
-    fn forwards(&self) -> bool {
-        false
-    }
-    /// Where the sender also offered a place for the reply (`OutMsg::reply_at`), forward
-    /// (`forwards`) rather than write back: which is faster changes from run to run
-    /// (`exec::replies`), and the executor chooses. False by default.
-    fn forward_first(&self) -> bool {
-        false
-    }
     /// `put`, leaving a copy of the combined bytes at `out` as well (`len` bytes of memory
-    /// that nothing else touches meanwhile).
+    /// that nothing else touches meanwhile): how a link that takes up a `reply` folds the
+    /// bytes into the reply's message as well.
     fn put_also(
         &mut self,
         offset: usize,
@@ -283,7 +276,25 @@ pub(crate) trait Sink {
     }
 }
 
-/// `Sink::put_also` done plainly: `put`, then a copy of the combined bytes out of `returns`.
+/// What a receive's sink tells a link that may fold and return (`Sink::reply`): this rank's
+/// next use of the combined bytes is to send them, unchanged and whole, back to the peer
+/// they came from. A link may then move the reply while it folds (shm writes it into the
+/// sender's buffer where the sender offered a place, `OutMsg::reply_at`, or forwards it
+/// through its slots), and its later send of those bytes finishes what was begun.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reply {
+    /// Where the combined bytes are.
+    pub at: *const u8,
+    /// The reply is the very next message this rank sends that peer (every earlier one is
+    /// handed over already), so a link may send it while it folds.
+    pub next: bool,
+    /// Where the sender also offered a place for the reply, send it as the next message
+    /// (`next`) rather than write it there: which is faster changes from run to run
+    /// (`exec::replies`), and the executor chooses.
+    pub forward_first: bool,
+}
+
+/// `Sink::put_also` done plainly: `put`, then a copy of the combined bytes out of the reply.
 pub(crate) fn put_then_copy<S: Sink + ?Sized>(
     sink: &mut S,
     offset: usize,
@@ -292,13 +303,13 @@ pub(crate) fn put_then_copy<S: Sink + ?Sized>(
     out: *mut u8,
 ) -> Result<()> {
     sink.put(offset, data, scale)?;
-    let d = sink.returns().ok_or_else(|| {
+    let d = sink.reply().map(|r| r.at).ok_or_else(|| {
         Error::new(
             crate::error::ErrorKind::Internal,
             "a copy of combined bytes asked of a sink that keeps none",
         )
     })?;
-    // SAFETY: `returns` covers the message, which this piece lies inside; `out` is the
+    // SAFETY: the reply's bytes cover the message, which this piece lies inside; `out` is the
     // caller's memory of `data.len()` bytes.
     unsafe { crate::reduce::copy_bytes(out, d.add(offset), data.len()) };
     Ok(())
@@ -336,18 +347,6 @@ pub(crate) trait Link: Send + Sync {
     fn tells_its_losses(&self) -> bool {
         false
     }
-    /// The CPU the peer's progress loop last said it runs on, where the transport can tell
-    /// (shared memory); None when it cannot or the peer is not polling.
-    fn peer_running_on(&self) -> Option<(u32, Activity)> {
-        None
-    }
-    /// Whether neither what the peer says it does (`peer_running_on`) nor its heartbeat has
-    /// changed for `after` up to `now`. False where the transport cannot tell. Called by this
-    /// rank's progress loop only.
-    fn peer_stalled(&self, now: std::time::Instant, after: std::time::Duration) -> bool {
-        let _ = (now, after);
-        false
-    }
     /// The length and tag of the next message on the channel once it has begun to arrive,
     /// without taking anything off the channel; None while nothing has. Called only between
     /// messages (no receive on the channel in progress). A receive from any source uses it to
@@ -360,15 +359,6 @@ pub(crate) trait Link: Send + Sync {
     }
     /// A short description for logs ("shm/cma", "shm/direct", ...).
     fn describe(&self) -> String;
-    /// Whether large buffers should be backed by huge pages for this peer (its copies are
-    /// made by the kernel, which pins every page it touches).
-    fn prefers_huge_pages(&self) -> bool {
-        false
-    }
-    /// Brings back into this core's caches and TLB the lines and pages that the next small
-    /// messages either way will touch, after an operation that pushed them out; a hint, which
-    /// links without such state ignore.
-    fn warm(&self) {}
     /// This end is going away: the peer must stop waiting for it and fail instead, told how
     /// and, when this rank failed because it lost a rank, which one.
     fn close(&self, _how: Closing, _lost: Option<usize>) {}
@@ -454,18 +444,6 @@ impl Closing {
     }
 }
 
-/// What a rank's progress loop is doing, as its peers on the host see it (with the CPU it
-/// last ran on).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Activity {
-    /// Polling its links: running, unless its heartbeat stopped.
-    Polling,
-    /// Asleep on its doorbell, until a peer rings.
-    Sleeping,
-    /// Back in the application between operations: it may compute for long.
-    Outside,
-}
-
 /// What a waiting executor sleeps on. Links ring it when they give the rank something to do:
 /// shm peers through the futex word in this rank's segment, network links from their
 /// progress thread. The protocol: `prepare_sleep`, one more look for work, then `sleep` or
@@ -475,15 +453,15 @@ pub(crate) trait Doorbell: Send + Sync {
     fn prepare_sleep(&self) -> u32;
     fn cancel_sleep(&self);
     fn sleep(&self, seen: u32, timeout: std::time::Duration);
-    /// Tells the peers on this host which CPU this rank last ran on and what it does there. A
-    /// peer that finds itself on that CPU knows this rank is not running, and gives the core
-    /// up instead of spinning for it.
-    fn set_running_on(&self, cpu: u32, what: Activity) {
-        let _ = (cpu, what);
-    }
-    /// Tells the peers on this host that this rank's progress loop is running (see
-    /// `Link::peer_stalled`): called now and then while it polls.
-    fn heartbeat(&self) {}
+}
+
+/// A communicator's transports, told that an operation large enough to push them out of this
+/// core's caches and TLB has ended: they bring back the lines and pages that the next small
+/// messages either way will touch (shm: the slot numbers of every FIFO with every peer). A
+/// hint about the communicator's state between operations, not about any message, so it
+/// is asked of the transports rather than of each link.
+pub(crate) trait Warm: Send + Sync {
+    fn warm(&self);
 }
 
 /// A doorbell in this process's memory, for ranks without a shared-memory segment.

@@ -179,29 +179,14 @@ fn rdma_side(c: &Members, ib: &IbWorld, own: &Arc<Ctl>) -> Result<RdmaSide> {
     })
 }
 
-/// This rank's listener for window requests from other hosts, and every rank's address.
+/// Window requests from other hosts, taken from this rank's connection service, and the way
+/// to send this rank's own (connections made when first needed).
 fn net_side(c: &Members, own: &Arc<Ctl>, stop: &Arc<AtomicBool>) -> Result<NetSide> {
-    let (addr, lost) = remote::listen(
-        c.boot.listen_ip(),
-        c.tag,
-        c.rank,
-        c.nranks,
-        *c.boot.secret(),
-        own.clone(),
-        stop.clone(),
-    )?;
-    let addrs = c.boot.allgather(&crate::bootstrap::encode_addr(&addr))?;
-    Ok(NetSide::new(
-        c.rank,
-        c.tag,
-        *c.boot.secret(),
-        addrs
-            .iter()
-            .map(|a| crate::bootstrap::decode_addr(a))
-            .collect(),
-        lost,
-        c.timeout,
-    ))
+    let lost = remote::listen(c.boot, c.tag, c.rank, c.nranks, own.clone(), stop.clone())?;
+    // Every rank takes one collective step here, whichever side it made (see `other_hosts`);
+    // past it, every rank's route for window connections is in place.
+    c.boot.allgather(&[])?;
+    Ok(NetSide::new(c.boot.dialer(), c.nranks, lost, c.timeout))
 }
 
 /// ncclCommWindowRegister (and commWindowAllocate with `owned`): collective. `precheck` is

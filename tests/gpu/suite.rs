@@ -221,7 +221,8 @@ impl Rank {
         for (j, e) in host.chunks_exact_mut(es).enumerate() {
             encode(dt, contribution(coll, dt, op, rank, j), e);
         }
-        cuda::copy_to_device(&self.device, sendp, &host).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_to_device(&self.device, sendp, &host) }.map_err(|e| e.msg)?;
         let mut scalar_bytes = [0u8; 8];
         let mut redop = op;
         if reduces(coll) && op == PREMULSUM {
@@ -229,7 +230,8 @@ impl Rank {
             // Odd counts take the scalar from device memory (ncclScalarDevice), read by the
             // kernels when the call runs; even ones as an immediate value.
             let (at, residence) = if count % 2 == 1 {
-                cuda::copy_to_device(&self.device, self.scalar.ptr, &scalar_bytes)
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, self.scalar.ptr, &scalar_bytes) }
                     .map_err(|e| e.msg)?;
                 (self.scalar.ptr as *mut c_void, 0)
             } else {
@@ -261,7 +263,8 @@ impl Rank {
             return Ok(());
         }
         let mut out = vec![0u8; recv_bytes];
-        cuda::copy_from_device(&self.device, &mut out, recvp).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut out, recvp) }.map_err(|e| e.msg)?;
         verify(coll, dt, op, rank, n, count, &what, &out)
     }
 
@@ -317,7 +320,8 @@ impl Rank {
         let host: Vec<u8> = (0..count)
             .flat_map(|j| ((self.rank * 100 + j) as f32).to_ne_bytes())
             .collect();
-        cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &host) }.map_err(|e| e.msg)?;
         let (send, recv, comm) = (self.a.ptr, self.b.ptr, self.comm as usize);
         let outcome = std::thread::spawn(move || {
             // SAFETY: valid device buffers of `count` floats and a communicator no other
@@ -348,7 +352,8 @@ impl Rank {
             .synchronize()
             .map_err(|e| e.msg)?;
         let mut out = vec![0u8; count * 4];
-        cuda::copy_from_device(&self.device, &mut out, recv).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut out, recv) }.map_err(|e| e.msg)?;
         for (j, b) in out.chunks_exact(4).enumerate() {
             let got = f32::from_ne_bytes(b.try_into().unwrap());
             let want = (0..n).map(|r| (r * 100 + j) as f32).sum::<f32>();
@@ -385,7 +390,8 @@ impl Rank {
             let host: Vec<u8> = (0..count)
                 .flat_map(|j| ((self.rank * 7 + j + k) as f32).to_ne_bytes())
                 .collect();
-            cuda::copy_to_device(&self.device, base, &host).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, base, &host) }.map_err(|e| e.msg)?;
             bufs.push((base, self.b.ptr + k as u64 * half));
         }
         nccl!(ncclGroupStart());
@@ -408,7 +414,8 @@ impl Rank {
         }
         for (k, (_, dst)) in bufs.iter().enumerate() {
             let mut out = vec![0u8; count * 4];
-            cuda::copy_from_device(&self.device, &mut out, *dst).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_from_device(&self.device, &mut out, *dst) }.map_err(|e| e.msg)?;
             for (j, c) in out.chunks_exact(4).enumerate() {
                 let got = f32::from_ne_bytes(c.try_into().unwrap());
                 let want: f32 = (0..n).map(|r| (r * 7 + j + k) as f32).sum();
@@ -435,7 +442,8 @@ impl Rank {
                 let host: Vec<u8> = (0..count)
                     .flat_map(|j| ((self.rank * 3 + j % 1000 + round) as f32).to_ne_bytes())
                     .collect();
-                cuda::copy_to_device(&self.device, self.a.ptr, &host).map_err(|e| e.msg)
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &host) }.map_err(|e| e.msg)
             };
             let reduce = || {
                 nccl!(ncclAllReduce(
@@ -462,7 +470,9 @@ impl Rank {
                 graph.launch(stream).map_err(|e| e.msg)?;
                 stream.synchronize().map_err(|e| e.msg)?;
                 let mut out = vec![0u8; count * 4];
-                cuda::copy_from_device(&self.device, &mut out, self.b.ptr).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_from_device(&self.device, &mut out, self.b.ptr) }
+                    .map_err(|e| e.msg)?;
                 for (j, c) in out.chunks_exact(4).enumerate() {
                     let got = f32::from_ne_bytes(c.try_into().unwrap());
                     let want: f32 = (0..self.n).map(|r| (r * 3 + j % 1000 + round) as f32).sum();
@@ -500,7 +510,8 @@ impl Rank {
                 let host: Vec<u8> = (0..count)
                     .flat_map(|j| ((self.rank * 5 + j % 100 + round + k) as f32).to_ne_bytes())
                     .collect();
-                cuda::copy_to_device(&self.device, *p, &host).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_to_device(&self.device, *p, &host) }.map_err(|e| e.msg)?;
             }
             Ok(())
         };
@@ -558,7 +569,8 @@ impl Rank {
             a.synchronize().map_err(|e| e.msg)?;
             for (k, p) in dst.iter().enumerate() {
                 let mut out = vec![0u8; count * 4];
-                cuda::copy_from_device(&self.device, &mut out, *p).map_err(|e| e.msg)?;
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe { cuda::copy_from_device(&self.device, &mut out, *p) }.map_err(|e| e.msg)?;
                 // Buffer 1 was reduced twice: the second all-reduce sums the first's result.
                 let times = if k == 0 { 1.0 } else { self.n as f32 };
                 for (j, c) in out.chunks_exact(4).enumerate() {
@@ -592,7 +604,9 @@ impl Rank {
         b.set_flag(self.scalar.ptr, 9).map_err(|e| e.msg)?;
         b.synchronize().map_err(|e| e.msg)?;
         let mut flag = [0u8; 4];
-        cuda::copy_from_device(&self.device, &mut flag, self.scalar.ptr).map_err(|e| e.msg)?;
+        // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+        unsafe { cuda::copy_from_device(&self.device, &mut flag, self.scalar.ptr) }
+            .map_err(|e| e.msg)?;
         if u32::from_ne_bytes(flag) != 9 {
             return Err(format!(
                 "after the failed capture, stream B's write gave {}, not 9",
@@ -629,7 +643,9 @@ impl Rank {
                 plain = Some(m);
                 p
             };
-            cuda::copy_to_device(&self.device, mem, &vec![0u8; size]).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, mem, &vec![0u8; size]) }
+                .map_err(|e| e.msg)?;
             let mut win: ncclWindow_t = std::ptr::null_mut();
             nccl!(ncclCommWindowRegister(
                 self.comm,
@@ -639,7 +655,8 @@ impl Rank {
                 NCCL_WIN_COLL_SYMMETRIC
             ));
             let src: Vec<u8> = (0..len).map(|i| pat(me, i)).collect();
-            cuda::copy_to_device(&self.device, self.a.ptr, &src).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_to_device(&self.device, self.a.ptr, &src) }.map_err(|e| e.msg)?;
             let s = self.stream.0 as cudaStream_t;
             nccl!(ncclPutSignal(
                 self.a.ptr as *const c_void,
@@ -663,7 +680,8 @@ impl Rank {
             nccl!(ncclWaitSignal(1, d.as_mut_ptr(), self.comm, s));
             self.stream.synchronize().map_err(|e| e.msg)?;
             let mut got = vec![0u8; len];
-            cuda::copy_from_device(&self.device, &mut got, mem).map_err(|e| e.msg)?;
+            // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+            unsafe { cuda::copy_from_device(&self.device, &mut got, mem) }.map_err(|e| e.msg)?;
             if let Some(i) = (0..len).find(|&i| got[i] != pat(prev, i)) {
                 return Err(format!(
                     "device window (vmm {vmm}): byte {i} from rank {prev} is {}, expected {}",
@@ -708,11 +726,14 @@ impl Rank {
             nccl!(commWinChannelBarrier(0, 60_000, win, self.comm));
             if me == 0 {
                 let mut word = [0u8; 8];
-                cuda::copy_from_device(
-                    &self.device,
-                    &mut word,
-                    mem + len.next_multiple_of(8) as u64,
-                )
+                // SAFETY: inside one of this rank's device allocations, sized for it, idle at this point.
+                unsafe {
+                    cuda::copy_from_device(
+                        &self.device,
+                        &mut word,
+                        mem + len.next_multiple_of(8) as u64,
+                    )
+                }
                 .map_err(|e| e.msg)?;
                 let v = u64::from_ne_bytes(word);
                 if v != 100 * n as u64 {
@@ -995,7 +1016,6 @@ fn fault_worker(rank: usize, n: usize, ids: &[ncclUniqueId]) -> Result<(), Strin
 
 /// One worker per rank for `--faults`, with a deadline.
 fn run_faults(n: usize) -> Result<(), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut ids = Vec::new();
     for _ in 0..3 {
         let mut id = ncclUniqueId {
@@ -1004,26 +1024,47 @@ fn run_faults(n: usize) -> Result<(), String> {
         nccl!(ncclGetUniqueId(&mut id));
         ids.push(id_hex(&id));
     }
+    let outs = spawn_ranks(
+        "--fault-worker",
+        n,
+        &ids,
+        Duration::from_secs(120),
+        |_, cmd| {
+            cmd.env("COMM_TIMEOUT", "20").env("COMM_DEBUG", "WARN");
+        },
+    )?;
+    all_passed(&outs)
+}
+
+/// Runs this program once per rank as `role rank n args...`, each command given its
+/// environment by `env(rank, command)`, and waits for them all (killed at `limit`). Returns
+/// each rank's output, in rank order.
+fn spawn_ranks(
+    role: &str,
+    n: usize,
+    args: &[String],
+    limit: Duration,
+    env: impl Fn(usize, &mut Command),
+) -> Result<Vec<std::process::Output>, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Vec::new();
     for r in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(["--fault-worker", &r.to_string(), &n.to_string()])
-            .args(&ids)
-            .env("COMM_TIMEOUT", "20")
-            .env("COMM_DEBUG", "WARN")
+        cmd.args([role, &r.to_string(), &n.to_string()])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
+        env(r, &mut cmd);
+        match cmd.spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                for c in children.iter_mut() {
+                    let _ = c.kill();
+                }
+                return Err(format!("rank {r}: {e}"));
+            }
+        }
     }
-    wait_children(children, Duration::from_secs(120), n)
-}
-
-/// Waits for the workers (killed at `limit`) and gathers the failures.
-fn wait_children(
-    mut children: Vec<std::process::Child>,
-    limit: Duration,
-    n: usize,
-) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     while !children
         .iter_mut()
@@ -1040,20 +1081,32 @@ fn wait_children(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// What a failed rank said: its output and the last lines of its log.
+fn rank_failure(r: usize, out: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
+    format!(
+        "rank {r}: {}\n{}",
+        stdout.trim(),
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    )
+}
+
+/// Prints what the ranks that passed said; Ok when they all passed, else every failure.
+fn all_passed(outs: &[std::process::Output]) -> Result<(), String> {
     let mut failures = Vec::new();
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
-            failures.push(format!(
-                "rank {r}: {}\n{}",
-                stdout.trim(),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            ));
+    for (r, out) in outs.iter().enumerate() {
+        if out.status.success() {
+            print!("{}", String::from_utf8_lossy(&out.stdout));
         } else {
-            print!("{stdout}");
+            failures.push(rank_failure(r, out));
         }
     }
     if failures.is_empty() {
@@ -1141,22 +1194,16 @@ fn run_cost(n: usize) -> Result<(), String> {
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
     nccl!(ncclGetUniqueId(&mut id));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = Vec::new();
-    for r in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "--cost-worker",
-            &r.to_string(),
-            &n.to_string(),
-            &id_hex(&id),
-        ])
-        .env("COMM_DEBUG", "WARN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
-    }
-    wait_children(children, Duration::from_secs(600), n)
+    let outs = spawn_ranks(
+        "--cost-worker",
+        n,
+        &[id_hex(&id)],
+        Duration::from_secs(600),
+        |_, cmd| {
+            cmd.env("COMM_DEBUG", "WARN");
+        },
+    )?;
+    all_passed(&outs)
 }
 
 /// `hosts`: tell the ranks they are on two hosts (COMM_HOSTID by parity), so that device
@@ -1172,54 +1219,33 @@ fn run_processes(
         internal: [0; NCCL_UNIQUE_ID_BYTES],
     };
     nccl!(ncclGetUniqueId(&mut id));
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = Vec::new();
-    for r in 0..n {
-        let mut cmd = Command::new(&exe);
-        cmd.args([
-            "--worker",
-            &r.to_string(),
-            &n.to_string(),
-            &id_hex(&id),
-            &max_bytes.to_string(),
-            if quick { "1" } else { "0" },
-            memory.name(),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        if hosts {
-            cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
-        }
-        // The log says when a pair switches to reading registered buffers in place, and
-        // warns when destroy leaves device memory allocated.
-        cmd.env(
-            "COMM_DEBUG",
-            if memory.registered() { "INFO" } else { "WARN" },
-        );
-        children.push(cmd.spawn().map_err(|e| e.to_string())?);
-    }
-    let deadline = Instant::now() + Duration::from_secs(60 * 20);
-    loop {
-        if children
-            .iter_mut()
-            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
-        {
-            break;
-        }
-        if Instant::now() > deadline {
-            for c in children.iter_mut() {
-                let _ = c.kill();
+    let args = [
+        id_hex(&id),
+        max_bytes.to_string(),
+        if quick { "1" } else { "0" }.to_string(),
+        memory.name().to_string(),
+    ];
+    let outs = spawn_ranks(
+        "--worker",
+        n,
+        &args,
+        Duration::from_secs(60 * 20),
+        |r, cmd| {
+            if hosts {
+                cmd.env("COMM_HOSTID", format!("gpu-suite-host-{}", r % 2));
             }
-            return Err(format!("{n} ranks did not finish within 20 minutes"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+            // The log says when a pair switches to reading registered buffers in place, and
+            // warns when destroy leaves device memory allocated.
+            cmd.env(
+                "COMM_DEBUG",
+                if memory.registered() { "INFO" } else { "WARN" },
+            );
+        },
+    )?;
     let mut failures = Vec::new();
     let mut in_place = 0;
-    for (r, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().map_err(|e| e.to_string())?;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    for (r, out) in outs.iter().enumerate() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
         in_place += stderr.matches("read through descriptors").count();
         // Destroy after a clean run frees the device memory (every rank reaches it).
         let leaked: Vec<&str> = stderr
@@ -1232,14 +1258,9 @@ fn run_processes(
                 leaked.join("\n")
             ));
         } else if !out.status.success() {
-            let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
-            failures.push(format!(
-                "rank {r}: {}\n{}",
-                stdout.trim(),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            ));
+            failures.push(rank_failure(r, out));
         } else if r == 0 {
-            print!("{stdout}");
+            print!("{}", String::from_utf8_lossy(&out.stdout));
         }
     }
     if failures.is_empty() && memory.registered() && n > 1 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 /// Operations of at least this many bytes leave the links' small-message lines and pages out
 /// of this core's caches and TLB (its 1536 entries map 6 MiB of small pages), and take long
-/// enough that warming them again (`Link::warm`, about 2 us on a 2-rank communicator) is lost
+/// enough that warming them again (`transport::Warm`, about 2 us on a 2-rank communicator) is lost
 /// in their time.
 pub(super) const WARM_AFTER: usize = 16 << 20;
 

@@ -105,8 +105,8 @@ pub(super) struct Tables {
     /// The steps' dependents (`Hazards::edges`) as last built: a repeated call keeps them
     /// without touching a reference count.
     pub(super) edges: Arc<[u32]>,
-    /// Receives that may forward (`Sink::forwards`) do so rather than write back
-    /// (`Sink::forward_first`): the way `ExecCache::replies` chose for this run.
+    /// Receives that may forward (`Reply::next`) do so rather than write back
+    /// (`Reply::forward_first`): the way `ExecCache::replies` chose for this run.
     pub(super) forward_first: bool,
     /// Some receive of this run could forward.
     pub(super) could_forward: bool,

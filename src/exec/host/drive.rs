@@ -5,7 +5,7 @@ use super::blame::{grace, with_other_losses};
 use super::engine::Exec;
 use super::placement::{crowded, hold_for_sleep, peer_asleep, publish, WAKE_GRACE};
 use crate::error::{Error, ErrorKind, Result};
-use crate::transport::Activity;
+use crate::topo::Activity;
 use std::time::{Duration, Instant};
 
 /// Progresses every communicator's steps until all are done or one fails.
@@ -75,8 +75,8 @@ pub(super) fn drive_steps(execs: &mut [Exec]) -> Result<()> {
             // Busy is running too: peers that wait for this rank must not think it stalled.
             moves = moves.wrapping_add(1);
             if moves % 16 == 0 {
-                for e in execs.iter() {
-                    e.wiring.doorbell.heartbeat();
+                for p in execs.iter().filter_map(|e| e.wiring.presence.as_ref()) {
+                    p.heartbeat();
                 }
             }
             continue;

@@ -32,7 +32,7 @@ pub(super) const LOSS_GRACE: Duration = Duration::from_millis(200);
 
 /// Operations whose output is at least this large write received bytes that are not read
 /// again in the run with non-temporal stores (`RecvSink::stream`), and forward folded bytes
-/// (`Sink::forwards`): the size from which a two-rank all-reduce is scheduled for that.
+/// (`Reply::next`): the size from which a two-rank all-reduce is scheduled for that.
 pub(super) const STREAM_FROM: usize = crate::algo::ring::FUSE_FROM;
 
 /// Bytes received from one peer in one pass before the executor turns to other work.

@@ -23,7 +23,8 @@ use super::op::{HostOp, Limit};
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::sys;
-use crate::transport::{Activity, Doorbell, Link};
+use crate::topo::{Activity, Presence};
+use crate::transport::{Doorbell, Link, Warm};
 use blame::WARM_AFTER;
 use drive::drive;
 use engine::Exec;
@@ -66,6 +67,11 @@ pub(crate) struct Wiring {
     pub links: Vec<Arc<dyn Link>>,
     /// The doorbell links ring when they give this rank something to do.
     pub doorbell: Arc<dyn Doorbell>,
+    /// Where this communicator's ranks on this host run, told and read (`placement`); None
+    /// without peers on this host that share memory.
+    pub presence: Option<Arc<dyn Presence>>,
+    /// What the transports keep warm between operations (`warm_links`); None where nothing.
+    pub warm: Option<Arc<dyn Warm>>,
     pub abort: Arc<AtomicBool>,
     /// Give up (ncclTimeout) after this long without progress.
     pub timeout: Limit,
@@ -98,11 +104,11 @@ pub(crate) struct Wiring {
 
 impl Wiring {
     /// After an operation large enough to push them out, brings back into this core's caches
-    /// and TLB what the links' next small messages touch (`Link::warm`), so that the next
-    /// small calls do not pay for it one page walk at a time.
+    /// and TLB what the links' next small messages touch (`transport::Warm`), so that the
+    /// next small calls do not pay for it one page walk at a time.
     pub(super) fn warm_links(&self) {
-        for l in &self.links {
-            l.warm();
+        if let Some(w) = &self.warm {
+            w.warm();
         }
     }
 
@@ -129,8 +135,8 @@ impl Wiring {
         }
         let first = !SETTLED.replace(true);
         let moved = self.home.filter(|_| first).and_then(sys::move_to_nth_cpu);
-        if let Some(cpu) = this_cpu() {
-            self.doorbell.set_running_on(cpu, Activity::Outside);
+        if let (Some(cpu), Some(p)) = (this_cpu(), &self.presence) {
+            p.set_running_on(cpu, Activity::Outside);
         }
         moved
     }

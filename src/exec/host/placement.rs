@@ -3,7 +3,7 @@
 
 use super::engine::Exec;
 use crate::sys;
-use crate::transport::{Activity, Link};
+use crate::topo::{Activity, Presence};
 use std::time::{Duration, Instant};
 
 /// How often at most a thread moves itself to another CPU (see `crowded`).
@@ -39,17 +39,19 @@ pub(super) fn spread(execs: &[Exec]) -> bool {
 }
 
 /// Every peer on this host that said where it runs, for every communicator driven: whether
-/// its rank is above this one's, its link, and the CPU it last said it runs on and what it
-/// does there (`Link::peer_running_on`).
+/// its rank is above this one's, its rank and where its communicator's ranks say they run,
+/// and the CPU it last said it runs on and what it does there (`Presence::running_on`).
 pub(super) fn local_peers<'e>(
     execs: &'e [Exec],
-) -> impl Iterator<Item = (bool, &'e dyn Link, (u32, Activity))> + 'e {
+) -> impl Iterator<Item = (bool, (usize, &'e dyn Presence), (u32, Activity))> + 'e {
     execs.iter().flat_map(|e| {
         let me = e.wiring.rank;
-        let links = e.wiring.links.iter().enumerate();
-        links.filter_map(move |(p, l)| {
-            let seen = l.peer_running_on().filter(|_| p != me)?;
-            Some((p > me, &**l, seen))
+        let presence = e.wiring.presence.as_deref();
+        let ranks = presence.map_or(0..0, |_| 0..e.wiring.links.len());
+        ranks.filter_map(move |p| {
+            let at = presence?;
+            let seen = at.running_on(p).filter(|_| p != me)?;
+            Some((p > me, (p, at), seen))
         })
     })
 }
@@ -128,15 +130,15 @@ pub(super) fn crowded(execs: &[Exec], now: Instant) -> bool {
     // whether its rank is above this one's (the common answer, nobody here, allocates
     // nothing).
     let peers = || {
-        local_peers(execs).map(|(above, l, (c, what))| PeerSeen {
+        local_peers(execs).map(|(above, (p, at), (c, what))| PeerSeen {
             cpu: c,
-            stuck: stuck(cpu, (c, what), || l.peer_stalled(now, STALLED_AFTER)),
+            stuck: stuck(cpu, (c, what), || at.stalled(p, now, STALLED_AFTER)),
             above,
         })
     };
-    for e in execs {
-        e.wiring.doorbell.set_running_on(cpu, Activity::Polling);
-        e.wiring.doorbell.heartbeat();
+    for p in presences(execs) {
+        p.set_running_on(cpu, Activity::Polling);
+        p.heartbeat();
     }
     let avoid = match crowding(cpu, peers) {
         Crowding::Alone => return false,
@@ -154,15 +156,15 @@ pub(super) fn crowded(execs: &[Exec], now: Instant) -> bool {
     // Peers learn the destination before the move: one that runs on this CPU meanwhile must
     // not take this rank for stuck there and move too, onto the destination.
     let moved = crate::sys::move_off_cpu(cpu, &avoid, |to| {
-        for e in execs {
-            e.wiring.doorbell.set_running_on(to, Activity::Polling);
+        for p in presences(execs) {
+            p.set_running_on(to, Activity::Polling);
         }
     });
     if moved.is_some() {
         return false;
     }
-    for e in execs {
-        e.wiring.doorbell.set_running_on(cpu, Activity::Polling);
+    for p in presences(execs) {
+        p.set_running_on(cpu, Activity::Polling);
     }
     true
 }
@@ -197,8 +199,13 @@ pub(super) fn hold_for_sleep(execs: &[Exec]) -> Option<sys::Narrowed> {
 /// Tells the peers on this host what this rank does now, where it runs.
 pub(super) fn publish(execs: &[Exec], what: Activity) {
     if let Some(cpu) = this_cpu() {
-        for e in execs {
-            e.wiring.doorbell.set_running_on(cpu, what);
+        for p in presences(execs) {
+            p.set_running_on(cpu, what);
         }
     }
+}
+
+/// Where each driven communicator tells its peers on this host where this rank runs.
+fn presences<'e>(execs: &'e [Exec]) -> impl Iterator<Item = &'e dyn Presence> + 'e {
+    execs.iter().filter_map(|e| e.wiring.presence.as_deref())
 }

@@ -113,7 +113,7 @@ pub(super) struct XStep {
     /// This step's dependents are `edges[first_dependent..first_dependent + dependents]`.
     pub(super) first_dependent: u32,
     pub(super) dependents: u32,
-    /// A send: where its reply lands (`OutMsg::reply_at`). A receive: its sink `returns` (see
+    /// A send: where its reply lands (`OutMsg::reply_at`). A receive: its sink offers a `reply` (see
     /// `Hazards::hints`).
     pub(super) hint: Hint,
     /// A send: `OutMsg::copied`, for operations that reduce nothing, except from scratch (an

@@ -5,7 +5,7 @@ use super::plan::Src;
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::op::Reduction;
 use crate::reduce::{Reducer, Scale};
-use crate::transport::Sink;
+use crate::transport::{Reply, Sink};
 
 pub(super) struct RecvSink {
     pub(super) dst: *mut u8,
@@ -13,11 +13,11 @@ pub(super) struct RecvSink {
     pub(super) with: Option<Src>,
     pub(super) reduction: Option<Reduction>,
     pub(super) last: bool,
-    /// The combined bytes go back to the sender unchanged next (`Sink::returns`).
+    /// The combined bytes go back to the sender unchanged next (`Sink::reply`).
     pub(super) returns: bool,
-    /// ... as the very next message to that peer (`Sink::forwards`).
+    /// ... as the very next message to that peer (`Reply::next`).
     pub(super) forwards: bool,
-    /// ... and should go that way rather than be written back (`Sink::forward_first`).
+    /// ... and should go that way rather than be written back (`Reply::forward_first`).
     pub(super) forward_first: bool,
     /// The operation's output is too large to stay in cache: bytes that are not read again
     /// during the run are written with non-temporal stores (`stream_copy`).
@@ -62,16 +62,12 @@ impl Sink for RecvSink {
         Ok(())
     }
 
-    fn returns(&self) -> Option<*const u8> {
-        (self.returns && self.with.is_some()).then_some(self.dst.cast_const())
-    }
-
-    fn forwards(&self) -> bool {
-        self.forwards && self.returns().is_some()
-    }
-
-    fn forward_first(&self) -> bool {
-        self.forward_first && self.forwards()
+    fn reply(&self) -> Option<Reply> {
+        (self.returns && self.with.is_some()).then_some(Reply {
+            at: self.dst.cast_const(),
+            next: self.forwards,
+            forward_first: self.forward_first && self.forwards,
+        })
     }
 
     fn put_also(

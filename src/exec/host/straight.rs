@@ -12,7 +12,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::op::Reduction;
 use crate::exec::replies::Way;
 use crate::sys;
-use crate::transport::{Activity, SendState};
+use crate::topo::Activity;
+use crate::transport::SendState;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -199,8 +200,8 @@ pub(super) fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> 
         match straight(wiring, cache) {
             Ok(false) => {}
             Ok(true) => {
-                if let Some(cpu) = this_cpu() {
-                    wiring.doorbell.set_running_on(cpu, Activity::Outside);
+                if let (Some(p), Some(cpu)) = (&wiring.presence, this_cpu()) {
+                    p.set_running_on(cpu, Activity::Outside);
                 }
                 return Ok(());
             }

@@ -13,10 +13,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::exec::op::Reduction;
 use crate::reduce::{DataType, ReduceOp, Reducer, Scale};
 use crate::transport::loopback::Loopback;
-use crate::transport::{
-    Activity, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
-};
 use crate::transport::{Closing, LocalDoorbell};
+use crate::transport::{
+    Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -90,6 +90,8 @@ fn wiring_at(peer: Arc<dyn Link>, home: Option<usize>) -> Wiring {
         rank: 0,
         links: vec![Arc::new(Loopback::default()), peer],
         doorbell: Arc::new(crate::transport::LocalDoorbell::default()),
+        presence: None,
+        warm: None,
         abort: Arc::new(AtomicBool::new(false)),
         timeout: Limit::new(Some(Duration::from_secs(20))),
         warn_after: Duration::from_secs(60),
@@ -125,10 +127,9 @@ fn receive_from_rank_1(w: &Wiring, dst: &mut [u8]) -> Result<()> {
     )
 }
 
-/// A peer on another CPU that says it sleeps (or polls) and whose message arrives
-/// `ready_after` the first look for it.
+/// A peer whose message arrives `ready_after` the first look for it (where it says it runs:
+/// `WakingPresence`).
 struct WakingPeer {
-    asleep: bool,
     ready_after: Duration,
     first_look: Mutex<Option<Instant>>,
 }
@@ -156,16 +157,6 @@ impl Link for WakingPeer {
 
     fn check_peer(&self) -> Result<()> {
         Ok(())
-    }
-
-    fn peer_running_on(&self) -> Option<(u32, Activity)> {
-        // A CPU no test machine has: never this rank's.
-        let what = if self.asleep {
-            Activity::Sleeping
-        } else {
-            Activity::Polling
-        };
-        Some((4000, what))
     }
 
     fn describe(&self) -> String {
@@ -196,17 +187,42 @@ impl crate::transport::Doorbell for CountingDoorbell {
     }
 }
 
+/// Where a `WakingPeer` says it runs: on a CPU no test machine has (never this rank's),
+/// asleep or polling.
+struct WakingPresence {
+    asleep: bool,
+}
+
+impl Presence for WakingPresence {
+    fn set_running_on(&self, _cpu: u32, _what: Activity) {}
+
+    fn heartbeat(&self) {}
+
+    fn running_on(&self, rank: usize) -> Option<(u32, Activity)> {
+        let what = if self.asleep {
+            Activity::Sleeping
+        } else {
+            Activity::Polling
+        };
+        (rank == 1).then_some((4000, what))
+    }
+
+    fn stalled(&self, _rank: usize, _now: Instant, _after: Duration) -> bool {
+        false
+    }
+}
+
 /// How many times a rank with a 50 us spin window slept while it received from a peer
 /// that says it sleeps (or polls) and whose message comes `ready_after` the first look.
 fn sleeps_waiting_for(asleep: bool, ready_after: Duration) -> usize {
     let doorbell = Arc::new(CountingDoorbell::default());
     let peer = Arc::new(WakingPeer {
-        asleep,
         ready_after,
         first_look: Mutex::new(None),
     });
     let w = Wiring {
         doorbell: doorbell.clone(),
+        presence: Some(Arc::new(WakingPresence { asleep })),
         spin: Duration::from_micros(50),
         spread: true,
         ..wiring_at(peer, None)
@@ -530,6 +546,8 @@ fn mesh(n: usize, piece: usize, timeout: Duration) -> Mesh {
                 })
                 .collect(),
             doorbell: bells[a].clone(),
+            presence: None,
+            warm: None,
             abort: Arc::new(AtomicBool::new(false)),
             timeout: Limit::new(Some(timeout)),
             warn_after: Duration::from_secs(60),

@@ -2,16 +2,16 @@
 //! over the bootstrap and proves it knows the communicator's secret.
 //!
 //! Setup is collective: every rank publishes, over the bootstrap, how many sockets it wants per
-//! peer and the address of a listener of its own; then the lower rank of each pair that talks
-//! over the network opens that many connections (the smaller of the two ranks' counts) to the
-//! higher one, and on each names itself and the socket's index and runs the bootstrap's HMAC
-//! challenge/response bound to the communicator, the pair and the index. The listener runs the
-//! handshakes of every connection it accepts side by side from one poll loop, so anything else
-//! that connects meanwhile (a stray client, garbage, a wrong communicator, a wrong secret, a
-//! rank that is not due, a half-open connection) costs the real peers nothing: it is logged
-//! ("refused a connection to the TCP transport") and dropped, when it misbehaves or at the
-//! latest after `HANDSHAKE`. Once every peer is connected the listener is closed, so later
-//! connections are refused by the kernel.
+//! peer; then the lower rank of each pair that talks over the network opens that many
+//! connections (the smaller of the two ranks' counts) to the higher one. The connections go
+//! through the bootstrap's connection service (`Bootstrap::dial` / `Bootstrap::accept`): the
+//! listener every rank already runs, which authenticates each connection with the HMAC
+//! challenge/response bound to the communicator, the pair, the purpose and the socket's index,
+//! runs all handshakes side by side from one poll loop, and drops whatever fails (a stray
+//! client, garbage, a wrong communicator, a wrong secret, a rank claiming to be another, a
+//! half-open connection) without disturbing the real peers; see `bootstrap::listener`. The
+//! transport has no listener of its own. A rank waiting for a lower rank's connection checks
+//! that the rank still exists, and names it when it does not.
 //!
 //! A waiting executor sleeps on its doorbell. A link that found a socket empty (or full)
 //! asks the `Waker` to watch it: one thread per communicator waits in epoll for those sockets
@@ -28,35 +28,19 @@
 pub(crate) mod ib;
 mod socket;
 
-use crate::bootstrap::{auth, Bootstrap};
+use crate::bootstrap::{Bootstrap, Purpose};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{Doorbell, Link};
 use parking_lot::Mutex;
 use socket::SocketLink;
-use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long an accepted connection may take to name itself and authenticate.
-const HANDSHAKE: Duration = Duration::from_secs(5);
-
-/// Connections whose handshake may be under way at once (or twice the lower peers, if more);
-/// beyond this, or when descriptors run out, one is dropped: the oldest that has not yet named
-/// a rank that is due, else the oldest. So a flood of idle connections can neither exhaust
-/// descriptors nor push out a real peer (each dials one socket at a time, and its handshake
-/// takes a few round trips).
-const MAX_PENDING: usize = 256;
-
 /// NCCL's cap on sockets per peer (NSOCKS_PERTHREAD x SOCKET_NTHREADS).
 pub(crate) const MAX_SOCKETS: usize = 64;
-
-/// The hello a connecting rank sends before authenticating: communicator tag, its rank and the
-/// index of this socket among its sockets to the peer.
-const HELLO: usize = 16;
 
 #[cfg(test)]
 thread_local! {
@@ -336,23 +320,6 @@ impl Drop for NetWorld {
     }
 }
 
-fn context(tag: u64, from: usize, to: usize, socket: usize) -> Vec<u8> {
-    format!("comm net/socket {tag:016x} {from}->{to} #{socket}").into_bytes()
-}
-
-/// What a rank publishes for the TCP transport: its socket count, then its listener's address
-/// (none when no lower rank connects to it).
-fn publication(sockets: usize, listener: Option<&TcpListener>) -> Result<Vec<u8>> {
-    let mut mine = (sockets as u32).to_le_bytes().to_vec();
-    if let Some(l) = listener {
-        let a = l
-            .local_addr()
-            .map_err(|e| Error::from_io("the TCP transport's listener address", e))?;
-        mine.extend_from_slice(&crate::bootstrap::encode_addr(&a));
-    }
-    Ok(mine)
-}
-
 /// Connects this rank to every rank in `peers` over TCP. Collective: every rank of the
 /// bootstrap calls it, in the same order relative to the other setup collectives, even with
 /// no peers of its own.
@@ -382,21 +349,16 @@ pub(crate) fn connect(
             Err(why) => (0, None, why),
         }
     };
-    let listener = if peers.iter().any(|&p| p < me) {
-        let l = TcpListener::bind(SocketAddr::new(boot.listen_ip(), 0))
-            .map_err(|e| Error::from_io("bind the TCP transport's listener", e))?;
-        if let Ok(a) = l.local_addr() {
-            crate::info!(
-                "rank {me}: TCP transport of communicator {comm_tag:016x} listening on {a}"
-            );
-        }
-        Some(l)
-    } else {
-        None
-    };
     let sockets = sockets_per_peer();
     let mut mine = vec![vote];
-    mine.extend(publication(sockets, listener.as_ref())?);
+    mine.extend_from_slice(&(sockets as u32).to_le_bytes());
+    if peers.iter().any(|&p| p < me) {
+        crate::info!(
+            "rank {me}: TCP transport of communicator {comm_tag:016x} takes its connections through the bootstrap's service of communicator {:016x}, listening on {}",
+            boot.service_tag(),
+            boot.service_addr()
+        );
+    }
     let addrs = boot.allgather(&mine)?;
     // A failure test can freeze this rank here, with every listener open and nobody connected.
     crate::fault::point("net:published");
@@ -461,33 +423,21 @@ pub(crate) fn connect(
             })?;
         Ok(sockets.min(theirs).clamp(1, MAX_SOCKETS))
     };
-    let secret = *boot.secret();
     let mut streams: Vec<Vec<TcpStream>> = (0..nranks).map(|_| Vec::new()).collect();
-    // Upward first: a higher rank's listener takes the connection even while its owner is
-    // still connecting upward itself, so the chain always resolves from the top.
+    // The lower rank of each pair dials; the higher one's service takes the connection and
+    // runs the handshake on its own thread, so dialling never waits for the peer's own setup.
     for &p in peers.iter().filter(|&&p| p > me) {
-        let addr = crate::bootstrap::decode_addr(&addrs[p][5..]).ok_or_else(|| {
-            Error::new(
-                ErrorKind::Internal,
-                format!("rank {p} published no TCP transport address"),
-            )
-        })?;
         for i in 0..count(p)? {
-            let s = dial(addr, me, p, i, &secret, comm_tag, deadline).map_err(|e| {
-                e.context(format!(
-                    "connecting to rank {p} ({addr}) over TCP (socket {i})"
-                ))
-            })?;
+            let s = boot
+                .dial(p, Purpose::Net, i as u64, deadline)
+                .map_err(|e| e.context(format!("connecting to rank {p} over TCP (socket {i})")))?;
             streams[p].push(s);
         }
     }
-    if let Some(l) = listener {
-        let mut due = HashMap::new();
-        for &p in peers.iter().filter(|&&p| p < me) {
-            due.insert(p, count(p)?);
-        }
-        for (p, s) in accept_all(&l, &due, me, &secret, comm_tag, deadline)? {
-            streams[p] = s;
+    for &p in peers.iter().filter(|&&p| p < me) {
+        for i in 0..count(p)? {
+            let what = format!("over TCP (socket {i})");
+            streams[p].push(boot.accept(p, Purpose::Net, i as u64, deadline, &what)?);
         }
     }
     let (waker, thread_needed) = match direct {
@@ -527,375 +477,4 @@ pub(crate) fn connect(
         thread,
         ib: None,
     }))
-}
-
-fn remaining(deadline: Option<Instant>) -> Result<Duration> {
-    match deadline {
-        None => Ok(Duration::from_secs(3600)),
-        Some(d) => {
-            let left = d.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                crate::timeout_err!("timed out setting up TCP connections")
-            } else {
-                Ok(left)
-            }
-        }
-    }
-}
-
-fn dial(
-    addr: SocketAddr,
-    me: usize,
-    peer: usize,
-    socket: usize,
-    secret: &[u8; 32],
-    tag: u64,
-    deadline: Option<Instant>,
-) -> Result<TcpStream> {
-    let left = remaining(deadline)?;
-    let mut s = TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(30))).map_err(
-        |e| match e.kind() {
-            std::io::ErrorKind::ConnectionRefused if addr.ip().is_loopback() => {
-                crate::bootstrap::refused(&format!("rank {peer} ({addr})"), addr)
-            }
-            std::io::ErrorKind::ConnectionRefused => {
-                crate::bootstrap::refused(&format!("rank {peer}"), addr)
-            }
-            _ => Error::from_io("connect", e),
-        },
-    )?;
-    s.set_read_timeout(Some(left))
-        .and_then(|_| s.set_write_timeout(Some(left)))
-        .map_err(|e| Error::from_io("socket timeouts", e))?;
-    let mut hello = Vec::with_capacity(HELLO);
-    crate::wire::put_u64(&mut hello, tag);
-    crate::wire::put_u32(&mut hello, me as u32);
-    crate::wire::put_u32(&mut hello, socket as u32);
-    s.write_all(&hello)
-        .map_err(|e| Error::from_io("send the hello", e))?;
-    auth::client(&mut s, secret, &context(tag, me, peer, socket))?;
-    s.set_read_timeout(None)
-        .and_then(|_| s.set_write_timeout(None))
-        .map_err(|e| Error::from_io("socket timeouts", e))?;
-    Ok(s)
-}
-
-/// An accepted connection on its way through the hello and the server side of the handshake,
-/// driven without blocking so that many run side by side.
-struct Incoming {
-    stream: TcpStream,
-    from: SocketAddr,
-    deadline: Instant,
-    hello: [u8; HELLO],
-    /// (rank, socket index) it claims, once its hello is read.
-    claim: Option<(usize, usize)>,
-    hs: auth::ServerHandshake,
-    /// Bytes of the current message read so far (the hello, then the handshake's messages).
-    buf: Vec<u8>,
-    filled: usize,
-    out: Vec<u8>,
-    out_off: usize,
-    finished: bool,
-}
-
-enum Handshake {
-    Pending,
-    Done(usize, usize),
-    Refused(String),
-}
-
-impl Incoming {
-    fn new(stream: TcpStream, from: SocketAddr) -> Incoming {
-        Incoming {
-            stream,
-            from,
-            deadline: Instant::now() + HANDSHAKE,
-            hello: [0; HELLO],
-            claim: None,
-            hs: auth::ServerHandshake::new(),
-            buf: Vec::new(),
-            filled: 0,
-            out: Vec::new(),
-            out_off: 0,
-            finished: false,
-        }
-    }
-
-    fn events(&self) -> i16 {
-        if self.out_off < self.out.len() {
-            libc::POLLOUT
-        } else {
-            libc::POLLIN
-        }
-    }
-
-    /// Reads into `dst` until full; Ok(false) while the socket has no more for now.
-    fn fill(
-        stream: &TcpStream,
-        dst: &mut [u8],
-        filled: &mut usize,
-    ) -> std::result::Result<bool, String> {
-        while *filled < dst.len() {
-            match (&*stream).read(&mut dst[*filled..]) {
-                Ok(0) => {
-                    return Err("it closed the connection before finishing its handshake".into())
-                }
-                Ok(n) => *filled += n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("reading its handshake failed: {e}")),
-            }
-        }
-        Ok(true)
-    }
-
-    /// Moves the handshake on as far as the socket allows. `due` says whether a (rank, socket)
-    /// may still connect.
-    fn progress(
-        &mut self,
-        me: usize,
-        tag: u64,
-        secret: &[u8; 32],
-        due: &dyn Fn(usize, usize) -> bool,
-    ) -> Handshake {
-        let refuse = |why: String| Handshake::Refused(why);
-        if self.claim.is_none() {
-            let mut got = self.filled;
-            match Self::fill(&self.stream, &mut self.hello, &mut got) {
-                Ok(true) => {}
-                Ok(false) => {
-                    self.filled = got;
-                    return Handshake::Pending;
-                }
-                Err(e) => return refuse(e),
-            }
-            self.filled = 0;
-            let their_tag = u64::from_le_bytes(self.hello[..8].try_into().unwrap());
-            let rank = u32::from_le_bytes(self.hello[8..12].try_into().unwrap()) as usize;
-            let socket = u32::from_le_bytes(self.hello[12..].try_into().unwrap()) as usize;
-            if their_tag != tag {
-                return refuse(format!(
-                    "it belongs to another communicator (tag {their_tag:016x}, this one is {tag:016x}), or sent garbage"
-                ));
-            }
-            if !due(rank, socket) {
-                return refuse(format!(
-                    "it claims to be socket {socket} of rank {rank}, which is not due to connect"
-                ));
-            }
-            self.claim = Some((rank, socket));
-        }
-        let (rank, socket) = self.claim.expect("claimed above");
-        let expected = context(tag, rank, me, socket);
-        let lookup = |ctx: &[u8]| -> std::result::Result<[u8; 32], String> {
-            if ctx == expected.as_slice() {
-                Ok(*secret)
-            } else {
-                Err("its handshake is meant for another communicator, pair or socket".into())
-            }
-        };
-        loop {
-            while self.out_off < self.out.len() {
-                match (&self.stream).write(&self.out[self.out_off..]) {
-                    Ok(0) => return refuse("it closed the connection".into()),
-                    Ok(n) => self.out_off += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        return Handshake::Pending
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => return refuse(format!("writing to it failed: {e}")),
-                }
-            }
-            if self.finished {
-                return Handshake::Done(rank, socket);
-            }
-            let need = self.hs.need();
-            self.buf.resize(need, 0);
-            match Self::fill(&self.stream, &mut self.buf, &mut self.filled) {
-                Ok(true) => {}
-                Ok(false) => return Handshake::Pending,
-                Err(e) => return refuse(e),
-            }
-            self.filled = 0;
-            match self.hs.on_message(&self.buf, &lookup) {
-                auth::Step::Reply(r) => {
-                    self.out = r;
-                    self.out_off = 0;
-                }
-                auth::Step::Done(r) => {
-                    self.out = r;
-                    self.out_off = 0;
-                    self.finished = true;
-                }
-                auth::Step::Refuse(r, why) => {
-                    // One attempt to say no; it learns either way when the connection closes.
-                    let _ = (&self.stream).write(&r);
-                    return refuse(why);
-                }
-            }
-        }
-    }
-}
-
-/// Drops one handshaking connection to make room: the oldest that has not named a due rank,
-/// else the oldest.
-fn evict(pending: &mut Vec<Incoming>, me: usize, why: &str) {
-    let i = pending.iter().position(|c| c.claim.is_none()).unwrap_or(0);
-    let c = pending.remove(i);
-    refused(me, c.from, &format!("{why}; it was dropped to make room"));
-}
-
-fn refused(me: usize, from: SocketAddr, why: &str) {
-    crate::warn!("rank {me}: refused a connection to the TCP transport from {from}: {why}");
-}
-
-/// Accepts `due[rank]` connections from each lower rank, refusing anything else. Handshakes
-/// run side by side: a connection that stays silent, or goes slowly, holds up nobody else.
-fn accept_all(
-    l: &TcpListener,
-    due: &HashMap<usize, usize>,
-    me: usize,
-    secret: &[u8; 32],
-    tag: u64,
-    deadline: Option<Instant>,
-) -> Result<Vec<(usize, Vec<TcpStream>)>> {
-    let want: usize = due.values().sum();
-    let mut got: HashMap<(usize, usize), TcpStream> = HashMap::new();
-    let mut pending: Vec<Incoming> = Vec::new();
-    l.set_nonblocking(true)
-        .map_err(|e| Error::from_io("listener", e))?;
-    while got.len() < want {
-        let missing = || -> Vec<usize> {
-            let mut m: Vec<usize> = due
-                .iter()
-                .filter(|(&p, &n)| (0..n).any(|i| !got.contains_key(&(p, i))))
-                .map(|(&p, _)| p)
-                .collect();
-            m.sort_unstable();
-            m
-        };
-        if crate::bootstrap::init_aborted() {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "aborted (ncclCommAbort) while waiting for {} to connect over TCP",
-                    crate::bootstrap::describe_ranks(&missing())
-                ),
-            ));
-        }
-        if remaining(deadline).is_err() {
-            return crate::timeout_err!(
-                "timed out waiting for {} to connect over TCP",
-                crate::bootstrap::describe_ranks(&missing())
-            );
-        }
-        let mut fds = vec![libc::pollfd {
-            fd: l.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        fds.extend(pending.iter().map(|c| libc::pollfd {
-            fd: c.stream.as_raw_fd(),
-            events: c.events(),
-            revents: 0,
-        }));
-        let now = Instant::now();
-        let wait = pending
-            .iter()
-            .map(|c| c.deadline.saturating_duration_since(now))
-            .fold(Duration::from_millis(100), Duration::min);
-        // SAFETY: `fds` holds valid pollfds for open descriptors.
-        unsafe {
-            libc::poll(
-                fds.as_mut_ptr(),
-                fds.len() as _,
-                wait.as_millis() as i32 + 1,
-            )
-        };
-        loop {
-            match l.accept() {
-                Ok((s, from)) => {
-                    if let Err(e) = s.set_nonblocking(true) {
-                        refused(me, from, &format!("configuring it failed: {e}"));
-                        continue;
-                    }
-                    if pending.len() >= MAX_PENDING.max(2 * due.len()) {
-                        evict(
-                            &mut pending,
-                            me,
-                            "too many connections were handshaking at once",
-                        );
-                    }
-                    pending.push(Incoming::new(s, from));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
-                    ) => {}
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
-                        && !pending.is_empty() =>
-                {
-                    // The connection waits in the backlog; make room for it.
-                    evict(&mut pending, me, "this process ran out of file descriptors");
-                    break;
-                }
-                Err(e) => return Err(Error::from_io("accept a TCP transport connection", e)),
-            }
-        }
-        let mut i = 0;
-        while i < pending.len() {
-            let due_now = |r: usize, s: usize| {
-                due.get(&r).is_some_and(|&n| s < n) && !got.contains_key(&(r, s))
-            };
-            match pending[i].progress(me, tag, secret, &due_now) {
-                Handshake::Pending if Instant::now() < pending[i].deadline => i += 1,
-                Handshake::Pending => {
-                    let c = pending.remove(i);
-                    refused(
-                        me,
-                        c.from,
-                        &format!(
-                            "it did not complete its handshake within {}",
-                            crate::log::secs(HANDSHAKE)
-                        ),
-                    );
-                }
-                Handshake::Refused(why) => {
-                    let c = pending.remove(i);
-                    refused(me, c.from, &why);
-                }
-                Handshake::Done(r, s) => {
-                    let c = pending.remove(i);
-                    match got.entry((r, s)) {
-                        std::collections::hash_map::Entry::Occupied(_) => refused(
-                            me,
-                            c.from,
-                            &format!("socket {s} of rank {r} is connected already"),
-                        ),
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(c.stream);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    for c in pending {
-        refused(
-            me,
-            c.from,
-            "every peer connected before it finished its handshake",
-        );
-    }
-    let mut out = Vec::new();
-    for (&p, &n) in due {
-        let ss: Vec<TcpStream> = (0..n)
-            .map(|i| got.remove(&(p, i)).expect("every socket is connected"))
-            .collect();
-        out.push((p, ss));
-    }
-    Ok(out)
 }

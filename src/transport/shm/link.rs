@@ -3,25 +3,22 @@
 
 use super::packed::{entry_bytes, stamp_of, Found, KIND_PACKED, PACK_AREA, PACK_FIRST, PACK_MAX};
 use super::peer::{Access, Carriage, Carried, ShmPeer};
-use super::pull::write_back;
+use super::pull::{write_back, PullState};
 use super::segment::{
-    SlotHeader, CPU_MASK, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, KIND_PULL, KIND_RETURNED,
-    SLOT_HEADER,
+    SlotHeader, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, KIND_PULL, KIND_RETURNED, SLOT_HEADER,
 };
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::transport::{
-    Activity, Closing, Doorbell, InExpect, Link, OutMsg, Progress, Pulling, RecvCursor, SendCursor,
-    SendState, Sink,
+    Closing, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
 };
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 impl Link for ShmPeer {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
         let head_ref = self.remote.head(self.me);
         let tail_ref = self.remote.tail(self.me);
-        if let Some(seq) = cur.await_release {
+        if let Some(seq) = cur.link {
             let done = tail_ref.load(Ordering::Acquire) > seq;
             return Ok(Progress {
                 state: if done {
@@ -118,7 +115,7 @@ impl Link for ShmPeer {
             self.publish(head, &header(KIND_PULL, 0, msg.len), reply_at);
             cur.started = true;
             cur.sent = msg.len;
-            cur.await_release = Some(head);
+            cur.link = Some(head);
             return Ok(Progress {
                 state: SendState::Posted,
                 moved: true,
@@ -173,16 +170,20 @@ impl Link for ShmPeer {
         let tail_ref = self.local.tail(self.peer);
         let (mut moved, mut published) = (false, false);
         loop {
-            if let Some(p) = cur.pulling {
-                self.pull(cur, p, expect.tag, sink)?;
+            let mut st = PullState::of(cur.link);
+            if st.pulling {
+                let p = self.descriptor();
+                self.pull(cur, &mut st, p, expect.tag, sink)?;
                 moved = true;
                 if cur.received < p.total {
+                    cur.link = st.word();
                     return Ok(Progress {
                         state: false,
                         moved,
                     });
                 }
-                cur.pulling = None;
+                st.pulling = false;
+                cur.link = st.word();
                 if let Some((d, at)) = write_back(p, sink, self.access) {
                     self.carried.push(Carried {
                         tag: expect.tag,
@@ -190,15 +191,13 @@ impl Link for ShmPeer {
                         len: p.total,
                         how: Carriage::WrittenBack { remote: at },
                     });
-                } else if cur.forwarded > 0 {
-                    if let Some(d) = sink.returns() {
+                } else if st.forwarded > 0 {
+                    if let Some(d) = sink.reply().map(|r| r.at) {
                         self.carried.push(Carried {
                             tag: expect.tag,
                             local: d as usize,
                             len: p.total,
-                            how: Carriage::Forwarded {
-                                sent: cur.forwarded,
-                            },
+                            how: Carriage::Forwarded { sent: st.forwarded },
                         });
                     }
                 }
@@ -290,18 +289,8 @@ impl Link for ShmPeer {
             }
             let scale = (h.flags & FLAG_SCALE != 0).then_some(Scale(h.scale));
             match h.kind {
-                KIND_PULL => {
-                    cur.pulling = Some(Pulling {
-                        src: h.src_addr as usize,
-                        total: h.msg_len as usize,
-                        scale,
-                        // SAFETY: the descriptor's data word, published with it.
-                        reply_at: (h.flags & FLAG_REPLY_AT != 0).then(|| unsafe {
-                            (self.local.slot(self.peer, tail).add(SLOT_HEADER) as *const u64).read()
-                                as usize
-                        }),
-                    })
-                }
+                // The descriptor stays in its slot until the pull is done (`descriptor`).
+                KIND_PULL => cur.link = PullState::START,
                 KIND_RETURNED => {
                     let at = h.src_addr as usize;
                     if sink.direct() != Some(at as *mut u8) {
@@ -362,30 +351,6 @@ impl Link for ShmPeer {
             state: cur.started && cur.received == expect.len,
             moved,
         })
-    }
-
-    fn peer_running_on(&self) -> Option<(u32, Activity)> {
-        let v = self.remote.running_on().load(Ordering::Relaxed);
-        let cpu = (v & CPU_MASK).checked_sub(1)?;
-        let what = match v >> 30 {
-            0 => Activity::Polling,
-            1 => Activity::Sleeping,
-            _ => Activity::Outside,
-        };
-        Some((cpu, what))
-    }
-
-    fn peer_stalled(&self, now: Instant, after: Duration) -> bool {
-        let word = u64::from(self.remote.running_on().load(Ordering::Relaxed));
-        let beat = word << 32 | u64::from(self.remote.beat().load(Ordering::Relaxed));
-        let mut seen = self.beat_seen.lock();
-        match *seen {
-            Some((b, since)) if b == beat => now.saturating_duration_since(since) >= after,
-            _ => {
-                *seen = Some((beat, now));
-                false
-            }
-        }
     }
 
     fn tells_its_losses(&self) -> bool {
@@ -474,20 +439,6 @@ impl Link for ShmPeer {
         {
             t.store(theirs, Ordering::SeqCst);
         }
-    }
-
-    /// Reads the number of every slot of both FIFOs with this peer: one line and one page each,
-    /// which a large operation pushed out of the caches and the TLB. In a sweep that came back
-    /// from 64 MiB the first 8 B calls ran at 0.4-0.7 us (2 ranks) and 6.5-9 us (4 ranks on 2
-    /// cores) instead of 0.24 and 3.3 until every slot had been used once.
-    fn warm(&self) {
-        self.local.read_slot_numbers(self.peer);
-        self.remote.read_slot_numbers(self.me);
-    }
-
-    fn prefers_huge_pages(&self) -> bool {
-        matches!(self.access, Access::Cma(_))
-            && self.remote.pull_ok(self.me).load(Ordering::Relaxed) != 0
     }
 
     fn describe(&self) -> String {

@@ -25,11 +25,13 @@
 mod link;
 mod packed;
 mod peer;
+mod presence;
 mod pull;
 mod segment;
 mod setup;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use presence::ShmPresence;
 pub(crate) use segment::Segment;
 pub(crate) use setup::{connect, fetch_segment, serve_segment, ShmWorld};

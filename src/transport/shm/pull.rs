@@ -2,11 +2,11 @@
 //! processes, a plain read between threads), and replies written back into it or forwarded.
 
 use super::peer::{Access, ShmPeer};
-use super::segment::{SlotHeader, KIND_EAGER};
+use super::segment::{SlotHeader, FLAG_REPLY_AT, FLAG_SCALE, KIND_EAGER, SLOT_HEADER};
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::sys;
-use crate::transport::{Doorbell, Pulling, RecvCursor, Sink};
+use crate::transport::{Doorbell, RecvCursor, Sink};
 use std::sync::atomic::Ordering;
 
 /// The smallest message a receiver pulls from the sender's buffer instead of taking it through
@@ -72,13 +72,76 @@ pub(super) fn landing(src: usize) -> usize {
     src % PAGE_SPAN
 }
 
+/// A message the receiver is copying out of the sender's buffer, as its descriptor says.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pulling {
+    /// Its address in the sender.
+    pub(super) src: usize,
+    pub(super) total: usize,
+    pub(super) scale: Option<Scale>,
+    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
+    /// sender's memory.
+    pub(super) reply_at: Option<usize>,
+}
+
+/// What a receive in progress holds for this transport, in the cursor's word of the link's
+/// own (`RecvCursor::link`): whether its bytes are being pulled (the descriptor stays in
+/// its slot until then, so what it says is read there), how many bytes of the reply went
+/// ahead through the slots (`forward`), and whether forwarding stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PullState {
+    pub(super) pulling: bool,
+    pub(super) forwarded: usize,
+    pub(super) stopped: bool,
+}
+
+const PULLING: u64 = 1 << 63;
+const STOPPED: u64 = 1 << 62;
+
+impl PullState {
+    /// A pull that begins.
+    pub(super) const START: u64 = PULLING;
+
+    pub(super) fn of(word: u64) -> PullState {
+        PullState {
+            pulling: word & PULLING != 0,
+            stopped: word & STOPPED != 0,
+            forwarded: (word & (STOPPED - 1)) as usize,
+        }
+    }
+
+    pub(super) fn word(self) -> u64 {
+        // A message's bytes fit 62 bits.
+        (self.forwarded as u64 & (STOPPED - 1))
+            | if self.pulling { PULLING } else { 0 }
+            | if self.stopped { STOPPED } else { 0 }
+    }
+}
+
 impl ShmPeer {
+    /// The pull descriptor of the message being received: the first slot not yet released,
+    /// which the sender leaves alone until the pull is done.
+    pub(super) fn descriptor(&self) -> Pulling {
+        let tail = self.consumed.load(Ordering::Relaxed);
+        let h = self.read_header(tail);
+        Pulling {
+            src: h.src_addr as usize,
+            total: h.msg_len as usize,
+            scale: (h.flags & FLAG_SCALE != 0).then_some(Scale(h.scale)),
+            // SAFETY: the descriptor's data word, published with it.
+            reply_at: (h.flags & FLAG_REPLY_AT != 0).then(|| unsafe {
+                (self.local.slot(self.peer, tail).add(SLOT_HEADER) as *const u64).read() as usize
+            }),
+        }
+    }
+
     /// Moves up to PULL_BUDGET bytes of a pulled message into the sink; and, where the sender
     /// lets us and the sink will send the combined bytes straight back, writes them into the
     /// sender's buffer piece by piece while they are in cache (`write_back`).
     pub(super) fn pull(
         &self,
         cur: &mut RecvCursor,
+        st: &mut PullState,
         p: Pulling,
         tag: u64,
         sink: &mut dyn Sink,
@@ -87,7 +150,7 @@ impl ShmPeer {
             src, total, scale, ..
         } = p;
         let back = write_back(p, &*sink, self.access);
-        let forward = back.is_none() && sink.forwards();
+        let forward = back.is_none() && sink.reply().is_some_and(|r| r.next);
         let end = total.min(cur.received + PULL_BUDGET);
         if let Some(dst) = sink.direct() {
             let (off, n) = (cur.received, end - cur.received);
@@ -155,14 +218,14 @@ impl ShmPeer {
                         .map_err(|e| self.cma_error(e))?;
                     // SAFETY: the n bytes at `land` were just written.
                     let data = unsafe { std::slice::from_raw_parts(land, n) };
-                    let done = if forward && !cur.forward_stopped {
-                        self.forward(cur, (tag, total), data, scale, sink)?
+                    let done = if forward && !st.stopped {
+                        self.forward(cur, st, (tag, total), data, scale, sink)?
                     } else {
                         0
                     };
                     if done < n {
                         // What is forwarded must be the reply's first bytes: no more of it.
-                        cur.forward_stopped = true;
+                        st.stopped = true;
                         sink.put(cur.received + done, &data[done..], scale)?;
                     }
                     if let Some((d, at)) = back {
@@ -177,7 +240,7 @@ impl ShmPeer {
 
     /// Folds `data`, bytes `[cur.received, ..)` of a pulled message, through the sink
     /// (`Sink::put_also`) straight into free slots of our FIFO to the peer, as the first bytes
-    /// of the reply (`Sink::forwards`: the next message to that peer, `total` bytes with `tag`,
+    /// of the reply (`Reply::next`: the next message to that peer, `total` bytes with `tag`,
     /// from the sink's result). Returns how many bytes went; when the slots run out,
     /// forwarding stops for the rest of the message, which the reply's send then sends. So
     /// it does where earlier bytes of the message went elsewhere (the sink began forwarding
@@ -186,16 +249,17 @@ impl ShmPeer {
     pub(super) fn forward(
         &self,
         cur: &mut RecvCursor,
+        st: &mut PullState,
         (tag, total): (u64, usize),
         data: &[u8],
         scale: Option<Scale>,
         sink: &mut dyn Sink,
     ) -> Result<usize> {
-        let Some(from) = sink.returns() else {
+        let Some(from) = sink.reply().map(|r| r.at) else {
             return Ok(0);
         };
-        if cur.forwarded != cur.received {
-            cur.forward_stopped = true;
+        if st.forwarded != cur.received {
+            st.stopped = true;
             return Ok(0);
         }
         let mut head = self.remote.head(self.me).load(Ordering::Relaxed);
@@ -203,7 +267,7 @@ impl ShmPeer {
         let mut k = 0;
         while k < data.len() {
             if !self.slot_free(head, &mut tail) {
-                cur.forward_stopped = true;
+                st.stopped = true;
                 break;
             }
             let m = self.remote.geo.slot_bytes.min(data.len() - k);
@@ -224,7 +288,7 @@ impl ShmPeer {
             head += 1;
             k += m;
         }
-        cur.forwarded += k;
+        st.forwarded += k;
         if k > 0 {
             self.remote.ring();
         }
@@ -285,8 +349,8 @@ impl ShmPeer {
 
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
 /// them there as it pulls: the sender offered a place (`OutMsg::reply_at`), the sink sends the
-/// bytes straight back (`Sink::returns`) and would not rather forward them through the slots
-/// (`Sink::forward_first`: the executor's choice by measured times, whose measurements are in
+/// bytes straight back (`Sink::reply`) and would not rather forward them through the slots
+/// (`Reply::forward_first`: the executor's choice by measured times, whose measurements are in
 /// `exec::replies`). Below the sizes that forward, writing back wins: 512 KiB 115-130 us
 /// against 176-235 through the slots, 2-8 MiB within noise to 0.8x the time.
 ///
@@ -298,8 +362,9 @@ pub(super) fn write_back(
     access: Access,
 ) -> Option<(*const u8, usize)> {
     let at = p.reply_at?;
-    if sink.forward_first() && matches!(access, Access::Cma(_)) {
+    let r = sink.reply()?;
+    if r.forward_first && matches!(access, Access::Cma(_)) {
         return None;
     }
-    sink.returns().map(|d| (d, at))
+    Some((r.at, at))
 }

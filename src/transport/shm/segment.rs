@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use crate::sys::{self, Mapping};
-use crate::transport::{Activity, Closing, Doorbell};
+use crate::transport::{Closing, Doorbell};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -245,14 +245,14 @@ impl Segment {
     }
 
     /// The CPU the owner's progress loop last ran on, plus one (0: never said), in the low 30
-    /// bits; in the top two what it does (`Activity`: 0 polling, 1 sleeping, 2 outside).
+    /// bits; in the top two what it does (`topo::Activity`: 0 polling, 1 sleeping, 2 outside).
     /// Written only when it changes, so the line stays shared between the owner and the peers
     /// that read it.
     pub(super) fn running_on(&self) -> &AtomicU32 {
         self.atomic_u32(3 * LINE + 64)
     }
 
-    /// Counts up while the owner's progress loop runs (see `Doorbell::heartbeat`); in the line
+    /// Counts up while the owner's progress loop runs (see `Presence::heartbeat`); in the line
     /// of `running_on`, which readers fetch anyway.
     pub(super) fn beat(&self) -> &AtomicU32 {
         self.atomic_u32(3 * LINE + 68)
@@ -397,23 +397,5 @@ impl Doorbell for Segment {
     fn sleep(&self, seen: u32, timeout: Duration) {
         sys::futex_wait(self.doorbell(), seen, timeout);
         self.sleepers().fetch_sub(1, Ordering::SeqCst);
-    }
-
-    fn set_running_on(&self, cpu: u32, what: Activity) {
-        let state = match what {
-            Activity::Polling => 0,
-            Activity::Sleeping => 1,
-            Activity::Outside => 2,
-        };
-        let v = (cpu.wrapping_add(1) & CPU_MASK) | state << 30;
-        let word = self.running_on();
-        if word.load(Ordering::Relaxed) != v {
-            word.store(v, Ordering::Relaxed);
-        }
-    }
-
-    fn heartbeat(&self) {
-        let b = self.beat();
-        b.store(b.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 }

@@ -60,6 +60,46 @@ pub(crate) struct ShmWorld {
     pub peers: Vec<Option<Arc<ShmPeer>>>,
 }
 
+impl ShmWorld {
+    /// Where this host's ranks run, read from their segments (`topo::Presence`).
+    pub(crate) fn presence(&self) -> Arc<super::ShmPresence> {
+        let segments = self
+            .peers
+            .iter()
+            .map(|p| p.as_ref().map(|p| p.remote.clone()));
+        Arc::new(super::ShmPresence::new(
+            self.local.clone(),
+            segments.collect(),
+        ))
+    }
+
+    /// What warms every link of this world again (`transport::Warm`).
+    pub(crate) fn warm(&self) -> Arc<ShmWarm> {
+        Arc::new(ShmWarm(self.peers.iter().flatten().cloned().collect()))
+    }
+
+    /// Whether some peer in another process may pull from this rank's buffers: the kernel
+    /// then copies them (process_vm_readv/writev), pinning every page it touches, and large
+    /// ones are better backed by huge pages.
+    pub(crate) fn prefers_huge_pages(&self) -> bool {
+        self.peers.iter().flatten().any(|p| {
+            matches!(p.access, Access::Cma(_))
+                && p.remote.pull_ok(p.me).load(Ordering::Relaxed) != 0
+        })
+    }
+}
+
+/// The links of one shm world, warmed together after a large operation.
+pub(crate) struct ShmWarm(Vec<Arc<ShmPeer>>);
+
+impl crate::transport::Warm for ShmWarm {
+    fn warm(&self) {
+        for p in &self.0 {
+            p.warm();
+        }
+    }
+}
+
 pub(super) fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {
     format!("comm shm {comm_tag:016x} {from}->{to}").into_bytes()
 }
@@ -245,7 +285,6 @@ pub(crate) fn connect(
                 consumed: AtomicU64::new(0),
                 tail_step: tail_step(local.geo.nslots),
                 pack: Packing::default(),
-                beat_seen: Mutex::new(None),
             }));
         }
         match lost {

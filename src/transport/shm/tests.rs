@@ -7,14 +7,15 @@ use super::packed::{
     PACK_MAX, STAMP_SHIFT,
 };
 use super::peer::{tail_step, Access, CarriedList, ShmPeer};
-use super::pull::{PAGE_SPAN, PULL_BUDGET, PULL_PIECE};
+use super::pull::{PullState, PAGE_SPAN, PULL_BUDGET, PULL_PIECE};
 use super::segment::{Geometry, CTL_BASE, CTL_STRIDE, SLOT_FIELDS};
 use super::setup::{probe_cma, stopped_serving};
 use crate::error::{Error, ErrorKind, Result};
 use crate::reduce::Scale;
 use crate::sys::{self, ProcessWatch};
+use crate::topo::{Activity, Presence};
 use crate::transport::{
-    Activity, Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, SendCursor, SendState, Sink,
+    Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, Reply, SendCursor, SendState, Sink,
 };
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -62,7 +63,6 @@ fn pair(
         consumed: AtomicU64::new(0),
         tail_step: tail_step(nslots),
         pack: Packing::default(),
-        beat_seen: Mutex::new(None),
     };
     (link(0, &s0, &s1), link(1, &s1, &s0))
 }
@@ -71,22 +71,29 @@ fn pair(
 #[test]
 fn a_peer_sees_where_this_rank_runs_and_what_it_does() {
     let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
-    assert_eq!(b.peer_running_on(), None, "a fresh segment says nothing");
-    a.local.set_running_on(3, Activity::Polling);
-    assert_eq!(b.peer_running_on(), Some((3, Activity::Polling)));
+    let seen_by_b = ShmPresence::new(b.local.clone(), vec![Some(a.local.clone()), None]);
+    let seen_by_a = ShmPresence::new(a.local.clone(), vec![None, Some(b.local.clone())]);
     assert_eq!(
-        a.peer_running_on(),
+        seen_by_b.running_on(0),
+        None,
+        "a fresh segment says nothing"
+    );
+    seen_by_a.set_running_on(3, Activity::Polling);
+    assert_eq!(seen_by_b.running_on(0), Some((3, Activity::Polling)));
+    assert_eq!(
+        seen_by_a.running_on(1),
         None,
         "only the owner's own word changed"
     );
-    a.local.set_running_on(0, Activity::Sleeping);
+    assert_eq!(seen_by_b.running_on(1), None, "no segment, nothing said");
+    seen_by_a.set_running_on(0, Activity::Sleeping);
     assert_eq!(
-        b.peer_running_on(),
+        seen_by_b.running_on(0),
         Some((0, Activity::Sleeping)),
         "CPU 0 is a CPU, not 'nothing'"
     );
-    a.local.set_running_on(1023, Activity::Outside);
-    assert_eq!(b.peer_running_on(), Some((1023, Activity::Outside)));
+    seen_by_a.set_running_on(1023, Activity::Outside);
+    assert_eq!(seen_by_b.running_on(0), Some((1023, Activity::Outside)));
 }
 
 /// A peer is stalled once neither its word nor its heartbeat moved for the given time;
@@ -94,27 +101,39 @@ fn a_peer_sees_where_this_rank_runs_and_what_it_does() {
 #[test]
 fn a_peer_without_a_heartbeat_is_stalled() {
     let (a, b) = pair(2, 4096, false, usize::MAX, Access::Direct);
+    let seen_by_b = ShmPresence::new(b.local.clone(), vec![Some(a.local.clone()), None]);
+    let seen_by_a = ShmPresence::new(a.local.clone(), vec![None, Some(b.local.clone())]);
     let after = Duration::from_micros(10);
     let t0 = Instant::now();
-    a.local.set_running_on(2, Activity::Polling);
-    assert!(!b.peer_stalled(t0, after), "first look: nothing to compare");
+    seen_by_a.set_running_on(2, Activity::Polling);
     assert!(
-        !b.peer_stalled(t0 + after / 2, after),
+        !seen_by_b.stalled(0, t0, after),
+        "first look: nothing to compare"
+    );
+    assert!(
+        !seen_by_b.stalled(0, t0 + after / 2, after),
         "not for long enough"
     );
-    assert!(b.peer_stalled(t0 + after, after), "silent for `after`");
-    a.local.heartbeat();
     assert!(
-        !b.peer_stalled(t0 + after * 2, after),
+        seen_by_b.stalled(0, t0 + after, after),
+        "silent for `after`"
+    );
+    seen_by_a.heartbeat();
+    assert!(
+        !seen_by_b.stalled(0, t0 + after * 2, after),
         "a beat is a sign of life"
     );
-    assert!(b.peer_stalled(t0 + after * 3, after));
-    a.local.set_running_on(2, Activity::Sleeping);
+    assert!(seen_by_b.stalled(0, t0 + after * 3, after));
+    seen_by_a.set_running_on(2, Activity::Sleeping);
     assert!(
-        !b.peer_stalled(t0 + after * 4, after),
+        !seen_by_b.stalled(0, t0 + after * 4, after),
         "so is a change of state"
     );
-    assert!(b.peer_stalled(t0 + after * 5, after));
+    assert!(seen_by_b.stalled(0, t0 + after * 5, after));
+    assert!(
+        !seen_by_b.stalled(1, t0 + after * 9, after),
+        "a rank without a segment cannot tell"
+    );
 }
 
 /// Where received bytes land: written by the link itself (`direct`) or handed over.
@@ -494,7 +513,7 @@ fn large_messages_are_pulled_in_budgeted_pieces_and_released() {
     let mut sc = SendCursor::default();
     let p = a.send(&msg, &mut sc).unwrap();
     assert_eq!((p.state, p.moved), (SendState::Posted, true));
-    assert_eq!(sc.await_release, Some(0));
+    assert_eq!(sc.link, Some(0), "released with slot 0");
     assert_eq!(b.local.head(0).load(Ordering::Relaxed), 1, "one slot");
     assert_eq!(b.peek().unwrap(), Some((data.len(), TAG)));
     let p = a.send(&msg, &mut sc).unwrap();
@@ -657,10 +676,15 @@ fn a_cma_pull_into_a_combining_sink_goes_piece_by_piece() {
         1,
         "pulled, not eager"
     );
-    assert!(a.prefers_huge_pages());
     assert_eq!(a.describe(), "shm/cma");
     // The probe reads the segment's first word: another address does not pass.
     assert!(!probe_cma(std::process::id(), a.local.base_addr() + 64));
+    // The kernel copies this rank's buffers: large ones are better on huge pages.
+    let world = ShmWorld {
+        local: a.local.clone(),
+        peers: vec![None, Some(Arc::new(a))],
+    };
+    assert!(world.prefers_huge_pages());
 }
 
 /// A sink over memory it does not own: copies into it (`direct`) or folds into it (XOR),
@@ -719,16 +743,12 @@ impl Sink for Fold {
         Ok(())
     }
 
-    fn returns(&self) -> Option<*const u8> {
-        self.returns.then_some(self.dst.cast_const())
-    }
-
-    fn forwards(&self) -> bool {
-        self.forwards
-    }
-
-    fn forward_first(&self) -> bool {
-        self.forward_first
+    fn reply(&self) -> Option<Reply> {
+        self.returns.then_some(Reply {
+            at: self.dst.cast_const(),
+            next: self.forwards,
+            forward_first: self.forward_first,
+        })
     }
 }
 
@@ -907,7 +927,7 @@ fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
     }
 }
 
-/// A folding receiver whose result is the next message to the sender (`Sink::forwards`)
+/// A folding receiver whose result is the next message to the sender (`Reply::next`)
 /// puts each folded piece straight into its FIFO's slots while it pulls, as long as slots
 /// are free; the result's send then sends only the rest (nothing, when every piece went),
 /// and the sender receives the whole result in order. Without `forwards` nothing goes
@@ -977,7 +997,7 @@ fn a_forwarded_fold_goes_into_the_slots_as_it_folds_and_its_send_sends_the_rest(
 }
 
 /// Where the sender offered a place for the reply and the folded bytes may also be
-/// forwarded, the sink's choice (`Sink::forward_first`, the executor's by measured times)
+/// forwarded, the sink's choice (`Reply::forward_first`, the executor's by measured times)
 /// decides: forwarding fills the slots and leaves the offered place untouched, otherwise
 /// the bytes are written back there and no slot fills. Between threads (plain copies,
 /// which never forward) they are written back whatever the sink would rather.
@@ -1432,4 +1452,42 @@ fn segment_areas_do_not_overlap() {
         assert_eq!(g.total(), g.registry_base() + 4096);
         assert_eq!(g.slot_stride() % 64, 0);
     }
+}
+
+/// Threads of one process copy each other's buffers themselves, without the kernel: no huge
+/// pages asked for them, pulls or not.
+#[test]
+fn only_pulls_through_the_kernel_ask_for_huge_pages() {
+    let (a, _b) = pair(2, 4096, true, 1024, Access::Direct);
+    let world = ShmWorld {
+        local: a.local.clone(),
+        peers: vec![None, Some(Arc::new(a))],
+    };
+    assert!(!world.prefers_huge_pages());
+}
+
+/// What a receive keeps of a pull in its cursor's word comes back the same, and a fresh
+/// cursor's zero is a receive that pulls nothing.
+#[test]
+fn a_pull_in_progress_lives_in_the_cursor_word() {
+    let states = [
+        PullState::default(),
+        PullState::of(PullState::START),
+        PullState {
+            pulling: true,
+            forwarded: 123_456_789,
+            stopped: true,
+        },
+        PullState {
+            pulling: false,
+            forwarded: (1 << 40) + 3,
+            stopped: true,
+        },
+    ];
+    for st in states {
+        assert_eq!(PullState::of(st.word()), st);
+    }
+    assert_eq!(PullState::of(0), PullState::default());
+    assert!(PullState::of(PullState::START).pulling);
+    assert_eq!(PullState::of(PullState::START).forwarded, 0);
 }

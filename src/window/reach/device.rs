@@ -32,7 +32,9 @@ impl PeerWindow for Device {
             }
             return Ok(());
         }
-        crate::cuda::copy_sync(dev, dst, src, len)?;
+        // SAFETY: the destination lies inside the peer's window (checked by the caller),
+        // mapped here; the caller guarantees `src` holds `len` bytes.
+        unsafe { crate::cuda::copy_sync(dev, dst, src, len) }?;
         if signal {
             self.signal(t)?;
         }
@@ -41,7 +43,9 @@ impl PeerWindow for Device {
 
     unsafe fn get(&self, t: &Target, off: usize, dst: *mut u8, len: usize) -> Result<()> {
         let from = (self.base + off) as u64;
-        crate::cuda::copy_sync(t.w.device_of()?, dst as u64, from, len)
+        // SAFETY: the source lies inside the peer's window (checked by the caller), mapped
+        // here; the caller guarantees `dst` has room for `len` bytes.
+        unsafe { crate::cuda::copy_sync(t.w.device_of()?, dst as u64, from, len) }
     }
 
     fn atomic(&self, t: &Target, off: usize, op: Atomic) -> Result<u64> {
@@ -53,10 +57,14 @@ impl PeerWindow for Device {
             op,
             || {
                 let mut old = 0u64;
-                crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8)?;
+                // SAFETY: the word lies inside the peer's window (checked by the caller),
+                // mapped here, and `old` is 8 bytes of this frame.
+                unsafe { crate::cuda::copy_sync(dev, &mut old as *mut u64 as u64, at, 8) }?;
                 Ok(old)
             },
-            |v| crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8),
+            // SAFETY: as above; `v` is 8 bytes of this closure's frame, and the atomics lock
+            // keeps other writers of the word out.
+            |v| unsafe { crate::cuda::copy_sync(dev, at, &v as *const u64 as u64, 8) },
         )
     }
 

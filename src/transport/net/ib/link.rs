@@ -456,7 +456,7 @@ impl Link for IbLink {
                         signaled: false,
                     };
                     self.post(&mut st, q, &payload)?;
-                    cur.await_release = Some(s);
+                    cur.link = Some(s);
                     0
                 }
                 None => {
@@ -488,7 +488,7 @@ impl Link for IbLink {
         // Every byte copied to staging: the caller's buffer is free once all are posted; some
         // written from it: once the last of those writes is done (asking for a doorbell when
         // it is not yet, so that the caller hears of it).
-        let state = match (cur.started && cur.sent == msg.len, cur.await_release) {
+        let state = match (cur.started && cur.sent == msg.len, cur.link) {
             (false, _) => SendState::Pending,
             (true, None) => SendState::Complete,
             (true, Some(last)) => {
@@ -497,7 +497,7 @@ impl Link for IbLink {
                     self.was_written(&st, last)
                 };
                 if done {
-                    cur.await_release = None;
+                    cur.link = None;
                     SendState::Complete
                 } else {
                     SendState::Posted

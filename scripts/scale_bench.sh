@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# How init, split and the first all-reduces grow with the number of ranks (bench/scale.c).
+#
+#   scripts/scale_bench.sh [-n "2 8 32 128"] [-m "hosts shm"] [-r REPS] [-R ROOTS] [-c] [-t SECS]
+#
+# Modes: `hosts` gives every rank its own COMM_HOSTID (every pair of ranks talks TCP over
+# loopback, as across hosts); `shm` puts all ranks on one host (shared memory); `hosts:K` puts
+# the ranks on K simulated hosts. ROOTS > 1 uses ncclCommInitRankScalable with that many roots
+# (at most N). -c checks every collective once (small counts). Each run is under `timeout`
+# (-t, default 600 s); a run that fails leaves no child behind (the driver kills its ranks, and
+# they die with it). Prints one markdown row per (mode, N, repetition): median and max over the
+# ranks; the raw lines go to $SCALE_OUT (default target/scale) for later study.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+sizes="2 8 32 64 128"
+modes="hosts shm"
+reps=2
+roots=1
+check=""
+limit=600
+while getopts "n:m:r:R:ct:" o; do
+  case $o in
+    n) sizes=$OPTARG ;;
+    m) modes=$OPTARG ;;
+    r) reps=$OPTARG ;;
+    R) roots=$OPTARG ;;
+    c) check=-c ;;
+    t) limit=$OPTARG ;;
+    *) sed -n '2,12p' "$0" >&2; exit 64 ;;
+  esac
+done
+
+lib=${COMM_LIB_DIR:-$ROOT/target/release}
+[ -f "$lib/libcomm.so" ] || { echo "no $lib/libcomm.so: cargo build --release first" >&2; exit 1; }
+out=${SCALE_OUT:-$ROOT/target/scale}
+mkdir -p "$out"
+bin=$out/scale
+if [ ! -x "$bin" ] || [ "$ROOT/bench/scale.c" -nt "$bin" ]; then
+  cc -O2 -Wall -Wextra -o "$bin" "$ROOT/bench/scale.c" -I"$ROOT/include" -L"$lib" -lcomm \
+    -Wl,-rpath,"$lib"
+fi
+
+# Each rank holds a few descriptors per peer (sockets, memfds, pidfds) and a few threads; a job
+# of 1024 ranks needs more than the usual limits. Raise what we may and say what we cannot.
+max=$(printf '%s\n' $sizes | sort -n | tail -1)
+want_fds=$((max * 8 + 1024))
+if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want_fds" ]; then
+  ulimit -n "$want_fds" 2>/dev/null || ulimit -n "$(ulimit -Hn)" ||
+    echo "warning: ulimit -n is $(ulimit -n), ranks may need $want_fds" >&2
+fi
+ulimit -u unlimited 2>/dev/null || true
+pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)
+threads_max=$(cat /proc/sys/kernel/threads-max 2>/dev/null || echo 0)
+if [ "$pid_max" -lt $((max * 16)) ] || [ "$threads_max" -lt $((max * 16)) ]; then
+  echo "warning: pid_max $pid_max / threads-max $threads_max may be short for $max ranks" >&2
+fi
+read -r lo hi < /proc/sys/net/ipv4/ip_local_port_range || true
+if [ -n "${hi:-}" ] && [ $((hi - lo)) -lt $((max * 4)) ]; then
+  echo "warning: ephemeral ports $lo-$hi may be short for $max ranks" >&2
+fi
+
+echo "| mode | N | roots | init ms med/max | split ms med/max | 1st all-reduce ms med/max | 10th ms med/max | fds/rank med/max | threads/rank max | RSS MiB/rank max | connections | check |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+for mode in $modes; do
+  case $mode in
+    hosts) hflag="" ;;
+    shm) hflag="-H 1" ;;
+    hosts:*) hflag="-H ${mode#hosts:}" ;;
+    *) echo "unknown mode $mode" >&2; exit 64 ;;
+  esac
+  for n in $sizes; do
+    r=$roots
+    [ "$r" -gt "$n" ] && r=$n
+    for rep in $(seq 1 "$reps"); do
+      log=$out/$mode-n$n-r$r-$rep
+      rc=0
+      # shellcheck disable=SC2086
+      timeout -k 10 "$limit" "$bin" -n "$n" -r "$r" $hflag $check >"$log.out" 2>"$log.err" || rc=$?
+      python3 - "$log.out" "$mode" "$n" "$r" "$rc" <<'PY'
+import statistics, sys
+path, mode, n, roots, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+rows = []
+for line in open(path):
+    if line.startswith("scale "):
+        rows.append(dict(kv.split("=", 1) for kv in line.split()[1:]))
+def col(k):
+    return [float(r[k]) for r in rows]
+def mm(k, fmt="{:.1f}"):
+    v = col(k)
+    return (fmt + "/" + fmt).format(statistics.median(v), max(v)) if v else "-"
+if len(rows) != n or rc != 0:
+    status = f"FAILED rc={rc}, {len(rows)}/{n} ranks reported"
+else:
+    status = "ok" if all(r["check"] == "ok" for r in rows) else "WRONG RESULTS"
+conns = int(sum(col("sockets")) / 2) if rows else "-"
+thr = int(max(col("threads"))) if rows else "-"
+rss = "{:.1f}".format(max(col("rss_kib")) / 1024) if rows else "-"
+print(f"| {mode} | {n} | {roots} | {mm('init_ms')} | {mm('split_ms')} | {mm('first_ms')} | "
+      f"{mm('tenth_ms', '{:.2f}')} | {mm('fds', '{:.0f}')} | {thr} | {rss} | {conns} | {status} |")
+PY
+      [ "$rc" = 0 ] || tail -5 "$log.err" >&2
+    done
+  done
+done
