@@ -646,7 +646,22 @@ fn form_round(
             &alive,
         )
         .map_err(|e| match e.kind {
-            ErrorKind::Timeout => e.context(format!("rank {me} of {n}")),
+            // `down` may be alive and itself stuck on a rank that failed, with the same
+            // deadline as ours: give its notice a moment to arrive, so that the error names
+            // the rank that failed rather than the one that waited for it. Twice the grace a
+            // data wait takes, as `down` may be in one, lingering for notices itself.
+            ErrorKind::Timeout => {
+                let until = Instant::now() + 2 * rounds::NOTICE_GRACE;
+                loop {
+                    if let Some(cause) = cell.borrow_mut().trouble() {
+                        break cause;
+                    }
+                    if Instant::now() >= until {
+                        break e.context(format!("rank {me} of {n}"));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
             _ => e,
         });
     match from_down {

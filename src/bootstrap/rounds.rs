@@ -44,7 +44,7 @@ pub(crate) const MAX_FRAME: u64 = 1 << 30;
 /// After its own deadline, how long a rank still listens for a failure notice: the ranks time
 /// out at about the same moment, and the one nearest the cause (the rank that never came) has the
 /// message worth reporting.
-const NOTICE_GRACE: Duration = Duration::from_secs(1);
+pub(super) const NOTICE_GRACE: Duration = Duration::from_secs(1);
 
 fn op_name(kind: u8) -> &'static str {
     match kind {
