@@ -18,7 +18,14 @@ fn lib_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
+/// The driver, compiled once for all the tests of this file: two tests compiling it into the
+/// same path at once would run one while the other writes it ("Text file busy").
 fn driver() -> PathBuf {
+    static DRIVER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DRIVER.get_or_init(build_driver).clone()
+}
+
+fn build_driver() -> PathBuf {
     let lib = lib_dir();
     assert!(
         lib.join("libcomm.so").exists(),

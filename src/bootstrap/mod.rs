@@ -626,7 +626,16 @@ fn form_round(
     let cell = std::cell::RefCell::new(&mut *rounds);
     let alive = || {
         if let Some(watch) = &watch {
-            watch.alive(down_rank, w.abort)?;
+            // A peer that left because this rank's listener, out of descriptors, dropped its
+            // connection is gone for that reason: say so.
+            watch.alive(down_rank, w.abort).map_err(|e| {
+                let trouble = listener::accept_trouble_since(started);
+                if trouble.is_empty() {
+                    e
+                } else {
+                    crate::error::Error::new(ErrorKind::System, format!("{}{trouble}", e.msg))
+                }
+            })?;
         }
         match cell.borrow_mut().trouble() {
             Some(e) => Err(e),
