@@ -505,6 +505,27 @@ unsafe fn cma_copy(
     Ok(())
 }
 
+/// Waits until `fd` is readable (for a listener: a connection is queued) or `timeout` passes;
+/// returns whether it is readable. An interrupted wait counts as a timeout: callers loop.
+pub(crate) fn wait_readable(fd: RawFd, timeout: Duration) -> Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: p is one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(Error::from_io("poll", e));
+    }
+    Ok(n > 0)
+}
+
 /// Sends one file descriptor (and one byte, so the message is not empty) over a unix socket.
 pub(crate) fn send_fd(sock: &UnixStream, fd: RawFd) -> Result<()> {
     let mut byte = [0x5au8];

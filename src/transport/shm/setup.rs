@@ -25,6 +25,9 @@ use std::time::{Duration, Instant};
 /// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
 pub(super) const PREFAULT_MAX: usize = 16 << 20;
 
+/// Threads (this one included) that fetch a rank's peers' segments at once.
+const FETCH_THREADS: usize = 8;
+
 /// What a rank tells its peers so they can reach its segment.
 pub(super) struct Announce {
     pub(super) socket: String,
@@ -204,41 +207,36 @@ pub(crate) fn connect(
         // them serves its segment until every living rank has it, so a rank that stopped at the
         // first failure would leave the others waiting on its server.
         let mut lost: Option<Error> = None;
-        for r in 0..nranks {
+        let mut fds = fetch_all(
+            &announces,
+            paths,
+            boot.secret(),
+            comm_tag,
+            me,
+            deadline,
+            &watches,
+            &stop,
+        );
+        // Each rank starts with itself, then the peer after it: were all to go in rank order,
+        // every rank would first queue on rank 0's server (one connection at a time) while
+        // the other servers idle, then all on rank 1's, and so on.
+        for r in (0..nranks).map(|k| (me + k) % nranks) {
             let (fd, access) = match paths[r] {
                 Path::SameProcess => (sys::dup(announces[r].fd)?, Access::Direct),
-                Path::SameHost => {
-                    let watch = watches.iter().find(|w| w.0 == r).map(|w| &w.1);
-                    let fd = fetch_segment(
-                        &announces[r].socket,
-                        boot.secret(),
-                        comm_tag,
-                        me,
-                        r,
-                        deadline,
-                        watch,
-                    )
-                    .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")));
-                    match fd {
-                        Ok(fd) => (fd, Access::Cma(placements[r].pid)),
-                        // A peer that failed its init (it refused or dropped the fetch) but
-                        // lives on will not fetch from us either, and the server would wait for
-                        // it until the deadline: stop serving too, which tells the other peers
-                        // at once (their fetches from us fail in turn).
-                        Err(e)
-                            if e.kind == crate::error::ErrorKind::Remote
-                                && watch.is_some_and(lives_on) =>
-                        {
-                            stop.store(true, Ordering::SeqCst);
-                            return Err(stopped_serving(r, &e, &watches));
-                        }
-                        Err(e) if e.kind == crate::error::ErrorKind::Remote => {
-                            lost.get_or_insert(e);
-                            continue;
-                        }
-                        Err(e) => return Err(e),
+                Path::SameHost => match fds[r].take() {
+                    Some(Ok(fd)) => (fd, Access::Cma(placements[r].pid)),
+                    Some(Err(Fetched::Lost(e))) => {
+                        lost.get_or_insert(e);
+                        continue;
                     }
-                }
+                    Some(Err(Fetched::StoppedServing(e))) => {
+                        return Err(stopped_serving(r, &e, &watches))
+                    }
+                    Some(Err(Fetched::Failed(e))) => return Err(e),
+                    // Never tried: another fetch failed first, and its error is the one to
+                    // give (a later rank in this order holds it).
+                    None => continue,
+                },
                 _ => continue,
             };
             let remote = Arc::new(Segment::open(fd, announces[r].nonce, nranks)?);
@@ -325,6 +323,95 @@ pub(crate) fn connect(
     Ok(ShmWorld { local, peers })
 }
 
+/// Why the fetch of one peer's segment failed, sorted by what it means for the whole setup.
+enum Fetched {
+    /// The peer is gone: the fetches from the living go on (they serve until every living
+    /// rank has fetched), and this is the error afterwards.
+    Lost(Error),
+    /// The peer refused or dropped the fetch and lives on: its init failed. This rank has
+    /// stopped serving already, which tells the other peers at once.
+    StoppedServing(Error),
+    /// This rank's own failure (deadline, abort, out of descriptors): nothing more is tried.
+    Failed(Error),
+}
+
+/// Fetches the segments of this rank's peers in other processes (`paths` says which) from
+/// a few threads at once: each fetch is a few round trips with a peer that serves one
+/// connection at a time, and one after another they added up to most of a large host's init.
+/// Each thread takes the next peer in the order that starts after this rank; after a failure
+/// other than a lost peer, nothing more is started. Index r of the result is rank r's fetch,
+/// `None` where there is none (not another process, or not tried).
+#[allow(clippy::too_many_arguments)]
+fn fetch_all(
+    announces: &[Announce],
+    paths: &[Path],
+    secret: &[u8; 32],
+    comm_tag: u64,
+    me: usize,
+    deadline: Option<Instant>,
+    watches: &[(usize, ProcessWatch)],
+    stop: &AtomicBool,
+) -> Vec<Option<std::result::Result<OwnedFd, Fetched>>> {
+    let nranks = paths.len();
+    let order: Vec<usize> = (0..nranks)
+        .map(|k| (me + k) % nranks)
+        .filter(|&r| paths[r] == Path::SameHost)
+        .collect();
+    let results: Vec<Mutex<Option<std::result::Result<OwnedFd, Fetched>>>> =
+        (0..nranks).map(|_| Mutex::new(None)).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let quit = AtomicBool::new(false);
+    let fetch_one = |r: usize| -> std::result::Result<OwnedFd, Fetched> {
+        let watch = watches.iter().find(|w| w.0 == r).map(|w| &w.1);
+        fetch_segment(
+            &announces[r].socket,
+            secret,
+            comm_tag,
+            me,
+            r,
+            deadline,
+            watch,
+        )
+        .map_err(|e| e.context(format!("connecting to rank {r}'s shared memory")))
+        .map_err(|e| match e.kind {
+            // A peer that failed its init (it refused or dropped the fetch) but lives on
+            // will not fetch from us either, and our server would wait for it until the
+            // deadline: stop serving too, which tells the other peers at once (their fetches
+            // from us fail in turn).
+            crate::error::ErrorKind::Remote if watch.is_some_and(lives_on) => {
+                stop.store(true, Ordering::SeqCst);
+                quit.store(true, Ordering::SeqCst);
+                Fetched::StoppedServing(e)
+            }
+            crate::error::ErrorKind::Remote => Fetched::Lost(e),
+            _ => {
+                quit.store(true, Ordering::SeqCst);
+                Fetched::Failed(e)
+            }
+        })
+    };
+    let work = || {
+        while !quit.load(Ordering::SeqCst) {
+            let Some(&r) = order.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                break;
+            };
+            let got = fetch_one(r);
+            *results[r].lock() = Some(got);
+        }
+    };
+    let helpers = order.len().min(FETCH_THREADS).saturating_sub(1);
+    std::thread::scope(|s| {
+        for _ in 0..helpers {
+            // A helper that cannot start leaves its share to the others (this thread works too).
+            let _ = std::thread::Builder::new()
+                .name("comm-shm-fetch".into())
+                .spawn_scoped(s, work);
+        }
+        work();
+    });
+    results.into_iter().map(|m| m.into_inner()).collect()
+}
+
 pub(super) fn probe_cma(pid: u32, remote_base: usize) -> bool {
     let mut word = [0u8; 8];
     // SAFETY: word is 8 writable bytes.
@@ -378,8 +465,11 @@ pub(crate) fn serve_segment(
         }
         let (mut s, _) = match listener.accept() {
             Ok(c) => c,
+            // Nothing queued: sleep in poll, which wakes as soon as a peer connects (a fixed
+            // sleep here delayed every fetcher that found the server idle). The bound keeps
+            // stop, abort, dead peers and the deadline checked above.
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(1));
+                sys::wait_readable(listener.as_raw_fd(), Duration::from_millis(10))?;
                 continue;
             }
             Err(e) => return Err(Error::from_io("accept on shm setup socket", e)),
@@ -476,6 +566,13 @@ pub(crate) fn fetch_segment(
             // fetched). Waiting would last until the deadline (COMM_INIT_TIMEOUT).
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
                 return crate::remote_err!("rank {peer} closed its shared memory setup socket")
+            }
+            // Out of descriptors is this rank's own failure, and waiting does not cure it.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                return Err(Error::from_io(
+                    format!("connect to unix socket {socket}"),
+                    e,
+                ))
             }
             Err(_) if crate::bootstrap::init_aborted() => {
                 return Err(Error::new(
