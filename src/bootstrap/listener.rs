@@ -4,8 +4,8 @@
 //! descriptors run out, the oldest that has not spoken yet is dropped) and hands each
 //! authenticated connection on by what it is for: to the handler a module registered for that
 //! purpose (`Bootstrap::route`: window operations), or into a stash, keyed by its whole context,
-//! until someone asks for it (`Bootstrap::accept`: the ring, sub-communicators, the TCP
-//! transport's sockets). Connections for a sub-communicator may arrive long before this rank
+//! until someone asks for it (`Bootstrap::accept`: the bootstrap's rounds, sub-communicators,
+//! the TCP transport's sockets). Connections for a sub-communicator may arrive long before this rank
 //! calls `sub`; they wait here.
 //!
 //! The service lives as long as the communicator's bootstrap, so a peer may connect at any time,
@@ -43,9 +43,9 @@ const PEER_CTX_BYTES: usize = PEER_CTX_LABEL.len() + 8 + 1 + 8 + 4 + 4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Purpose {
-    /// The ring of the communicator whose tag is `tag`.
+    /// The bootstrap rounds of the communicator whose tag is `tag` (see `rounds`).
     Ring = 1,
-    /// The ring of a sub-communicator (`key` is its tag), set up over the parent's listeners.
+    /// The rounds of a sub-communicator (`key` is its tag), set up over the parent's listeners.
     Sub = 2,
     /// A rank waiting for this one checks that it is still alive; dropped once authenticated.
     Probe = 3,
