@@ -310,24 +310,16 @@ impl Bootstrap {
             rounds.forming_round(k, seq, &mut known, w)?;
         }
         known.rotate_right(rank);
-        let addrs = known
-            .iter()
-            .map(|b| net::Dec::new(b).addr())
-            .collect::<Result<Vec<_>>>()?;
-        crate::trace!(
-            "bootstrap: rank {rank}/{nranks} ready, listening on {}",
-            listener.addr()
-        );
-        let boot = Bootstrap {
+        let boot = Bootstrap::built(
             rank,
             nranks,
             tag,
             secret,
-            addrs,
+            &known,
             listener,
-            rounds: Mutex::new(rounds),
-            abort: abort.clone(),
-        };
+            rounds,
+            abort.clone(),
+        )?;
         if rank == 0 {
             crate::info!(
                 "bootstrap: {nranks} ranks connected in {:.3} s (root {})",
@@ -352,7 +344,23 @@ impl Bootstrap {
     ) -> Result<Bootstrap> {
         let mine = net::encode_addr(&listener.addr());
         let all = rounds.allgather(&mine, rounds::ALLGATHER, w)?;
-        let addrs = all
+        Bootstrap::built(rank, nranks, tag, secret, &all, listener, rounds, abort)
+    }
+
+    /// The bootstrap of a rank whose connections are made and which has every rank's listener
+    /// address (`gathered`, in rank order, as `net::encode_addr` wrote them).
+    #[allow(clippy::too_many_arguments)]
+    fn built(
+        rank: usize,
+        nranks: usize,
+        tag: u64,
+        secret: [u8; 32],
+        gathered: &[Vec<u8>],
+        listener: Listener,
+        rounds: Rounds,
+        abort: Arc<AtomicBool>,
+    ) -> Result<Bootstrap> {
+        let addrs = gathered
             .iter()
             .map(|b| net::Dec::new(b).addr())
             .collect::<Result<Vec<_>>>()?;
@@ -659,18 +667,10 @@ fn form_round(
             // deadline as ours: give its notice a moment to arrive, so that the error names
             // the rank that failed rather than the one that waited for it. Twice the grace a
             // data wait takes, as `down` may be in one, lingering for notices itself.
-            ErrorKind::Timeout => {
-                let until = Instant::now() + 2 * rounds::NOTICE_GRACE;
-                loop {
-                    if let Some(cause) = cell.borrow_mut().trouble() {
-                        break cause;
-                    }
-                    if Instant::now() >= until {
-                        break e.context(format!("rank {me} of {n}"));
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
+            ErrorKind::Timeout => cell
+                .borrow_mut()
+                .notice_within(2 * rounds::NOTICE_GRACE)
+                .unwrap_or_else(|| e.context(format!("rank {me} of {n}"))),
             _ => e,
         });
     match from_down {

@@ -506,6 +506,24 @@ impl Rounds {
         }
     }
 
+    /// `trouble`, waiting up to `d` on the connections for a failure notice or a hang-up to
+    /// arrive; None if none did.
+    pub(super) fn notice_within(&mut self, d: Duration) -> Option<Error> {
+        let until = Instant::now() + d;
+        loop {
+            if let Some(e) = self.trouble() {
+                return Some(e);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            if let Err(e) = self.poll_all(0, None, left.min(Duration::from_millis(50))) {
+                return Some(e);
+            }
+        }
+    }
+
     /// Marks the connections broken, tells every peer why and closes our sending side towards
     /// them, so that they stop waiting on us at once. Only the sending side: shutting down
     /// reception would make the kernel answer a peer's next bytes with a reset, which can
