@@ -9,34 +9,11 @@
 
 mod common;
 
+use common::{lib_dir, libcomm, root};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// target/<profile>, where cargo puts libcomm.so for the profile these tests were built with.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn libcomm() -> PathBuf {
-    let p = lib_dir().join("libcomm.so");
-    assert!(
-        p.exists(),
-        "{} is missing: build the library first (`cargo build{}`; scripts/test.sh does)",
-        p.display(),
-        if cfg!(debug_assertions) {
-            ""
-        } else {
-            " --release"
-        }
-    );
-    p
-}
 
 fn required_dir(var: &str) -> PathBuf {
     let v = std::env::var(var).unwrap_or_else(|_| {

@@ -3,20 +3,13 @@
 //! scripts/scale_bench.sh) built against libcomm.so of this profile (`cargo build [--release]`
 //! first, as for tests/c_abi.rs).
 
+mod common;
+
+use common::{lib_dir, libcomm, root};
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// target/<profile>, where cargo puts libcomm.so for the profile these tests were built with.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
 
 /// The driver, compiled once for all the tests of this file: two tests compiling it into the
 /// same path at once would run one while the other writes it ("Text file busy").
@@ -26,12 +19,8 @@ fn driver() -> PathBuf {
 }
 
 fn build_driver() -> PathBuf {
+    libcomm();
     let lib = lib_dir();
-    assert!(
-        lib.join("libcomm.so").exists(),
-        "{} is missing: build the library first (`cargo build --release`)",
-        lib.join("libcomm.so").display()
-    );
     let exe = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("comm_scale_test");
     let out = Command::new("gcc")
         .args(["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O1"])

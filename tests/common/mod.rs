@@ -11,6 +11,7 @@ pub mod values;
 use comm::ffi::types::*;
 use comm::ffi::*;
 use std::ffi::CStr;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -417,4 +418,31 @@ pub fn with_threads_on(
         unsafe { ncclCommDestroy(c) };
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The repository (this crate's manifest directory).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>, where cargo puts libcomm.so for the profile these tests were built with.
+pub fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// libcomm.so of this profile; fails the test, saying how to build it, when it is missing.
+pub fn libcomm() -> PathBuf {
+    let p = lib_dir().join("libcomm.so");
+    assert!(
+        p.exists(),
+        "{} is missing: build the library first (`cargo build{}`; scripts/test.sh does)",
+        p.display(),
+        if cfg!(debug_assertions) {
+            ""
+        } else {
+            " --release"
+        }
+    );
+    p
 }
