@@ -81,6 +81,8 @@ knobs! {
         "default of ncclConfig_t.blocking";
     SHM_DISABLE: Flag "COMM_SHM_DISABLE" or "NCCL_SHM_DISABLE" = "0",
         "1: ranks of one host talk over the network transport instead of shared memory";
+    RUNTIME_CONNECT: Flag "COMM_RUNTIME_CONNECT" or "NCCL_RUNTIME_CONNECT" = "1",
+        "1: connect to a peer when a schedule first needs it; 0: connect every peer at init";
     NET: Text "COMM_NET" or "NCCL_NET" = "",
         "network transport between hosts: socket or ib (unset: ib where every rank has a device, else socket)";
     IB_DISABLE: Flag "COMM_IB_DISABLE" or "NCCL_IB_DISABLE" = "0",

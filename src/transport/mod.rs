@@ -12,6 +12,9 @@
 
 #[cfg(test)]
 mod conformance;
+// Used by the transports that connect on demand (being moved onto it).
+#[allow(dead_code)]
+pub(crate) mod demand;
 pub(crate) mod loopback;
 pub(crate) mod net;
 pub(crate) mod p2p;
