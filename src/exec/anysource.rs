@@ -68,20 +68,9 @@ impl Wait for AnySource<'_> {
     }
 
     fn sleep(&mut self, nap: Duration) -> Result<Option<usize>> {
-        // Announce the sleep, then look once more: a sender that published before it saw the
-        // announcement is found by this look, one that published after rings.
-        let d = &self.wiring.doorbell;
-        let seen = d.prepare_sleep();
-        match self.look() {
-            Ok(None) => {
-                d.sleep(seen, nap);
-                Ok(None)
-            }
-            other => {
-                d.cancel_sleep();
-                other
-            }
-        }
+        let wiring = self.wiring;
+        let (tag, first, start) = (self.tag, self.first, self.start);
+        crate::wait::nap_on(&*wiring.doorbell, nap, || find(wiring, tag, first, start))
     }
 
     fn check(&mut self) -> Result<Option<usize>> {

@@ -287,28 +287,15 @@ pub unsafe extern "C" fn ncclPutSignal(
             return crate::invalid_arg!("localbuff is NULL");
         }
         let bytes = buffer_bytes(localbuff, count, datatype, "localbuff")?;
-        let (w, peer) = window::check_access(
+        let put = window::check_put_signal(
             &c.window_members(),
             peerWin as usize,
             peer,
             peerWinOffset,
+            localbuff as usize,
             bytes,
+            crate::cuda::Stream(stream as *mut c_void),
         )?;
-        window::check_local(localbuff as usize, "localbuff", &w, peer)?;
-        // Into device memory the copy and its signal are queued on the stream, as in NCCL;
-        // from device memory over RDMA the put waits for the stream.
-        let on = (w.is_device(peer)
-            || matches!(
-                crate::cuda::classify(localbuff),
-                crate::cuda::MemKind::Device(_)
-            ))
-        .then_some(crate::cuda::Stream(stream as *mut c_void));
-        if w.flags & NCCL_WIN_COLL_SYMMETRIC == 0 {
-            return crate::invalid_arg!(
-                "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"
-            );
-        }
-        let src = localbuff as usize;
         group::one_sided(
             comm as usize,
             c.blocking(),
@@ -317,9 +304,7 @@ pub unsafe extern "C" fn ncclPutSignal(
                 // SAFETY: `localbuff` is the C caller's buffer of `count` elements (`bytes` bytes),
                 // which NCCL requires valid until the call, or its group, returns (on a stream:
                 // until the stream has done the copy).
-                unsafe {
-                    window::put_checked(&w, peer, peerWinOffset, src as *const u8, bytes, true, on)
-                }
+                unsafe { put.run() }
             },
         )
     })

@@ -474,30 +474,29 @@ pub(crate) struct LocalDoorbell {
     sleepers: std::sync::atomic::AtomicU32,
 }
 
+impl LocalDoorbell {
+    fn bell(&self) -> crate::wait::FutexBell<'_> {
+        crate::wait::FutexBell {
+            bell: &self.word,
+            sleepers: &self.sleepers,
+        }
+    }
+}
+
 impl Doorbell for LocalDoorbell {
     fn ring(&self) {
-        use std::sync::atomic::Ordering::SeqCst;
-        std::sync::atomic::fence(SeqCst);
-        if self.sleepers.load(SeqCst) > 0 {
-            self.word.fetch_add(1, SeqCst);
-            crate::sys::futex_wake_all(&self.word);
-        }
+        self.bell().ring();
     }
 
     fn prepare_sleep(&self) -> u32 {
-        use std::sync::atomic::Ordering::SeqCst;
-        self.sleepers.fetch_add(1, SeqCst);
-        std::sync::atomic::fence(SeqCst);
-        self.word.load(SeqCst)
+        self.bell().prepare_sleep()
     }
 
     fn cancel_sleep(&self) {
-        self.sleepers
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.bell().cancel_sleep();
     }
 
     fn sleep(&self, seen: u32, timeout: std::time::Duration) {
-        crate::sys::futex_wait(&self.word, seen, timeout);
-        self.cancel_sleep();
+        self.bell().sleep(seen, timeout);
     }
 }

@@ -67,8 +67,8 @@ use std::time::{Duration, Instant};
 
 pub(crate) use channels::{channel_barrier, channel_signal, channel_wait, signal_pads};
 pub(crate) use ops::{
-    atomic, check_access, check_local, check_peer, flush, get, peer_device_ptr, peer_ptr,
-    peer_size, put, put_checked, DirectPuts,
+    atomic, check_peer, check_put_signal, flush, get, peer_device_ptr, peer_ptr, peer_size, put,
+    DirectPuts,
 };
 pub(crate) use reach::Reach;
 pub(crate) use register::{deregister, register};

@@ -30,7 +30,7 @@ pub(crate) fn check_peer(c: &Members, peer: i32) -> Result<usize> {
 
 /// Checks an access of `len` bytes at `off` of `peer`'s part of window `handle`.
 /// Returns the window and the peer's rank.
-pub(crate) fn check_access(
+pub(super) fn check_access(
     c: &Members,
     handle: usize,
     peer: i32,
@@ -55,7 +55,7 @@ pub(crate) fn check_range(p: &PeerWin, off: usize, len: usize, peer: usize) -> R
 
 /// A local buffer in device memory goes only with a window part in device memory (the copy
 /// is the GPU's) or one reached by RDMA (GPUDirect); host buffers go with either.
-pub(crate) fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
+pub(super) fn check_local(buf: usize, name: &str, w: &Window, peer: usize) -> Result<()> {
     if let MemKind::Device(d) = crate::cuda::classify(buf as *const std::ffi::c_void) {
         if !w.peers[peer].data.takes_device_buffers() {
             return crate::invalid_usage!(
@@ -80,6 +80,77 @@ pub(super) fn check_live(cw: &CommWindows, w: &Window, peer: usize) -> Result<()
             )
         }
         _ => Ok(()),
+    }
+}
+
+/// ncclPutSignal, checked when it is called (the put itself may wait for its group's end):
+/// the window, the peer, the range, the local buffer, and the symmetric registration NCCL
+/// requires for one-sided operations.
+pub(crate) struct CheckedPut {
+    w: Arc<Window>,
+    peer: usize,
+    off: usize,
+    src: usize,
+    len: usize,
+    /// The stream the copy and its signal go on: into device memory they are queued there,
+    /// as in NCCL; from device memory over RDMA the put waits for the stream first.
+    on: Option<Stream>,
+}
+
+/// Checks an ncclPutSignal of `len` bytes from `src` into `peer`'s part of window `handle`
+/// at `off`, on `stream`.
+pub(crate) fn check_put_signal(
+    c: &Members,
+    handle: usize,
+    peer: i32,
+    off: usize,
+    src: usize,
+    len: usize,
+    stream: Stream,
+) -> Result<CheckedPut> {
+    let (w, peer) = check_access(c, handle, peer, off, len)?;
+    check_local(src, "localbuff", &w, peer)?;
+    let on = (w.is_device(peer)
+        || matches!(
+            crate::cuda::classify(src as *const std::ffi::c_void),
+            MemKind::Device(_)
+        ))
+    .then_some(stream);
+    if w.flags & WIN_COLL_SYMMETRIC == 0 {
+        return crate::invalid_arg!(
+            "peerWin was registered without NCCL_WIN_COLL_SYMMETRIC, which NCCL requires for one-sided operations"
+        );
+    }
+    Ok(CheckedPut {
+        w,
+        peer,
+        off,
+        src,
+        len,
+        on,
+    })
+}
+
+impl CheckedPut {
+    /// Puts the bytes and counts one signal at the peer.
+    ///
+    /// # Safety
+    /// The source buffer must be valid for the put's bytes of reads (on a stream: until the
+    /// stream has done the copy).
+    pub(crate) unsafe fn run(&self) -> Result<()> {
+        // SAFETY: the peer and the range were checked by `check_put_signal`; the source is
+        // this function's caller's.
+        unsafe {
+            put_checked(
+                &self.w,
+                self.peer,
+                self.off,
+                self.src as *const u8,
+                self.len,
+                true,
+                self.on,
+            )
+        }
     }
 }
 
@@ -114,7 +185,7 @@ pub(crate) unsafe fn put(
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads (until the stream reaches the copy, with one).
-pub(crate) unsafe fn put_checked(
+pub(super) unsafe fn put_checked(
     w: &Window,
     peer: usize,
     off: usize,
