@@ -1,6 +1,6 @@
 /* scale: how init, split and the first collectives grow with the number of ranks.
  *
- *   scale -n N [-r ROOTS] [-H hosts] [-c] [-i iters]
+ *   scale -n N [-r ROOTS] [-H hosts] [-c] [-b BASE:COUNT]
  *
  * Starts N ranks as processes (fork), each its own simulated host (COMM_HOSTID=scale-<rank>)
  * unless -H says how many hosts the ranks share (-H 1: all on one host, shared memory; rank r
@@ -14,6 +14,12 @@
  * RSS (VmHWM, KiB) and its sockets, all sampled after the tenth all-reduce. With -c every
  * collective runs once with small counts and its result is checked ("check ok" or "check
  * FAILED" in the line). scripts/scale_bench.sh aggregates the lines.
+ *
+ * With -b BASE:COUNT this process starts only ranks BASE .. BASE+COUNT-1 of the N; the others
+ * run in other processes (scripts/scale_netns.sh starts one per network namespace, each a real
+ * simulated host). The host is then the namespace (no COMM_HOSTID), and the unique id comes
+ * from NCCL_COMM_ID=host:port, which every rank derives on its own and whose root rank 0
+ * starts (one root only).
  *
  * The parent exits 0 when every child did; a child that fails or dies makes the parent kill
  * the others and exit 1.
@@ -162,32 +168,39 @@ static long check_all(ncclComm_t comm, int rank, int n) {
   return bad;
 }
 
-static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, int check) {
+static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, int check,
+                    int external) {
   char host[64];
-  if (hosts > 0)
+  ncclUniqueId own;
+  ncclUniqueId *ids = sh->ids;
+  if (external) {
+    /* The namespace is the host; the id comes from NCCL_COMM_ID (see the top). */
+    CHECK("ncclGetUniqueId", ncclGetUniqueId(&own));
+    ids = &own;
+  } else if (hosts > 0)
     snprintf(host, sizeof host, "scale-h%d", (int)((long)rank * hosts / n));
   else
     snprintf(host, sizeof host, "scale-r%d", rank);
-  setenv("COMM_HOSTID", host, 1);
+  if (!external) setenv("COMM_HOSTID", host, 1);
 
   /* Block b of the ranks checks in with root b, which its first rank makes (as the library
    * assigns them: rank r to root r * nroots / n). */
   int my_root = (int)((long)rank * nroots / n);
   int first = (int)(((long)my_root * n + nroots - 1) / nroots);
-  if (rank == first) {
+  if (rank == first && !external) {
     CHECK("ncclGetUniqueId", ncclGetUniqueId(&sh->ids[my_root]));
     __atomic_store_n(&sh->ready[my_root], 1, __ATOMIC_RELEASE);
   }
-  for (int b = 0; b < nroots; b++)
+  for (int b = 0; b < nroots && !external; b++)
     while (!__atomic_load_n(&sh->ready[b], __ATOMIC_ACQUIRE)) usleep(1000);
 
   ncclComm_t comm;
   double t0 = now_ms();
   if (nroots == 1) {
-    CHECK("ncclCommInitRank", ncclCommInitRank(&comm, n, sh->ids[0], rank));
+    CHECK("ncclCommInitRank", ncclCommInitRank(&comm, n, ids[0], rank));
   } else {
     CHECK("ncclCommInitRankScalable",
-          ncclCommInitRankScalable(&comm, n, rank, nroots, sh->ids, NULL));
+          ncclCommInitRankScalable(&comm, n, rank, nroots, ids, NULL));
   }
   double t_init = now_ms() - t0;
 
@@ -237,20 +250,31 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
 }
 
 int main(int argc, char **argv) {
-  int n = 2, nroots = 1, hosts = 0, check = 0, opt;
-  while ((opt = getopt(argc, argv, "n:r:H:c")) != -1) {
+  int n = 2, nroots = 1, hosts = 0, check = 0, base = 0, count = -1, opt;
+  while ((opt = getopt(argc, argv, "n:r:H:cb:")) != -1) {
     switch (opt) {
       case 'n': n = atoi(optarg); break;
       case 'r': nroots = atoi(optarg); break;
       case 'H': hosts = atoi(optarg); break;
       case 'c': check = 1; break;
+      case 'b':
+        if (sscanf(optarg, "%d:%d", &base, &count) != 2) count = -2;
+        break;
       default:
-        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c]\n", argv[0]);
+        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c] [-b BASE:COUNT]\n", argv[0]);
         return 64;
     }
   }
+  int external = count != -1;
+  if (!external) count = n;
   if (n < 1 || nroots < 1 || nroots > MAX_ROOTS || nroots > n || hosts < 0 || hosts > n) {
     fprintf(stderr, "scale: need 1 <= ROOTS <= min(N, %d) and 0 <= HOSTS <= N\n", MAX_ROOTS);
+    return 64;
+  }
+  if (external && (count < 1 || base < 0 || base + count > n || nroots != 1 || hosts != 0 ||
+                   !getenv("NCCL_COMM_ID"))) {
+    fprintf(stderr, "scale: -b BASE:COUNT needs 0 <= BASE, BASE+COUNT <= N, one root, no -H "
+                    "and NCCL_COMM_ID\n");
     return 64;
   }
   struct shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
@@ -262,28 +286,28 @@ int main(int argc, char **argv) {
   memset(sh, 0, sizeof *sh);
   pid_t *pids = calloc(n, sizeof(pid_t));
   fflush(stdout);
-  for (int r = 0; r < n; r++) {
+  for (int r = base; r < base + count; r++) {
     pid_t p = fork();
     if (p < 0) {
       perror("scale: fork");
-      for (int i = 0; i < r; i++) kill(pids[i], SIGKILL);
+      for (int i = base; i < r; i++) kill(pids[i], SIGKILL);
       return 1;
     }
     if (p == 0) {
       /* A child whose parent died goes too. */
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      _exit(run_rank(sh, r, n, nroots, hosts, check));
+      _exit(run_rank(sh, r, n, nroots, hosts, check, external));
     }
     pids[r] = p;
   }
   int failed = 0;
-  for (int left = n; left > 0; left--) {
+  for (int left = count; left > 0; left--) {
     int st;
     pid_t p = wait(&st);
     if (p < 0) break;
     if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
       int r = -1;
-      for (int i = 0; i < n; i++)
+      for (int i = base; i < base + count; i++)
         if (pids[i] == p) r = i;
       if (!failed) {
         if (WIFSIGNALED(st))
@@ -292,7 +316,7 @@ int main(int argc, char **argv) {
         else
           fprintf(stderr, "scale: rank %d exited with %d; stopping the others\n", r,
                   WEXITSTATUS(st));
-        for (int i = 0; i < n; i++)
+        for (int i = base; i < base + count; i++)
           if (pids[i] != p) kill(pids[i], SIGKILL);
       }
       failed = 1;

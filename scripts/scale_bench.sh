@@ -76,28 +76,7 @@ for mode in $modes; do
       rc=0
       # shellcheck disable=SC2086
       timeout -k 10 "$limit" "$bin" -n "$n" -r "$r" $hflag $check >"$log.out" 2>"$log.err" || rc=$?
-      python3 - "$log.out" "$mode" "$n" "$r" "$rc" <<'PY'
-import statistics, sys
-path, mode, n, roots, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-rows = []
-for line in open(path):
-    if line.startswith("scale "):
-        rows.append(dict(kv.split("=", 1) for kv in line.split()[1:]))
-def col(k):
-    return [float(r[k]) for r in rows]
-def mm(k, fmt="{:.1f}"):
-    v = col(k)
-    return (fmt + "/" + fmt).format(statistics.median(v), max(v)) if v else "-"
-if len(rows) != n or rc != 0:
-    status = f"FAILED rc={rc}, {len(rows)}/{n} ranks reported"
-else:
-    status = "ok" if all(r["check"] == "ok" for r in rows) else "WRONG RESULTS"
-conns = int(sum(col("sockets")) / 2) if rows else "-"
-thr = int(max(col("threads"))) if rows else "-"
-rss = "{:.1f}".format(max(col("rss_kib")) / 1024) if rows else "-"
-print(f"| {mode} | {n} | {roots} | {mm('init_ms')} | {mm('split_ms')} | {mm('first_ms')} | "
-      f"{mm('tenth_ms', '{:.2f}')} | {mm('fds', '{:.0f}')} | {thr} | {rss} | {conns} | {status} |")
-PY
+      python3 "$ROOT/scripts/scale_row.py" "$log.out" "$mode" "$n" "$r" "$rc"
       [ "$rc" = 0 ] || tail -5 "$log.err" >&2
     done
   done
