@@ -32,7 +32,7 @@ rounds=3
 reps=5
 limit=900
 synthetic_only=""
-while getopts "n:m:s:l:c:R:r:t:S" o; do
+while getopts "n:m:s:l:c:R:r:t:Sh" o; do
   case $o in
     n) ns=$OPTARG ;;
     m) modes=$OPTARG ;;
@@ -43,7 +43,8 @@ while getopts "n:m:s:l:c:R:r:t:S" o; do
     r) reps=$OPTARG ;;
     t) limit=$OPTARG ;;
     S) synthetic_only=1 ;;
-    *) sed -n '2,18p' "$0" >&2; exit 64 ;;
+    h) sed -n '2,23p' "$0"; exit 0 ;;
+    *) sed -n '2,23p' "$0" >&2; exit 64 ;;
   esac
 done
 
