@@ -130,7 +130,7 @@ knobs! {
     SLICE_BYTES: Size "COMM_SLICE_BYTES" = "524288",
         "pipeline slice of ring and tree algorithms";
     DIRECT_MAX_BYTES: Size "COMM_DIRECT_MAX_BYTES" = "",
-        "largest all-reduce done one-shot (default 64K up to 2 ranks, 32K up to 4, 8K beyond)";
+        "largest all-reduce done one-shot (default 64K up to 2 ranks, 32K up to 4, 8K up to 16, none beyond; set, at any rank count)";
     TREE_MAX_BYTES: Size "COMM_TREE_MAX_BYTES" = "262144",
         "largest message that prefers the tree to the ring";
     SHM_SLOTS: Int "COMM_SHM_SLOTS" = "16",

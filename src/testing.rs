@@ -17,3 +17,9 @@ pub mod cuda {
         copy_from_device, copy_to_device, device_count, Device, DeviceMem, Event, Graph, Stream,
     };
 }
+
+/// The cost model behind ncclGroupSimulateEnd, asked about layouts no machine here can start
+/// (examples/cost_model.rs).
+pub mod cost {
+    pub use crate::algo::cost::{synthetic, Fabric, Link, Prediction};
+}

@@ -549,6 +549,30 @@ fn simulate(comm: ncclComm_t, _rank: usize, nranks: usize) -> Result<(), String>
         return Err("a simulated group ran its all-reduce".into());
     }
     println!("estimated {} us", info.estimatedTime);
+    // A smaller call is estimated shorter: the estimate grows with the size.
+    let mut small = ncclSimInfo_t {
+        estimatedTime: -1.0,
+        ..info
+    };
+    nccl!(ncclGroupStart());
+    nccl!(unsafe {
+        ncclAllReduce(
+            send.as_ptr() as *const c_void,
+            recv.as_mut_ptr() as *mut c_void,
+            16,
+            FLOAT,
+            SUM,
+            comm,
+            S,
+        )
+    });
+    nccl!(ncclGroupSimulateEnd(&mut small));
+    if !(small.estimatedTime > 0.0 && small.estimatedTime < info.estimatedTime) {
+        return Err(format!(
+            "estimated {} us for 16 floats and {} us for 65536",
+            small.estimatedTime, info.estimatedTime
+        ));
+    }
     // A struct of an older, shorter layout (size 16: no estimatedTime) is read up to its
     // size, as NCCL does: accepted, and nothing past it is written.
     let mut short = [0u64; 3];

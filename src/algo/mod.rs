@@ -6,6 +6,7 @@
 //! inputs are final (it derives that from the byte ranges each step reads and writes) and must
 //! keep, per peer, sends in list order and receives in list order.
 
+pub(crate) mod cost;
 pub(crate) mod direct;
 pub(crate) mod hier;
 pub(crate) mod pairwise;

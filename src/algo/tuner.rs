@@ -68,8 +68,10 @@ impl Algorithm {
 pub(crate) struct Tuner {
     /// Algorithms allowed by COMM_ALGO / NCCL_ALGO (all when unset).
     pub allowed: Vec<Algorithm>,
-    /// All-reduces up to this many bytes go one-shot (every rank reads every input).
+    /// All-reduces up to this many bytes go one-shot (every rank reads every input), on up to
+    /// `direct_max_ranks` ranks.
     pub direct_max: usize,
+    pub direct_max_ranks: usize,
     /// Messages up to this many bytes prefer the tree over the ring.
     pub tree_max: usize,
     /// How many hosts the ranks are on, and how many ranks each has when all have as many.
@@ -100,10 +102,21 @@ impl Tuner {
                 3..=4 => 32 << 10,
                 _ => 8 << 10,
             });
+        // A one-shot all-reduce sends the whole buffer to every other rank, N-1 messages a
+        // rank, where a tree sends about 2 log2 N: past a few tens of ranks the tree wins even
+        // for 8 bytes (the cost model puts the crossover near 16 ranks with a core each, and
+        // on 32 and 128 ranks sharing two cores the tree measured 2x and 6x faster). A size
+        // bound set by the user keeps one-shot at any rank count.
+        let direct_max_ranks = if crate::env::DIRECT_MAX_BYTES.size_if_set().is_some() {
+            usize::MAX
+        } else {
+            16
+        };
         let tree_max = crate::env::TREE_MAX_BYTES.size();
         Tuner {
             allowed,
             direct_max,
+            direct_max_ranks,
             tree_max,
             hosts: layout.map_or(1, |l| l.hosts()),
             per_host: layout.map_or(Some(nranks), |l| l.per_host()),
@@ -150,7 +163,10 @@ impl Tuner {
                 // Several hosts with several ranks each: beyond one-shot sizes, only one
                 // share per rank crosses between hosts.
                 let hier = self.hosts > 1 && self.per_host.is_some_and(|p| p > 1);
-                if ok(Algorithm::Direct) && bytes <= self.direct_max {
+                if ok(Algorithm::Direct)
+                    && bytes <= self.direct_max
+                    && nranks <= self.direct_max_ranks
+                {
                     Algorithm::Direct
                 } else if hier && ok(Algorithm::Hier) {
                     Algorithm::Hier
@@ -216,6 +232,7 @@ mod tests {
         let t = Tuner {
             allowed: vec![Algorithm::Ring, Algorithm::Tree, Algorithm::Direct],
             direct_max: 1024,
+            direct_max_ranks: 16,
             tree_max: 1 << 20,
             hosts: 1,
             per_host: Some(4),
@@ -235,6 +252,14 @@ mod tests {
             assert_eq!(t.choose(&c, 4096, 4), Algorithm::Ring);
             assert_eq!(t.choose_device(&c, 8, 4), Algorithm::Ring);
         }
+        // Past `direct_max_ranks`, small all-reduces take the tree; all-gathers keep their one
+        // hop (the ring sends as many messages a rank, in N-1 dependent hops).
+        assert_eq!(t.choose(&ar, 8, 16), Algorithm::Direct);
+        assert_eq!(t.choose(&ar, 8, 17), Algorithm::Tree);
+        assert_eq!(
+            t.choose(&Collective::AllGather { count: 0 }, 8, 128),
+            Algorithm::Direct
+        );
         let ring_only = Tuner {
             allowed: vec![Algorithm::Ring],
             ..t
@@ -254,6 +279,7 @@ mod tests {
                 Algorithm::Hier,
             ],
             direct_max: 1024,
+            direct_max_ranks: 16,
             tree_max: 1 << 20,
             hosts: two_by_two.hosts(),
             per_host: two_by_two.per_host(),

@@ -757,19 +757,7 @@ impl Comm {
             }
         }
         let elem = call.dtype.size();
-        let bytes = match &call.coll {
-            Collective::AllReduce { count }
-            | Collective::Broadcast { count, .. }
-            | Collective::Reduce { count, .. }
-            | Collective::AllGather { count }
-            | Collective::ReduceScatter { count } => count * elem,
-            _ => 0,
-        };
-        let algo = if call.device {
-            self.tuner.choose_device(&call.coll, bytes, self.nranks)
-        } else {
-            self.tuner.choose(&call.coll, bytes, self.nranks)
-        };
+        let (algo, bytes) = self.algorithm(call);
         let key = ScheduleKey {
             call: CallKey::of(call, slice_bytes),
             algo,
@@ -870,32 +858,54 @@ impl Comm {
 }
 
 impl Comm {
-    /// ncclGroupSimulateEnd's estimate for one call, in microseconds: a latency per message on
-    /// this rank's busiest path plus its bytes at shared-memory copy speed. Rough, but it orders
-    /// algorithms and sizes the way the executor will see them.
+    /// The tuner's algorithm for `call`, and the bytes it decided on.
+    fn algorithm(&self, call: &Call) -> (algo::Algorithm, usize) {
+        let bytes = algo::cost::tuner_bytes(&call.coll, call.dtype.size());
+        let algo = if call.device {
+            self.tuner.choose_device(&call.coll, bytes, self.nranks)
+        } else {
+            self.tuner.choose(&call.coll, bytes, self.nranks)
+        };
+        (algo, bytes)
+    }
+
+    /// ncclGroupSimulateEnd's estimate for one call, in microseconds: the cost model of
+    /// `algo/cost.rs` on the schedules this call would run, with shared memory inside the host,
+    /// the network interface's speed between hosts, and this host's cores shared by its ranks.
+    /// Device buffers are priced as host memory.
     pub(crate) fn estimate_us(&self, call: &Call) -> f32 {
-        // Inside a host (shared memory): a message's latency and the copy bandwidth.
-        const LATENCY_US: f32 = 1.5;
-        const BYTES_PER_US: f32 = 8_000.0;
-        // Between hosts: a TCP round of the kernel stack; the interface's speed.
-        const NET_LATENCY_US: f32 = 25.0;
-        let Ok(op) = self.build(call, 0) else {
-            return 0.0;
-        };
-        let net = |peer: usize| {
-            self.net
-                .as_ref()
-                .filter(|w| w.links.get(peer).is_some_and(|l| l.is_some()))
-        };
-        let mut us = 0.0;
-        for s in &op.schedule.steps {
-            if let algo::Step::Recv { dst, peer, .. } = s {
-                us += match net(*peer) {
-                    Some(w) => NET_LATENCY_US + dst.len as f32 / w.bytes_per_us,
-                    None => LATENCY_US + dst.len as f32 / BYTES_PER_US,
-                };
-            }
+        let (algo, _) = self.algorithm(call);
+        let ranks_per_host = self.hosts.as_deref().map_or(self.nranks, |l| {
+            l.members.iter().map(Vec::len).max().unwrap_or(1)
+        });
+        let mut fabric = algo::cost::Fabric::host_memory(
+            self.net.as_ref().map_or(1250.0, |w| w.bytes_per_us),
+            crate::topo::usable_cpus(),
+            ranks_per_host,
+        );
+        // Ranks of one host that talk over the network (shared memory disabled, or out of
+        // reach) pay its link inside the host too.
+        let host = |r: usize| self.hosts.as_deref().map_or(0, |l| l.place[r].0);
+        let intra_over_net = self.net.as_ref().is_some_and(|w| {
+            w.links
+                .iter()
+                .enumerate()
+                .any(|(p, l)| l.is_some() && p != self.rank && host(p) == host(self.rank))
+        });
+        if intra_over_net {
+            fabric.intra = fabric.inter;
         }
-        us
+        algo::cost::predict(
+            &call.coll,
+            algo,
+            call.dtype.size(),
+            self.rank,
+            self.nranks,
+            self.ring.as_ref(),
+            self.hosts.as_ref(),
+            self.slice_bytes,
+            &fabric,
+        )
+        .us
     }
 }
