@@ -35,7 +35,7 @@ mod root;
 mod rounds;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::AtomicBool;

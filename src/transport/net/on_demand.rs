@@ -35,6 +35,9 @@
 //! would have sent (abort, failure, whom it lost). A lower rank that closes first tells the
 //! peer nothing, since telling would mean dialling every peer it never used at an abort: the
 //! peer learns it when this rank's service goes away (destroy, abort), or at its deadline.
+//! So a rank that first reaches a failed peer after that peer destroyed its communicator
+//! learns only that it is gone (ncclRemoteError naming it), not why it failed (a disagreement
+//! on the operation, a timeout), which a link connected at init would have carried.
 //! Connections the service routed here that nobody took are held in the slots and closed
 //! with the communicator.
 //!
@@ -317,5 +320,119 @@ impl Connect for TcpConnect {
                 self.who()
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bootstrap::tests::{init_all, watchdog};
+    use crate::bootstrap::{Bootstrap, Route, PROBE_EVERY};
+    use crate::error::ErrorKind;
+
+    fn pair() -> Vec<Bootstrap> {
+        let id = crate::bootstrap::new_unique_id().unwrap();
+        init_all(std::slice::from_ref(&id), 2)
+    }
+
+    /// `b`'s connector for its link to `peer` (one socket), with its route.
+    fn connector(b: &Bootstrap, peer: usize, timeout: Duration) -> (TcpConnect, Route) {
+        let me = b.rank();
+        let waker = Arc::new(Waker::direct().unwrap());
+        let mut expect = vec![0; b.nranks()];
+        if peer < me {
+            expect[peer] = 1;
+        }
+        let arrivals = Arc::new(Arrivals::new(me, expect, waker.clone(), waker.clone()));
+        let to = arrivals.clone();
+        let route = b.route(Purpose::Net, Box::new(move |c, s| to.deliver(c, s)));
+        let c = TcpConnect {
+            me,
+            peer,
+            count: 1,
+            dialer: b.dialer(),
+            arrivals,
+            waker,
+            timeout: Some(timeout),
+            used: Mutex::new(None),
+        };
+        (c, route)
+    }
+
+    fn wait_link(c: &TcpConnect) -> Arc<dyn Link> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(l) = c.poll().unwrap() {
+                return l;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "no connection came");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The lower rank's first poll dials; the higher rank's poll finds the connection its route
+    /// filed; neither makes anything before its first poll.
+    #[test]
+    fn the_lower_rank_dials_and_the_higher_one_takes_the_connection() {
+        let _w = watchdog("lower_dials", Duration::from_secs(30));
+        let b = pair();
+        let (hi, _r1) = connector(&b[1], 0, Duration::from_secs(10));
+        let (lo, _r0) = connector(&b[0], 1, Duration::from_secs(10));
+        assert!(hi.poll().unwrap().is_none(), "nobody dialled yet");
+        assert!(
+            lo.describe().contains("this rank dials"),
+            "{}",
+            lo.describe()
+        );
+        let l0 = lo
+            .poll()
+            .unwrap()
+            .expect("a dial to a live service connects at once");
+        let l1 = wait_link(&hi);
+        assert!(l0.describe().contains("net/socket"), "{}", l0.describe());
+        assert!(l1.describe().contains("net/socket"), "{}", l1.describe());
+    }
+
+    /// A lower rank that never dials is named, with its service's address, once the higher
+    /// rank's deadline (counted from its first use) passes.
+    #[test]
+    fn a_peer_that_never_dials_is_named_at_the_deadline() {
+        let _w = watchdog("never_dials", Duration::from_secs(30));
+        let b = pair();
+        let (c, _route) = connector(&b[1], 0, Duration::from_millis(300));
+        let t0 = Instant::now();
+        let e = loop {
+            match c.poll() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Ok(Some(_)) => panic!("connected although nobody dialled"),
+                Err(e) => break e,
+            }
+        };
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.msg);
+        assert_eq!(e.lost, Some(0));
+        let addr = b[0].service_addr();
+        assert!(
+            e.msg.contains(&format!("rank 0 ({addr}) did not connect")),
+            "{}",
+            e.msg
+        );
+    }
+
+    /// While the higher rank waits for the dial, a lower rank whose service is gone is found
+    /// by the probe, named, well before the deadline.
+    #[test]
+    fn a_dead_peer_is_named_while_this_rank_waits_for_its_dial() {
+        let _w = watchdog("dead_dialer", Duration::from_secs(30));
+        let mut b = pair();
+        let (c, _route) = connector(&b[1], 0, Duration::from_secs(20));
+        assert!(c.check_peer().is_ok(), "an unused link probes nothing");
+        assert!(c.poll().unwrap().is_none());
+        drop(b.remove(0));
+        std::thread::sleep(PROBE_EVERY);
+        let e = c.check_peer().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        assert_eq!(e.lost, Some(0));
+        assert!(e.msg.contains("rank 0 is gone"), "{}", e.msg);
     }
 }
