@@ -1,6 +1,6 @@
 /* scale: how init, split and the first collectives grow with the number of ranks.
  *
- *   scale -n N [-r ROOTS] [-H hosts] [-c] [-b BASE:COUNT]
+ *   scale -n N [-r ROOTS] [-H hosts] [-c] [-S] [-p] [-b BASE:COUNT]
  *
  * Starts N ranks as processes (fork), each its own simulated host (COMM_HOSTID=scale-<rank>)
  * unless -H says how many hosts the ranks share (-H 1: all on one host, shared memory; rank r
@@ -13,7 +13,10 @@
  * and the tenth 8-byte all-reduce, then its peak descriptors (/proc/self/fd), threads and peak
  * RSS (VmHWM, KiB) and its sockets, all sampled after the tenth all-reduce. With -c every
  * collective runs once with small counts and its result is checked ("check ok" or "check
- * FAILED" in the line). scripts/scale_bench.sh aggregates the lines.
+ * FAILED" in the line). -S skips the split (a job of one communicator and all-reduces only);
+ * -p replaces the all-reduces with a send/recv between ranks 2k and 2k+1 (N even; no split),
+ * a job in which each rank talks to one peer. The line also carries the rank's pid, which
+ * the library's log lines name. scripts/scale_bench.sh aggregates the lines.
  *
  * With -b BASE:COUNT this process starts only ranks BASE .. BASE+COUNT-1 of the N; the others
  * run in other processes (scripts/scale_netns.sh starts one per network namespace, each a real
@@ -168,8 +171,21 @@ static long check_all(ncclComm_t comm, int rank, int n) {
   return bad;
 }
 
+/* One 8-byte exchange with rank ^ 1: 1 when the peer's value did not arrive. */
+static long pair_exchange(ncclComm_t comm, int rank, double *x, double *y) {
+  int peer = rank ^ 1;
+  *y = -1;
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) r = ncclSend(x, 1, ncclDouble, peer, comm, NULL);
+  if (r == ncclSuccess) r = ncclRecv(y, 1, ncclDouble, peer, comm, NULL);
+  ncclResult_t e = ncclGroupEnd();
+  if (r == ncclSuccess) r = e;
+  if (r != ncclSuccess) die(rank, "send/recv with the pair's other rank", r);
+  return *y != (double)peer;
+}
+
 static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, int check,
-                    int external) {
+                    int split, int pairs, int external) {
   char host[64];
   ncclUniqueId own;
   ncclUniqueId *ids = sh->ids;
@@ -205,23 +221,28 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
   double t_init = now_ms() - t0;
 
   double x = rank, y = 0;
-  t0 = now_ms();
-  CHECK("ncclAllReduce", ncclAllReduce(&x, &y, 1, ncclDouble, ncclSum, comm, NULL));
-  double t_first = now_ms() - t0;
   double want = (double)n * (n - 1) / 2;
-  long bad = y != want;
-  double t_tenth = 0;
-  for (int i = 2; i <= 10; i++) {
+  long bad = 0;
+  double t_first = 0, t_tenth = 0;
+  for (int i = 1; i <= 10; i++) {
     t0 = now_ms();
-    CHECK("ncclAllReduce", ncclAllReduce(&x, &y, 1, ncclDouble, ncclSum, comm, NULL));
+    if (pairs) {
+      bad += pair_exchange(comm, rank, &x, &y);
+    } else {
+      CHECK("ncclAllReduce", ncclAllReduce(&x, &y, 1, ncclDouble, ncclSum, comm, NULL));
+      bad += y != want;
+    }
+    if (i == 1) t_first = now_ms() - t0;
     if (i == 10) t_tenth = now_ms() - t0;
-    bad += y != want;
   }
 
-  ncclComm_t half;
-  t0 = now_ms();
-  CHECK("ncclCommSplit", ncclCommSplit(comm, rank % 2, rank, &half, NULL));
-  double t_split = now_ms() - t0;
+  ncclComm_t half = NULL;
+  double t_split = 0;
+  if (split) {
+    t0 = now_ms();
+    CHECK("ncclCommSplit", ncclCommSplit(comm, rank % 2, rank, &half, NULL));
+    t_split = now_ms() - t0;
+  }
   if (half) {
     /* The split's first call: its links are made like the parent's. */
     int hn = 0;
@@ -242,26 +263,29 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
   double t_destroy = now_ms() - t0;
 
   printf("scale rank=%d n=%d roots=%d init_ms=%.3f split_ms=%.3f first_ms=%.3f tenth_ms=%.3f "
-         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d check=%s\n",
+         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d pid=%d check=%s\n",
          rank, n, nroots, t_init, t_split, t_first, t_tenth, t_destroy, fds, threads, hwm,
-         sockets, bad ? "FAILED" : "ok");
+         sockets, (int)getpid(), bad ? "FAILED" : "ok");
   fflush(stdout);
   return bad ? 3 : 0;
 }
 
 int main(int argc, char **argv) {
-  int n = 2, nroots = 1, hosts = 0, check = 0, base = 0, count = -1, opt;
-  while ((opt = getopt(argc, argv, "n:r:H:cb:")) != -1) {
+  int n = 2, nroots = 1, hosts = 0, check = 0, split = 1, pairs = 0, base = 0, count = -1, opt;
+  while ((opt = getopt(argc, argv, "n:r:H:cSpb:")) != -1) {
     switch (opt) {
       case 'n': n = atoi(optarg); break;
       case 'r': nroots = atoi(optarg); break;
       case 'H': hosts = atoi(optarg); break;
       case 'c': check = 1; break;
+      case 'S': split = 0; break;
+      case 'p': pairs = 1; split = 0; break;
       case 'b':
         if (sscanf(optarg, "%d:%d", &base, &count) != 2) count = -2;
         break;
       default:
-        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c] [-b BASE:COUNT]\n", argv[0]);
+        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c] [-S] [-p] [-b BASE:COUNT]\n",
+                argv[0]);
         return 64;
     }
   }
@@ -269,6 +293,10 @@ int main(int argc, char **argv) {
   if (!external) count = n;
   if (n < 1 || nroots < 1 || nroots > MAX_ROOTS || nroots > n || hosts < 0 || hosts > n) {
     fprintf(stderr, "scale: need 1 <= ROOTS <= min(N, %d) and 0 <= HOSTS <= N\n", MAX_ROOTS);
+    return 64;
+  }
+  if (pairs && (n % 2 || check)) {
+    fprintf(stderr, "scale: -p needs an even N and no -c\n");
     return 64;
   }
   if (external && (count < 1 || base < 0 || base + count > n || nroots != 1 || hosts != 0 ||
@@ -296,7 +324,7 @@ int main(int argc, char **argv) {
     if (p == 0) {
       /* A child whose parent died goes too. */
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      _exit(run_rank(sh, r, n, nroots, hosts, check, external));
+      _exit(run_rank(sh, r, n, nroots, hosts, check, split, pairs, external));
     }
     pids[r] = p;
   }

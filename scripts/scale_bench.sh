@@ -2,14 +2,17 @@
 # How init, split and the first all-reduces grow with the number of ranks (bench/scale.c).
 #
 #   scripts/scale_bench.sh [-n "2 8 32 128"] [-m "hosts shm"] [-r REPS] [-R ROOTS] [-c] [-t SECS]
+#                          [-a "DRIVER ARGS"]
 #
 # Modes: `hosts` gives every rank its own COMM_HOSTID (every pair of ranks talks TCP over
 # loopback, as across hosts); `shm` puts all ranks on one host (shared memory); `hosts:K` puts
 # the ranks on K simulated hosts. ROOTS > 1 uses ncclCommInitRankScalable with that many roots
 # (at most N). -c checks every collective once (small counts). Each run is under `timeout`
 # (-t, default 600 s); a run that fails leaves no child behind (the driver kills its ranks, and
-# they die with it). Prints one markdown row per (mode, N, repetition): median and max over the
-# ranks; the raw lines go to $SCALE_OUT (default target/scale) for later study.
+# they die with it). -a passes more arguments to bench/scale.c (-S: no split, an all-reduce-only
+# job). The ranks inherit the environment (NCCL_RUNTIME_CONNECT, COMM_ALGO, ...). Prints one
+# markdown row per (mode, N, repetition): median and max over the ranks; the raw lines go to
+# $SCALE_OUT (default target/scale) for later study.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 sizes="2 8 32 64 128"
@@ -18,7 +21,8 @@ reps=2
 roots=1
 check=""
 limit=600
-while getopts "n:m:r:R:ct:" o; do
+extra=""
+while getopts "n:m:r:R:ct:a:" o; do
   case $o in
     n) sizes=$OPTARG ;;
     m) modes=$OPTARG ;;
@@ -26,7 +30,8 @@ while getopts "n:m:r:R:ct:" o; do
     R) roots=$OPTARG ;;
     c) check=-c ;;
     t) limit=$OPTARG ;;
-    *) sed -n '2,12p' "$0" >&2; exit 64 ;;
+    a) extra=$OPTARG ;;
+    *) sed -n '2,15p' "$0" >&2; exit 64 ;;
   esac
 done
 
@@ -75,7 +80,7 @@ for mode in $modes; do
       log=$out/$mode-n$n-r$r-$rep
       rc=0
       # shellcheck disable=SC2086
-      timeout -k 10 "$limit" "$bin" -n "$n" -r "$r" $hflag $check >"$log.out" 2>"$log.err" || rc=$?
+      timeout -k 10 "$limit" "$bin" -n "$n" -r "$r" $hflag $check $extra >"$log.out" 2>"$log.err" || rc=$?
       python3 "$ROOT/scripts/scale_row.py" "$log.out" "$mode" "$n" "$r" "$rc"
       [ "$rc" = 0 ] || tail -5 "$log.err" >&2
     done

@@ -39,6 +39,8 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("every_collective", every_collective),
     ("rated_all_reduce", rated_all_reduce),
     ("extras", extras),
+    ("dies_before_first_use", dies_before_first_use),
+    ("abort_half_connected", abort_half_connected),
 ];
 
 #[test]
@@ -266,6 +268,86 @@ fn link_cut_abort(w: &Worker) -> Result<(), String> {
         Some(t) => Err(format!("returned {t:?} after the abort: {msg}")),
         None => Err(format!("returned {r:?} before the abort: {msg}")),
     }
+}
+
+/// arg: the victim's rank. Right after init, before any collective has connected anything
+/// (TCP links connect at first use), the victim kills itself; the others, half a second later,
+/// all-reduce: each must fail within seconds, naming the victim.
+fn dies_before_first_use(w: &Worker) -> Result<(), String> {
+    let victim: usize = w.arg.parse().unwrap();
+    let c = init(w)?;
+    if w.rank == victim {
+        // SAFETY: raise takes a signal number and touches no memory of ours.
+        unsafe { libc::raise(libc::SIGKILL) };
+        return Err("the victim outlived its own kill".into());
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let mut one = [1f32; 1];
+    let (r, msg) = all_reduce_loop(c, &mut one, Duration::from_secs(60));
+    let took = t.elapsed();
+    println!("rank {}: {r:?} after {took:?}: {msg}", w.rank);
+    if r == OK {
+        return Err("all-reduces still succeed a minute after a rank died".into());
+    }
+    if !msg.contains(&format!("rank {victim}")) {
+        return Err(format!("the error does not name rank {victim}: {msg}"));
+    }
+    if took > Duration::from_secs(10) {
+        return Err(format!("the error came {took:?} after the first call"));
+    }
+    unsafe { ncclCommAbort(c) };
+    Ok(())
+}
+
+/// arg: the rank that never calls a collective. The others all-reduce, which connects them to
+/// some peers and leaves them waiting for it; a second thread aborts a second later, and
+/// the blocked call and the abort must both return at once. The idle rank then aborts its
+/// communicator, which never connected anything, and that returns at once too.
+fn abort_half_connected(w: &Worker) -> Result<(), String> {
+    let idle: usize = w.arg.parse().unwrap();
+    let c = init(w)?;
+    if w.rank == idle {
+        std::thread::sleep(Duration::from_secs(2));
+        let t = Instant::now();
+        unsafe { ncclCommAbort(c) };
+        let took = t.elapsed();
+        println!(
+            "rank {}: aborted an unconnected communicator in {took:?}",
+            w.rank
+        );
+        return if took < Duration::from_secs(1) {
+            Ok(())
+        } else {
+            Err(format!("ncclCommAbort took {took:?}"))
+        };
+    }
+    let handle = c as usize;
+    let aborted = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        let t = Instant::now();
+        unsafe { ncclCommAbort(handle as ncclComm_t) };
+        (t, t.elapsed())
+    });
+    let mut one = [1f32; 1];
+    // A call after the abort would use a freed communicator: stop at the first error.
+    let (r, msg) = all_reduce_loop(c, &mut one, Duration::from_secs(60));
+    let returned = Instant::now();
+    let (at, abort_took) = aborted.join().unwrap();
+    let late = returned.saturating_duration_since(at);
+    println!(
+        "rank {}: {r:?} {late:?} after the abort (which took {abort_took:?}): {msg}",
+        w.rank
+    );
+    if r == OK {
+        return Err("the all-reduce succeeded without the idle rank".into());
+    }
+    if late > Duration::from_secs(1) || abort_took > Duration::from_secs(2) {
+        return Err(format!(
+            "returned {late:?} after the abort, which took {abort_took:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// commAlltoAllv with uneven blocks, then one group holding a send to and a receive from
@@ -500,6 +582,52 @@ fn a_dead_host_fails_the_survivors() {
         print!("{}", s.stdout);
     }
     assert_all_ok(&survivors, "survivors of a dead host");
+}
+
+/// Links connect at first use (the default): a rank killed after init, before any
+/// collective, is named by the others' first all-reduce within seconds, whether they dial it
+/// (refused) or wait for its dial (their probe of its service is refused).
+#[test]
+fn a_rank_dead_before_the_first_collective_is_named() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    let r = launch_on(
+        &hosts,
+        &[1, 1, 1],
+        "dies_before_first_use",
+        "1",
+        &[],
+        Duration::from_secs(120),
+        || {},
+    );
+    let survivors: Vec<RankResult> = r.into_iter().filter(|r| r.rank != 1).collect();
+    for s in &survivors {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(
+        &survivors,
+        "survivors of a rank dead before the first collective",
+    );
+}
+
+/// ncclCommAbort on communicators whose links are half made: the ranks that are blocked on a
+/// rank that never called return at once, and that rank's abort of a communicator with no
+/// link made returns at once too.
+#[test]
+fn abort_returns_on_a_half_connected_communicator() {
+    let Some(hosts) = Hosts::up(3) else { return };
+    let r = launch_on(
+        &hosts,
+        &[1, 1, 1],
+        "abort_half_connected",
+        "1",
+        &[],
+        Duration::from_secs(120),
+        || {},
+    );
+    for s in &r {
+        print!("{}", s.stdout);
+    }
+    assert_all_ok(&r, "abort on a half-connected communicator");
 }
 
 #[test]

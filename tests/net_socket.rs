@@ -154,6 +154,16 @@ fn hostile(w: &Worker) -> Result<(), String> {
             "setup took {took:?} after the real peer was released: the hostile connections held it up"
         ));
     }
+    let ctx = Ctx {
+        comm: c,
+        rank: w.rank,
+        n: w.nranks,
+    };
+    // TCP links connect at first use: rank 0 dials rank 1 in the first collective, while
+    // the attacker's silent connections are still open, and the attacker waits for that.
+    // The second round keeps rank 1's service up until the attacker is done with it, so that
+    // every silent connection is refused in the log.
+    each_collective(&ctx)?;
     if let Some(mut child) = attacker {
         let status = wait_for(Duration::from_secs(60), "the attacker to exit", || {
             child.try_wait().ok().flatten()
@@ -171,11 +181,6 @@ fn hostile(w: &Worker) -> Result<(), String> {
             ));
         }
     }
-    let ctx = Ctx {
-        comm: c,
-        rank: w.rank,
-        n: w.nranks,
-    };
     each_collective(&ctx)?;
     nccl!(comm::ffi::ncclCommDestroy(c));
     Ok(())

@@ -60,13 +60,26 @@ impl Report {
     }
 }
 
-/// Runs the driver on `n` ranks with `args`, killing it after `limit`; every rank's report.
+/// Runs the driver on `n` ranks with `args` and every collective checked (-c), killing it
+/// after `limit`; every rank's report.
 fn run(n: usize, args: &[&str], limit: Duration) -> Vec<Report> {
+    let args: Vec<&str> = args.iter().copied().chain(["-c"]).collect();
+    run_env(n, &args, &[], limit).0
+}
+
+/// `run` with exactly `args` and `env` added to the ranks' environment; the reports and the
+/// ranks' standard error (their log).
+fn run_env(
+    n: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (Vec<Report>, String) {
     let mut child = Command::new(driver())
         .arg("-n")
         .arg(n.to_string())
         .args(args)
-        .arg("-c")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -130,7 +143,37 @@ fn run(n: usize, args: &[&str], limit: Duration) -> Vec<Report> {
         reports.iter().map(|r| r.get("fds")).fold(0.0, f64::max),
         reports.iter().map(|r| r.get("sockets")).fold(0.0, f64::max),
     );
-    reports
+    (reports, err)
+}
+
+/// The peers rank `r` (the process `pid`) made a TCP link to, from its log (COMM_DEBUG=INFO):
+/// the lines "rank r -> rank p: net/socket ..." that the transport writes when a link is made.
+fn tcp_links(log: &str, pid: u64, r: u64) -> Vec<u64> {
+    let want = format!("COMM INFO rank {r} -> rank ");
+    let mut peers: Vec<u64> = log
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .and_then(|who| who.split(':').nth(1))
+                .is_some_and(|p| p == pid.to_string())
+        })
+        .filter_map(|l| l.split(&want).nth(1))
+        .filter_map(|rest| rest.split_once(": net/socket"))
+        .filter_map(|(p, _)| p.parse().ok())
+        .collect();
+    peers.sort_unstable();
+    peers
+}
+
+/// Every rank's TCP peers, by rank.
+fn links_by_rank(reports: &[Report], log: &str) -> Vec<Vec<u64>> {
+    let mut by_rank = vec![Vec::new(); reports.len()];
+    for r in reports {
+        let rank = r.get("rank") as u64;
+        by_rank[rank as usize] = tcp_links(log, r.get("pid") as u64, rank);
+    }
+    by_rank
 }
 
 #[test]
@@ -162,12 +205,82 @@ fn thirty_two_processes_each_its_own_host() {
     let n = 32;
     let reports = run(n, &[], Duration::from_secs(180));
     for r in &reports {
-        // Over TCP every rank still connects to every other at init: one socket a peer, and
-        // the bootstrap's two a round.
+        // Every collective runs once (-c): the all-to-all, and the one-shot algorithms of
+        // small sizes, connect every pair, one socket a peer; plus the bootstrap's two a round.
         let (rank, fds) = (r.get("rank"), r.get("fds"));
         assert!(
             fds <= (2 * n + 64) as f64,
             "rank {rank} holds {fds} descriptors"
         );
+    }
+}
+
+/// Only ring and tree (COMM_ALGO=ring,tree; the tuner's one-shot all-reduce of small sizes
+/// reads from every rank, so it would connect every pair): an all-reduce-only job of 8 and of
+/// 32 simulated hosts connects each rank to its ring and tree neighbours only, at first use,
+/// and a rank's descriptors grow as the bootstrap's log2 N rounds, not with N.
+#[test]
+fn an_all_reduce_only_job_connects_only_its_algorithms_peers() {
+    let env = [("COMM_ALGO", "ring,tree"), ("COMM_DEBUG", "INFO")];
+    let mut most_fds = Vec::new();
+    for n in [8usize, 32] {
+        let (reports, log) = run_env(n, &["-S"], &env, Duration::from_secs(180));
+        let links = links_by_rank(&reports, &log);
+        for (rank, peers) in links.iter().enumerate() {
+            // A ring's two neighbours and a tree's parent and two children, at most.
+            assert!(
+                peers.len() <= 5,
+                "{n} ranks: rank {rank} connected to {peers:?}"
+            );
+        }
+        // Each link is seen from both ends; ring and tree together have at most 2N edges,
+        // every pair connected would be N(N-1)/2.
+        let ends: usize = links.iter().map(|p| p.len()).sum();
+        assert!(ends > 0 && ends <= 4 * n, "{n} ranks: {ends} link ends");
+        for (rank, peers) in links.iter().enumerate() {
+            for &p in peers {
+                assert!(
+                    links[p as usize].contains(&(rank as u64)),
+                    "{n} ranks: rank {rank} has a link to rank {p}, which has none back"
+                );
+            }
+        }
+        let fds = reports.iter().map(|r| r.get("fds")).fold(0.0, f64::max);
+        most_fds.push(fds);
+    }
+    // Two more bootstrap rounds (two sockets each) from 8 to 32 ranks, and a tree level.
+    assert!(
+        most_fds[1] <= most_fds[0] + 8.0,
+        "descriptors per rank grew from {} at 8 ranks to {} at 32",
+        most_fds[0],
+        most_fds[1]
+    );
+}
+
+/// A job in which each rank only exchanges with one peer (2k with 2k+1) connects that pair and
+/// nothing else.
+#[test]
+fn send_recv_pairs_connect_only_their_own_peer() {
+    let n = 8;
+    let env = [("COMM_DEBUG", "INFO")];
+    let (reports, log) = run_env(n, &["-p"], &env, Duration::from_secs(120));
+    for (rank, peers) in links_by_rank(&reports, &log).iter().enumerate() {
+        assert_eq!(peers, &vec![(rank ^ 1) as u64], "rank {rank}'s TCP links");
+    }
+}
+
+/// NCCL_RUNTIME_CONNECT=0: every rank connects to every other at init, used or not.
+#[test]
+fn runtime_connect_0_connects_every_peer_at_init() {
+    let n = 8;
+    let env = [
+        ("NCCL_RUNTIME_CONNECT", "0"),
+        ("COMM_ALGO", "ring,tree"),
+        ("COMM_DEBUG", "INFO"),
+    ];
+    let (reports, log) = run_env(n, &["-S"], &env, Duration::from_secs(120));
+    for (rank, peers) in links_by_rank(&reports, &log).iter().enumerate() {
+        let all: Vec<u64> = (0..n as u64).filter(|&p| p != rank as u64).collect();
+        assert_eq!(peers, &all, "rank {rank}'s TCP links");
     }
 }

@@ -663,6 +663,32 @@ impl Dialer {
         auth::client_on(&mut wire, &self.secret, &ctx.encode())?;
         Ok(s)
     }
+
+    /// Where `peer`'s service listens (for messages).
+    pub(crate) fn addr(&self, peer: usize) -> Option<SocketAddr> {
+        self.addrs.get(peer).copied()
+    }
+
+    /// Err (ncclRemoteError) when `peer`'s service refuses connections: its process exited, or
+    /// its communicator was destroyed or aborted. A peer that answers, or cannot be reached
+    /// within a second (a slow host), counts as alive; the caller's deadline covers those.
+    pub(crate) fn check_alive(&self, peer: usize) -> Result<()> {
+        let Some(addr) = self.addr(peer) else {
+            return crate::internal_err!("rank {peer} is no rank of this communicator");
+        };
+        let watch = super::Watch {
+            addr,
+            secret: self.secret,
+            ctx: PeerCtx {
+                tag: self.tag,
+                purpose: Purpose::Probe,
+                key: 0,
+                from: self.rank as u32,
+                to: peer as u32,
+            },
+        };
+        watch.alive(peer, &self.abort)
+    }
 }
 
 /// The connection service as the rest of the library sees it.

@@ -35,7 +35,7 @@ mod root;
 mod rounds;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::AtomicBool;
@@ -50,7 +50,7 @@ pub(crate) use iface::local_ip;
 use crate::error::{ErrorKind, Result};
 pub(crate) use checkin::warn_after;
 use checkin::{CheckIn, RootSession};
-pub(crate) use listener::{Dialer, PeerCtx, Purpose};
+pub(crate) use listener::{Dialer, PeerCtx, Purpose, Route, PROBE_EVERY};
 use listener::{Identity, Listener};
 use net::Waiter;
 use rounds::{rounds_for, Rounds};

@@ -18,9 +18,9 @@ const T: Option<Duration> = Some(Duration::from_secs(20));
 
 /// Kills the test process if a test is still running after `limit`: a regression that makes a
 /// collective wait forever must fail the run, not hang it.
-pub(super) struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub(crate) struct Watchdog(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
-pub(super) fn watchdog(name: &'static str, limit: Duration) -> Watchdog {
+pub(crate) fn watchdog(name: &'static str, limit: Duration) -> Watchdog {
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seen = done.clone();
     std::thread::spawn(move || {
@@ -61,7 +61,7 @@ fn loopback_root(cfg: RootConfig) -> (UniqueId, SessionHandle, RootService) {
     (id, handle, service)
 }
 
-pub(super) fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
+pub(crate) fn init_all(ids: &[UniqueId], n: usize) -> Vec<Bootstrap> {
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| s.spawn(move || Bootstrap::init(ids, r, n, T)))

@@ -1,9 +1,11 @@
-//! Transports between hosts. `socket` is TCP; every connection is made at communicator setup
-//! over the bootstrap and proves it knows the communicator's secret.
+//! Transports between hosts. `socket` is TCP; every connection goes through the bootstrap's
+//! service and proves it knows the communicator's secret.
 //!
 //! Setup is collective: every rank publishes, over the bootstrap, how many sockets it wants per
-//! peer; then the lower rank of each pair that talks over the network opens that many
-//! connections (the smaller of the two ranks' counts) to the higher one. The connections go
+//! peer and whether it connects on demand; then the lower rank of each pair that talks over the
+//! network opens that many connections (the smaller of the two ranks' counts) to the higher
+//! one: at the link's first use (`on_demand`, NCCL_RUNTIME_CONNECT=1, the default, when every
+//! rank asks for it) or at once for every pair (NCCL_RUNTIME_CONNECT=0). The connections go
 //! through the bootstrap's connection service (`Bootstrap::dial` / `Bootstrap::accept`): the
 //! listener every rank already runs, which authenticates each connection with the HMAC
 //! challenge/response bound to the communicator, the pair, the purpose and the socket's index,
@@ -24,12 +26,18 @@
 //! `NCCL_SOCKET_NTHREADS` is the number of sockets per peer (at most 64, as in NCCL); large
 //! messages are cut across them (see `socket`). NCCL runs SOCKET_NTHREADS helper threads per
 //! connection; this transport starts none, so that knob only multiplies the socket count.
+//! `COMM_RUNTIME_CONNECT` / `NCCL_RUNTIME_CONNECT` (default 1): TCP links connect at first use;
+//! 0 connects every pair at init. InfiniBand (`ib`) connects every pair at init either way:
+//! its queue pairs are exchanged in one allgather at setup, and moving that exchange onto a
+//! service connection at first use is not done yet.
 
 pub(crate) mod ib;
+mod on_demand;
 mod socket;
 
 use crate::bootstrap::{Bootstrap, Purpose};
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::demand::OnDemand;
 use crate::transport::{Doorbell, Link};
 use parking_lot::Mutex;
 use socket::SocketLink;
@@ -283,6 +291,8 @@ pub(crate) struct NetWorld {
     thread: Option<std::thread::JoinHandle<()>>,
     /// The InfiniBand device the links use, kept open while they exist.
     ib: Option<ib::IbWorld>,
+    /// Takes the connections peers make at their first use of a link (see `on_demand`).
+    _route: Option<crate::bootstrap::Route>,
 }
 
 impl NetWorld {
@@ -352,6 +362,7 @@ pub(crate) fn connect(
     let sockets = sockets_per_peer();
     let mut mine = vec![vote];
     mine.extend_from_slice(&(sockets as u32).to_le_bytes());
+    mine.push(crate::env::RUNTIME_CONNECT.flag() as u8);
     if peers.iter().any(|&p| p < me) {
         crate::info!(
             "rank {me}: TCP transport of communicator {comm_tag:016x} takes its connections through the bootstrap's service of communicator {:016x}, listening on {}",
@@ -396,6 +407,7 @@ pub(crate) fn connect(
             waker: None,
             thread: None,
             ib: world,
+            _route: None,
         }));
     }
     if peers.is_empty() {
@@ -423,42 +435,59 @@ pub(crate) fn connect(
             })?;
         Ok(sockets.min(theirs).clamp(1, MAX_SOCKETS))
     };
-    let mut streams: Vec<Vec<TcpStream>> = (0..nranks).map(|_| Vec::new()).collect();
-    // The lower rank of each pair dials; the higher one's service takes the connection and
-    // runs the handshake on its own thread, so dialling never waits for the peer's own setup.
-    for &p in peers.iter().filter(|&&p| p > me) {
-        for i in 0..count(p)? {
-            let s = boot
-                .dial(p, Purpose::Net, i as u64, deadline)
-                .map_err(|e| e.context(format!("connecting to rank {p} over TCP (socket {i})")))?;
-            streams[p].push(s);
-        }
-    }
-    for &p in peers.iter().filter(|&&p| p < me) {
-        for i in 0..count(p)? {
-            let what = format!("over TCP (socket {i})");
-            streams[p].push(boot.accept(p, Purpose::Net, i as u64, deadline, &what)?);
-        }
-    }
     let (waker, thread_needed) = match direct {
         Some(w) => (w, false),
-        None => (Arc::new(Waker::new(Some(doorbell))?), true),
+        None => (Arc::new(Waker::new(Some(doorbell.clone()))?), true),
     };
     let mut links: Vec<Option<Arc<dyn Link>>> = (0..nranks).map(|_| None).collect();
-    for (p, ss) in streams.into_iter().enumerate() {
-        if ss.is_empty() {
-            continue;
+    // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
+    // connections that a rank connecting on demand would make only at first use.
+    let eager: Vec<usize> = (0..nranks)
+        .filter(|&r| addrs[r].get(5) != Some(&1))
+        .collect();
+    let route = if eager.is_empty() {
+        let mut expect = vec![0; nranks];
+        for &p in peers.iter().filter(|&&p| p < me) {
+            expect[p] = count(p)?;
         }
-        for s in &ss {
-            s.set_nonblocking(true)
-                .and_then(|_| s.set_nodelay(true))
-                .map_err(|e| Error::from_io("configure a TCP connection", e))?;
-            waker.add(s.as_raw_fd(), p)?;
+        let arrivals = Arc::new(on_demand::Arrivals::new(
+            me,
+            expect,
+            doorbell,
+            waker.clone(),
+        ));
+        let to = arrivals.clone();
+        let route = boot.route(Purpose::Net, Box::new(move |c, s| to.deliver(c, s)));
+        let dialer = boot.dialer();
+        let timeout = crate::bootstrap::init_timeout();
+        for &p in peers {
+            let connect = on_demand::TcpConnect {
+                me,
+                peer: p,
+                count: count(p)?,
+                dialer: dialer.clone(),
+                arrivals: arrivals.clone(),
+                waker: waker.clone(),
+                timeout,
+                used: Mutex::new(None),
+            };
+            links[p] = Some(Arc::new(OnDemand::new(Box::new(connect))));
         }
-        let link = SocketLink::new(p, ss, waker.clone());
-        crate::info!("rank {me} -> rank {p}: {}", link.describe());
-        links[p] = Some(Arc::new(link));
-    }
+        crate::info!(
+            "rank {me}: {} TCP peers, each connected at first use (NCCL_RUNTIME_CONNECT=0 connects them at init)",
+            peers.len()
+        );
+        Some(route)
+    } else {
+        if eager.len() < nranks {
+            crate::info!(
+                "network transport: every peer connected at init, since {} set NCCL_RUNTIME_CONNECT=0",
+                crate::bootstrap::describe_ranks(&eager)
+            );
+        }
+        connect_all(boot, peers, &count, deadline, &waker, &mut links)?;
+        None
+    };
     let thread = if thread_needed {
         let w = waker.clone();
         Some(
@@ -476,5 +505,50 @@ pub(crate) fn connect(
         waker: Some(waker),
         thread,
         ib: None,
+        _route: route,
     }))
+}
+
+/// Eager setup (NCCL_RUNTIME_CONNECT=0): this rank's connections to every network peer, now.
+fn connect_all(
+    boot: &Bootstrap,
+    peers: &[usize],
+    count: &dyn Fn(usize) -> Result<usize>,
+    deadline: Option<Instant>,
+    waker: &Arc<Waker>,
+    links: &mut [Option<Arc<dyn Link>>],
+) -> Result<()> {
+    let me = boot.rank();
+    let mut streams: Vec<Vec<TcpStream>> = (0..links.len()).map(|_| Vec::new()).collect();
+    // The lower rank of each pair dials; the higher one's service takes the connection and
+    // runs the handshake on its own thread, so dialling never waits for the peer's own setup.
+    for &p in peers.iter().filter(|&&p| p > me) {
+        for i in 0..count(p)? {
+            let s = boot
+                .dial(p, Purpose::Net, i as u64, deadline)
+                .map_err(|e| e.context(format!("connecting to rank {p} over TCP (socket {i})")))?;
+            streams[p].push(s);
+        }
+    }
+    for &p in peers.iter().filter(|&&p| p < me) {
+        for i in 0..count(p)? {
+            let what = format!("over TCP (socket {i})");
+            streams[p].push(boot.accept(p, Purpose::Net, i as u64, deadline, &what)?);
+        }
+    }
+    for (p, ss) in streams.into_iter().enumerate() {
+        if ss.is_empty() {
+            continue;
+        }
+        for s in &ss {
+            s.set_nonblocking(true)
+                .and_then(|_| s.set_nodelay(true))
+                .map_err(|e| Error::from_io("configure a TCP connection", e))?;
+            waker.add(s.as_raw_fd(), p)?;
+        }
+        let link = SocketLink::new(p, ss, waker.clone());
+        crate::info!("rank {me} -> rank {p}: {}", link.describe());
+        links[p] = Some(Arc::new(link));
+    }
+    Ok(())
 }

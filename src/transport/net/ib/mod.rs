@@ -8,6 +8,12 @@
 //! every rank has a usable device and active port, sockets otherwise, and an INFO line says
 //! which and why.
 //!
+//! Every pair's queue pair is made at init (an allgather of queue-pair numbers and slot
+//! addresses), whatever NCCL_RUNTIME_CONNECT says: unlike the TCP transport, InfiniBand does
+//! not connect at first use yet, so a rank holds a queue pair and its registered slots for
+//! every network peer. Doing it would mean exchanging the two ends' queue-pair info over a
+//! service connection at the link's first use instead.
+//!
 //! This transport has been tested against the model only, never on RDMA hardware.
 
 mod libverbs;
