@@ -762,9 +762,11 @@ impl Comm {
         // tuner and the map. A call that misses both builds its schedule outside the lock.
         let key = {
             let mut all = self.schedules.lock();
-            if let Some((_, s)) = all.last.as_ref().filter(|(k, _)| {
-                !crate::exec::xoff::off(crate::exec::xoff::MEMO) && k.matches(call, slice_bytes)
-            }) {
+            if let Some((_, s)) = all
+                .last
+                .as_ref()
+                .filter(|(k, _)| k.matches(call, slice_bytes))
+            {
                 return Ok(op(s.clone()));
             }
             let algo = if call.device {

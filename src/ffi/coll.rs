@@ -34,18 +34,12 @@ fn call(
             return ncclResult_t::ncclSuccess;
         }
         // Inside a group a call is queued: the full path takes it.
-        let key = (!crate::exec::xoff::off(crate::exec::xoff::AGAIN) && !crate::group::in_group())
+        let key = (!crate::group::in_group())
             .then(|| repeat_key(k, dtype, op, stream as usize))
             .flatten();
         if let Some(key) = &key {
             let mut rank = None;
             let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                if crate::exec::xoff::off(crate::exec::xoff::LANE) {
-                    let c = super::comm_of(comm).ok()?;
-                    rank = Some(c.rank as i32);
-                    let _scope = crate::log::rank_scope(c.rank as i32);
-                    return c.again(key, send as *const u8, recv as *mut u8);
-                }
                 lane::kept(comm, |c| {
                     rank = Some(c.rank as i32);
                     let _scope = crate::log::rank_scope(c.rank as i32);

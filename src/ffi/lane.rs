@@ -67,9 +67,6 @@ pub(crate) fn with_comm<T>(
     comm: ncclComm_t,
     body: impl FnOnce(&Arc<Comm>) -> crate::error::Result<T>,
 ) -> crate::error::Result<T> {
-    if crate::exec::xoff::off(crate::exec::xoff::LANE) {
-        return body(&super::comm_of(comm)?);
-    }
     let epoch = EPOCH.load(Ordering::Acquire);
     let id = comm as usize;
     // Taken out for the call, so that a call made from inside `body` finds nothing kept.
@@ -108,9 +105,6 @@ pub(crate) fn with_kept(comm: ncclComm_t, f: impl FnOnce(&Comm) -> bool) -> bool
 /// `f` on the communicator behind `comm` as `with_kept` finds it; None, without calling `f`,
 /// where `with_kept` would not call it.
 pub(crate) fn kept<T>(comm: ncclComm_t, f: impl FnOnce(&Comm) -> Option<T>) -> Option<T> {
-    if crate::exec::xoff::off(crate::exec::xoff::LANE) {
-        return None;
-    }
     let epoch = EPOCH.load(Ordering::Acquire);
     KEPT.try_with(|k| {
         let k = k.try_borrow().ok()?;

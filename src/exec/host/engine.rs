@@ -63,11 +63,7 @@ impl<'a> Exec<'a> {
         // is collapsed the second time it comes (`sys::collapse_to_huge_pages`), so repeated
         // calls look at it as well.
         wiring.collapse_if_large(scratch as usize, need);
-        if let ([op], Some(b), false) = (
-            t.ops.as_slice(),
-            built.as_mut(),
-            crate::exec::xoff::off(crate::exec::xoff::BUILT),
-        ) {
+        if let ([op], Some(b)) = (t.ops.as_slice(), built.as_mut()) {
             let reuse = b.reuse(op, scratch, t.steps.len());
             if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
@@ -122,10 +118,7 @@ impl<'a> Exec<'a> {
         let hazards = match t.ops.as_slice() {
             [op] => {
                 let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
-                let h = match known
-                    .get(&key)
-                    .filter(|_| !crate::exec::xoff::off(crate::exec::xoff::HAZARDS))
-                {
+                let h = match known.get(&key) {
                     Some((_, h)) => h.clone(),
                     None => {
                         let h = Arc::new(Hazards::compute(steps, &mirror));

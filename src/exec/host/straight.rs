@@ -196,10 +196,7 @@ pub(super) fn run_alone(wiring: &Wiring, cache: &mut ExecCache, large: bool) -> 
         });
     cache.tables.forward_first = matches!(timed, Some((Way::Forward, ..)));
     cache.tables.could_forward = false;
-    if timed.is_none()
-        && !large
-        && !crate::exec::xoff::off(crate::exec::xoff::STRAIGHT | crate::exec::xoff::BUILT)
-    {
+    if timed.is_none() && !large {
         match straight(wiring, cache) {
             Ok(false) => {}
             Ok(true) => {
