@@ -36,15 +36,20 @@ impl Gate {
         &self,
         cache: &'a Mutex<ExecCache>,
     ) -> Result<MutexGuard<'a, ExecCache>> {
+        // Asked before the cache too: a background operation holds the cache while it runs,
+        // and a call made meanwhile is told that, not that another thread is inside a call.
+        // Asked again once the cache is held, for an operation sent to the background between
+        // the two looks (`start_background` comes before that call lets the cache go).
+        if self.background.load(Ordering::Acquire) {
+            return still_in_progress();
+        }
         let Some(held) = cache.try_lock() else {
             return crate::invalid_usage!(
                 "called while another thread is inside a call on this communicator; calls on one communicator must come one at a time (from any thread, one after the other), or the ranks may pair different operations"
             );
         };
         if self.background.load(Ordering::Acquire) {
-            return crate::invalid_usage!(
-                "called while an earlier operation of this non-blocking communicator is still in progress; poll ncclCommGetAsyncError until it returns ncclSuccess before the next call"
-            );
+            return still_in_progress();
         }
         Ok(held)
     }
@@ -78,6 +83,13 @@ impl Gate {
     }
 }
 
+#[cold]
+fn still_in_progress<T>() -> Result<T> {
+    crate::invalid_usage!(
+        "called while an earlier operation of this non-blocking communicator is still in progress; poll ncclCommGetAsyncError until it returns ncclSuccess before the next call"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +110,11 @@ mod tests {
         assert!(g.in_progress());
         let e = g.enter(&cache).err().unwrap();
         assert!(e.msg.contains("ncclCommGetAsyncError"), "{}", e.msg);
+        // The background operation holding the cache, as it does while it runs.
+        let running = cache.lock();
+        let e = g.enter(&cache).err().unwrap();
+        assert!(e.msg.contains("ncclCommGetAsyncError"), "{}", e.msg);
+        drop(running);
         std::thread::scope(|s| {
             s.spawn(|| g.release_background());
             g.wait_background();

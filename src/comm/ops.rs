@@ -104,7 +104,9 @@ pub(crate) type ScheduleCache = Mutex<Schedules>;
 #[derive(Default)]
 pub(crate) struct Schedules {
     by_key: rustc_hash::FxHashMap<ScheduleKey, Arc<algo::Schedule>>,
-    /// The last call's schedule: a loop repeating one call skips the tuner and the hashing.
+    /// The last call's schedule, looked at first under the same lock as the map: a loop
+    /// repeating one call that `Comm::again` does not serve (in a group, on a non-blocking
+    /// communicator) skips the tuner and the hashing.
     last: Option<(CallKey, Arc<algo::Schedule>)>,
 }
 
@@ -740,79 +742,69 @@ impl Comm {
     fn build_with_slice(&self, call: &Call, seq: u64, slice_bytes: usize) -> Result<HostOp> {
         let tag = tag_of(&call.coll, call.dtype, op_code(call.op), seq);
         let reduction = call.op.map(|op| self.reduction(op, call.dtype));
-        {
-            let memo = self.schedules.lock();
-            if let Some((_, s)) = memo
-                .last
-                .as_ref()
-                .filter(|(k, _)| k.matches(call, slice_bytes))
-            {
-                return Ok(HostOp {
-                    schedule: s.clone(),
-                    send: call.send,
-                    recv: call.recv,
-                    tag,
-                    reduction,
-                });
-            }
-        }
-        let elem = call.dtype.size();
-        let (algo, bytes) = self.algorithm(call);
-        let key = ScheduleKey {
-            call: CallKey::of(call, slice_bytes),
-            algo,
-        };
-        let cached = {
-            let mut all = self.schedules.lock();
-            let s = all.by_key.get(&key).cloned();
-            if let Some(s) = &s {
-                all.last = Some((key.call.clone(), s.clone()));
-            }
-            s
-        };
-        let schedule = match cached {
-            Some(s) => s,
-            None => {
-                // Made only here: its ring order and host layout are reference counted, and
-                // a call whose schedule is cached needs neither.
-                let shape = Shape {
-                    rank: self.rank,
-                    nranks: self.nranks,
-                    elem,
-                    in_place: call.in_place,
-                    slice_bytes,
-                    ring: self.ring.clone(),
-                    hosts: self.hosts.clone(),
-                };
-                let s = Arc::new(match call.coll {
-                    Collective::Send { peer, count } if call.stage => {
-                        algo::staged_send(peer, count * shape.elem, &shape)
-                    }
-                    _ => algo::schedule(&call.coll, &shape, algo),
-                });
-                crate::trace!(
-                    "{} {bytes} bytes {} with {} ({} steps)",
-                    call.coll.name(),
-                    call.dtype.name(),
-                    algo.name(),
-                    s.steps.len()
-                );
-                let mut all = self.schedules.lock();
-                if all.by_key.len() >= 256 {
-                    all.by_key.clear();
-                }
-                all.last = Some((key.call.clone(), s.clone()));
-                all.by_key.insert(key, s.clone());
-                s
-            }
-        };
-        Ok(HostOp {
+        let op = |schedule| HostOp {
             schedule,
             send: call.send,
             recv: call.recv,
             tag,
             reduction,
-        })
+        };
+        let elem = call.dtype.size();
+        // One look under one lock: the last call's schedule (`Schedules::last`), then the
+        // tuner and the map. A call that misses both builds its schedule outside the lock.
+        let key = {
+            let mut all = self.schedules.lock();
+            if let Some((_, s)) = all
+                .last
+                .as_ref()
+                .filter(|(k, _)| k.matches(call, slice_bytes))
+            {
+                return Ok(op(s.clone()));
+            }
+            let (algo, _) = self.algorithm(call);
+            let key = ScheduleKey {
+                call: CallKey::of(call, slice_bytes),
+                algo,
+            };
+            if let Some(s) = all.by_key.get(&key).cloned() {
+                all.last = Some((key.call, s.clone()));
+                return Ok(op(s));
+            }
+            key
+        };
+        let algo = key.algo;
+        let bytes = algo::cost::tuner_bytes(&call.coll, elem);
+        // Made only here: its ring order and host layout are reference counted, and a call
+        // whose schedule is cached needs neither.
+        let shape = Shape {
+            rank: self.rank,
+            nranks: self.nranks,
+            elem,
+            in_place: call.in_place,
+            slice_bytes,
+            ring: self.ring.clone(),
+            hosts: self.hosts.clone(),
+        };
+        let s = Arc::new(match call.coll {
+            Collective::Send { peer, count } if call.stage => {
+                algo::staged_send(peer, count * shape.elem, &shape)
+            }
+            _ => algo::schedule(&call.coll, &shape, algo),
+        });
+        crate::trace!(
+            "{} {bytes} bytes {} with {} ({} steps)",
+            call.coll.name(),
+            call.dtype.name(),
+            algo.name(),
+            s.steps.len()
+        );
+        let mut all = self.schedules.lock();
+        if all.by_key.len() >= 256 {
+            all.by_key.clear();
+        }
+        all.last = Some((key.call.clone(), s.clone()));
+        all.by_key.insert(key, s.clone());
+        Ok(op(s))
     }
 
     fn reduction(&self, op: OpChoice, dtype: DataType) -> Reduction {

@@ -1,5 +1,7 @@
-//! What the executor keeps between calls: its tables, scratch, built steps and the key of
-//! the last call, so that repeated calls allocate and analyse nothing.
+//! What the executor keeps between calls: its tables, scratch, built steps, the key of the
+//! last call and its plans (per schedule and aliasing: the hazards, and the steps of a plan
+//! whose run is not the last one), so that repeated calls, and calls that take turns,
+//! allocate and analyse nothing.
 
 use super::hazards::Hazards;
 use super::overlap;
@@ -16,16 +18,18 @@ pub(super) type Aliasing = Option<isize>;
 /// The executor's tables, kept between calls so that their memory is reused.
 #[derive(Default)]
 pub(crate) struct ExecCache {
-    /// Hazards of single-operation runs, by schedule (its address: the Arc is kept alive in
-    /// the value) and aliasing. Repeated calls of one shape skip the quadratic analysis.
-    pub(super) hazards: rustc_hash::FxHashMap<(usize, Aliasing), (Arc<Schedule>, Arc<Hazards>)>,
+    /// The plans of single-operation runs, by schedule (its address: the Arc is kept alive in
+    /// the value) and aliasing: their hazards, so that calls of one shape skip the quadratic
+    /// analysis, and the steps of those not in the tables now (`Plan::parked`).
+    pub(super) plans: rustc_hash::FxHashMap<PlanKey, Plan>,
     /// Whole cache lines, so that scratch starts on one: from the allocator it would start 16
     /// bytes past a page, a distance to a page-aligned user buffer at which the C library's
     /// copies can be very slow (see `reduce::copy_bytes`), and a reduction's lines would
     /// straddle.
     pub(super) scratch: Vec<Line>,
     pub(super) tables: Tables,
-    /// What `tables.steps` was last built for, when that was one operation alone.
+    /// What `tables.steps` was last built for, when that was one operation alone (its plan's
+    /// steps are in the tables, not parked).
     pub(super) built: Option<Built>,
     /// The call the last run served, when it was one operation alone that ran to the end and
     /// its entry point gave it a key, and where that call's buffers lay (`run_again`):
@@ -43,6 +47,92 @@ impl ExecCache {
             ..Default::default()
         }
     }
+
+    /// Before a run of the operations in the tables: when that is one operation whose plan
+    /// ran before and was parked, its steps come back into the tables (`Built::reuse` then
+    /// says how much of them it keeps), and the steps there go to their own plan. Calls that
+    /// take turns (a training loop's buckets) so keep their steps as a repeated call does.
+    /// Any other run parks the steps in the tables and builds its own.
+    pub(super) fn recall(&mut self) {
+        let key = match self.tables.ops.as_slice() {
+            [op] => plan_key(op),
+            _ => return self.park(),
+        };
+        if self.built.as_ref().is_some_and(|b| b.plan_key() == key) {
+            return;
+        }
+        self.park();
+        let Some(p) = self.plans.get_mut(&key).and_then(|p| p.parked.take()) else {
+            return;
+        };
+        let t = &mut self.tables;
+        t.steps = p.steps;
+        t.send_q = p.send_q;
+        t.recv_q = p.recv_q;
+        t.first_local = p.first_local;
+        t.peers = p.peers;
+        t.mixed = p.mixed;
+        t.edges = p.built.hazards.edges.clone();
+        t.tried = false;
+        self.built = Some(p.built);
+    }
+
+    /// Moves the steps of the single operation the tables were built for (`built`) to its
+    /// plan, to come back when that plan runs again (dropped if the plan is gone, or if they
+    /// are more than `PARK_UP_TO`).
+    fn park(&mut self) {
+        let Some(built) = self.built.take() else {
+            return;
+        };
+        if self.tables.steps.len() > PARK_UP_TO {
+            return;
+        }
+        let Some(plan) = self.plans.get_mut(&built.plan_key()) else {
+            return;
+        };
+        let t = &mut self.tables;
+        plan.parked = Some(Parked {
+            built,
+            steps: std::mem::take(&mut t.steps),
+            send_q: std::mem::take(&mut t.send_q),
+            recv_q: std::mem::take(&mut t.recv_q),
+            first_local: std::mem::take(&mut t.first_local),
+            peers: std::mem::take(&mut t.peers),
+            mixed: std::mem::take(&mut t.mixed),
+        });
+    }
+}
+
+/// Plans of at most this many steps keep them while another plan runs. Building steps costs
+/// what a small call costs, and small calls have few steps; a large call's steps would hold
+/// memory for a saving its bytes' time hides.
+const PARK_UP_TO: usize = 1024;
+
+/// A plan's key: its schedule's address and how its buffers overlap.
+pub(super) type PlanKey = (usize, Aliasing);
+
+pub(super) fn plan_key(op: &HostOp) -> PlanKey {
+    (Arc::as_ptr(&op.schedule) as usize, aliasing(op))
+}
+
+/// What the executor keeps of one plan (a schedule, on buffers that overlap one way).
+pub(super) struct Plan {
+    /// Keeps the schedule whose address is the key alive.
+    pub(super) _schedule: Arc<Schedule>,
+    pub(super) hazards: Arc<Hazards>,
+    /// The steps its last run left, while another run's are in the tables.
+    pub(super) parked: Option<Parked>,
+}
+
+/// A plan's steps and their queues, out of the tables (`ExecCache::park`).
+pub(super) struct Parked {
+    built: Built,
+    steps: Vec<XStep>,
+    send_q: Vec<StepQueue>,
+    recv_q: Vec<StepQueue>,
+    first_local: Vec<u32>,
+    peers: Vec<usize>,
+    mixed: Vec<bool>,
 }
 
 /// A call outside any group as its entry point received it, but for its buffers: the
@@ -117,11 +207,12 @@ pub(super) struct Tables {
 }
 
 // SAFETY: what keeps the cache from being Send automatically is raw pointers into the user's
-// buffers and scratch (`HostOp`, the built steps), left from the last run. They are followed
-// only during a run, by the thread that holds the comm's `Mutex<ExecCache>` for it, after that
-// run stored its own call's buffers in them (`run_again_in` replaces `send`/`recv` once the
-// new call is admitted); between runs nothing reads through them, so the cache may move to
-// another thread.
+// buffers and scratch (`HostOp`, the built steps, the parked plans' steps), left from earlier
+// runs. They are followed only during a run, by the thread that holds the comm's
+// `Mutex<ExecCache>` for it, after that run stored its own call's buffers in them
+// (`run_again_in` replaces `send`/`recv` once the new call is admitted; steps brought back are
+// kept only on the same buffers or resolved again, `Built::reuse`); between runs nothing reads
+// through them, so the cache may move to another thread.
 unsafe impl Send for ExecCache {}
 
 /// How an operation's send and receive buffers overlap (see `Aliasing`).

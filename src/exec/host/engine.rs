@@ -2,7 +2,7 @@
 //! per-peer order allow and progressing them on their links.
 
 use super::blame::count_repeats;
-use super::cache::{aliasing, Line, Tables};
+use super::cache::{plan_key, Line, Plan, Tables};
 use super::hazards::{Hazards, Hint};
 use super::plan::{is_p2p, op_bytes, resolver, Action, Built, Reuse, StepQueue, XStep};
 use super::straight::run_local;
@@ -42,8 +42,9 @@ impl<'a> Exec<'a> {
     /// The executor for the operations in `cache.tables.ops`, over the cache's tables.
     pub(super) fn new(wiring: &'a Wiring, cache: &'a mut ExecCache) -> Result<Exec<'a>> {
         let npeers = wiring.links.len();
+        cache.recall();
         let ExecCache {
-            hazards: known,
+            plans: known,
             scratch,
             tables: t,
             built,
@@ -117,15 +118,20 @@ impl<'a> Exec<'a> {
         let mirror = |op: usize, p: usize| ops[op].in_recv(p);
         let hazards = match t.ops.as_slice() {
             [op] => {
-                let key = (Arc::as_ptr(&op.schedule) as usize, aliasing(op));
+                let key = plan_key(op);
                 let h = match known.get(&key) {
-                    Some((_, h)) => h.clone(),
+                    Some(p) => p.hazards.clone(),
                     None => {
                         let h = Arc::new(Hazards::compute(steps, &mirror));
                         if known.len() >= 256 {
                             known.clear();
                         }
-                        known.insert(key, (op.schedule.clone(), h.clone()));
+                        let plan = Plan {
+                            _schedule: op.schedule.clone(),
+                            hazards: h.clone(),
+                            parked: None,
+                        };
+                        known.insert(key, plan);
                         h
                     }
                 };

@@ -187,6 +187,11 @@ pub(super) enum Reuse {
 }
 
 impl Built {
+    /// The key of the plan these steps were built for (`ExecCache::plans`).
+    pub(super) fn plan_key(&self) -> super::cache::PlanKey {
+        (Arc::as_ptr(&self.schedule) as usize, self.aliasing)
+    }
+
     /// Resolves `steps` anew on `op`'s buffers, which overlap as the last run's did
     /// (`Reuse::Structure`), and keeps those buffers as the ones the steps were built for.
     pub(super) fn take_buffers(&mut self, op: &HostOp, scratch: *mut u8, steps: &mut [XStep]) {

@@ -68,6 +68,7 @@ pub(super) fn run_local(action: Action, reduction: Option<Reduction>) -> Result<
 /// local step that nothing waits for (an all-gather's own block) runs last, once every link
 /// step finished, as the executor runs local steps after its sends.
 pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
+    cache.recall();
     let ExecCache {
         scratch,
         tables: t,

@@ -1138,6 +1138,54 @@ fn only_the_call_that_ran_last_runs_again() {
     }
 }
 
+/// Two calls that take turns, each on buffers of its own and then on the other pair: from the
+/// third call on, each finds its plan's steps again (parked while the other ran) and is tried
+/// straight, and every result is its own call's.
+#[test]
+fn calls_that_take_turns_keep_their_steps() {
+    let n = 3;
+    // The larger first: scratch grows once, on the first call, and stays where the plans saw it.
+    let counts = [301, 300];
+    let m = mesh(n, 256, Duration::from_secs(20));
+    let out = on_threads(&m.wirings, |r, w| {
+        let shape = shape(r, n, 4, false, 64);
+        let schedules = counts.map(|c| Arc::new(ring::all_reduce(c, &shape)));
+        let mut bufs = counts.map(|c| [vec![0u8; c * 4], vec![0u8; c * 4]]);
+        let mut results = Vec::new();
+        let before = STRAIGHT_RUNS.get().iter().sum::<u32>();
+        for k in 0..6 {
+            let which = k % 2;
+            let count = counts[which];
+            let [send, recv] = &mut bufs[which];
+            send.copy_from_slice(&f32s((0..count).map(|i| (value(r, i) + k as i32) as f32)));
+            recv.fill(0);
+            let op = HostOp {
+                schedule: schedules[which].clone(),
+                send: send.as_ptr(),
+                recv: recv.as_mut_ptr(),
+                tag: ALL_REDUCE_TAG + k as u64,
+                reduction: Some(plain(DataType::Float32)),
+            };
+            run_one(w, op, None)?;
+            results.push(as_f32s(recv));
+        }
+        let tried = STRAIGHT_RUNS.get().iter().sum::<u32>() - before;
+        Ok::<_, Error>((results, tried, w.cache.lock().plans.len()))
+    });
+    for (r, res) in out.into_iter().enumerate() {
+        let (res, tried, plans) = res.unwrap_or_else(|e: Error| panic!("rank {r}: {}", e.msg));
+        assert_eq!(tried, 4, "rank {r}: calls 3 to 6 tried straight");
+        assert_eq!(plans, 2, "rank {r}");
+        for (k, got) in res.iter().enumerate() {
+            assert_eq!(got.len(), counts[k % 2]);
+            for (i, &g) in got.iter().enumerate() {
+                let want: f32 = (0..n).map(|q| (value(q, i) + k as i32) as f32).sum();
+                assert_eq!(g, want, "rank {r} call {k} element {i}");
+            }
+        }
+    }
+}
+
 /// A footprint admits buffers that pass the same checks the same way.
 #[test]
 fn footprints_admit_buffers_that_lie_alike() {
@@ -1289,7 +1337,7 @@ fn a_step_waits_for_the_receive_it_reads_and_the_cache_tells_aliasings_apart() {
         let copied: &[u8] = if in_place { &incoming } else { &[9; 8] };
         assert_eq!(&got[8..], copied, "in place: {in_place}");
     }
-    assert_eq!(m.wirings[0].cache.lock().hazards.len(), 2);
+    assert_eq!(m.wirings[0].cache.lock().plans.len(), 2);
 }
 
 /// Scratch space stays allocated between calls (rounded up to 64 bytes per operation),
