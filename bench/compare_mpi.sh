@@ -48,7 +48,19 @@ libs=(comm)
 base=${COMPARE_BASELINE:-}
 if [ -n "$base" ]; then
   [ -f "$base/libcomm.so" ] || { echo "COMPARE_BASELINE: no libcomm.so in $base" >&2; exit 2; }
-  base=$(cd "$base" && pwd)
+  # The benchmark binaries link libnccl.so.2, found through their RUNPATH when the directory
+  # has no file of that name: a directory holding only libcomm.so would compare the build's
+  # library with itself. The old build goes under both names in a directory of our own, and
+  # the loader must be seen to pick it.
+  given=$(cd "$base" && pwd)
+  base=$(mktemp -d)
+  trap 'rm -rf "$base"' EXIT
+  ln -s "$given/libcomm.so" "$base/libcomm.so"
+  ln -s "$given/libcomm.so" "$base/libnccl.so.2"
+  LD_LIBRARY_PATH=$base ldd "$bin/all_reduce_perf" | grep -q "libnccl.so.2 => $base/" || {
+    echo "COMPARE_BASELINE: $bin/all_reduce_perf does not load the library in $given" >&2
+    exit 2
+  }
   libs+=(base)
 fi
 if [ -x "$bin/mpi_perf" ] && command -v mpirun.openmpi >/dev/null; then

@@ -68,6 +68,20 @@ while (($#)); do
 done
 ((hosts >= 2 && per_host >= 1 && rounds >= 1)) || { echo "bench_hosts.sh: need --hosts >= 2, --per-host >= 1, --rounds >= 1" >&2; exit 2; }
 nranks=$((hosts * per_host))
+# A variant that loads another library through LD_LIBRARY_PATH must hold it as libnccl.so.2,
+# the name the binaries link: otherwise the loader finds the build's own through RUNPATH and
+# the variant runs the same library as the default.
+for v in "${variants[@]}"; do
+  IFS=, read -r -a kv <<<"$v"
+  for e in "${kv[@]}"; do
+    [[ $e == LD_LIBRARY_PATH=* ]] || continue
+    dir=${e#LD_LIBRARY_PATH=}
+    LD_LIBRARY_PATH=$dir ldd "$bin/all_reduce_perf" 2>/dev/null | grep -q "libnccl.so.2 => $dir/" || {
+      echo "bench_hosts.sh: --env $v: $bin/all_reduce_perf does not load libnccl.so.2 from $dir (link the old libcomm.so there under that name)" >&2
+      exit 2
+    }
+  done
+done
 
 # The tables, from the JSON files of --out: busbw medians over rounds with the lowest and highest
 # round, ratios per round (then their median and range), iperf3's rate.
