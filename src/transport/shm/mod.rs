@@ -34,4 +34,8 @@ mod tests;
 
 pub(crate) use presence::ShmPresence;
 pub(crate) use segment::Segment;
-pub(crate) use setup::{connect, fetch_segment, serve_segment, ShmWorld};
+#[cfg(test)]
+pub(crate) use setup::connect;
+#[cfg(test)]
+pub(crate) use setup::DEMAND_FOR_TEST;
+pub(crate) use setup::{connect_as, demand_wanted, fetch_segment, serve_segment, ShmWorld};
