@@ -1,5 +1,7 @@
-//! Setting up the transport: segments made and announced, fetched from peers over an
-//! authenticated unix socket (or duplicated between threads), and links made.
+//! Setting up the transport: segments made and announced, then each link made at its first use
+//! (the peer's segment taken out of its process with pidfd_getfd, see `connect_as`) or every
+//! link at init (segments fetched from peers over an authenticated unix socket, or duplicated
+//! between threads).
 
 use super::packed::Packing;
 use super::peer::{tail_step, Access, CarriedList, ShmPeer};
