@@ -406,6 +406,24 @@ impl ProcessWatch {
         ProcessWatch { pid, pidfd }
     }
 
+    /// A duplicate of descriptor `fd` of the watched process (as `take_fd`, through the
+    /// watch's own pidfd: one descriptor and two system calls fewer).
+    pub(crate) fn take_fd(&self, fd: RawFd) -> Result<OwnedFd> {
+        let Some(pidfd) = &self.pidfd else {
+            return take_fd(self.pid, fd);
+        };
+        // SAFETY: as in take_fd.
+        let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if new < 0 {
+            return Err(Error::last_os(format!(
+                "pidfd_getfd(pid {}, fd {fd})",
+                self.pid
+            )));
+        }
+        // SAFETY: a fresh descriptor that we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
+    }
+
     pub(crate) fn alive(&self) -> bool {
         match &self.pidfd {
             Some(fd) => {

@@ -132,14 +132,16 @@ impl Peers {
         if let Some(p) = self.made(r) {
             return Ok(p.clone());
         }
+        // Kept by the link to tell when the peer exits; its pidfd also takes the descriptor.
+        let watch = match reach.access {
+            Access::Cma(pid) => Some(ProcessWatch::new(pid)),
+            Access::Direct => None,
+        };
         // The peer's descriptor is gone, or is no longer its segment: the peer exited, or
         // freed the segment with its communicator (destroy, abort, a failed init), which its
         // segment would have said had this rank mapped it before.
         let gone = |e: Error| {
-            let exited = match reach.access {
-                Access::Cma(pid) => !ProcessWatch::new(pid).alive(),
-                Access::Direct => false,
-            };
+            let exited = watch.as_ref().is_some_and(|w| !w.alive());
             if exited {
                 Error::lost_peer(
                     r,
@@ -159,17 +161,23 @@ impl Peers {
         };
         let fd = match reach.access {
             Access::Direct => sys::dup(reach.fd).map_err(gone)?,
-            Access::Cma(pid) => sys::take_fd(pid, reach.fd).map_err(|e| match e.kind {
-                // Not permitted (the pid now belongs to another process, say).
-                crate::error::ErrorKind::System
-                    if sys::may_take_fds(pid) || !ProcessWatch::new(pid).alive() =>
-                {
-                    gone(e)
-                }
-                _ => e.context(format!(
-                    "taking rank {r}'s shared memory segment out of its process (pid {pid})"
-                )),
-            })?,
+            Access::Cma(pid) => watch
+                .as_ref()
+                .map_or_else(
+                    || crate::internal_err!("no watch on rank {r}'s process"),
+                    |w| w.take_fd(reach.fd),
+                )
+                .map_err(|e| match e.kind {
+                    // Not permitted (the pid now belongs to another process, say).
+                    crate::error::ErrorKind::System
+                        if sys::may_take_fds(pid) || !watch.as_ref().is_some_and(|w| w.alive()) =>
+                    {
+                        gone(e)
+                    }
+                    _ => e.context(format!(
+                        "taking rank {r}'s shared memory segment out of its process (pid {pid})"
+                    )),
+                })?,
         };
         let remote = Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?;
         let p = Arc::new(new_peer(
@@ -178,6 +186,7 @@ impl Peers {
             &self.local,
             Arc::new(remote),
             reach.access,
+            watch,
             self.pull_threshold_set,
         ));
         crate::info!(
@@ -239,6 +248,7 @@ fn new_peer(
     local: &Arc<Segment>,
     remote: Arc<Segment>,
     access: Access,
+    watch: Option<ProcessWatch>,
     pull_threshold_set: Option<usize>,
 ) -> ShmPeer {
     let (plain, busy, copied) = match access {
@@ -255,10 +265,6 @@ fn new_peer(
         local.prefault_fifo(r);
         remote.prefault_fifo(me);
     }
-    let watch = match access {
-        Access::Cma(pid) => Some(ProcessWatch::new(pid)),
-        Access::Direct => None,
-    };
     ShmPeer {
         me,
         peer: r,
@@ -623,6 +629,7 @@ pub(crate) fn connect_as(
                 &local,
                 remote,
                 access,
+                matches!(access, Access::Cma(_)).then(|| ProcessWatch::new(placements[r].pid)),
                 pull_threshold_set,
             )));
         }
