@@ -241,6 +241,17 @@ impl Connect for ShmConnect {
     }
 }
 
+/// Faults in both ends of both FIFOs of a link made at init, where the memory that takes stays
+/// small (every FIFO of a host with many ranks would be nranks^2 of them). A link made at
+/// first use does not: its pages are faulted as messages first touch them (an 8-byte message
+/// one page of each FIFO, not the 2 MiB of both, which the first call would have paid for).
+fn prefault(me: usize, r: usize, local: &Segment, remote: &Segment) {
+    if local.geo.nranks * local.geo.fifo_bytes() <= PREFAULT_MAX {
+        local.prefault_fifo(r);
+        remote.prefault_fifo(me);
+    }
+}
+
 /// One end of a link with rank `r`, whose segment `remote` is mapped.
 fn new_peer(
     me: usize,
@@ -259,12 +270,6 @@ fn new_peer(
             PULL_FROM_BUSY_COPY,
         ),
     };
-    // Both ends of both FIFOs with this peer, where the memory that takes stays small
-    // (every FIFO of a host with many ranks would be nranks^2 of them).
-    if local.geo.nranks * local.geo.fifo_bytes() <= PREFAULT_MAX {
-        local.prefault_fifo(r);
-        remote.prefault_fifo(me);
-    }
     ShmPeer {
         me,
         peer: r,
@@ -623,6 +628,7 @@ pub(crate) fn connect_as(
                 );
             }
             local.pull_ok(r).store(can_pull as u32, Ordering::Release);
+            prefault(me, r, &local, &remote);
             peers[r] = Some(Arc::new(new_peer(
                 me,
                 r,
