@@ -95,6 +95,26 @@ struct Reach {
     fd: i32,
     nonce: u64,
     access: Access,
+    /// A peer in this process: its segment itself, held from init. It costs no mapping (the
+    /// owner mapped it) and outlives the owner's communicator, so that a peer that first uses
+    /// the link after the owner aborted or destroyed still reads how it ended.
+    held: Option<Arc<Segment>>,
+}
+
+/// The segments of this process's communicators, by nonce, for their peers in this process.
+static IN_THIS_PROCESS: Mutex<Vec<(u64, std::sync::Weak<Segment>)>> = Mutex::new(Vec::new());
+
+/// Lists `seg` (nonce `nonce`) for peers in this process, forgetting the segments gone.
+fn list_in_this_process(nonce: u64, seg: &Arc<Segment>) {
+    let mut all = IN_THIS_PROCESS.lock();
+    all.retain(|(_, w)| w.strong_count() > 0);
+    all.push((nonce, Arc::downgrade(seg)));
+}
+
+/// The segment of nonce `nonce` made in this process, while its communicator lives.
+fn in_this_process(nonce: u64) -> Option<Arc<Segment>> {
+    let all = IN_THIS_PROCESS.lock();
+    all.iter().find(|(n, _)| *n == nonce)?.1.upgrade()
 }
 
 /// A rank's links to its local peers: made at init (every peer, `RUNTIME_CONNECT=0` or where
@@ -160,7 +180,8 @@ impl Peers {
             }
         };
         let fd = match reach.access {
-            Access::Direct => sys::dup(reach.fd).map_err(gone)?,
+            _ if reach.held.is_some() => None,
+            Access::Direct => Some(sys::dup(reach.fd).map_err(gone)?),
             Access::Cma(pid) => watch
                 .as_ref()
                 .map_or_else(
@@ -177,14 +198,19 @@ impl Peers {
                     _ => e.context(format!(
                         "taking rank {r}'s shared memory segment out of its process (pid {pid})"
                     )),
-                })?,
+                })
+                .map(Some)?,
         };
-        let remote = Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?;
+        let remote = match (fd, &reach.held) {
+            (Some(fd), _) => Arc::new(Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?),
+            (None, Some(seg)) => seg.clone(),
+            (None, None) => return crate::internal_err!("rank {r}'s segment is not held"),
+        };
         let p = Arc::new(new_peer(
             self.me,
             r,
             &self.local,
-            Arc::new(remote),
+            remote,
             reach.access,
             watch,
             self.pull_threshold_set,
@@ -451,6 +477,9 @@ pub(crate) fn connect_as(
         .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
     let nonce = u64::from_ne_bytes(nonce_bytes);
     let local = Arc::new(Segment::create(me, geo, nonce)?);
+    if demand && paths.contains(&Path::SameProcess) {
+        list_in_this_process(nonce, &local);
+    }
 
     let other_process: Vec<usize> = (0..nranks)
         .filter(|&r| paths[r] == Path::SameHost)
@@ -517,6 +546,9 @@ pub(crate) fn connect_as(
                     fd: announces[r].fd,
                     nonce: announces[r].nonce,
                     access,
+                    held: (access == Access::Direct)
+                        .then(|| in_this_process(announces[r].nonce))
+                        .flatten(),
                 })
             })
             .collect();
