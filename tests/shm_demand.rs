@@ -157,9 +157,8 @@ fn abort_half_connected(w: &Worker) -> Result<(), String> {
             let t = Instant::now();
             let r = unsafe { ncclRecv(data.as_mut_ptr() as *mut c_void, 8, FLOAT, 2, c, S) };
             let msg = last_error();
-            // Its segment went with its communicator: the peer cannot tell an abort from a
-            // destroy, but names the rank and what it did.
-            if r == OK || !msg.contains("rank 2 freed its shared memory segment") {
+            // Its segment went with its communicator; the abort left a note in rank 0's.
+            if r == OK || !msg.contains("rank 2 aborted its communicator") {
                 return Err(format!("receive from an aborted rank: {r:?}: {msg}"));
             }
             if t.elapsed() > Duration::from_secs(5) {
@@ -200,7 +199,46 @@ fn peer_init_fails(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
+/// Rank 1 sends to rank 2 and destroys its communicator at once; rank 2 first uses the link
+/// afterwards, finds the segment freed, and still receives what was sent (it lies in rank 2's
+/// own segment); a second receive fails naming rank 1.
+fn sent_then_destroyed(w: &Worker) -> Result<(), String> {
+    let c = init_rank(w)?;
+    let data = [7f32; 4];
+    match w.rank {
+        1 => {
+            nccl!(ncclSend(data.as_ptr() as *const c_void, 4, FLOAT, 2, c, S));
+            nccl!(ncclCommDestroy(c));
+            std::thread::sleep(Duration::from_millis(1000));
+            return Ok(());
+        }
+        2 => {
+            std::thread::sleep(Duration::from_millis(300));
+            let mut got = [0f32; 4];
+            nccl!(ncclRecv(got.as_mut_ptr() as *mut c_void, 4, FLOAT, 1, c, S));
+            if got != data {
+                return Err(format!("received {got:?}"));
+            }
+            let t = Instant::now();
+            let r = unsafe { ncclRecv(got.as_mut_ptr() as *mut c_void, 4, FLOAT, 1, c, S) };
+            let msg = last_error();
+            if r == OK || !msg.contains("rank 1") || t.elapsed() > Duration::from_secs(5) {
+                return Err(format!(
+                    "a second receive: {r:?} after {:?}: {msg}",
+                    t.elapsed()
+                ));
+            }
+            unsafe { ncclCommAbort(c) };
+            return Ok(());
+        }
+        _ => {}
+    }
+    nccl!(ncclCommDestroy(c));
+    Ok(())
+}
+
 const SCENARIOS: &[(&str, Scenario)] = &[
+    ("sent_then_destroyed", sent_then_destroyed),
     ("partners", partners),
     ("gone_before_mapped", gone_before_mapped),
     ("abort_half_connected", abort_half_connected),
@@ -242,6 +280,16 @@ fn a_peer_gone_before_its_segment_was_mapped_is_named() {
 #[test]
 fn an_abort_on_a_half_connected_communicator_reaches_the_peer_that_looks() {
     procs("abort_half_connected", 4, "", &[]);
+}
+
+#[test]
+fn what_a_peer_sent_before_it_destroyed_arrives_though_its_segment_was_never_mapped() {
+    procs(
+        "sent_then_destroyed",
+        3,
+        "",
+        &[("COMM_DEBUG", "TRACE"), ("COMM_DEBUG_SUBSYS", "ALL")],
+    );
 }
 
 #[test]

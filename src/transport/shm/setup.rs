@@ -179,34 +179,45 @@ impl Peers {
                 )
             }
         };
-        let fd = match reach.access {
-            _ if reach.held.is_some() => None,
-            Access::Direct => Some(sys::dup(reach.fd).map_err(gone)?),
-            Access::Cma(pid) => watch
-                .as_ref()
-                .map_or_else(
-                    || crate::internal_err!("no watch on rank {r}'s process"),
-                    |w| w.take_fd(reach.fd),
-                )
-                .map_err(|e| match e.kind {
-                    // Not permitted (the pid now belongs to another process, say).
-                    crate::error::ErrorKind::System
-                        if sys::may_take_fds(pid) || !watch.as_ref().is_some_and(|w| w.alive()) =>
-                    {
-                        gone(e)
-                    }
-                    _ => e.context(format!(
-                        "taking rank {r}'s shared memory segment out of its process (pid {pid})"
-                    )),
-                })
-                .map(Some)?,
+        let remote = (|| -> Result<Arc<Segment>> {
+            if let Some(seg) = &reach.held {
+                return Ok(seg.clone());
+            }
+            let fd = match reach.access {
+                Access::Direct => sys::dup(reach.fd).map_err(gone)?,
+                Access::Cma(pid) => watch
+                    .as_ref()
+                    .map_or_else(|| sys::take_fd(pid, reach.fd), |w| w.take_fd(reach.fd))
+                    .map_err(|e| match e.kind {
+                        // Not permitted (the pid now belongs to another process, say).
+                        crate::error::ErrorKind::System
+                            if sys::may_take_fds(pid)
+                                || !watch.as_ref().is_some_and(|w| w.alive()) =>
+                        {
+                            gone(e)
+                        }
+                        _ => e.context(format!(
+                            "taking rank {r}'s shared memory segment out of its process (pid {pid})"
+                        )),
+                    })?,
+            };
+            Ok(Arc::new(
+                Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?,
+            ))
+        })();
+        // A peer that ended before this rank mapped its segment may have sent its last
+        // messages already: they lie in this rank's own segment, and are received as from a
+        // peer that ended afterwards. The link stands on a segment of this rank's own making
+        // (nothing rings or reads the peer's); sends and waits on it fail naming the peer.
+        let (remote, gone) = match remote {
+            Ok(seg) => (seg, None),
+            Err(e) if e.lost == Some(r) => {
+                let stand_in = Segment::create(r, self.local.geo, reach.nonce)?;
+                (Arc::new(stand_in), Some(e))
+            }
+            Err(e) => return Err(e),
         };
-        let remote = match (fd, &reach.held) {
-            (Some(fd), _) => Arc::new(Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?),
-            (None, Some(seg)) => seg.clone(),
-            (None, None) => return crate::internal_err!("rank {r}'s segment is not held"),
-        };
-        let p = Arc::new(new_peer(
+        let mut p = new_peer(
             self.me,
             r,
             &self.local,
@@ -214,12 +225,20 @@ impl Peers {
             reach.access,
             watch,
             self.pull_threshold_set,
-        ));
-        crate::info!(
-            "rank {} -> rank {r}: {} (mapped at first use)",
-            self.me,
-            p.describe()
         );
+        // What the peer noted in this rank's segment of how it ended says more than that it
+        // is gone (an abort, the operations it disagreed on).
+        let gone = gone.map(|e| p.ended().unwrap_or(e));
+        match &gone {
+            Some(e) => crate::info!("rank {} -> rank {r}: {}", self.me, e.msg),
+            None => crate::info!(
+                "rank {} -> rank {r}: {} (mapped at first use)",
+                self.me,
+                p.describe()
+            ),
+        }
+        p.gone = gone;
+        let p = Arc::new(p);
         Ok(self.made[r].get_or_init(|| p).clone())
     }
 
@@ -264,6 +283,15 @@ impl Connect for ShmConnect {
     /// not mapped the peer's segment.
     fn close(&self, how: Closing, lost: Option<usize>) {
         self.peers.local.mark_closed(how, lost);
+        // A peer that maps this rank's segment only after it was freed learns how this rank
+        // ended from a note in its own segment; for a failure, which is worth a mapping, this
+        // rank makes the link to leave it. A destroy leaves none (the peer finds the segment
+        // freed, and receives what was sent before).
+        if how != Closing::Destroyed {
+            if let Ok(p) = self.peers.connect(self.peer) {
+                p.close(how, lost);
+            }
+        }
     }
 }
 
@@ -312,6 +340,7 @@ fn new_peer(
         consumed: AtomicU64::new(0),
         tail_step: tail_step(local.geo.nslots),
         pack: Packing::default(),
+        gone: None,
     }
 }
 

@@ -63,6 +63,7 @@ fn pair(
         consumed: AtomicU64::new(0),
         tail_step: tail_step(nslots),
         pack: Packing::default(),
+        gone: None,
     };
     (link(0, &s0, &s1), link(1, &s1, &s0))
 }
@@ -1608,9 +1609,6 @@ fn a_peer_that_closed_an_unused_link_is_named_at_first_use() {
     let e = link(0, 2).check_peer().unwrap_err();
     assert!(e.msg.contains("rank 2 aborted"), "{}", e.msg);
     assert_eq!(w[0].1.shm.as_ref().unwrap().mapped(), 2);
-    assert_eq!(
-        w[2].1.shm.as_ref().unwrap().mapped(),
-        0,
-        "closing maps nothing"
-    );
+    // An abort maps the peers to leave each a note of how it ended (a destroy would not).
+    assert_eq!(w[2].1.shm.as_ref().unwrap().mapped(), 2);
 }
