@@ -11,12 +11,13 @@
  *
  * Each rank prints one line: times of init, of a split in two (color = rank % 2), of the first
  * and the tenth 8-byte all-reduce, then its peak descriptors (/proc/self/fd), threads and peak
- * RSS (VmHWM, KiB) and its sockets, all sampled after the tenth all-reduce. With -c every
- * collective runs once with small counts and its result is checked ("check ok" or "check
- * FAILED" in the line). -S skips the split (a job of one communicator and all-reduces only);
- * -p replaces the all-reduces with a send/recv between ranks 2k and 2k+1 (N even; no split),
- * a job in which each rank talks to one peer. The line also carries the rank's pid, which
- * the library's log lines name. scripts/scale_bench.sh aggregates the lines.
+ * RSS (VmHWM, KiB), its sockets and the shared-memory segments it maps, all sampled after the
+ * tenth all-reduce. With -c every collective runs once with small counts and its result is
+ * checked ("check ok" or "check FAILED" in the line). -S skips the split (a job of one
+ * communicator and all-reduces only); -p replaces the all-reduces with a send/recv between
+ * ranks 2k and 2k+1 (N even; no split), a job in which each rank talks to one peer. The line
+ * also carries the rank's pid, which the library's log lines name. scripts/scale_bench.sh
+ * aggregates the lines.
  *
  * With -b BASE:COUNT this process starts only ranks BASE .. BASE+COUNT-1 of the N; the others
  * run in other processes (scripts/scale_netns.sh starts one per network namespace, each a real
@@ -66,6 +67,19 @@ static void die(int rank, const char *what, ncclResult_t r) {
     ncclResult_t r_ = (call);              \
     if (r_ != ncclSuccess) die(rank, what, r_); \
   } while (0)
+
+/* Shared-memory segments mapped now (this rank's own and its peers', of both communicators):
+ * the library names each segment's memfd comm-shm-r<rank>. */
+static int count_segments(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int segs = 0;
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, "/memfd:comm-shm-r")) segs++;
+  fclose(f);
+  return segs;
+}
 
 /* Descriptors and sockets open now. */
 static void count_fds(int *fds, int *sockets) {
@@ -254,6 +268,7 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
 
   int fds, sockets;
   count_fds(&fds, &sockets);
+  int segs = count_segments();
   long threads = status_field("Threads");
   long hwm = status_field("VmHWM");
 
@@ -263,9 +278,9 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
   double t_destroy = now_ms() - t0;
 
   printf("scale rank=%d n=%d roots=%d init_ms=%.3f split_ms=%.3f first_ms=%.3f tenth_ms=%.3f "
-         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d pid=%d check=%s\n",
+         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d segs=%d pid=%d check=%s\n",
          rank, n, nroots, t_init, t_split, t_first, t_tenth, t_destroy, fds, threads, hwm,
-         sockets, (int)getpid(), bad ? "FAILED" : "ok");
+         sockets, segs, (int)getpid(), bad ? "FAILED" : "ok");
   fflush(stdout);
   return bad ? 3 : 0;
 }

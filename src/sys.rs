@@ -406,6 +406,24 @@ impl ProcessWatch {
         ProcessWatch { pid, pidfd }
     }
 
+    /// A duplicate of descriptor `fd` of the watched process (as `take_fd`, through the
+    /// watch's own pidfd: one descriptor and two system calls fewer).
+    pub(crate) fn take_fd(&self, fd: RawFd) -> Result<OwnedFd> {
+        let Some(pidfd) = &self.pidfd else {
+            return take_fd(self.pid, fd);
+        };
+        // SAFETY: as in take_fd.
+        let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if new < 0 {
+            return Err(Error::last_os(format!(
+                "pidfd_getfd(pid {}, fd {fd})",
+                self.pid
+            )));
+        }
+        // SAFETY: a fresh descriptor that we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
+    }
+
     pub(crate) fn alive(&self) -> bool {
         match &self.pidfd {
             Some(fd) => {
@@ -616,7 +634,6 @@ fn fd_limit() -> Option<u64> {
     (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0).then_some(r.rlim_cur)
 }
 
-/// Duplicates a descriptor of this process (a same-process peer's segment).
 /// A duplicate of descriptor `fd` of process `pid` (pidfd_getfd: Linux 5.6 or later, and the
 /// same permission as ptrace, which process_vm_readv needs too).
 pub(crate) fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
@@ -637,6 +654,30 @@ pub(crate) fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
 }
 
+/// Whether this process may duplicate the descriptors of process `pid` with `take_fd`, asked
+/// without taking one: pidfd_getfd checks the permission (ptrace's, which process_vm_readv
+/// needs too) before it looks the descriptor up, so a number no process holds fails with
+/// EBADF where the permission holds, and with EPERM where it does not (ENOSYS before Linux
+/// 5.6, ESRCH for a process that is gone).
+pub(crate) fn may_take_fds(pid: u32) -> bool {
+    // SAFETY: pidfd_open takes a pid and flags and returns a descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return false;
+    }
+    // SAFETY: pidfd_open returned a fresh descriptor that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    // SAFETY: as in take_fd; the number is above any descriptor table's size.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), i32::MAX, 0) };
+    if got >= 0 {
+        // SAFETY: a fresh descriptor that we own (not expected: nobody holds that number).
+        drop(unsafe { OwnedFd::from_raw_fd(got as RawFd) });
+        return true;
+    }
+    io::Error::last_os_error().raw_os_error() == Some(libc::EBADF)
+}
+
+/// Duplicates a descriptor of this process (a same-process peer's segment).
 pub(crate) fn dup(fd: RawFd) -> Result<OwnedFd> {
     // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor or -1; fd is checked by the kernel.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };

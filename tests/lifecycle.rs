@@ -1082,7 +1082,9 @@ fn a_peer_whose_init_fails_fails_the_others_at_once() {
         "peer_init_fails",
         3,
         "",
-        &[("COMM_INIT_TIMEOUT", "60")],
+        // The fetches at init are what tell the others (tests/shm_demand.rs has the same
+        // with the links made at first use).
+        &[("COMM_INIT_TIMEOUT", "60"), ("NCCL_RUNTIME_CONNECT", "0")],
         Duration::from_secs(120),
     );
     assert_all_ok(&r, "peer_init_fails with 3 processes");

@@ -1,6 +1,6 @@
 //! The conformance suite every `Link` passes: message order and lengths, tags, both kinds of
 //! sink, zero-byte messages, a peer that closes (destroyed, aborted with a lost rank). It runs
-//! against the shm and socket transports (with one socket per peer and with several, so that
+//! against the shm transport (links made at first use and made at init) and the socket transports (with one socket per peer and with several, so that
 //! large messages are cut across sockets) and InfiniBand over the tests' verbs model (one and
 //! three queue pairs) between two ranks that are threads of this process, and the parts that
 //! apply to a rank's channel to itself against loopback.
@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
+    /// Shared memory, each link made at first use (NCCL_RUNTIME_CONNECT=1).
     Shm,
+    /// Shared memory, every link made at init.
+    ShmAtInit,
     /// TCP with this many sockets per peer.
     Socket(usize),
     /// InfiniBand over the model, with this many queue pairs per peer.
@@ -47,6 +50,8 @@ impl Pair {
                     let id = id.clone();
                     let fabric = fabric.clone();
                     s.spawn(move || {
+                        crate::transport::shm::DEMAND_FOR_TEST
+                            .with(|c| c.set(Some(kind == Kind::Shm)));
                         if let Kind::Socket(n) = kind {
                             super::net::SOCKETS_FOR_TEST.with(|c| c.set(Some(n)));
                         }
@@ -67,10 +72,16 @@ impl Pair {
                             &placements,
                             0xc0ffee,
                             deadline,
-                            kind == Kind::Shm,
+                            matches!(kind, Kind::Shm | Kind::ShmAtInit),
                             &super::net::NetChoice::resolve(None).expect("net"),
                         )
                         .expect("links");
+                        let mapped = links.shm.as_ref().map(|w| w.mapped());
+                        match kind {
+                            Kind::Shm => assert_eq!(mapped, Some(0), "nothing mapped before use"),
+                            Kind::ShmAtInit => assert_eq!(mapped, Some(1)),
+                            _ => {}
+                        }
                         (boot, links)
                     })
                 })
@@ -333,6 +344,12 @@ fn closing(kind: Kind) {
 fn shm_links_conform() {
     suite(Kind::Shm);
     closing(Kind::Shm);
+}
+
+#[test]
+fn shm_links_made_at_init_conform() {
+    suite(Kind::ShmAtInit);
+    closing(Kind::ShmAtInit);
 }
 
 #[test]

@@ -12,7 +12,7 @@
 
 #[cfg(test)]
 mod conformance;
-// Used by the transports that connect on demand (being moved onto it).
+// Used by the transports that connect on demand (shm; net being moved onto it).
 #[allow(dead_code)]
 pub(crate) mod demand;
 pub(crate) mod loopback;
@@ -96,13 +96,14 @@ pub(crate) fn establish_with(
         })
         .collect();
     let shm_world = if any_shm {
-        Some(shm::connect(
+        Some(shm::connect_as(
             boot,
             &shm_paths,
             placements,
             comm_tag,
             reg::area_bytes(n),
             deadline,
+            shm::demand_wanted(),
         )?)
     } else {
         None
@@ -137,10 +138,7 @@ pub(crate) fn establish_with(
         let link: Option<Arc<dyn Link>> = if p == Path::SelfRank {
             Some(Arc::new(loopback::Loopback::default()))
         } else if by_shm(p) {
-            shm_world
-                .as_ref()
-                .and_then(|w| w.peers[r].clone())
-                .map(|l| l as Arc<dyn Link>)
+            shm_world.as_ref().and_then(|w| w.link(r))
         } else {
             net_world.as_ref().and_then(|w| w.links[r].clone())
         };

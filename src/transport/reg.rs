@@ -431,7 +431,7 @@ impl Registry {
         let mut st = self.state.lock();
         let mine = self.table(&shm.local);
         for s in 0..self.nranks {
-            let Some(peer) = &shm.peers[s] else { continue };
+            let Some(peer) = shm.peer(s) else { continue };
             self.refresh(
                 &mut st,
                 &mine,
@@ -456,7 +456,7 @@ impl Registry {
                 .collect(),
         };
         for p in 0..self.nranks {
-            let Some(peer) = &shm.peers[p] else { continue };
+            let Some(peer) = shm.peer(p) else { continue };
             if sends_to[p] {
                 let number = st.sent[p];
                 st.sent[p] += 1;
@@ -618,8 +618,8 @@ impl Plan {
         len: usize,
     ) -> Option<u64> {
         let theirs = Table {
-            seg: &shm.peers[peer].as_ref()?.remote,
-            nranks: shm.peers.len(),
+            seg: &shm.peer(peer)?.remote,
+            nranks: shm.nranks(),
         };
         let &(generation, _, _, alloc_base, index) = self
             .exports

@@ -16,6 +16,9 @@ use std::sync::atomic::Ordering;
 
 impl Link for ShmPeer {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
+        if let Some(e) = &self.gone {
+            return Err(e.clone());
+        }
         let head_ref = self.remote.head(self.me);
         let tail_ref = self.remote.tail(self.me);
         if let Some(seq) = cur.link {
@@ -358,6 +361,9 @@ impl Link for ShmPeer {
     }
 
     fn check_peer(&self) -> Result<()> {
+        if let Some(e) = &self.gone {
+            return Err(e.clone());
+        }
         let first = match self.remote.first_lost().load(Ordering::SeqCst) {
             0 => None,
             r => Some(r as usize - 1),
@@ -428,6 +434,7 @@ impl Link for ShmPeer {
 
     fn close(&self, how: Closing, lost: Option<usize>) {
         self.local.mark_closed(how, lost);
+        self.note_end();
         self.remote.ring();
     }
 

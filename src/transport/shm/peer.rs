@@ -104,6 +104,9 @@ pub(crate) struct ShmPeer {
     pub(super) tail_step: u64,
     /// Where this end stands in packed slots, sending and receiving.
     pub(super) pack: Packing,
+    /// Why the peer is gone, where it ended before this rank mapped its segment (`remote` is
+    /// then a stand-in): what it sent before arrives, sends and waits fail with this.
+    pub(super) gone: Option<Error>,
 }
 
 impl ShmPeer {
@@ -187,6 +190,41 @@ impl ShmPeer {
             Ok(())
         });
         self.remote.ring();
+    }
+
+    /// Writes into the peer's segment how this end closed (see `Segment::end_note`): what
+    /// this rank's segment says, read by a peer that maps it no more.
+    pub(super) fn note_end(&self) {
+        let (how, first, ours, theirs) = self.remote.end_note(self.me);
+        let (o, t) = self.local.disagreed();
+        ours.store(o.load(Ordering::SeqCst), Ordering::Relaxed);
+        theirs.store(t.load(Ordering::SeqCst), Ordering::Relaxed);
+        first.store(
+            self.local.first_lost().load(Ordering::SeqCst),
+            Ordering::Relaxed,
+        );
+        how.store(
+            self.local.closed().load(Ordering::SeqCst),
+            Ordering::Release,
+        );
+    }
+
+    /// How the peer ended, as it noted in this rank's segment before it freed its own (None:
+    /// it noted nothing); the error is the one `check_peer` gives for a closed peer.
+    pub(super) fn ended(&self) -> Option<Error> {
+        let (how, first, ours, theirs) = self.local.end_note(self.peer);
+        let how = crate::transport::Closing::from_code(how.load(Ordering::Acquire))?;
+        let first = (first.load(Ordering::Relaxed) as usize).checked_sub(1);
+        let tags = match (ours.load(Ordering::Relaxed), theirs.load(Ordering::Relaxed)) {
+            (0, 0) => None,
+            pair => Some(pair),
+        };
+        let msg = how.describe_with(self.peer, first, tags);
+        let mut e = self.lost(first.filter(|&r| r != self.me).unwrap_or(self.peer), msg);
+        e.lost = Some(first.unwrap_or(self.peer));
+        e.kind = how.kind();
+        e.disagreed = tags.filter(|_| how == crate::transport::Closing::Disagreed);
+        Some(e)
     }
 
     /// This rank lost `rank` (its peer, or the rank the peer lost first): noted in our segment

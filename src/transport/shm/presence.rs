@@ -3,6 +3,7 @@
 //! have mapped and read.
 
 use super::segment::{Segment, CPU_MASK};
+use super::setup::Peers;
 use crate::topo::{Activity, Presence};
 use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
@@ -53,16 +54,47 @@ impl Segment {
 /// One communicator's ranks on this host, through their segments.
 pub(crate) struct ShmPresence {
     local: Arc<Segment>,
-    /// Each rank's segment, for the peers reached through shared memory.
-    peers: Vec<Option<Arc<Segment>>>,
+    peers: Segments,
     /// Per rank: its signs of life as last read, and since when they have had that value.
     seen: Vec<Mutex<Option<(u64, Instant)>>>,
 }
 
+/// Where the peers' segments come from.
+enum Segments {
+    /// Those of the links made so far: a peer whose segment this rank has not mapped (its
+    /// link is made at first use) says nothing.
+    Links(Arc<Peers>),
+    /// A fixed set (tests).
+    #[cfg(test)]
+    Fixed(Vec<Option<Arc<Segment>>>),
+}
+
 impl ShmPresence {
+    pub(super) fn of_links(peers: Arc<Peers>) -> ShmPresence {
+        let seen = (0..peers.nranks()).map(|_| Mutex::new(None)).collect();
+        ShmPresence {
+            local: peers.local().clone(),
+            peers: Segments::Links(peers),
+            seen,
+        }
+    }
+
+    #[cfg(test)]
     pub(super) fn new(local: Arc<Segment>, peers: Vec<Option<Arc<Segment>>>) -> ShmPresence {
         let seen = peers.iter().map(|_| Mutex::new(None)).collect();
-        ShmPresence { local, peers, seen }
+        ShmPresence {
+            local,
+            peers: Segments::Fixed(peers),
+            seen,
+        }
+    }
+
+    fn segment(&self, rank: usize) -> Option<&Arc<Segment>> {
+        match &self.peers {
+            Segments::Links(p) => p.made(rank).map(|p| &p.remote),
+            #[cfg(test)]
+            Segments::Fixed(v) => v.get(rank)?.as_ref(),
+        }
     }
 }
 
@@ -76,11 +108,11 @@ impl Presence for ShmPresence {
     }
 
     fn running_on(&self, rank: usize) -> Option<(u32, Activity)> {
-        self.peers.get(rank)?.as_ref()?.said_running_on()
+        self.segment(rank)?.said_running_on()
     }
 
     fn stalled(&self, rank: usize, now: Instant, after: Duration) -> bool {
-        let Some(Some(peer)) = self.peers.get(rank) else {
+        let Some(peer) = self.segment(rank) else {
             return false;
         };
         let life = peer.signs_of_life();

@@ -274,6 +274,24 @@ impl Segment {
         self.atomic_u32(CTL_BASE + sender * CTL_STRIDE + 2 * LINE)
     }
 
+    /// How `sender` ended, as it wrote into this (the receiver's) segment when it closed its
+    /// end of their link (`ShmPeer::note_end`): its `Closing` code (0: not yet), the first
+    /// rank it lost plus one, and the tags of a disagreement. In the line of `pull_ok`, so
+    /// that a receiver that maps the sender's segment only after the sender freed it still
+    /// learns how the sender ended.
+    pub(super) fn end_note(
+        &self,
+        sender: usize,
+    ) -> (&AtomicU32, &AtomicU32, &AtomicU64, &AtomicU64) {
+        let at = CTL_BASE + sender * CTL_STRIDE + 2 * LINE;
+        (
+            self.atomic_u32(at + 8),
+            self.atomic_u32(at + 12),
+            self.atomic_u64(at + 16),
+            self.atomic_u64(at + 24),
+        )
+    }
+
     /// The message number the slot holds now: message k is in its slot once this reads k + 1.
     pub(super) fn slot_number(&self, sender: usize, seq: u64) -> &AtomicU64 {
         // SAFETY: the slot start is in bounds (checked by slot()) and 8-aligned (the slot area

@@ -1,5 +1,7 @@
-//! Setting up the transport: segments made and announced, fetched from peers over an
-//! authenticated unix socket (or duplicated between threads), and links made.
+//! Setting up the transport: segments made and announced, then each link made at its first use
+//! (the peer's segment taken out of its process with pidfd_getfd, see `connect_as`) or every
+//! link at init (segments fetched from peers over an authenticated unix socket, or duplicated
+//! between threads).
 
 use super::packed::Packing;
 use super::peer::{tail_step, Access, CarriedList, ShmPeer};
@@ -11,7 +13,8 @@ use crate::bootstrap::{auth, Bootstrap};
 use crate::error::{Error, Result};
 use crate::sys::{self, ProcessWatch};
 use crate::topo::{Path, Placement};
-use crate::transport::Link;
+use crate::transport::demand::{Connect, OnDemand};
+use crate::transport::{Closing, Link};
 use crate::wire::{self, Reader};
 use parking_lot::Mutex;
 use std::io::{Read, Write};
@@ -19,7 +22,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Slot memory faulted in at setup only while one segment's FIFOs stay within this.
@@ -28,12 +31,33 @@ pub(super) const PREFAULT_MAX: usize = 16 << 20;
 /// Threads (this one included) that fetch a rank's peers' segments at once.
 const FETCH_THREADS: usize = 8;
 
+#[cfg(test)]
+thread_local! {
+    /// Whether links are made on demand in the tests of this thread, whatever
+    /// NCCL_RUNTIME_CONNECT says (None: what it says).
+    pub(crate) static DEMAND_FOR_TEST: std::cell::Cell<Option<bool>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Whether this rank asks for its shared-memory links to be made at first use
+/// (NCCL_RUNTIME_CONNECT; see `connect_as`).
+pub(crate) fn demand_wanted() -> bool {
+    #[cfg(test)]
+    if let Some(d) = DEMAND_FOR_TEST.with(|c| c.get()) {
+        return d;
+    }
+    crate::env::RUNTIME_CONNECT.flag()
+}
+
 /// What a rank tells its peers so they can reach its segment.
 pub(super) struct Announce {
     pub(super) socket: String,
     pub(super) fd: i32,
     pub(super) nonce: u64,
     pub(super) base: u64,
+    /// This rank asks for links made on demand and may take the descriptors of every local
+    /// peer in another process (`sys::may_take_fds`). Every rank's must hold for any to.
+    pub(super) takes: bool,
 }
 
 impl Announce {
@@ -43,6 +67,7 @@ impl Announce {
         wire::put_u32(&mut out, self.fd as u32);
         wire::put_u64(&mut out, self.nonce);
         wire::put_u64(&mut out, self.base);
+        wire::put_u32(&mut out, self.takes as u32);
         out
     }
 
@@ -53,6 +78,7 @@ impl Announce {
             fd: r.u32()? as i32,
             nonce: r.u64()?,
             base: r.u64()?,
+            takes: r.u32()? != 0,
         })
     }
 }
@@ -60,32 +86,353 @@ impl Announce {
 /// The shm side of a communicator: our segment and a transport per local peer.
 pub(crate) struct ShmWorld {
     pub local: Arc<Segment>,
-    pub peers: Vec<Option<Arc<ShmPeer>>>,
+    peers: Arc<Peers>,
+}
+
+/// How this rank reaches a local peer's segment on demand: from its announcement.
+struct Reach {
+    /// The peer's descriptor of its segment, in the peer's process.
+    fd: i32,
+    nonce: u64,
+    access: Access,
+    /// A peer in this process: its segment itself, held from init. It costs no mapping (the
+    /// owner mapped it) and outlives the owner's communicator, so that a peer that first uses
+    /// the link after the owner aborted or destroyed still reads how it ended.
+    held: Option<Arc<Segment>>,
+}
+
+/// The segments of this process's communicators, by nonce, for their peers in this process.
+static IN_THIS_PROCESS: Mutex<Vec<(u64, std::sync::Weak<Segment>)>> = Mutex::new(Vec::new());
+
+/// Lists `seg` (nonce `nonce`) for peers in this process, forgetting the segments gone.
+fn list_in_this_process(nonce: u64, seg: &Arc<Segment>) {
+    let mut all = IN_THIS_PROCESS.lock();
+    all.retain(|(_, w)| w.strong_count() > 0);
+    all.push((nonce, Arc::downgrade(seg)));
+}
+
+/// The segment of nonce `nonce` made in this process, while its communicator lives.
+fn in_this_process(nonce: u64) -> Option<Arc<Segment>> {
+    let all = IN_THIS_PROCESS.lock();
+    all.iter().find(|(n, _)| *n == nonce)?.1.upgrade()
+}
+
+/// A rank's links to its local peers: made at init (every peer, `RUNTIME_CONNECT=0` or where
+/// descriptors cannot be taken from the peers), or each when first needed (`reach`).
+pub(crate) struct Peers {
+    me: usize,
+    nranks: usize,
+    local: Arc<Segment>,
+    /// Per rank, how to map its segment on demand; empty when every link was made at init.
+    reach: Vec<Option<Reach>>,
+    made: Vec<OnceLock<Arc<ShmPeer>>>,
+    /// One mapping at a time (each is a few system calls).
+    mapping: Mutex<()>,
+    pull_threshold_set: Option<usize>,
+    disable_pull: bool,
+}
+
+impl Peers {
+    /// Rank `r`'s link, if it has been made.
+    pub(super) fn made(&self, r: usize) -> Option<&Arc<ShmPeer>> {
+        self.made.get(r)?.get()
+    }
+
+    /// Rank `r`'s link, made now if it can be (on demand): its segment is duplicated out of
+    /// the peer's process with pidfd_getfd (or out of this process), checked against the
+    /// announcement and mapped. Nothing here waits for the peer.
+    fn connect(&self, r: usize) -> Result<Arc<ShmPeer>> {
+        if let Some(p) = self.made(r) {
+            return Ok(p.clone());
+        }
+        let Some(reach) = self.reach.get(r).and_then(|x| x.as_ref()) else {
+            return crate::internal_err!("rank {r} is not reached through shared memory");
+        };
+        let _one = self.mapping.lock();
+        if let Some(p) = self.made(r) {
+            return Ok(p.clone());
+        }
+        // Kept by the link to tell when the peer exits; its pidfd also takes the descriptor.
+        let watch = match reach.access {
+            Access::Cma(pid) => Some(ProcessWatch::new(pid)),
+            Access::Direct => None,
+        };
+        // The peer's descriptor is gone, or is no longer its segment: the peer exited, or
+        // freed the segment with its communicator (destroy, abort, a failed init), which its
+        // segment would have said had this rank mapped it before.
+        let gone = |e: Error| {
+            let exited = watch.as_ref().is_some_and(|w| !w.alive());
+            if exited {
+                Error::lost_peer(
+                    r,
+                    format!(
+                        "rank {r} exited before this rank first used their link (its process is gone)"
+                    ),
+                )
+            } else {
+                Error::lost_peer(
+                    r,
+                    format!(
+                        "rank {r} freed its shared memory segment (it destroyed or aborted the communicator, or its init failed) before this rank first used their link ({})",
+                        e.msg
+                    ),
+                )
+            }
+        };
+        let remote = (|| -> Result<Arc<Segment>> {
+            if let Some(seg) = &reach.held {
+                return Ok(seg.clone());
+            }
+            let fd = match reach.access {
+                Access::Direct => sys::dup(reach.fd).map_err(gone)?,
+                Access::Cma(pid) => watch
+                    .as_ref()
+                    .map_or_else(|| sys::take_fd(pid, reach.fd), |w| w.take_fd(reach.fd))
+                    .map_err(|e| match e.kind {
+                        // Not permitted (the pid now belongs to another process, say).
+                        crate::error::ErrorKind::System
+                            if sys::may_take_fds(pid)
+                                || !watch.as_ref().is_some_and(|w| w.alive()) =>
+                        {
+                            gone(e)
+                        }
+                        _ => e.context(format!(
+                            "taking rank {r}'s shared memory segment out of its process (pid {pid})"
+                        )),
+                    })?,
+            };
+            Ok(Arc::new(
+                Segment::open(fd, reach.nonce, self.nranks).map_err(gone)?,
+            ))
+        })();
+        // A peer that ended before this rank mapped its segment may have sent its last
+        // messages already: they lie in this rank's own segment, and are received as from a
+        // peer that ended afterwards. The link stands on a segment of this rank's own making
+        // (nothing rings or reads the peer's); sends and waits on it fail naming the peer.
+        let (remote, gone) = match remote {
+            Ok(seg) => (seg, None),
+            Err(e) if e.lost == Some(r) => {
+                let stand_in = Segment::create(r, self.local.geo, reach.nonce)?;
+                (Arc::new(stand_in), Some(e))
+            }
+            Err(e) => return Err(e),
+        };
+        let mut p = new_peer(
+            self.me,
+            r,
+            &self.local,
+            remote,
+            reach.access,
+            watch,
+            self.pull_threshold_set,
+        );
+        // What the peer noted in this rank's segment of how it ended says more than that it
+        // is gone (an abort, the operations it disagreed on).
+        let gone = gone.map(|e| p.ended().unwrap_or(e));
+        match &gone {
+            Some(e) => crate::info!("rank {} -> rank {r}: {}", self.me, e.msg),
+            None => crate::info!(
+                "rank {} -> rank {r}: {} (mapped at first use)",
+                self.me,
+                p.describe()
+            ),
+        }
+        p.gone = gone;
+        let p = Arc::new(p);
+        Ok(self.made[r].get_or_init(|| p).clone())
+    }
+
+    /// How many peers' segments this rank has mapped.
+    #[cfg(test)]
+    pub(crate) fn mapped(&self) -> usize {
+        self.made.iter().filter(|m| m.get().is_some()).count()
+    }
+
+    pub(super) fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    pub(super) fn local(&self) -> &Arc<Segment> {
+        &self.local
+    }
+}
+
+/// The link of a local peer that is made at first use (`transport::demand`).
+struct ShmConnect {
+    peers: Arc<Peers>,
+    peer: usize,
+}
+
+impl Connect for ShmConnect {
+    fn poll(&self) -> Result<Option<Arc<dyn Link>>> {
+        Ok(Some(self.peers.connect(self.peer)? as Arc<dyn Link>))
+    }
+
+    /// Nothing to check before the first use: the first use maps the segment or names the
+    /// peer that is gone, and a link that a schedule waits on has had its first use.
+    fn check_peer(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!("shm to rank {}, not mapped yet", self.peer)
+    }
+
+    /// Marks this rank's segment closed, which a peer reads once it maps it (or already
+    /// does, through its own link to this rank). No peer's doorbell is rung: this rank has
+    /// not mapped the peer's segment.
+    fn close(&self, how: Closing, lost: Option<usize>) {
+        self.peers.local.mark_closed(how, lost);
+        // A peer that maps this rank's segment only after it was freed learns how this rank
+        // ended from a note in its own segment; for a failure, which is worth a mapping, this
+        // rank makes the link to leave it. A destroy leaves none (the peer finds the segment
+        // freed, and receives what was sent before).
+        if how != Closing::Destroyed {
+            if let Ok(p) = self.peers.connect(self.peer) {
+                p.close(how, lost);
+            }
+        }
+    }
+}
+
+/// Faults in both ends of both FIFOs of a link made at init, where the memory that takes stays
+/// small (every FIFO of a host with many ranks would be nranks^2 of them). A link made at
+/// first use does not: its pages are faulted as messages first touch them (an 8-byte message
+/// one page of each FIFO, not the 2 MiB of both, which the first call would have paid for).
+fn prefault(me: usize, r: usize, local: &Segment, remote: &Segment) {
+    if local.geo.nranks * local.geo.fifo_bytes() <= PREFAULT_MAX {
+        local.prefault_fifo(r);
+        remote.prefault_fifo(me);
+    }
+}
+
+/// One end of a link with rank `r`, whose segment `remote` is mapped.
+fn new_peer(
+    me: usize,
+    r: usize,
+    local: &Arc<Segment>,
+    remote: Arc<Segment>,
+    access: Access,
+    watch: Option<ProcessWatch>,
+    pull_threshold_set: Option<usize>,
+) -> ShmPeer {
+    let (plain, busy, copied) = match access {
+        Access::Direct => (PULL_FROM_THREAD, PULL_FROM_THREAD, PULL_FROM_THREAD),
+        Access::Cma(_) => (
+            PULL_FROM_PROCESS,
+            PULL_FROM_BUSY_PROCESS,
+            PULL_FROM_BUSY_COPY,
+        ),
+    };
+    ShmPeer {
+        me,
+        peer: r,
+        local: local.clone(),
+        remote,
+        access,
+        watch,
+        pull_threshold: pull_threshold_set.unwrap_or(plain),
+        pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
+        pull_threshold_copied: pull_threshold_set.unwrap_or(copied),
+        scratch: Mutex::new(None),
+        carried: CarriedList::default(),
+        tail_seen: AtomicU64::new(0),
+        consumed: AtomicU64::new(0),
+        tail_step: tail_step(local.geo.nslots),
+        pack: Packing::default(),
+        gone: None,
+    }
 }
 
 impl ShmWorld {
-    /// Where this host's ranks run, read from their segments (`topo::Presence`).
-    pub(crate) fn presence(&self) -> Arc<super::ShmPresence> {
-        let segments = self
-            .peers
-            .iter()
-            .map(|p| p.as_ref().map(|p| p.remote.clone()));
-        Arc::new(super::ShmPresence::new(
-            self.local.clone(),
-            segments.collect(),
-        ))
+    /// A world whose links were all made (`peers[r]`: rank r's, where shared memory reaches it).
+    pub(super) fn made_of(
+        me: usize,
+        local: Arc<Segment>,
+        peers: Vec<Option<Arc<ShmPeer>>>,
+        disable_pull: bool,
+    ) -> ShmWorld {
+        let made = peers
+            .into_iter()
+            .map(|p| p.map_or_else(OnceLock::new, OnceLock::from))
+            .collect::<Vec<_>>();
+        ShmWorld {
+            local: local.clone(),
+            peers: Arc::new(Peers {
+                me,
+                nranks: made.len(),
+                local,
+                reach: Vec::new(),
+                made,
+                mapping: Mutex::new(()),
+                pull_threshold_set: None,
+                disable_pull,
+            }),
+        }
     }
 
-    /// What warms every link of this world again (`transport::Warm`).
+    /// Where this host's ranks run, read from their segments (`topo::Presence`): those
+    /// mapped so far.
+    pub(crate) fn presence(&self) -> Arc<super::ShmPresence> {
+        Arc::new(super::ShmPresence::of_links(self.peers.clone()))
+    }
+
+    /// What warms every link of this world again (`transport::Warm`): those made so far.
     pub(crate) fn warm(&self) -> Arc<ShmWarm> {
-        Arc::new(ShmWarm(self.peers.iter().flatten().cloned().collect()))
+        Arc::new(ShmWarm(self.peers.clone()))
+    }
+
+    /// Rank `r`'s link as the communicator holds it: the link itself when it was made at
+    /// init, else one that maps the peer's segment at first use; None where shared memory
+    /// does not reach `r`.
+    pub(crate) fn link(&self, r: usize) -> Option<Arc<dyn Link>> {
+        if let Some(p) = self.peers.made(r) {
+            return Some(p.clone());
+        }
+        self.peers.reach.get(r)?.as_ref()?;
+        Some(Arc::new(OnDemand::new(Box::new(ShmConnect {
+            peers: self.peers.clone(),
+            peer: r,
+        }))))
+    }
+
+    /// Rank `r`'s link, mapping its segment now if that has not happened yet (device
+    /// buffer registration reads every local peer's registry); None where shared memory does
+    /// not reach `r` or the mapping failed (the link's first use reports why).
+    pub(crate) fn peer(&self, r: usize) -> Option<Arc<ShmPeer>> {
+        if let Some(p) = self.peers.made(r) {
+            return Some(p.clone());
+        }
+        self.peers.reach.get(r)?.as_ref()?;
+        self.peers.connect(r).ok()
+    }
+
+    /// How many ranks this rank's links reach through shared memory.
+    pub(crate) fn nranks(&self) -> usize {
+        self.peers.nranks
+    }
+
+    /// How many peers' segments this rank has mapped.
+    #[cfg(test)]
+    pub(crate) fn mapped(&self) -> usize {
+        self.peers.mapped()
     }
 
     /// Whether some peer in another process may pull from this rank's buffers: the kernel
     /// then copies them (process_vm_readv/writev), pinning every page it touches, and large
     /// ones are better backed by huge pages.
     pub(crate) fn prefers_huge_pages(&self) -> bool {
-        self.peers.iter().flatten().any(|p| {
+        let p = &self.peers;
+        // On demand, every local peer may take this rank's descriptors, which is the
+        // permission its pulls need too; it pulls unless pulls are turned off.
+        if p.reach
+            .iter()
+            .flatten()
+            .any(|r| matches!(r.access, Access::Cma(_)))
+        {
+            return !p.disable_pull;
+        }
+        p.made.iter().filter_map(|m| m.get()).any(|p| {
             matches!(p.access, Access::Cma(_))
                 && p.remote.pull_ok(p.me).load(Ordering::Relaxed) != 0
         })
@@ -93,11 +440,11 @@ impl ShmWorld {
 }
 
 /// The links of one shm world, warmed together after a large operation.
-pub(crate) struct ShmWarm(Vec<Arc<ShmPeer>>);
+pub(crate) struct ShmWarm(Arc<Peers>);
 
 impl crate::transport::Warm for ShmWarm {
     fn warm(&self) {
-        for p in &self.0 {
+        for p in self.0.made.iter().filter_map(|m| m.get()) {
             p.warm();
         }
     }
@@ -107,7 +454,9 @@ pub(super) fn auth_context(comm_tag: u64, from: usize, to: usize) -> Vec<u8> {
     format!("comm shm {comm_tag:016x} {from}->{to}").into_bytes()
 }
 
-/// Builds the shm transports of one rank. Collective over the communicator's bootstrap.
+/// Builds the shm transports of one rank, every link at once. Collective over the
+/// communicator's bootstrap.
+#[cfg(test)]
 pub(crate) fn connect(
     boot: &Bootstrap,
     paths: &[Path],
@@ -115,6 +464,39 @@ pub(crate) fn connect(
     comm_tag: u64,
     registry_bytes: usize,
     deadline: Option<Instant>,
+) -> Result<ShmWorld> {
+    connect_as(
+        boot,
+        paths,
+        placements,
+        comm_tag,
+        registry_bytes,
+        deadline,
+        false,
+    )
+}
+
+/// Builds the shm transports of one rank. Collective over the communicator's bootstrap.
+///
+/// With `demand` (NCCL_RUNTIME_CONNECT), a peer's segment is mapped when a schedule first
+/// uses the link (`transport::demand`): this rank duplicates the peer's descriptor out of its
+/// process with pidfd_getfd, which needs nothing from the peer (no service, no handshake,
+/// no wait) and the permission of ptrace over it. That permission is stronger than the
+/// secret the socket fetch checks (it reads the peer's memory, the secret included), and it
+/// is what pulls need too, so the receiver publishes in its segment, before announcing it,
+/// that it may pull from each local peer: no barrier is needed before the first message.
+/// Where any rank cannot take its local peers' descriptors (a sandbox that forbids
+/// pidfd_getfd, Linux before 5.6) or does not ask for it, every rank fetches every segment
+/// at init over the authenticated unix socket, as with `demand` off.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn connect_as(
+    boot: &Bootstrap,
+    paths: &[Path],
+    placements: &[Placement],
+    comm_tag: u64,
+    registry_bytes: usize,
+    deadline: Option<Instant>,
+    demand: bool,
 ) -> Result<ShmWorld> {
     let me = boot.rank();
     let nranks = boot.nranks();
@@ -124,6 +506,9 @@ pub(crate) fn connect(
         .map_err(|e| Error::new(crate::error::ErrorKind::System, format!("getrandom: {e}")))?;
     let nonce = u64::from_ne_bytes(nonce_bytes);
     let local = Arc::new(Segment::create(me, geo, nonce)?);
+    if demand && paths.contains(&Path::SameProcess) {
+        list_in_this_process(nonce, &local);
+    }
 
     let other_process: Vec<usize> = (0..nranks)
         .filter(|&r| paths[r] == Path::SameHost)
@@ -142,11 +527,28 @@ pub(crate) fn connect(
                 .map_err(|e| Error::from_io(format!("bind unix socket {socket}"), e))?,
         )
     };
+    let disable_pull = !crate::env::SHM_PULL.flag();
+    let pull_threshold_set = crate::env::SHM_PULL_THRESHOLD.size_if_set();
+    let takes = demand
+        && other_process
+            .iter()
+            .all(|&r| sys::may_take_fds(placements[r].pid));
+    if takes {
+        // Before the announcement, so that a peer that maps this segment at once reads it.
+        // Where every rank takes descriptors, each may ptrace every other, as pulls need;
+        // otherwise the fetches below write it again before the barrier.
+        for r in (0..nranks).filter(|&r| matches!(paths[r], Path::SameHost | Path::SameProcess)) {
+            local
+                .pull_ok(r)
+                .store(!disable_pull as u32, Ordering::Release);
+        }
+    }
     let mine = Announce {
         socket: socket.clone(),
         fd: local.fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1),
         nonce,
         base: local.base_addr() as u64,
+        takes,
     };
     let all = boot.allgather(&mine.encode())?;
     crate::fault::point("shm:announced");
@@ -160,6 +562,43 @@ pub(crate) fn connect(
         .iter()
         .map(|b| Announce::decode(b))
         .collect::<Result<Vec<_>>>()?;
+    if announces.iter().all(|a| a.takes) {
+        drop(listener);
+        let reach = (0..nranks)
+            .map(|r| {
+                let access = match paths[r] {
+                    Path::SameProcess => Access::Direct,
+                    Path::SameHost => Access::Cma(placements[r].pid),
+                    _ => return None,
+                };
+                Some(Reach {
+                    fd: announces[r].fd,
+                    nonce: announces[r].nonce,
+                    access,
+                    held: (access == Access::Direct)
+                        .then(|| in_this_process(announces[r].nonce))
+                        .flatten(),
+                })
+            })
+            .collect();
+        // Nothing here needs the peers any more; the barrier keeps init's promise that a rank
+        // whose init failed fails every rank's init (a killed or stopped rank is named by the
+        // bootstrap), not their first call.
+        boot.barrier_until(deadline)?;
+        return Ok(ShmWorld {
+            local: local.clone(),
+            peers: Arc::new(Peers {
+                me,
+                nranks,
+                local,
+                reach,
+                made: (0..nranks).map(|_| OnceLock::new()).collect(),
+                mapping: Mutex::new(()),
+                pull_threshold_set,
+                disable_pull,
+            }),
+        });
+    }
 
     // Serve our memfd to the peers in other processes while we fetch theirs.
     let stop = Arc::new(AtomicBool::new(false));
@@ -199,8 +638,6 @@ pub(crate) fn connect(
     });
     let server = server.transpose()?;
 
-    let disable_pull = !crate::env::SHM_PULL.flag();
-    let pull_threshold_set = crate::env::SHM_PULL_THRESHOLD.size_if_set();
     let fetched = (|| -> Result<Vec<Option<Arc<ShmPeer>>>> {
         let mut peers: Vec<Option<Arc<ShmPeer>>> = (0..nranks).map(|_| None).collect();
         // A peer that died fails its own fetch, but the fetches from the living go on: each of
@@ -252,38 +689,16 @@ pub(crate) fn connect(
                 );
             }
             local.pull_ok(r).store(can_pull as u32, Ordering::Release);
-            let (plain, busy, copied) = match access {
-                Access::Direct => (PULL_FROM_THREAD, PULL_FROM_THREAD, PULL_FROM_THREAD),
-                Access::Cma(_) => (
-                    PULL_FROM_PROCESS,
-                    PULL_FROM_BUSY_PROCESS,
-                    PULL_FROM_BUSY_COPY,
-                ),
-            };
-            // Both ends of both FIFOs with this peer, where the memory that takes stays small
-            // (every FIFO of a host with many ranks would be nranks^2 of them).
-            if nranks * local.geo.fifo_bytes() <= PREFAULT_MAX {
-                local.prefault_fifo(r);
-                remote.prefault_fifo(me);
-            }
-            peers[r] = Some(Arc::new(ShmPeer {
+            prefault(me, r, &local, &remote);
+            peers[r] = Some(Arc::new(new_peer(
                 me,
-                peer: r,
-                local: local.clone(),
+                r,
+                &local,
                 remote,
                 access,
-                watch: matches!(access, Access::Cma(_))
-                    .then(|| ProcessWatch::new(placements[r].pid)),
-                pull_threshold: pull_threshold_set.unwrap_or(plain),
-                pull_threshold_busy: pull_threshold_set.unwrap_or(busy),
-                pull_threshold_copied: pull_threshold_set.unwrap_or(copied),
-                scratch: Mutex::new(None),
-                carried: CarriedList::default(),
-                tail_seen: AtomicU64::new(0),
-                consumed: AtomicU64::new(0),
-                tail_step: tail_step(local.geo.nslots),
-                pack: Packing::default(),
-            }));
+                matches!(access, Access::Cma(_)).then(|| ProcessWatch::new(placements[r].pid)),
+                pull_threshold_set,
+            )));
         }
         match lost {
             Some(e) => Err(e),
@@ -320,7 +735,7 @@ pub(crate) fn connect(
             crate::info!("rank {me} -> rank {r}: {}", p.describe());
         }
     }
-    Ok(ShmWorld { local, peers })
+    Ok(ShmWorld::made_of(me, local, peers, disable_pull))
 }
 
 /// Why the fetch of one peer's segment failed, sorted by what it means for the whole setup.

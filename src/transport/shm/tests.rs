@@ -63,6 +63,7 @@ fn pair(
         consumed: AtomicU64::new(0),
         tail_step: tail_step(nslots),
         pack: Packing::default(),
+        gone: None,
     };
     (link(0, &s0, &s1), link(1, &s1, &s0))
 }
@@ -680,10 +681,7 @@ fn a_cma_pull_into_a_combining_sink_goes_piece_by_piece() {
     // The probe reads the segment's first word: another address does not pass.
     assert!(!probe_cma(std::process::id(), a.local.base_addr() + 64));
     // The kernel copies this rank's buffers: large ones are better on huge pages.
-    let world = ShmWorld {
-        local: a.local.clone(),
-        peers: vec![None, Some(Arc::new(a))],
-    };
+    let world = ShmWorld::made_of(0, a.local.clone(), vec![None, Some(Arc::new(a))], false);
     assert!(world.prefers_huge_pages());
 }
 
@@ -1459,10 +1457,7 @@ fn segment_areas_do_not_overlap() {
 #[test]
 fn only_pulls_through_the_kernel_ask_for_huge_pages() {
     let (a, _b) = pair(2, 4096, true, 1024, Access::Direct);
-    let world = ShmWorld {
-        local: a.local.clone(),
-        peers: vec![None, Some(Arc::new(a))],
-    };
+    let world = ShmWorld::made_of(0, a.local.clone(), vec![None, Some(Arc::new(a))], false);
     assert!(!world.prefers_huge_pages());
 }
 
@@ -1490,4 +1485,130 @@ fn a_pull_in_progress_lives_in_the_cursor_word() {
     assert_eq!(PullState::of(0), PullState::default());
     assert!(PullState::of(PullState::START).pulling);
     assert_eq!(PullState::of(PullState::START).forwarded, 0);
+}
+
+/// The links of `n` ranks that are threads of this process, shared memory's made at first use.
+fn on_demand(n: usize) -> Vec<(crate::bootstrap::Bootstrap, crate::transport::Links)> {
+    let id = crate::bootstrap::new_unique_id().expect("unique id");
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let id = id.clone();
+                s.spawn(move || {
+                    super::DEMAND_FOR_TEST.with(|c| c.set(Some(true)));
+                    let t = Some(Duration::from_secs(20));
+                    let boot = crate::bootstrap::Bootstrap::init(&[id], r, n, t).expect("boot");
+                    let me = crate::topo::this_process();
+                    let placements = vec![me; n];
+                    let deadline = Some(Instant::now() + Duration::from_secs(20));
+                    let net = crate::transport::net::NetChoice::resolve(None).expect("net");
+                    let links = crate::transport::establish_with(
+                        &boot,
+                        &placements,
+                        0x5eed,
+                        deadline,
+                        true,
+                        &net,
+                    )
+                    .expect("links");
+                    (boot, links)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// One message from `tx` to `rx`, driven from this thread.
+fn one_message(tx: &dyn Link, rx: &dyn Link, data: &[u8]) -> Result<Vec<u8>> {
+    let mut sc = SendCursor::default();
+    let mut rc = RecvCursor::default();
+    let mut sink = Collect::new(data.len(), false);
+    let expect = InExpect {
+        len: data.len(),
+        tag: TAG,
+    };
+    let (mut sent, mut got) = (false, false);
+    for _ in 0..100_000 {
+        if !sent {
+            sent = tx.send(&out(data, TAG, None), &mut sc)?.state == SendState::Complete;
+        }
+        if !got {
+            got = rx.recv(&expect, &mut rc, &mut sink)?.state;
+        }
+        if sent && got {
+            return Ok(sink.buf);
+        }
+    }
+    panic!("stalled: sent {sent}, received {got}");
+}
+
+/// A rank maps a peer's segment when their link is first used, and only then: the ranks that
+/// talk map each other's, the one that talks to nobody maps nothing, and what a rank reads of
+/// where its peers run comes from the segments it mapped.
+#[test]
+fn a_link_maps_its_peers_segment_at_first_use_and_no_other() {
+    let w = on_demand(3);
+    for (_, l) in &w {
+        assert_eq!(
+            l.shm.as_ref().unwrap().mapped(),
+            0,
+            "nothing mapped at init"
+        );
+    }
+    let link = |from: usize, to: usize| w[from].1.links[to].clone();
+    assert!(link(0, 2).describe().contains("not mapped yet"));
+    let data = pattern(300, 4);
+    assert_eq!(
+        one_message(&*link(0, 1), &*link(1, 0), &data).unwrap(),
+        data
+    );
+    let back = pattern(70_000, 5);
+    assert_eq!(
+        one_message(&*link(1, 0), &*link(0, 1), &back).unwrap(),
+        back
+    );
+    let mapped: Vec<usize> = w
+        .iter()
+        .map(|(_, l)| l.shm.as_ref().unwrap().mapped())
+        .collect();
+    assert_eq!(mapped, [1, 1, 0]);
+    assert_eq!(link(0, 1).describe(), "shm/direct");
+    // Where a peer runs is read from its segment, once mapped.
+    let presence = |r: usize| w[r].1.presence.clone().unwrap();
+    presence(1).set_running_on(1, Activity::Polling);
+    presence(2).set_running_on(0, Activity::Polling);
+    assert_eq!(presence(0).running_on(1), Some((1, Activity::Polling)));
+    assert_eq!(
+        presence(0).running_on(2),
+        None,
+        "rank 2's segment is not mapped"
+    );
+}
+
+/// A peer that aborted before it ever used its link to this rank (a half-connected
+/// communicator) is found by this rank's first use of the link, named with how it ended.
+#[test]
+fn a_peer_that_closed_an_unused_link_is_named_at_first_use() {
+    let w = on_demand(3);
+    let link = |from: usize, to: usize| w[from].1.links[to].clone();
+    let data = pattern(64, 1);
+    assert_eq!(
+        one_message(&*link(0, 1), &*link(1, 0), &data).unwrap(),
+        data
+    );
+    link(2, 0).close(Closing::Aborted, Some(1));
+    link(2, 1).close(Closing::Aborted, Some(1));
+    assert!(link(2, 0)
+        .send(&out(&data, TAG, None), &mut SendCursor::default())
+        .is_err());
+    let mut sink = Collect::new(64, false);
+    let expect = InExpect { len: 64, tag: TAG };
+    let r = link(0, 2).recv(&expect, &mut RecvCursor::default(), &mut sink);
+    assert!(!r.unwrap().state, "nothing arrives");
+    let e = link(0, 2).check_peer().unwrap_err();
+    assert!(e.msg.contains("rank 2 aborted"), "{}", e.msg);
+    assert_eq!(w[0].1.shm.as_ref().unwrap().mapped(), 2);
+    // An abort maps the peers to leave each a note of how it ended (a destroy would not).
+    assert_eq!(w[2].1.shm.as_ref().unwrap().mapped(), 2);
 }
