@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::Duration;
 
 /// An anonymous shared-memory file of `len` bytes, zero-filled; pages cost nothing until touched.
@@ -686,6 +686,61 @@ pub(crate) fn dup(fd: RawFd) -> Result<OwnedFd> {
     }
     // SAFETY: a fresh descriptor.
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+/// A doorbell made of two futex words, which may lie in memory shared between processes: the
+/// bell, which a ring moves and a sleeper sleeps on, and the number of sleepers, so that a
+/// ring writes nothing (and the bell's cache line stays put) while nobody sleeps. A ring after
+/// `prepare_sleep` always wakes the sleeper: the ringer publishes its change and then looks
+/// at the sleepers; the sleeper counts itself and then looks at the change; a fence on each
+/// side (or a SeqCst change, see `ring_after_seqcst`) makes at least one of them see the
+/// other's write.
+#[derive(Clone, Copy)]
+pub(crate) struct FutexBell<'a> {
+    pub bell: &'a AtomicU32,
+    pub sleepers: &'a AtomicU32,
+}
+
+impl FutexBell<'_> {
+    /// Wakes the sleepers, if any, after a change the caller published in any way.
+    #[inline]
+    pub(crate) fn ring(&self) {
+        fence(Ordering::SeqCst);
+        self.ring_after_seqcst();
+    }
+
+    /// Wakes the sleepers, if any, after a change the caller made with a SeqCst store or
+    /// read-modify-write: that change and this look at the sleepers are then both in the one
+    /// order of SeqCst operations, which `ring`'s fence gives otherwise (a fence is not free
+    /// on a signal's critical path).
+    #[inline]
+    pub(crate) fn ring_after_seqcst(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.bell.fetch_add(1, Ordering::SeqCst);
+            futex_wake_all(self.bell);
+        }
+    }
+
+    /// Counts the caller as a sleeper and returns the bell's value to sleep on. The caller
+    /// looks for its change once more, then calls `sleep` or `cancel_sleep`.
+    pub(crate) fn prepare_sleep(&self) -> u32 {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Pairs with the ringer's fence or SeqCst change: the caller's next look cannot move
+        // before the count.
+        fence(Ordering::SeqCst);
+        self.bell.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn cancel_sleep(&self) {
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Sleeps until a ring after `prepare_sleep` returned `seen`, or `timeout`, and stops
+    /// counting as a sleeper.
+    pub(crate) fn sleep(&self, seen: u32, timeout: Duration) {
+        futex_wait(self.bell, seen, timeout);
+        self.cancel_sleep();
+    }
 }
 
 #[cfg(test)]

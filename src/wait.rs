@@ -6,16 +6,16 @@
 //! doorbell's announce-then-look-again protocol, so that a ring between the last look and the
 //! sleep wakes the sleeper) and the words of its errors; the phases and their order are here.
 //!
-//! `FutexBell` is the doorbell on two futex words that window control segments ring and
-//! sleep on; `nap_on` is the announce-look-sleep step of a wait on any `Doorbell`.
+//! `FutexBell` (in `sys`, re-exported here) is the doorbell on two futex words that window
+//! control segments and `transport::LocalDoorbell` ring and sleep on; `nap_on` is the announce-look-sleep step of a wait on any `Doorbell`.
 //!
 //! The host executor's loop (`exec::host::drive`) runs the same phases with more to weigh
 //! (CPU crowding, several communicators, a peer that gave up); its parameters are the same
 //! `Wiring` fields these waits take theirs from.
 
 use crate::error::{Error, Result};
+pub(crate) use crate::sys::FutexBell;
 use crate::transport::Doorbell;
-use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long each phase lasts.
@@ -119,65 +119,11 @@ pub(crate) fn nap_on<T, D: Doorbell + ?Sized>(
     }
 }
 
-/// A doorbell made of two futex words, which may lie in memory shared between processes: the
-/// bell, which a ring moves and a sleeper sleeps on, and the number of sleepers, so that a
-/// ring writes nothing (and the bell's cache line stays put) while nobody sleeps. A ring after
-/// `prepare_sleep` always wakes the sleeper: the ringer publishes its change and then looks
-/// at the sleepers; the sleeper counts itself and then looks at the change; a fence on each
-/// side (or a SeqCst change, see `ring_after_seqcst`) makes at least one of them see the
-/// other's write.
-#[derive(Clone, Copy)]
-pub(crate) struct FutexBell<'a> {
-    pub bell: &'a AtomicU32,
-    pub sleepers: &'a AtomicU32,
-}
-
-impl FutexBell<'_> {
-    /// Wakes the sleepers, if any, after a change the caller published in any way.
-    #[inline]
-    pub(crate) fn ring(&self) {
-        fence(Ordering::SeqCst);
-        self.ring_after_seqcst();
-    }
-
-    /// Wakes the sleepers, if any, after a change the caller made with a SeqCst store or
-    /// read-modify-write: that change and this look at the sleepers are then both in the one
-    /// order of SeqCst operations, which `ring`'s fence gives otherwise (a fence is not free
-    /// on a signal's critical path).
-    #[inline]
-    pub(crate) fn ring_after_seqcst(&self) {
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.bell.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake_all(self.bell);
-        }
-    }
-
-    /// Counts the caller as a sleeper and returns the bell's value to sleep on. The caller
-    /// looks for its change once more, then calls `sleep` or `cancel_sleep`.
-    pub(crate) fn prepare_sleep(&self) -> u32 {
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        // Pairs with the ringer's fence or SeqCst change: the caller's next look cannot move
-        // before the count.
-        fence(Ordering::SeqCst);
-        self.bell.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn cancel_sleep(&self) {
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// Sleeps until a ring after `prepare_sleep` returned `seen`, or `timeout`, and stops
-    /// counting as a sleeper.
-    pub(crate) fn sleep(&self, seen: u32, timeout: Duration) {
-        crate::sys::futex_wait(self.bell, seen, timeout);
-        self.cancel_sleep();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::ErrorKind;
+    use std::sync::atomic::Ordering;
 
     /// Ready after `ready_after` looks; counts what the policy asked of it.
     #[derive(Default)]

@@ -473,8 +473,8 @@ pub(crate) struct LocalDoorbell {
 }
 
 impl LocalDoorbell {
-    fn bell(&self) -> crate::wait::FutexBell<'_> {
-        crate::wait::FutexBell {
+    fn bell(&self) -> crate::sys::FutexBell<'_> {
+        crate::sys::FutexBell {
             bell: &self.word,
             sleepers: &self.sleepers,
         }
