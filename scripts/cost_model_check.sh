@@ -57,15 +57,9 @@ lib=${COMM_LIB_DIR:-$ROOT/target/release}
 out=${COST_OUT:-$ROOT/target/cost_model}
 mkdir -p "$out"
 bin=$out/cost_model
-if [ ! -x "$bin" ] || [ "$ROOT/bench/cost_model.c" -nt "$bin" ]; then
-  cc -O2 -Wall -Wextra -o "$bin" "$ROOT/bench/cost_model.c" -I"$ROOT/include" -L"$lib" -lcomm \
-    -Wl,-rpath,"$lib"
-fi
-max=$(printf '%s\n' $ns | sort -n | tail -1)
-want_fds=$((max * 8 + 1024))
-if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want_fds" ]; then
-  ulimit -n "$want_fds" 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true
-fi
+. "$ROOT/scripts/driver.sh"
+build_driver "$ROOT/bench/cost_model.c" "$bin" "$lib"
+raise_fd_limit "$(printf '%s\n' $ns | sort -n | tail -1)"
 
 # Simulated hosts share this machine's cores, but each rank believes its host is its own and
 # spins as long as a network round trip before sleeping (COMM_SPIN_US's default with network

@@ -40,19 +40,12 @@ lib=${COMM_LIB_DIR:-$ROOT/target/release}
 out=${SCALE_OUT:-$ROOT/target/scale}
 mkdir -p "$out"
 bin=$out/scale
-if [ ! -x "$bin" ] || [ "$ROOT/bench/scale.c" -nt "$bin" ]; then
-  cc -O2 -Wall -Wextra -o "$bin" "$ROOT/bench/scale.c" -I"$ROOT/include" -L"$lib" -lcomm \
-    -Wl,-rpath,"$lib"
-fi
+. "$ROOT/scripts/driver.sh"
+build_driver "$ROOT/bench/scale.c" "$bin" "$lib"
 
-# Each rank holds a few descriptors per peer (sockets, memfds, pidfds) and a few threads; a job
-# of 1024 ranks needs more than the usual limits. Raise what we may and say what we cannot.
+# A job of 1024 ranks needs more than the usual limits: raise what we may, say what we cannot.
 max=$(printf '%s\n' $sizes | sort -n | tail -1)
-want_fds=$((max * 8 + 1024))
-if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want_fds" ]; then
-  ulimit -n "$want_fds" 2>/dev/null || ulimit -n "$(ulimit -Hn)" ||
-    echo "warning: ulimit -n is $(ulimit -n), ranks may need $want_fds" >&2
-fi
+raise_fd_limit "$max"
 ulimit -u unlimited 2>/dev/null || true
 pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)
 threads_max=$(cat /proc/sys/kernel/threads-max 2>/dev/null || echo 0)

@@ -34,15 +34,9 @@ lib=${COMM_LIB_DIR:-$ROOT/target/release}
 out=${SCALE_OUT:-$ROOT/target/scale}
 mkdir -p "$out"
 bin=$out/scale
-if [ ! -x "$bin" ] || [ "$ROOT/bench/scale.c" -nt "$bin" ]; then
-  cc -O2 -Wall -Wextra -o "$bin" "$ROOT/bench/scale.c" -I"$ROOT/include" -L"$lib" -lcomm \
-    -Wl,-rpath,"$lib"
-fi
-max=$(printf '%s\n' $sizes | sort -n | tail -1)
-want_fds=$((max * 8 + 1024))
-if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want_fds" ]; then
-  ulimit -n "$want_fds" 2>/dev/null || ulimit -n "$(ulimit -Hn)" || true
-fi
+. "$ROOT/scripts/driver.sh"
+build_driver "$ROOT/bench/scale.c" "$bin" "$lib"
+raise_fd_limit "$(printf '%s\n' $sizes | sort -n | tail -1)"
 
 netns=$ROOT/scripts/netns.sh
 prefix=csn$$

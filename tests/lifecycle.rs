@@ -806,30 +806,7 @@ fn out_of_descriptors(w: &Worker) -> Result<(), String> {
 /// Rank 1's init fails after it announced its shared memory, while its process lives on: the
 /// others must fail at once (they waited for its segment until COMM_INIT_TIMEOUT, 60 s here).
 fn peer_init_fails(w: &Worker) -> Result<(), String> {
-    if w.rank == 1 {
-        std::env::set_var("COMM_FAULT_INJECT", "shm:announced:fail");
-    }
-    let t = Instant::now();
-    let mut c: ncclComm_t = std::ptr::null_mut();
-    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
-    let (took, msg) = (t.elapsed(), last_error());
-    if r == OK {
-        return Err("init succeeded though rank 1's failed".into());
-    }
-    let want = if w.rank == 1 {
-        "COMM_FAULT_INJECT"
-    } else {
-        "stopped serving"
-    };
-    if !msg.contains(want) || took > Duration::from_secs(5) {
-        return Err(format!("{r:?} after {took:?}: {msg}"));
-    }
-    if w.rank == 1 {
-        // Alive after the failure, as an application that goes on would be (an exit would be
-        // seen by the others as one).
-        std::thread::sleep(Duration::from_secs(8));
-    }
-    Ok(())
+    a_peers_init_fails(w, "stopped serving", Duration::from_secs(8))
 }
 
 /// An unknown value of a knob read at init (COMM_SHM_REPLY, set by the launcher) fails the

@@ -174,29 +174,7 @@ fn abort_half_connected(w: &Worker) -> Result<(), String> {
 /// Rank 1's init fails after it announced its segment; the others' init fails too, at once,
 /// naming it (the links are not made yet, so only init's last barrier can tell them).
 fn peer_init_fails(w: &Worker) -> Result<(), String> {
-    if w.rank == 1 {
-        std::env::set_var("COMM_FAULT_INJECT", "shm:announced:fail");
-    }
-    let t = Instant::now();
-    let mut c: ncclComm_t = std::ptr::null_mut();
-    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
-    let (took, msg) = (t.elapsed(), last_error());
-    if r == OK {
-        return Err("init succeeded though rank 1's failed".into());
-    }
-    let want = if w.rank == 1 {
-        "COMM_FAULT_INJECT"
-    } else {
-        "rank 1"
-    };
-    if !msg.contains(want) || took > Duration::from_secs(5) {
-        return Err(format!("{r:?} after {took:?}: {msg}"));
-    }
-    if w.rank == 1 {
-        // Alive after the failure, as an application that goes on would be.
-        std::thread::sleep(Duration::from_secs(2));
-    }
-    Ok(())
+    a_peers_init_fails(w, "rank 1", Duration::from_secs(2))
 }
 
 /// Rank 1 sends to rank 2 and destroys its communicator at once; rank 2 first uses the link

@@ -163,6 +163,35 @@ pub fn init_rank(w: &Worker) -> Result<ncclComm_t, String> {
     Ok(c)
 }
 
+/// Rank 1's init fails just after it announced its shared-memory segment, while its process
+/// lives on for `linger` (an exit would be seen by the others as one): every rank's init must
+/// fail within 5 s, rank 1 naming the injected fault and the others saying `others_say`.
+pub fn a_peers_init_fails(w: &Worker, others_say: &str, linger: Duration) -> Result<(), String> {
+    if w.rank == 1 {
+        std::env::set_var("COMM_FAULT_INJECT", "shm:announced:fail");
+    }
+    let t = Instant::now();
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    // SAFETY: plain init; the handle is only written on success.
+    let r = unsafe { ncclCommInitRank(&mut c, w.nranks as i32, w.id, w.rank as i32) };
+    let (took, msg) = (t.elapsed(), last_error());
+    if r == OK {
+        return Err("init succeeded though rank 1's failed".into());
+    }
+    let want = if w.rank == 1 {
+        "COMM_FAULT_INJECT"
+    } else {
+        others_say
+    };
+    if !msg.contains(want) || took > Duration::from_secs(5) {
+        return Err(format!("{r:?} after {took:?}: {msg}"));
+    }
+    if w.rank == 1 {
+        std::thread::sleep(linger);
+    }
+    Ok(())
+}
+
 /// What one rank process printed and how it ended.
 pub struct RankResult {
     pub rank: usize,
