@@ -245,14 +245,4 @@ fn a_nonblocking_collective_is_aborted_mid_flight() {
     procs("nonblocking_abort", 2);
 }
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);

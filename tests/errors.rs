@@ -781,17 +781,7 @@ fn abort_unblocks(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 #[test]
 fn bad_arguments_leave_the_communicator_usable_processes() {

@@ -192,17 +192,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("log", |w| on_comm(w, log)),
 ];
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 #[test]
 fn alltoallv_uneven_blocks_processes() {

@@ -937,17 +937,7 @@ fn scalable(w: &Worker) -> Result<(), String> {
     Ok(())
 }
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 fn procs(scenario: &str, n: usize, env: &[(&str, &str)]) {
     let r = launch("worker", scenario, n, "", env, Duration::from_secs(120));

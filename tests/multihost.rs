@@ -43,17 +43,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("abort_half_connected", abort_half_connected),
 ];
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 /// The id every rank derives from NCCL_COMM_ID and COMM_SECRET.
 fn init(w: &Worker) -> Result<ncclComm_t, String> {

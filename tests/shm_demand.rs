@@ -223,17 +223,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("peer_init_fails", peer_init_fails),
 ];
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 fn procs(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)]) {
     let r = launch("worker", scenario, n, arg, env, Duration::from_secs(60));

@@ -1361,17 +1361,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("abort_signal", abort_while_signalling),
 ];
 
-#[test]
-fn worker() {
-    if let Some(w) = worker_env() {
-        finish(find_scenario(SCENARIOS, &w.scenario).and_then(|run| run(&w)));
-    }
-}
-
-#[test]
-fn scenario_names_are_distinct() {
-    assert_distinct_names(SCENARIOS);
-}
+scenario_tests!(SCENARIOS);
 
 fn run(scenario: &str, n: usize, arg: &str, env: &[(&str, &str)], secs: u64) {
     assert_all_ok(

@@ -17,6 +17,26 @@ use std::time::{Duration, Instant};
 
 pub const OK: ncclResult_t = ncclResult_t::ncclSuccess;
 
+/// The two tests every table of named scenarios has: `worker`, which a launched rank runs (it
+/// finds its scenario by the name `launch` gave it and exits with the outcome), and a check
+/// that the table's names are distinct.
+#[macro_export]
+macro_rules! scenario_tests {
+    ($table:expr) => {
+        #[test]
+        fn worker() {
+            if let Some(w) = worker_env() {
+                finish(find_scenario($table, &w.scenario).and_then(|run| run(&w)));
+            }
+        }
+
+        #[test]
+        fn scenario_names_are_distinct() {
+            assert_distinct_names($table);
+        }
+    };
+}
+
 /// Fails with the library's last error message when a call does not return `ncclSuccess`.
 #[macro_export]
 macro_rules! nccl {
