@@ -540,15 +540,26 @@ fn connect_all(
         if ss.is_empty() {
             continue;
         }
-        for s in &ss {
-            s.set_nonblocking(true)
-                .and_then(|_| s.set_nodelay(true))
-                .map_err(|e| Error::from_io("configure a TCP connection", e))?;
-            waker.add(s.as_raw_fd(), p)?;
-        }
-        let link = SocketLink::new(p, ss, waker.clone());
-        crate::info!("rank {me} -> rank {p}: {}", link.describe());
-        links[p] = Some(Arc::new(link));
+        links[p] = Some(socket_link(me, p, ss, waker)?);
     }
     Ok(())
+}
+
+/// The link to rank `peer` over its connected `streams`, at init or at first use: each
+/// socket made non-blocking without Nagle's delay and watched by the waker.
+pub(super) fn socket_link(
+    me: usize,
+    peer: usize,
+    streams: Vec<TcpStream>,
+    waker: &Arc<Waker>,
+) -> Result<Arc<dyn Link>> {
+    for s in &streams {
+        s.set_nonblocking(true)
+            .and_then(|_| s.set_nodelay(true))
+            .map_err(|e| Error::from_io("configure a TCP connection", e))?;
+        waker.add(s.as_raw_fd(), peer)?;
+    }
+    let link = SocketLink::new(peer, streams, waker.clone());
+    crate::info!("rank {me} -> rank {peer}: {}", link.describe());
+    Ok(Arc::new(link))
 }

@@ -54,7 +54,6 @@ use crate::transport::{Closing, Doorbell, Link};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -218,20 +217,7 @@ impl TcpConnect {
     }
 
     fn link(&self, streams: Vec<TcpStream>) -> Result<Arc<dyn Link>> {
-        for s in &streams {
-            s.set_nonblocking(true)
-                .and_then(|_| s.set_nodelay(true))
-                .map_err(|e| Error::from_io("configure a TCP connection", e))?;
-            self.waker.add(s.as_raw_fd(), self.peer)?;
-        }
-        let link = SocketLink::new(self.peer, streams, self.waker.clone());
-        crate::info!(
-            "rank {} -> rank {}: {}",
-            self.me,
-            self.peer,
-            link.describe()
-        );
-        Ok(Arc::new(link))
+        super::socket_link(self.me, self.peer, streams, &self.waker)
     }
 }
 
