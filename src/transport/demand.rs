@@ -36,18 +36,25 @@ pub(crate) trait Connect: Send + Sync {
 /// A peer's link that is made at first use; see the module doc.
 pub(crate) struct OnDemand {
     made: OnceLock<Arc<dyn Link>>,
+    pending: Mutex<Pending>,
+}
+
+/// What an `OnDemand` holds until its link is made, under one lock.
+struct Pending {
     /// Taken once the link is made (it holds what the connection needed: a dialer, a route).
-    connect: Mutex<Option<Box<dyn Connect>>>,
+    connect: Option<Box<dyn Connect>>,
     /// Set by `close` before the link was made: nothing connects afterwards.
-    closed: Mutex<Option<(Closing, Option<usize>)>>,
+    closed: Option<Closing>,
 }
 
 impl OnDemand {
     pub(crate) fn new(connect: Box<dyn Connect>) -> OnDemand {
         OnDemand {
             made: OnceLock::new(),
-            connect: Mutex::new(Some(connect)),
-            closed: Mutex::new(None),
+            pending: Mutex::new(Pending {
+                connect: Some(connect),
+                closed: None,
+            }),
         }
     }
 
@@ -56,30 +63,31 @@ impl OnDemand {
         if let Some(l) = self.made.get() {
             return Ok(Some(l));
         }
-        let mut slot = self.connect.lock();
+        let mut pending = self.pending.lock();
         // Another caller may have made it while this one waited for the lock.
         if let Some(l) = self.made.get() {
             return Ok(Some(l));
         }
-        if let Some((how, _)) = *self.closed.lock() {
+        if let Some(how) = pending.closed {
             return crate::remote_err!(
                 "this rank's end of the link was closed ({how:?}) before it was connected"
             );
         }
-        let Some(c) = slot.as_ref() else {
+        let Some(c) = pending.connect.as_ref() else {
             return crate::internal_err!("an on-demand link lost its connector unconnected");
         };
         match c.poll()? {
             Some(l) => {
-                *slot = None;
+                pending.connect = None;
                 Ok(Some(self.made.get_or_init(|| l)))
             }
             None => Ok(None),
         }
     }
 
-    /// Whether the link has been made (for reports of resources and for tests).
-    pub(crate) fn connected(&self) -> bool {
+    /// Whether the link has been made.
+    #[cfg(test)]
+    fn connected(&self) -> bool {
         self.made.get().is_some()
     }
 }
@@ -114,7 +122,7 @@ impl Link for OnDemand {
         if let Some(l) = self.made.get() {
             return l.check_peer();
         }
-        match self.connect.lock().as_ref() {
+        match self.pending.lock().connect.as_ref() {
             Some(c) => c.check_peer(),
             None => self.made.get().map_or(Ok(()), |l| l.check_peer()),
         }
@@ -139,7 +147,7 @@ impl Link for OnDemand {
         if let Some(l) = self.made.get() {
             return l.describe();
         }
-        match self.connect.lock().as_ref() {
+        match self.pending.lock().connect.as_ref() {
             Some(c) => c.describe(),
             None => self
                 .made
@@ -149,12 +157,12 @@ impl Link for OnDemand {
     }
 
     fn close(&self, how: Closing, lost: Option<usize>) {
-        let slot = self.connect.lock();
+        let mut pending = self.pending.lock();
         if let Some(l) = self.made.get() {
             return l.close(how, lost);
         }
-        *self.closed.lock() = Some((how, lost));
-        if let Some(c) = slot.as_ref() {
+        pending.closed = Some(how);
+        if let Some(c) = pending.connect.as_ref() {
             c.close(how, lost);
         }
     }

@@ -12,8 +12,6 @@
 
 #[cfg(test)]
 mod conformance;
-// Used by the transports that connect on demand (shm; net being moved onto it).
-#[allow(dead_code)]
 pub(crate) mod demand;
 pub(crate) mod loopback;
 pub(crate) mod net;
