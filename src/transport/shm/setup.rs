@@ -355,17 +355,40 @@ impl ShmWorld {
         let made = peers
             .into_iter()
             .map(|p| p.map_or_else(OnceLock::new, OnceLock::from))
-            .collect::<Vec<_>>();
+            .collect();
+        ShmWorld::of(me, local, Vec::new(), made, None, disable_pull)
+    }
+
+    /// A world whose links are made at first use, from the peers' announcements (`reach`).
+    fn on_demand(
+        me: usize,
+        local: Arc<Segment>,
+        reach: Vec<Option<Reach>>,
+        pull_threshold_set: Option<usize>,
+        disable_pull: bool,
+    ) -> ShmWorld {
+        let made = reach.iter().map(|_| OnceLock::new()).collect();
+        ShmWorld::of(me, local, reach, made, pull_threshold_set, disable_pull)
+    }
+
+    fn of(
+        me: usize,
+        local: Arc<Segment>,
+        reach: Vec<Option<Reach>>,
+        made: Vec<OnceLock<Arc<ShmPeer>>>,
+        pull_threshold_set: Option<usize>,
+        disable_pull: bool,
+    ) -> ShmWorld {
         ShmWorld {
             local: local.clone(),
             peers: Arc::new(Peers {
                 me,
                 nranks: made.len(),
                 local,
-                reach: Vec::new(),
+                reach,
                 made,
                 mapping: Mutex::new(()),
-                pull_threshold_set: None,
+                pull_threshold_set,
                 disable_pull,
             }),
         }
@@ -400,10 +423,6 @@ impl ShmWorld {
     /// buffer registration reads every local peer's registry); None where shared memory does
     /// not reach `r` or the mapping failed (the link's first use reports why).
     pub(crate) fn peer(&self, r: usize) -> Option<Arc<ShmPeer>> {
-        if let Some(p) = self.peers.made(r) {
-            return Some(p.clone());
-        }
-        self.peers.reach.get(r)?.as_ref()?;
         self.peers.connect(r).ok()
     }
 
@@ -585,19 +604,13 @@ pub(crate) fn connect_as(
         // whose init failed fails every rank's init (a killed or stopped rank is named by the
         // bootstrap), not their first call.
         boot.barrier_until(deadline)?;
-        return Ok(ShmWorld {
-            local: local.clone(),
-            peers: Arc::new(Peers {
-                me,
-                nranks,
-                local,
-                reach,
-                made: (0..nranks).map(|_| OnceLock::new()).collect(),
-                mapping: Mutex::new(()),
-                pull_threshold_set,
-                disable_pull,
-            }),
-        });
+        return Ok(ShmWorld::on_demand(
+            me,
+            local,
+            reach,
+            pull_threshold_set,
+            disable_pull,
+        ));
     }
 
     // Serve our memfd to the peers in other processes while we fetch theirs.
