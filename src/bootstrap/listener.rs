@@ -53,6 +53,8 @@ pub(crate) enum Purpose {
     Net = 4,
     /// One-sided window operations from another host (`key` 0).
     Window = 5,
+    /// How a TCP link closed in the middle of a message (`key`: see `transport::net::notes`).
+    Note = 6,
 }
 
 /// What a rank-to-rank connection is for; bound into its handshake.
@@ -88,6 +90,7 @@ impl PeerCtx {
             3 => Purpose::Probe,
             4 => Purpose::Net,
             5 => Purpose::Window,
+            6 => Purpose::Note,
             _ => return None,
         };
         Some(PeerCtx {

@@ -32,6 +32,7 @@
 //! service connection at first use is not done yet.
 
 pub(crate) mod ib;
+mod notes;
 mod on_demand;
 mod socket;
 
@@ -291,8 +292,9 @@ pub(crate) struct NetWorld {
     thread: Option<std::thread::JoinHandle<()>>,
     /// The InfiniBand device the links use, kept open while they exist.
     ib: Option<ib::IbWorld>,
-    /// Takes the connections peers make at their first use of a link (see `on_demand`).
-    _route: Option<crate::bootstrap::Route>,
+    /// Take the connections peers make at their first use of a link (see `on_demand`) and
+    /// the notes of links closed in the middle of a message (see `notes`).
+    _routes: Vec<crate::bootstrap::Route>,
 }
 
 impl NetWorld {
@@ -407,7 +409,7 @@ pub(crate) fn connect(
             waker: None,
             thread: None,
             ib: world,
-            _route: None,
+            _routes: Vec::new(),
         }));
     }
     if peers.is_empty() {
@@ -445,7 +447,10 @@ pub(crate) fn connect(
     let eager: Vec<usize> = (0..nranks)
         .filter(|&r| addrs[r].get(5) != Some(&1))
         .collect();
-    let route = if eager.is_empty() {
+    let notes = Arc::new(notes::Notes::new(boot.dialer()));
+    let to = notes.clone();
+    let mut routes = vec![boot.route(Purpose::Note, Box::new(move |c, s| to.deliver(c, s)))];
+    if eager.is_empty() {
         let mut expect = vec![0; nranks];
         for &p in peers.iter().filter(|&&p| p < me) {
             expect[p] = count(p)?;
@@ -468,6 +473,7 @@ pub(crate) fn connect(
                 dialer: dialer.clone(),
                 arrivals: arrivals.clone(),
                 waker: waker.clone(),
+                notes: notes.clone(),
                 timeout,
                 used: Mutex::new(None),
             };
@@ -477,7 +483,7 @@ pub(crate) fn connect(
             "rank {me}: {} TCP peers, each connected at first use (NCCL_RUNTIME_CONNECT=0 connects them at init)",
             peers.len()
         );
-        Some(route)
+        routes.push(route);
     } else {
         if eager.len() < nranks {
             crate::info!(
@@ -485,9 +491,8 @@ pub(crate) fn connect(
                 crate::bootstrap::describe_ranks(&eager)
             );
         }
-        connect_all(boot, peers, &count, deadline, &waker, &mut links)?;
-        None
-    };
+        connect_all(boot, peers, &count, deadline, (&waker, &notes), &mut links)?;
+    }
     let thread = if thread_needed {
         let w = waker.clone();
         Some(
@@ -505,7 +510,7 @@ pub(crate) fn connect(
         waker: Some(waker),
         thread,
         ib: None,
-        _route: route,
+        _routes: routes,
     }))
 }
 
@@ -515,7 +520,7 @@ fn connect_all(
     peers: &[usize],
     count: &dyn Fn(usize) -> Result<usize>,
     deadline: Option<Instant>,
-    waker: &Arc<Waker>,
+    (waker, notes): (&Arc<Waker>, &Arc<notes::Notes>),
     links: &mut [Option<Arc<dyn Link>>],
 ) -> Result<()> {
     let me = boot.rank();
@@ -540,7 +545,7 @@ fn connect_all(
         if ss.is_empty() {
             continue;
         }
-        links[p] = Some(socket_link(me, p, ss, waker)?);
+        links[p] = Some(socket_link(me, p, ss, waker, notes)?);
     }
     Ok(())
 }
@@ -552,6 +557,7 @@ pub(super) fn socket_link(
     peer: usize,
     streams: Vec<TcpStream>,
     waker: &Arc<Waker>,
+    notes: &Arc<notes::Notes>,
 ) -> Result<Arc<dyn Link>> {
     for s in &streams {
         s.set_nonblocking(true)
@@ -559,7 +565,7 @@ pub(super) fn socket_link(
             .map_err(|e| Error::from_io("configure a TCP connection", e))?;
         waker.add(s.as_raw_fd(), peer)?;
     }
-    let link = SocketLink::new(peer, streams, waker.clone());
+    let link = SocketLink::new(peer, streams, waker.clone()).with_notes(notes.clone());
     crate::info!("rank {me} -> rank {peer}: {}", link.describe());
     Ok(Arc::new(link))
 }

@@ -193,6 +193,7 @@ pub(super) struct TcpConnect {
     pub(super) dialer: Dialer,
     pub(super) arrivals: Arc<Arrivals>,
     pub(super) waker: Arc<Waker>,
+    pub(super) notes: Arc<super::notes::Notes>,
     /// The init timeout, counted from the first use.
     pub(super) timeout: Option<Duration>,
     /// When the link was first used, and when the peer's service is next probed.
@@ -217,7 +218,7 @@ impl TcpConnect {
     }
 
     fn link(&self, streams: Vec<TcpStream>) -> Result<Arc<dyn Link>> {
-        super::socket_link(self.me, self.peer, streams, &self.waker)
+        super::socket_link(self.me, self.peer, streams, &self.waker, &self.notes)
     }
 }
 
@@ -338,6 +339,7 @@ mod tests {
             count: 1,
             dialer: b.dialer(),
             arrivals,
+            notes: Arc::new(super::super::notes::Notes::new(b.dialer())),
             waker,
             timeout: Some(timeout),
             used: Mutex::new(None),

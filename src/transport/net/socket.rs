@@ -19,6 +19,7 @@
 //! socket: the peer reads every message sent before the close, and only then learns that
 //! nothing more will come.
 
+use super::notes::Notes;
 use super::Waker;
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
@@ -139,6 +140,8 @@ pub(crate) struct SocketLink {
     peer_disagreed: Mutex<Option<(u64, u64)>>,
     disagreed: Mutex<Option<(u64, u64)>>,
     closed: AtomicBool,
+    /// Where notes about closes in the middle of a message go and come from (see `notes`).
+    notes: Option<Arc<Notes>>,
 }
 
 enum Io {
@@ -166,7 +169,14 @@ impl SocketLink {
             peer_disagreed: Mutex::new(None),
             disagreed: Mutex::new(None),
             closed: AtomicBool::new(false),
+            notes: None,
         }
+    }
+
+    /// The link, sending and reading close notes through `notes`.
+    pub(super) fn with_notes(mut self, notes: Arc<Notes>) -> SocketLink {
+        self.notes = Some(notes);
+        self
     }
 
     fn fd(&self, i: usize) -> i32 {
@@ -287,6 +297,12 @@ impl SocketLink {
             .unwrap_or_else(|| Error::lost_peer(self.peer, "connection ended"))
     }
 
+    /// The peer hung up in the middle of a message: what it said on the side, if it did.
+    fn ended_with_note(&self) -> Option<Error> {
+        self.notes.as_ref()?.from(self.peer)?;
+        Some(self.ended())
+    }
+
     /// The rank this link's failure is due to: the one the peer said it lost, or the peer.
     fn first_lost(&self) -> usize {
         match self.peer_lost.load(Ordering::SeqCst) {
@@ -296,6 +312,14 @@ impl SocketLink {
     }
 
     fn gone_error(&self) -> Option<Error> {
+        if self.state.load(Ordering::SeqCst) == PEER_GONE {
+            // The peer closed in the middle of a message: it said how on the side.
+            if let Some((how, lost)) = self.notes.as_ref().and_then(|n| n.from(self.peer)) {
+                self.peer_lost
+                    .store(lost.map_or(0, |l| l as u32 + 1), Ordering::SeqCst);
+                self.state.store(how as u32, Ordering::SeqCst);
+            }
+        }
         let state = self.state.load(Ordering::SeqCst);
         let how = Closing::from_code(state);
         let msg = match how {
@@ -354,6 +378,18 @@ impl SocketLink {
     /// pass takes them, and it fails only if that pass finds nothing; and a rank that failed
     /// because of another loss names this one too (`with_other_losses`), so a peer killed
     /// while its bytes wait unread here is still named.
+    /// Bytes socket `i` holds that were not read yet (0 where the kernel does not say).
+    fn unread(&self, i: usize) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int through the pointer, which is valid.
+        let r = unsafe { libc::ioctl(self.fd(i), libc::FIONREAD, &mut n) };
+        if r == 0 {
+            n.max(0) as usize
+        } else {
+            0
+        }
+    }
+
     fn hung_up(&self, i: usize) -> bool {
         let mut p = libc::pollfd {
             fd: self.fd(i),
@@ -522,13 +558,17 @@ impl Link for SocketLink {
             return Ok(());
         }
         // In the middle of a message nothing may be consumed here, but the kernel knows
-        // whether the peer hung up. Only a socket that still owes bytes of this message tells
-        // anything (the peer may close once the kernel took its last bytes, and one socket can
-        // drain before another).
+        // whether the peer hung up. Only a socket that still owes bytes of this message and
+        // holds none unread tells anything (the peer may close once the kernel took its last
+        // bytes, one socket can drain before another, and bytes still queued are read first).
         let len = Header::decode(&a.raw).len as usize;
         let n = self.streams.len();
         for i in 0..n {
-            if a.parts[i].done < part(len, n, i).1 && self.hung_up(i) {
+            if a.parts[i].done < part(len, n, i).1 && self.hung_up(i) && self.unread(i) == 0 {
+                // The message can never be completed: the peer is gone.
+                if let Some(e) = self.ended_with_note() {
+                    return Err(e);
+                }
                 return Err(Error::lost_peer(
                     self.first_lost(),
                     format!(
@@ -591,6 +631,8 @@ impl Link for SocketLink {
             // One attempt: a full socket buffer means the peer is not reading, and the
             // shutdown below still tells it we are gone.
             let _ = self.write(0, &[&h.encode()]);
+        } else if let Some(notes) = &self.notes {
+            notes.tell(self.peer, how, lost);
         }
         for s in &self.streams {
             let _ = s.shutdown(Shutdown::Write);
@@ -638,6 +680,59 @@ mod tests {
             link.check_peer().is_ok(),
             "the message's bytes still come first"
         );
+    }
+
+    /// A link closed in the middle of a message cannot write its close header; its note comes
+    /// through the peer's connection service, and the peer reports the rank it named, not
+    /// only that the connection ended.
+    #[test]
+    fn a_close_in_the_middle_of_a_message_is_explained_on_the_side() {
+        use crate::bootstrap::{tests::init_all, Purpose};
+        let id = crate::bootstrap::new_unique_id().unwrap();
+        let b = init_all(std::slice::from_ref(&id), 3);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let theirs = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        for s in [&ours, &theirs] {
+            s.set_nonblocking(true).unwrap();
+        }
+        let waker = Arc::new(Waker::direct().unwrap());
+        let notes = [0, 1].map(|r| Arc::new(Notes::new(b[r].dialer())));
+        let to = notes[1].clone();
+        let _route = b[1].route(Purpose::Note, Box::new(move |c, s| to.deliver(c, s)));
+        let sender = SocketLink::new(1, vec![theirs], waker.clone()).with_notes(notes[0].clone());
+        let receiver = SocketLink::new(0, vec![ours], waker).with_notes(notes[1].clone());
+        let h = Header {
+            magic: MAGIC_MSG,
+            flags: 0,
+            tag: 7,
+            len: 64,
+            scale: [0; 8],
+        };
+        assert!(matches!(
+            sender.write(0, &[&h.encode()]),
+            Ok(Io::Moved(HEADER))
+        ));
+        sender.mid_message.store(true, Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while receiver.arriving.lock().got < HEADER {
+            receiver.check_peer().unwrap();
+            assert!(Instant::now() < deadline, "the header never came");
+        }
+        sender.close(Closing::Failed, Some(2));
+        let e = loop {
+            if let Err(e) = receiver.check_peer() {
+                break e;
+            }
+            assert!(Instant::now() < deadline, "the close never showed");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert!(
+            e.msg.contains("rank 0 failed after it lost rank 2"),
+            "{}",
+            e.msg
+        );
+        assert_eq!(e.lost, Some(2), "{}", e.msg);
     }
 
     #[test]
