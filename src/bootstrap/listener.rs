@@ -332,7 +332,14 @@ struct Shared {
     /// Registered handlers by purpose, each with the number its `Route` removes it by.
     routes: Mutex<HashMap<u8, (u64, Arc<Handler>)>>,
     next_route: std::sync::atomic::AtomicU64,
+    /// How the communicator ended, once a transport said (`Dialer::tell_closed`): the answer
+    /// to every later probe, so a rank waiting for this one's connection hears it.
+    closed: Mutex<Option<Closed>>,
 }
+
+/// A communicator's end as a probe answers it: a transport's closing code and the rank it
+/// lost (plus one; 0: none), little-endian.
+pub(crate) type Closed = [u8; 5];
 
 impl Shared {
     /// Hands an authenticated connection to its purpose's handler, or stashes it.
@@ -568,6 +575,10 @@ fn serve(
                     let probe = PeerCtx::decode(&ctx).filter(|c| c.purpose == Purpose::Probe);
                     if let Some(c) = probe {
                         crate::trace!("{label}: rank {} checked that this rank is alive", c.from);
+                        if let Some(b) = *shared.closed.lock() {
+                            // One small write to a fresh socket; the drop below ends it.
+                            let _ = p.into_stream().write(&b);
+                        }
                         continue;
                     }
                     if let Some(c) = PeerCtx::decode(&ctx) {
@@ -627,6 +638,7 @@ pub(crate) struct Dialer {
     secret: [u8; 32],
     addrs: Arc<Vec<SocketAddr>>,
     abort: Arc<AtomicBool>,
+    service: Arc<Shared>,
 }
 
 impl Dialer {
@@ -675,7 +687,9 @@ impl Dialer {
     /// Err (ncclRemoteError) when `peer`'s service refuses connections: its process exited, or
     /// its communicator was destroyed or aborted. A peer that answers, or cannot be reached
     /// within a second (a slow host), counts as alive; the caller's deadline covers those.
-    pub(crate) fn check_alive(&self, peer: usize) -> Result<()> {
+    /// Otherwise Ok with how `peer`'s communicator ended if a transport of it said so
+    /// (`tell_closed`): the closing code and the rank it lost.
+    pub(crate) fn check_state(&self, peer: usize) -> Result<Option<(u8, Option<usize>)>> {
         let Some(addr) = self.addr(peer) else {
             return crate::internal_err!("rank {peer} is no rank of this communicator");
         };
@@ -690,7 +704,21 @@ impl Dialer {
                 to: peer as u32,
             },
         };
-        watch.alive(peer, &self.abort)
+        let told = watch.state(peer, &self.abort)?;
+        Ok(told.map(|b| {
+            let lost = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+            (b[0], lost.checked_sub(1).map(|l| l as usize))
+        }))
+    }
+
+    /// Records how this rank's communicator ended (the first call wins), for the probes of
+    /// ranks still waiting for a connection from it.
+    pub(crate) fn tell_closed(&self, code: u8, lost: Option<usize>) {
+        let lost = lost.map_or(0, |l| l as u32 + 1).to_le_bytes();
+        self.service
+            .closed
+            .lock()
+            .get_or_insert([code, lost[0], lost[1], lost[2], lost[3]]);
     }
 }
 
@@ -704,6 +732,7 @@ impl super::Bootstrap {
             secret: self.secret,
             addrs: Arc::new(self.addrs.clone()),
             abort: self.abort.clone(),
+            service: self.listener.shared.clone(),
         }
     }
 

@@ -570,6 +570,12 @@ impl Watch {
     /// that answers, or cannot be reached in time (a slow or partitioned host), counts as alive;
     /// the caller's deadline covers those.
     fn alive(&self, rank: usize, abort: &AtomicBool) -> Result<()> {
+        self.state(rank, abort).map(|_| ())
+    }
+
+    /// `alive`, and what the peer's service answered: how its communicator ended, where it
+    /// said (an alive peer that said nothing just closes the probe).
+    fn state(&self, rank: usize, abort: &AtomicBool) -> Result<Option<listener::Closed>> {
         let who = format!("rank {rank} ({})", self.addr);
         let w = Waiter::new(Some(Instant::now() + Duration::from_secs(1)), abort);
         let stream = match net::connect(self.addr, w, false, &who) {
@@ -580,7 +586,7 @@ impl Watch {
                     self.addr
                 )
             }
-            Err(_) => return Ok(()),
+            Err(_) => return Ok(None),
         };
         let mut wire = auth::TcpWire {
             stream: &stream,
@@ -589,8 +595,12 @@ impl Watch {
         };
         if let Err(e) = auth::client_steps(&mut wire, &self.secret, &self.ctx.encode()) {
             crate::trace!("liveness probe of {who}: {}", e.msg);
+            return Ok(None);
         }
-        Ok(())
+        let mut told: listener::Closed = [0; 5];
+        Ok(net::read_exact(&stream, &mut told, w, &who)
+            .ok()
+            .map(|_| told))
     }
 }
 

@@ -32,10 +32,11 @@
 //! or which destroyed or aborted its communicator, ends the wait with an error naming it
 //! rather than at the deadline. A higher rank that closes a link before it was connected
 //! answers the lower rank's connections, when they come, with the close a connected link
-//! would have sent (abort, failure, whom it lost). A lower rank that closes first tells the
-//! peer nothing, since telling would mean dialling every peer it never used at an abort: the
-//! peer learns it when this rank's service goes away (destroy, abort), or at its deadline.
-//! So a rank that first reaches a failed peer after that peer destroyed its communicator
+//! would have sent (abort, failure, whom it lost). A lower rank that closes first dials
+//! nobody (that would mean dialling every peer it never used at an abort): it records how it
+//! ended with its service, which answers every later probe with it, so a peer waiting for its
+//! dial learns it at its next probe while the communicator exists, and that it is gone once
+//! the service goes away (destroy, abort). So a rank that first reaches a failed peer after that peer destroyed its communicator
 //! learns only that it is gone (ncclRemoteError naming it), not why it failed (a disagreement
 //! on the operation, a timeout), which a link connected at init would have carried.
 //! Connections the service routed here that nobody took are held in the slots and closed
@@ -284,16 +285,33 @@ impl Connect for TcpConnect {
             }
             *next = now + crate::bootstrap::PROBE_EVERY;
         }
-        self.dialer.check_alive(self.peer).map_err(|e| {
+        let told = self.dialer.check_state(self.peer).map_err(|e| {
             self.named(e.context(format!(
                 "waiting for rank {} to connect over TCP",
                 self.peer
             )))
-        })
+        })?;
+        match told.and_then(|(code, lost)| Some((Closing::from_code(code as u32)?, lost))) {
+            Some((how, lost)) => {
+                let mut e = Error::lost_peer(
+                    lost.unwrap_or(self.peer),
+                    format!(
+                        "{} (it never connected to this rank)",
+                        how.describe(self.peer, lost)
+                    ),
+                );
+                e.kind = how.kind();
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     fn close(&self, how: Closing, lost: Option<usize>) {
-        if !self.dials() {
+        if self.dials() {
+            // The peer may be waiting for this rank's dial: its probes hear how it ended.
+            self.dialer.tell_closed(how as u8, lost);
+        } else {
             self.arrivals.close(self.peer, how, lost);
         }
     }
@@ -422,5 +440,30 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
         assert_eq!(e.lost, Some(0));
         assert!(e.msg.contains("rank 0 is gone"), "{}", e.msg);
+    }
+
+    /// A lower rank whose communicator failed before it ever dialled, and which neither
+    /// destroys nor aborts it: its service answers the waiting rank's probe with how it ended,
+    /// so the wait ends at the next probe naming the rank it lost, not at the deadline.
+    #[test]
+    fn a_failed_peer_that_never_dialled_is_heard_at_the_next_probe() {
+        let _w = watchdog("failed_dialer", Duration::from_secs(30));
+        let id = crate::bootstrap::new_unique_id().unwrap();
+        let b = init_all(std::slice::from_ref(&id), 3);
+        let (hi, _r1) = connector(&b[1], 0, Duration::from_secs(20));
+        let (lo, _r0) = connector(&b[0], 1, Duration::from_secs(20));
+        assert!(hi.poll().unwrap().is_none(), "nobody dialled yet");
+        std::thread::sleep(PROBE_EVERY);
+        assert!(hi.check_peer().is_ok(), "rank 0 is alive and said nothing");
+        lo.close(Closing::Failed, Some(2));
+        std::thread::sleep(PROBE_EVERY);
+        let e = hi.check_peer().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Remote, "{}", e.msg);
+        assert_eq!(e.lost, Some(2), "{}", e.msg);
+        assert!(
+            e.msg.contains("rank 0 failed after it lost rank 2"),
+            "{}",
+            e.msg
+        );
     }
 }
