@@ -114,7 +114,7 @@ knobs! {
     RING_BY_HOST: Flag "COMM_RING_BY_HOST" = "1",
         "rings visit each host's ranks together, crossing each host boundary once (0: rank order)";
     HIER_DIRECT_MAX_BYTES: Size "COMM_HIER_DIRECT_MAX_BYTES" = "",
-        "hierarchical all-reduce: largest part exchanged one-shot between hosts (default: any with 2 hosts, 64K with more)";
+        "hierarchical all-reduce: largest part exchanged one-shot between hosts (default: any with 2 hosts, 64K with 3-16, none with more)";
     LOCAL_REGISTER: Flag "COMM_LOCAL_REGISTER" or "NCCL_LOCAL_REGISTER" = "1",
         "peers read registered device buffers in place (0: always staged)";
     INIT_TIMEOUT: Seconds "COMM_INIT_TIMEOUT" = "600",

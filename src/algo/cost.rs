@@ -335,12 +335,7 @@ pub fn synthetic(
     let coll = collective(name, bytes, nranks)?;
     let host_of: Vec<usize> = (0..nranks).map(|r| r / per_host).collect();
     let hosts = nranks / per_host;
-    let layout = HostLayout::new(
-        &host_of,
-        crate::env::HIER_DIRECT_MAX_BYTES
-            .size_if_set()
-            .unwrap_or(if hosts == 2 { usize::MAX } else { 64 << 10 }),
-    );
+    let layout = HostLayout::new(&host_of, HostLayout::default_direct_max(hosts));
     let ring = RingOrder::by_host(&host_of);
     let tuner = super::tuner::Tuner::from_env(nranks, layout.as_deref());
     let algo = tuner.choose(&coll, tuner_bytes(&coll, 4), nranks);

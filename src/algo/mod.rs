@@ -299,6 +299,11 @@ pub(crate) struct Shape {
     pub hosts: Option<std::sync::Arc<HostLayout>>,
 }
 
+/// The most peers a one-shot exchange (every rank sends to every other) is chosen for by
+/// default: beyond, the tree's 2 log2 N messages a rank beat its N-1 even for 8 bytes, and
+/// each rank would hold a connection to every peer, which does not scale.
+pub(crate) const ONE_SHOT_MAX_PEERS: usize = 16;
+
 /// The ranks grouped by host, for schedules that keep most traffic on the links inside a host.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct HostLayout {
@@ -339,6 +344,21 @@ impl HostLayout {
 
     pub(crate) fn hosts(&self) -> usize {
         self.members.len()
+    }
+
+    /// The default of `direct_max` for `hosts` hosts (COMM_HIER_DIRECT_MAX_BYTES overrides
+    /// it). Between two hosts a one-shot exchange moves the same bytes as a ring of the hosts
+    /// in one hop instead of two; between a few it moves more bytes in fewer hops; past
+    /// `ONE_SHOT_MAX_PEERS` hosts never, since every rank would connect to every other host
+    /// and send to each of them (the tuner takes the tree for small sizes there instead).
+    pub(crate) fn default_direct_max(hosts: usize) -> usize {
+        crate::env::HIER_DIRECT_MAX_BYTES
+            .size_if_set()
+            .unwrap_or(match hosts {
+                0..=2 => usize::MAX,
+                h if h <= ONE_SHOT_MAX_PEERS => 64 << 10,
+                _ => 0,
+            })
     }
 
     /// The number of ranks on each host, when every host has the same number.

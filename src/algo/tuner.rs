@@ -110,7 +110,7 @@ impl Tuner {
         let direct_max_ranks = if crate::env::DIRECT_MAX_BYTES.size_if_set().is_some() {
             usize::MAX
         } else {
-            16
+            super::ONE_SHOT_MAX_PEERS
         };
         let tree_max = crate::env::TREE_MAX_BYTES.size();
         Tuner {
@@ -168,7 +168,14 @@ impl Tuner {
                     && nranks <= self.direct_max_ranks
                 {
                     Algorithm::Direct
-                } else if hier && ok(Algorithm::Hier) {
+                } else if hier
+                    && ok(Algorithm::Hier)
+                    && (self.hosts <= super::ONE_SHOT_MAX_PEERS
+                        || bytes > self.tree_max
+                        || !ok(Algorithm::Tree))
+                {
+                    // Past a few hosts, the hierarchy's exchange between hosts is a ring of
+                    // them (2(H-1) dependent hops): small messages take the tree.
                     Algorithm::Hier
                 } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= self.tree_max {
                     Algorithm::Tree
@@ -188,11 +195,13 @@ impl Tuner {
                 }
             }
             // `bytes` is one rank's block. With two ranks the ring is already one hop.
+            // One hop to every peer on one host (the segments are mapped once); across hosts
+            // only up to `direct_max_ranks`, since each rank would hold a connection to every
+            // other rank.
             Collective::AllGather { .. } | Collective::ReduceScatter { .. } => {
-                if ok(Algorithm::Direct)
-                    && nranks > 2
-                    && (bytes <= self.direct_max || !ok(Algorithm::Ring))
-                {
+                let fits = bytes <= self.direct_max
+                    && (self.hosts == 1 || nranks <= self.direct_max_ranks);
+                if ok(Algorithm::Direct) && nranks > 2 && (fits || !ok(Algorithm::Ring)) {
                     Algorithm::Direct
                 } else {
                     Algorithm::Ring
@@ -306,5 +315,55 @@ mod tests {
         };
         assert_eq!(ring_only.choose(&ar, 64 << 20, 4), Algorithm::Ring);
         assert!(hosts(&[5, 5, 5]).is_none(), "one host is no layout");
+    }
+
+    /// Many hosts: no choice makes a rank connect to every host or every rank. Small
+    /// all-reduces take the tree (the hierarchy's exchange between more than
+    /// `ONE_SHOT_MAX_PEERS` hosts is a ring of them), large ones the hierarchy; all-gathers
+    /// and reduce-scatters across hosts keep the one-hop exchange only on a few ranks.
+    #[test]
+    fn many_hosts_bound_the_peers_each_rank_talks_to() {
+        use super::super::{HostLayout, ONE_SHOT_MAX_PEERS};
+        let per = 8;
+        let spread = |hosts: usize| {
+            let of: Vec<usize> = (0..hosts * per).map(|r| r / per).collect();
+            let l = HostLayout::new(&of, HostLayout::default_direct_max(hosts)).unwrap();
+            Tuner {
+                allowed: vec![
+                    Algorithm::Ring,
+                    Algorithm::Tree,
+                    Algorithm::Direct,
+                    Algorithm::Hier,
+                ],
+                direct_max: 8 << 10,
+                direct_max_ranks: ONE_SHOT_MAX_PEERS,
+                tree_max: 256 << 10,
+                hosts: l.hosts(),
+                per_host: l.per_host(),
+            }
+        };
+        let ar = Collective::AllReduce { count: 0 };
+        let ag = Collective::AllGather { count: 0 };
+        let few = spread(ONE_SHOT_MAX_PEERS);
+        let n = ONE_SHOT_MAX_PEERS * per;
+        assert_eq!(few.choose(&ar, 8, n), Algorithm::Hier);
+        assert_eq!(few.choose(&ar, 64 << 20, n), Algorithm::Hier);
+        let many = spread(128);
+        assert_eq!(many.choose(&ar, 8, 1024), Algorithm::Tree);
+        assert_eq!(many.choose(&ar, 256 << 10, 1024), Algorithm::Tree);
+        assert_eq!(many.choose(&ar, (256 << 10) + 1, 1024), Algorithm::Hier);
+        assert_eq!(many.choose(&ag, 8, 1024), Algorithm::Ring);
+        assert_eq!(spread(2).choose(&ag, 8, 16), Algorithm::Direct);
+        assert_eq!(
+            HostLayout::default_direct_max(ONE_SHOT_MAX_PEERS + 1),
+            0,
+            "never one-shot between many hosts"
+        );
+        // Told to use nothing else, the one-hop all-gather is still the choice.
+        let direct_only = Tuner {
+            allowed: vec![Algorithm::Direct],
+            ..many
+        };
+        assert_eq!(direct_only.choose(&ag, 8, 1024), Algorithm::Direct);
     }
 }

@@ -253,13 +253,9 @@ impl Comm {
             .iter()
             .collect::<std::collections::HashSet<_>>()
             .len();
-        // Between two hosts, a one-shot exchange moves the same bytes as a ring of the hosts
-        // in one hop instead of two; between more, it moves more bytes.
         let layout = crate::algo::HostLayout::new(
             &host_of,
-            crate::env::HIER_DIRECT_MAX_BYTES
-                .size_if_set()
-                .unwrap_or(if nhosts == 2 { usize::MAX } else { 64 << 10 }),
+            crate::algo::HostLayout::default_direct_max(nhosts),
         );
         let replies = crate::exec::replies::Setting::from_env()?;
         let crate::transport::Links {
