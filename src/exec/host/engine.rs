@@ -22,7 +22,7 @@ pub(super) struct Exec<'a> {
     pub(super) wiring: &'a Wiring,
     pub(super) t: &'a mut Tables,
     pub(super) remaining: usize,
-    /// Some operation of the run copies received bytes in (`OutMsg::sender_busy`).
+    /// Some operation of the run copies received bytes in (`Offer::sender_busy`).
     pub(super) busy: bool,
 }
 
@@ -387,11 +387,7 @@ impl<'a> Exec<'a> {
 
     pub(super) fn drive_send(&mut self, i: u32) -> Result<SendState> {
         let step = &mut self.t.plan.steps[i as usize];
-        let Action::Send { peer, .. } = step.action else {
-            unreachable!("send queue holds a non-send step")
-        };
-        let msg = step.message(&self.t.ops[step.op], self.busy);
-        let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
+        let p = step.send_on(&self.wiring.links, &self.t.ops[step.op], self.busy)?;
         Ok(p.state)
     }
 

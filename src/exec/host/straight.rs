@@ -120,8 +120,8 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
         let finished = match x.action {
             Action::Send { peer, .. } => {
                 let complete = closed & bit(peer) == 0 && x.waiting_on == 0 && {
-                    let msg = x.message(op, op.schedule.copies_in);
-                    wiring.links[peer].send(&msg, &mut x.send)?.state == SendState::Complete
+                    let p = x.send_on(&wiring.links, op, op.schedule.copies_in)?;
+                    p.state == SendState::Complete
                 };
                 if !complete {
                     closed |= bit(peer);
