@@ -46,6 +46,7 @@ pub(super) enum Action {
 impl XStep {
     /// Sends what more of this send step of `op` its link takes, offering what the executor
     /// knows of the message (`Offer`); `busy`: `Offer::sender_busy`.
+    #[inline]
     pub(super) fn send_on(
         &mut self,
         links: &[Arc<dyn Link>],
