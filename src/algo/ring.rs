@@ -20,7 +20,7 @@ pub(crate) const FUSE_FROM: usize = 32 << 20;
 /// only where the buffers are too large to stay in cache: two processes on a machine with a
 /// large shared L3, against all folds first, 64 MiB 0.88-0.93x the time, 32 MiB 0.93x,
 /// 128 MiB 0.85x, but 16 MiB 1.26x and 4 MiB 1.23x slower (the ranks then go in lockstep, one
-/// slice at a time). In place the folded bytes are written back instead (`OutMsg::reply_at`)
+/// slice at a time). In place the folded bytes are written back instead (`Offer::reply_at`)
 /// and the order stays, as it does between two hosts, where nothing forwards and the lockstep
 /// would add a round trip per slice. Between processes of one host shm now writes the folded
 /// bytes back out of place too (the sends offer the receive buffer), which leaves forwarding

@@ -2,7 +2,7 @@
 //! (`algo::ring::FUSE_FROM`): forwarded through the FIFO's slots as it folds
 //! (`Reply::next`: the folded bytes go into shared lines the peer reads next, and into the
 //! receive buffer with non-temporal stores) or written back into the peer's receive buffer
-//! (`OutMsg::reply_at`, a kernel copy into lines no cache holds).
+//! (`Offer::reply_at`, a kernel copy into lines no cache holds).
 //!
 //! Which is faster changes from run to run and within a run. Forwarding moves every byte
 //! between the two cores' caches and writes less memory; two processes pinned on a 2-vCPU VM,

@@ -5,7 +5,9 @@
 //! three queue pairs) between two ranks that are threads of this process, and the parts that
 //! apply to a rank's channel to itself against loopback.
 
-use super::{establish_with, Closing, InExpect, Link, Links, OutMsg, RecvCursor, SendCursor};
+use super::{
+    establish_with, Closing, InExpect, Link, Links, Offer, OutMsg, RecvCursor, SendCursor,
+};
 use super::{SendState, Sink};
 use crate::bootstrap::{new_unique_id, Bootstrap};
 use crate::error::{ErrorKind, Result};
@@ -155,6 +157,18 @@ fn transfer(
     expect: &[(usize, u64)],
     direct: bool,
 ) -> Result<Vec<TestSink>> {
+    transfer_offered(tx, rx, msgs, expect, direct, Offer::default())
+}
+
+/// `transfer`, each message sent with `offer`.
+fn transfer_offered(
+    tx: &dyn Link,
+    rx: &dyn Link,
+    msgs: &[(Vec<u8>, u64)],
+    expect: &[(usize, u64)],
+    direct: bool,
+    offer: Offer,
+) -> Result<Vec<TestSink>> {
     let mut sends: Vec<SendCursor> = vec![SendCursor::default(); msgs.len()];
     let mut done_send = vec![false; msgs.len()];
     let mut next_send = 0;
@@ -182,11 +196,8 @@ fn transfer(
                 len: data.len(),
                 scale: None,
                 tag: *tag,
-                sender_busy: false,
-                copied: false,
-                reply_at: None,
             };
-            match tx.send(&m, &mut sends[i])?.state {
+            match tx.send_offered(&m, offer, &mut sends[i])?.state {
                 SendState::Pending => break,
                 SendState::Posted => next_send = next_send.max(i + 1),
                 SendState::Complete => {
@@ -227,9 +238,15 @@ fn messages(seed: u8) -> Vec<(Vec<u8>, u64)> {
 }
 
 fn order_and_lengths(tx: &dyn Link, rx: &dyn Link, direct: bool) {
+    order_and_lengths_offered(tx, rx, direct, Offer::default())
+}
+
+/// `order_and_lengths`, each message sent with `offer`: a link may take any of it up or
+/// ignore it, and the same bytes arrive.
+fn order_and_lengths_offered(tx: &dyn Link, rx: &dyn Link, direct: bool, offer: Offer) {
     let msgs = messages(if direct { 3 } else { 5 });
     let expect: Vec<(usize, u64)> = msgs.iter().map(|(d, t)| (d.len(), *t)).collect();
-    let got = transfer(tx, rx, &msgs, &expect, direct).expect("transfer");
+    let got = transfer_offered(tx, rx, &msgs, &expect, direct, offer).expect("transfer");
     for (i, (sink, (data, _))) in got.iter().zip(&msgs).enumerate() {
         assert_eq!(&sink.buf, data, "message {i} of {} bytes", data.len());
         let covered: usize = sink.pieces.iter().map(|p| p.1).sum();
@@ -257,6 +274,14 @@ fn suite(kind: Kind) {
     }
     order_and_lengths(&*b, &*a, false);
     order_and_lengths(&*a, &*b, false);
+    // What the executor offers about a message changes at most how it travels.
+    let busy = Offer {
+        sender_busy: true,
+        copied: true,
+        reply_at: None,
+    };
+    order_and_lengths_offered(&*a, &*b, true, busy);
+    order_and_lengths_offered(&*b, &*a, false, busy);
 
     // A receive that expects another tag or length is refused, naming both.
     let msgs = vec![(

@@ -13,7 +13,9 @@
 //! descriptors, threads and memory of a rank proportional to the peers its algorithms talk to
 //! rather than to the communicator's size.
 
-use super::{Closing, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink};
+use super::{
+    Closing, InExpect, Link, Offer, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+};
 use crate::error::Result;
 use parking_lot::Mutex;
 use std::sync::{Arc, OnceLock};
@@ -94,8 +96,17 @@ impl OnDemand {
 
 impl Link for OnDemand {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
+        self.send_offered(msg, Offer::default(), cur)
+    }
+
+    fn send_offered(
+        &self,
+        msg: &OutMsg,
+        offer: Offer,
+        cur: &mut SendCursor,
+    ) -> Result<Progress<SendState>> {
         match self.link()? {
-            Some(l) => l.send(msg, cur),
+            Some(l) => l.send_offered(msg, offer, cur),
             None => Ok(Progress {
                 state: SendState::Pending,
                 moved: false,
@@ -229,9 +240,6 @@ mod tests {
             len: data.len(),
             scale: None,
             tag: 7,
-            sender_busy: false,
-            copied: false,
-            reply_at: None,
         }
     }
 

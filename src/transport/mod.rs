@@ -167,6 +167,14 @@ pub(crate) struct OutMsg {
     /// float average), carried with the message.
     pub scale: Option<Scale>,
     pub tag: u64,
+}
+
+/// What the executor knows of an outgoing message beyond its bytes: the one optional
+/// capability of the sending side (`Link::send_offered`), as `Sink::reply` is of the
+/// receiving side. A link may use any of it to choose how to move the message, or ignore it
+/// all; the bytes that arrive are the same.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Offer {
     /// The sending rank also has received bytes of its own to copy in this run, so a transport
     /// that can have the receiver pull the message saves the sender a copy that would delay
     /// the rest of its run (shm pulls such messages from a lower size).
@@ -176,12 +184,13 @@ pub(crate) struct OutMsg {
     /// with no fold waiting behind it (shm pulls a busy sender's such messages from a lower
     /// size still).
     pub copied: bool,
-    /// Where this rank will next receive, from the same peer, a message of the same length,
-    /// with nothing touching those bytes before: `src` itself (the other half of a two-rank
-    /// all-reduce in place) or the same place in the receive buffer (out of place). A
-    /// receiver that folds the message and will send the result straight back
-    /// (`Sink::reply`) may write that result there as it folds, while the bytes are still
-    /// in its cache, and later send only a notice (shm does, for pulled messages).
+    /// The sender's half of a matched pair (`Reply` is the receiver's): where this rank will
+    /// next receive, from the same peer, a message of the same length, with nothing touching
+    /// those bytes before: `src` itself (the other half of a two-rank all-reduce in place) or
+    /// the same place in the receive buffer (out of place). A receiver that folds the message
+    /// and will send the result straight back (`Sink::reply`) may write that result there as
+    /// it folds, while the bytes are still in its cache, and later send only a notice (shm
+    /// does, for pulled messages).
     pub reply_at: Option<usize>,
 }
 
@@ -255,9 +264,9 @@ pub(crate) trait Sink {
     fn put(&mut self, offset: usize, data: &[u8], scale: Option<Scale>) -> Result<()>;
     /// Bytes `[offset, offset + len)` were written straight into `direct()`.
     fn placed(&mut self, offset: usize, len: usize, scale: Option<Scale>) -> Result<()>;
-    /// The one optional capability the executor offers a link: this receive and a send of
-    /// its result back to the same peer are a matched pair (`Reply`). None by default; a link
-    /// may ignore it.
+    /// The optional capability of the receiving side (`Offer` is the sending side's): this
+    /// receive and a send of its result back to the same peer are a matched pair (`Reply`).
+    /// None by default; a link may ignore it.
     fn reply(&self) -> Option<Reply> {
         None
     }
@@ -278,7 +287,7 @@ pub(crate) trait Sink {
 /// What a receive's sink tells a link that may fold and return (`Sink::reply`): this rank's
 /// next use of the combined bytes is to send them, unchanged and whole, back to the peer
 /// they came from. A link may then move the reply while it folds (shm writes it into the
-/// sender's buffer where the sender offered a place, `OutMsg::reply_at`, or forwards it
+/// sender's buffer where the sender offered a place, `Offer::reply_at`, or forwards it
 /// through its slots), and its later send of those bytes finishes what was begun.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Reply {
@@ -325,6 +334,16 @@ pub(crate) struct Progress<T> {
 /// its own in-flight state; the cursors only say which message and how far it got.
 pub(crate) trait Link: Send + Sync {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>>;
+    /// `send`, with what the executor offers about the message (`Offer`, the same on every
+    /// call for one message). A link that has no use for it sends plainly (the default).
+    fn send_offered(
+        &self,
+        msg: &OutMsg,
+        _offer: Offer,
+        cur: &mut SendCursor,
+    ) -> Result<Progress<SendState>> {
+        self.send(msg, cur)
+    }
     /// Returns `state == true` once the whole message has been delivered to the sink.
     fn recv(
         &self,

@@ -28,7 +28,7 @@ pub(crate) struct ExecCache {
     /// straddle.
     pub(super) scratch: Vec<Line>,
     pub(super) tables: Tables,
-    /// What `tables.steps` was last built for, when that was one operation alone (its plan's
+    /// What `tables.plan` was last built for, when that was one operation alone (its plan's
     /// steps are in the tables, not parked).
     pub(super) built: Option<Built>,
     /// The call the last run served, when it was one operation alone that ran to the end and
@@ -66,12 +66,7 @@ impl ExecCache {
             return;
         };
         let t = &mut self.tables;
-        t.steps = p.steps;
-        t.send_q = p.send_q;
-        t.recv_q = p.recv_q;
-        t.first_local = p.first_local;
-        t.peers = p.peers;
-        t.mixed = p.mixed;
+        t.plan = p.steps;
         t.edges = p.built.hazards.edges.clone();
         t.tried = false;
         self.built = Some(p.built);
@@ -84,21 +79,15 @@ impl ExecCache {
         let Some(built) = self.built.take() else {
             return;
         };
-        if self.tables.steps.len() > PARK_UP_TO {
+        if self.tables.plan.steps.len() > PARK_UP_TO {
             return;
         }
         let Some(plan) = self.plans.get_mut(&built.plan_key()) else {
             return;
         };
-        let t = &mut self.tables;
         plan.parked = Some(Parked {
             built,
-            steps: std::mem::take(&mut t.steps),
-            send_q: std::mem::take(&mut t.send_q),
-            recv_q: std::mem::take(&mut t.recv_q),
-            first_local: std::mem::take(&mut t.first_local),
-            peers: std::mem::take(&mut t.peers),
-            mixed: std::mem::take(&mut t.mixed),
+            steps: std::mem::take(&mut self.tables.plan),
         });
     }
 }
@@ -124,15 +113,11 @@ pub(super) struct Plan {
     pub(super) parked: Option<Parked>,
 }
 
-/// A plan's steps and their queues, out of the tables (`ExecCache::park`).
+/// A plan's steps and their queues, out of the tables (`ExecCache::park`), and what they were
+/// built for.
 pub(super) struct Parked {
     built: Built,
-    steps: Vec<XStep>,
-    send_q: Vec<StepQueue>,
-    recv_q: Vec<StepQueue>,
-    first_local: Vec<u32>,
-    peers: Vec<usize>,
-    mixed: Vec<bool>,
+    steps: PlanSteps,
 }
 
 /// A call outside any group as its entry point received it, but for its buffers: the
@@ -179,19 +164,14 @@ pub(super) struct Line(pub(super) [u8; 64]);
 #[derive(Default)]
 pub(super) struct Tables {
     pub(super) ops: Vec<HostOp>,
-    pub(super) steps: Vec<XStep>,
-    pub(super) send_q: Vec<StepQueue>,
-    pub(super) recv_q: Vec<StepQueue>,
-    /// Per peer: its receives mix send/recv calls with collectives (`match_by_tag`).
-    pub(super) mixed: Vec<bool>,
+    /// The steps of the plan the tables were built for, and their queues: what a plan parks
+    /// while another one runs (`ExecCache::park`), moved out and back whole.
+    pub(super) plan: PlanSteps,
     /// Per peer: the receive at the front of its queue was matched to the message that has
     /// begun to arrive (`match_by_tag`), so it goes on with it.
     pub(super) matched: Vec<bool>,
-    pub(super) peers: Vec<usize>,
     pub(super) posted: Vec<u32>,
     pub(super) ready_local: Vec<u32>,
-    /// The local steps that wait for nothing, in the order `ready_local` starts with.
-    pub(super) first_local: Vec<u32>,
     /// The steps' dependents (`Hazards::edges`) as last built: a repeated call keeps them
     /// without touching a reference count.
     pub(super) edges: Arc<[u32]>,
@@ -204,6 +184,22 @@ pub(super) struct Tables {
     /// counts lowered) and the others kept what the try did. The executor that takes over
     /// goes on from there instead of starting them afresh.
     pub(super) tried: bool,
+}
+
+/// A plan's steps resolved on buffers and the per-peer queues they start from (`Exec::queue`):
+/// everything of a run's tables that depends on its plan alone, with the progress of its last
+/// run.
+#[derive(Default)]
+pub(super) struct PlanSteps {
+    pub(super) steps: Vec<XStep>,
+    pub(super) send_q: Vec<StepQueue>,
+    pub(super) recv_q: Vec<StepQueue>,
+    /// Per peer: its receives mix send/recv calls with collectives (`match_by_tag`).
+    pub(super) mixed: Vec<bool>,
+    /// The peers with a send or a receive in the run.
+    pub(super) peers: Vec<usize>,
+    /// The local steps that wait for nothing, in the order `ready_local` starts with.
+    pub(super) first_local: Vec<u32>,
 }
 
 // SAFETY: what keeps the cache from being Send automatically is raw pointers into the user's

@@ -22,7 +22,7 @@ pub(super) struct Exec<'a> {
     pub(super) wiring: &'a Wiring,
     pub(super) t: &'a mut Tables,
     pub(super) remaining: usize,
-    /// Some operation of the run copies received bytes in (`OutMsg::sender_busy`).
+    /// Some operation of the run copies received bytes in (`Offer::sender_busy`).
     pub(super) busy: bool,
 }
 
@@ -65,15 +65,15 @@ impl<'a> Exec<'a> {
         // calls look at it as well.
         wiring.collapse_if_large(scratch as usize, need);
         if let ([op], Some(b)) = (t.ops.as_slice(), built.as_mut()) {
-            let reuse = b.reuse(op, scratch, t.steps.len());
+            let reuse = b.reuse(op, scratch, t.plan.steps.len());
             if reuse != Reuse::Nothing {
                 op.collapse_to_huge_pages(wiring);
                 if reuse == Reuse::Structure {
-                    b.take_buffers(op, scratch, &mut t.steps);
+                    b.take_buffers(op, scratch, &mut t.plan.steps);
                 }
                 let tried = std::mem::take(&mut t.tried);
                 if !tried {
-                    for (i, s) in t.steps.iter_mut().enumerate() {
+                    for (i, s) in t.plan.steps.iter_mut().enumerate() {
                         s.restart(b.hazards.waiting_on[i]);
                     }
                 }
@@ -82,7 +82,7 @@ impl<'a> Exec<'a> {
         }
         *built = None;
         t.tried = false;
-        let steps = &mut t.steps;
+        let steps = &mut t.plan.steps;
         steps.clear();
         let mut scratch_at = 0usize;
         for (oi, op) in t.ops.iter().enumerate() {
@@ -162,34 +162,34 @@ impl<'a> Exec<'a> {
     /// and the local steps that wait for nothing ready to run.
     pub(super) fn queue(wiring: &'a Wiring, t: &'a mut Tables) -> Exec<'a> {
         let npeers = wiring.links.len();
-        for q in t.send_q.iter_mut().chain(t.recv_q.iter_mut()) {
+        for q in t.plan.send_q.iter_mut().chain(t.plan.recv_q.iter_mut()) {
             q.steps.clear();
         }
-        t.send_q.resize_with(npeers, StepQueue::default);
-        t.recv_q.resize_with(npeers, StepQueue::default);
-        t.first_local.clear();
-        for (i, s) in t.steps.iter().enumerate() {
+        t.plan.send_q.resize_with(npeers, StepQueue::default);
+        t.plan.recv_q.resize_with(npeers, StepQueue::default);
+        t.plan.first_local.clear();
+        for (i, s) in t.plan.steps.iter().enumerate() {
             match s.action {
-                Action::Send { peer, .. } => t.send_q[peer].steps.push(i as u32),
-                Action::Recv { peer, .. } => t.recv_q[peer].steps.push(i as u32),
+                Action::Send { peer, .. } => t.plan.send_q[peer].steps.push(i as u32),
+                Action::Recv { peer, .. } => t.plan.recv_q[peer].steps.push(i as u32),
                 Action::Local { .. } => {
                     if s.waiting_on == 0 {
-                        t.first_local.push(i as u32)
+                        t.plan.first_local.push(i as u32)
                     }
                 }
             }
         }
-        t.first_local.reverse();
-        t.peers.clear();
-        let (send_q, recv_q) = (&t.send_q, &t.recv_q);
-        t.peers.extend(
+        t.plan.first_local.reverse();
+        t.plan.peers.clear();
+        let (send_q, recv_q) = (&t.plan.send_q, &t.plan.recv_q);
+        t.plan.peers.extend(
             (0..npeers).filter(|&p| !send_q[p].steps.is_empty() || !recv_q[p].steps.is_empty()),
         );
-        let (ops, steps) = (&t.ops, &t.steps);
+        let (ops, steps) = (&t.ops, &t.plan.steps);
         let p2p = |i: &u32| is_p2p(&ops[steps[*i as usize].op]);
         let apart = kinds_apart(op_bytes(ops));
-        t.mixed.clear();
-        t.mixed.extend(
+        t.plan.mixed.clear();
+        t.plan.mixed.extend(
             recv_q
                 .iter()
                 .map(|q| apart && q.steps.iter().any(p2p) && !q.steps.iter().all(p2p)),
@@ -200,10 +200,10 @@ impl<'a> Exec<'a> {
     /// The executor over steps queued before (by `queue`), from their start, or, when
     /// `straight` `tried` them, past those it finished (their dependents' counts lowered).
     pub(super) fn rewind(wiring: &'a Wiring, t: &'a mut Tables, tried: bool) -> Exec<'a> {
-        let steps = &t.steps;
-        for &p in &t.peers {
+        let steps = &t.plan.steps;
+        for &p in &t.plan.peers {
             // What `straight` finished of a queue comes first in it.
-            for q in [&mut t.send_q[p], &mut t.recv_q[p]] {
+            for q in [&mut t.plan.send_q[p], &mut t.plan.recv_q[p]] {
                 q.head = if tried {
                     q.steps
                         .iter()
@@ -215,11 +215,11 @@ impl<'a> Exec<'a> {
             }
         }
         t.matched.clear();
-        t.matched.resize(t.recv_q.len(), false);
+        t.matched.resize(t.plan.recv_q.len(), false);
         t.ready_local.clear();
         let mut remaining = steps.len();
         if !tried {
-            t.ready_local.extend_from_slice(&t.first_local);
+            t.ready_local.extend_from_slice(&t.plan.first_local);
         } else {
             remaining -= steps.iter().filter(|s| s.finished).count();
             // Lowest first off the stack, as `first_local` has them.
@@ -240,13 +240,13 @@ impl<'a> Exec<'a> {
     }
 
     pub(super) fn complete(&mut self, i: u32) {
-        let step = &self.t.steps[i as usize];
+        let step = &self.t.plan.steps[i as usize];
         let range =
             step.first_dependent as usize..(step.first_dependent + step.dependents) as usize;
         self.remaining -= 1;
         for k in range {
             let d = self.t.edges[k];
-            let s = &mut self.t.steps[d as usize];
+            let s = &mut self.t.plan.steps[d as usize];
             s.waiting_on -= 1;
             if s.waiting_on == 0 && matches!(s.action, Action::Local { .. }) {
                 self.t.ready_local.push(d);
@@ -255,11 +255,11 @@ impl<'a> Exec<'a> {
     }
 
     pub(super) fn reduction(&self, i: u32) -> Option<Reduction> {
-        self.t.ops[self.t.steps[i as usize].op].reduction
+        self.t.ops[self.t.plan.steps[i as usize].op].reduction
     }
 
     pub(super) fn tag(&self, i: u32) -> u64 {
-        self.t.ops[self.t.steps[i as usize].op].tag
+        self.t.ops[self.t.plan.steps[i as usize].op].tag
     }
 
     /// One pass over everything that can move. Returns whether anything did.
@@ -270,20 +270,20 @@ impl<'a> Exec<'a> {
     /// working at the same time).
     pub(super) fn pass(&mut self) -> Result<bool> {
         let mut moved = self.reap_posted()?;
-        for pi in 0..self.t.peers.len() {
-            moved |= self.post_sends(self.t.peers[pi])?;
+        for pi in 0..self.t.plan.peers.len() {
+            moved |= self.post_sends(self.t.plan.peers[pi])?;
         }
-        for pi in 0..self.t.peers.len() {
-            let peer = self.t.peers[pi];
+        for pi in 0..self.t.plan.peers.len() {
+            let peer = self.t.plan.peers[pi];
             let mut budget = RECV_BYTES_PER_PASS;
             while budget > 0 {
-                if self.t.mixed[peer] && !self.t.matched[peer] && !self.match_by_tag(peer) {
+                if self.t.plan.mixed[peer] && !self.t.matched[peer] && !self.match_by_tag(peer) {
                     break;
                 }
-                let Some(&i) = self.t.recv_q[peer].front() else {
+                let Some(&i) = self.t.plan.recv_q[peer].front() else {
                     break;
                 };
-                if self.t.steps[i as usize].waiting_on > 0 {
+                if self.t.plan.steps[i as usize].waiting_on > 0 {
                     break;
                 }
                 let (finished, m) = self.drive_recv(i)?;
@@ -291,11 +291,11 @@ impl<'a> Exec<'a> {
                 if !finished {
                     break;
                 }
-                if let Action::Recv { len, .. } = self.t.steps[i as usize].action {
+                if let Action::Recv { len, .. } = self.t.plan.steps[i as usize].action {
                     budget = budget.saturating_sub(len.max(1));
                 }
                 self.t.matched[peer] = false;
-                self.t.recv_q[peer].pop_front();
+                self.t.plan.recv_q[peer].pop_front();
                 self.complete(i);
             }
         }
@@ -324,8 +324,8 @@ impl<'a> Exec<'a> {
             Ok(None) => return false,
             Err(_) => return true,
         };
-        let q = &mut self.t.recv_q[peer];
-        let (ops, steps) = (&self.t.ops, &self.t.steps);
+        let q = &mut self.t.plan.recv_q[peer];
+        let (ops, steps) = (&self.t.ops, &self.t.plan.steps);
         let Some(k) = q.steps[q.head..]
             .iter()
             .position(|&i| ops[steps[i as usize].op].tag == tag)
@@ -362,21 +362,22 @@ impl<'a> Exec<'a> {
     /// Posts as many of `peer`'s ready sends, in order, as its FIFO takes.
     pub(super) fn post_sends(&mut self, peer: usize) -> Result<bool> {
         let mut moved = false;
-        while let Some(&i) = self.t.send_q[peer].front() {
-            if self.t.steps[i as usize].waiting_on > 0 {
+        while let Some(&i) = self.t.plan.send_q[peer].front() {
+            if self.t.plan.steps[i as usize].waiting_on > 0 {
                 break;
             }
-            let before = self.t.steps[i as usize].send.sent;
+            let before = self.t.plan.steps[i as usize].send.sent;
             let state = self.drive_send(i)?;
-            moved |= self.t.steps[i as usize].send.sent != before || state != SendState::Pending;
+            moved |=
+                self.t.plan.steps[i as usize].send.sent != before || state != SendState::Pending;
             match state {
                 SendState::Pending => break,
                 SendState::Posted => {
-                    self.t.send_q[peer].pop_front();
+                    self.t.plan.send_q[peer].pop_front();
                     self.t.posted.push(i);
                 }
                 SendState::Complete => {
-                    self.t.send_q[peer].pop_front();
+                    self.t.plan.send_q[peer].pop_front();
                     self.complete(i);
                 }
             }
@@ -385,22 +386,21 @@ impl<'a> Exec<'a> {
     }
 
     pub(super) fn drive_send(&mut self, i: u32) -> Result<SendState> {
-        let step = &mut self.t.steps[i as usize];
-        let Action::Send { peer, .. } = step.action else {
-            unreachable!("send queue holds a non-send step")
-        };
-        let msg = step.message(&self.t.ops[step.op], self.busy);
-        let p = self.wiring.links[peer].send(&msg, &mut step.send)?;
+        let step = &mut self.t.plan.steps[i as usize];
+        let p = step.send_on(&self.wiring.links, &self.t.ops[step.op], self.busy)?;
         Ok(p.state)
     }
 
     pub(super) fn drive_recv(&mut self, i: u32) -> Result<(bool, bool)> {
         let tag = self.tag(i);
         let reduction = self.reduction(i);
-        let Action::Recv { peer, dst, len, .. } = self.t.steps[i as usize].action else {
+        let Action::Recv { peer, dst, len, .. } = self.t.plan.steps[i as usize].action else {
             unreachable!("receive queue holds a non-receive step")
         };
-        let (hint, op) = (self.t.steps[i as usize].hint, self.t.steps[i as usize].op);
+        let (hint, op) = (
+            self.t.plan.steps[i as usize].hint,
+            self.t.plan.steps[i as usize].op,
+        );
         let stream = self.t.ops[op].schedule.recv_extent >= STREAM_FROM;
         // The reply (the next step to touch dst, by the hint) is at the front of the peer's
         // sends: every earlier message to that peer is handed over. It belongs to the same
@@ -408,15 +408,15 @@ impl<'a> Exec<'a> {
         let returns = hint == Hint::Returns;
         let forwards = returns
             && stream
-            && self.t.send_q[peer].front().is_some_and(|&s| {
-                let s = &self.t.steps[s as usize];
+            && self.t.plan.send_q[peer].front().is_some_and(|&s| {
+                let s = &self.t.plan.steps[s as usize];
                 s.op == op
                     && matches!(s.action, Action::Send { src, len: l, .. }
                         if src.ptr == dst.cast_const() && l == len)
             });
         self.t.could_forward |= forwards;
         let forward_first = self.t.forward_first;
-        let p = self.t.steps[i as usize].receive(
+        let p = self.t.plan.steps[i as usize].receive(
             &self.wiring.links,
             tag,
             reduction,
@@ -428,16 +428,16 @@ impl<'a> Exec<'a> {
     }
 
     pub(super) fn run_local(&mut self, i: u32) -> Result<()> {
-        run_local(self.t.steps[i as usize].action, self.reduction(i))
+        run_local(self.t.plan.steps[i as usize].action, self.reduction(i))
     }
 
     /// Describes the channels that are stuck, for warnings and timeouts.
     pub(super) fn blocked_on(&self) -> (Vec<usize>, String) {
         let mut ranks = Vec::new();
         let mut parts = Vec::new();
-        for &peer in &self.t.peers {
-            if let Some(&i) = self.t.recv_q[peer].front() {
-                let s = &self.t.steps[i as usize];
+        for &peer in &self.t.plan.peers {
+            if let Some(&i) = self.t.plan.recv_q[peer].front() {
+                let s = &self.t.plan.steps[i as usize];
                 if s.waiting_on == 0 {
                     if let Action::Recv { len, .. } = s.action {
                         ranks.push(peer);
@@ -448,15 +448,15 @@ impl<'a> Exec<'a> {
                     }
                 }
             }
-            if let Some(&i) = self.t.send_q[peer].front() {
-                if self.t.steps[i as usize].waiting_on == 0 {
+            if let Some(&i) = self.t.plan.send_q[peer].front() {
+                if self.t.plan.steps[i as usize].waiting_on == 0 {
                     ranks.push(peer);
                     parts.push(format!("send to rank {peer} (its buffer is full)"));
                 }
             }
         }
         for &i in &self.t.posted {
-            if let Action::Send { peer, len, .. } = self.t.steps[i as usize].action {
+            if let Action::Send { peer, len, .. } = self.t.plan.steps[i as usize].action {
                 ranks.push(peer);
                 parts.push(format!("rank {peer} to read {len} bytes it was offered"));
             }

@@ -192,7 +192,7 @@ impl Hazards {
 
     /// Which sends may have their reply written by the peer straight where it lands, and which
     /// folding receives may write their result there (the pairs a two-rank all-reduce is made
-    /// of; see `OutMsg::reply_at`). A send from R is `ReplyHere` when no earlier step reads R
+    /// of; see `Offer::reply_at`). A send from R is `ReplyHere` when no earlier step reads R
     /// (one that did could still be waiting to run when the peer writes) and the next step to
     /// touch R receives, from the same peer, exactly R. Else, where R lies in its operation's
     /// send buffer, it is `ReplyInRecv` when the same place M of the receive buffer is apart

@@ -9,7 +9,9 @@ use crate::error::Result;
 use crate::exec::op::{HostOp, Reduction};
 use crate::exec::ranges::OpBytes;
 use crate::reduce::Scale;
-use crate::transport::{InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor};
+use crate::transport::{
+    InExpect, Link, Offer, OutMsg, Progress, RecvCursor, SendCursor, SendState,
+};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug)]
@@ -42,16 +44,25 @@ pub(super) enum Action {
 }
 
 impl XStep {
-    /// The message of this send step of `op`; `busy`: `OutMsg::sender_busy`.
-    pub(super) fn message(&self, op: &HostOp, busy: bool) -> OutMsg {
-        let Action::Send { src, len, .. } = self.action else {
+    /// Sends what more of this send step of `op` its link takes, offering what the executor
+    /// knows of the message (`Offer`); `busy`: `Offer::sender_busy`.
+    #[inline]
+    pub(super) fn send_on(
+        &mut self,
+        links: &[Arc<dyn Link>],
+        op: &HostOp,
+        busy: bool,
+    ) -> Result<Progress<SendState>> {
+        let Action::Send { peer, src, len } = self.action else {
             unreachable!("a message of a step that sends nothing")
         };
-        OutMsg {
+        let msg = OutMsg {
             src: src.ptr,
             len,
             scale: src.scale,
             tag: op.tag,
+        };
+        let offer = Offer {
             sender_busy: busy,
             copied: self.copied,
             reply_at: match self.hint {
@@ -59,7 +70,8 @@ impl XStep {
                 Hint::ReplyInRecv => op.in_recv(src.ptr as usize),
                 _ => None,
             },
-        }
+        };
+        links[peer].send_offered(&msg, offer, &mut self.send)
     }
 
     /// Receives what more of this receive step has come on its link, numbered `tag`, folding
@@ -113,10 +125,10 @@ pub(super) struct XStep {
     /// This step's dependents are `edges[first_dependent..first_dependent + dependents]`.
     pub(super) first_dependent: u32,
     pub(super) dependents: u32,
-    /// A send: where its reply lands (`OutMsg::reply_at`). A receive: its sink offers a `reply` (see
+    /// A send: where its reply lands (`Offer::reply_at`). A receive: its sink offers a `reply` (see
     /// `Hazards::hints`).
     pub(super) hint: Hint,
-    /// A send: `OutMsg::copied`, for operations that reduce nothing, except from scratch (an
+    /// A send: `Offer::copied`, for operations that reduce nothing, except from scratch (an
     /// in-place all-to-all's blocks, just copied there: 2 processes, 128-512 KiB, 1.1-1.6x
     /// slower when peers pulled them out of this core's cache than through the slots).
     pub(super) copied: bool,

@@ -87,7 +87,8 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     // A receive forwards only when the executor sees the reply queued behind it.
     let stream = op.schedule.recv_extent >= STREAM_FROM;
     if stream
-        && t.steps
+        && t.plan
+            .steps
             .iter()
             .filter(|s| !matches!(s.action, Action::Local { .. }))
             .nth(1)
@@ -96,14 +97,14 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
         return Ok(false);
     }
     let scratch = scratch.as_mut_ptr() as *mut u8;
-    let reuse = b.reuse(op, scratch, t.steps.len());
+    let reuse = b.reuse(op, scratch, t.plan.steps.len());
     if reuse == Reuse::Nothing {
         return Ok(false);
     }
     if reuse == Reuse::Structure {
-        b.take_buffers(op, scratch, &mut t.steps);
+        b.take_buffers(op, scratch, &mut t.plan.steps);
     }
-    for (s, &w) in t.steps.iter_mut().zip(b.hazards.waiting_on.iter()) {
+    for (s, &w) in t.plan.steps.iter_mut().zip(b.hazards.waiting_on.iter()) {
         s.restart(w);
     }
     // Peers (a bit each, all from the 128th on) whose next send waits behind one that has
@@ -114,13 +115,13 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     // whose turn and inputs have come go on regardless (the executor posts them first too).
     let mut all = true;
     let mut deferred = false;
-    for k in 0..t.steps.len() {
-        let x = &mut t.steps[k];
+    for k in 0..t.plan.steps.len() {
+        let x = &mut t.plan.steps[k];
         let finished = match x.action {
             Action::Send { peer, .. } => {
                 let complete = closed & bit(peer) == 0 && x.waiting_on == 0 && {
-                    let msg = x.message(op, op.schedule.copies_in);
-                    wiring.links[peer].send(&msg, &mut x.send)?.state == SendState::Complete
+                    let p = x.send_on(&wiring.links, op, op.schedule.copies_in)?;
+                    p.state == SendState::Complete
                 };
                 if !complete {
                     closed |= bit(peer);
@@ -153,12 +154,12 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
         x.finished = true;
         let (from, n) = (x.first_dependent as usize, x.dependents as usize);
         for &d in &t.edges[from..from + n] {
-            t.steps[d as usize].waiting_on -= 1;
+            t.plan.steps[d as usize].waiting_on -= 1;
         }
     }
     if all && deferred {
         // Every other step finished, so these wait for nothing.
-        for x in t.steps.iter_mut() {
+        for x in t.plan.steps.iter_mut() {
             if !x.finished {
                 run_local(x.action, op.reduction)?;
                 x.finished = true;
@@ -168,7 +169,7 @@ pub(super) fn straight(wiring: &Wiring, cache: &mut ExecCache) -> Result<bool> {
     #[cfg(test)]
     STRAIGHT_RUNS.with(|c| {
         let mut v = c.get();
-        let some = t.steps.iter().any(|s| s.finished);
+        let some = t.plan.steps.iter().any(|s| s.finished);
         v[if all { 0 } else { 1 + usize::from(some) }] += 1;
         c.set(v);
     });

@@ -10,12 +10,25 @@ use super::segment::{
 use crate::error::Result;
 use crate::reduce::Scale;
 use crate::transport::{
-    Closing, Doorbell, InExpect, Link, OutMsg, Progress, RecvCursor, SendCursor, SendState, Sink,
+    Closing, Doorbell, InExpect, Link, Offer, OutMsg, Progress, RecvCursor, SendCursor, SendState,
+    Sink,
 };
 use std::sync::atomic::Ordering;
 
 impl Link for ShmPeer {
     fn send(&self, msg: &OutMsg, cur: &mut SendCursor) -> Result<Progress<SendState>> {
+        self.send_offered(msg, Offer::default(), cur)
+    }
+
+    /// Takes up every part of the offer: a busy sender's messages, more so those the receiver
+    /// only copies or may reply into, are pulled from lower sizes, and the reply's place goes
+    /// with the pull descriptor.
+    fn send_offered(
+        &self,
+        msg: &OutMsg,
+        offer: Offer,
+        cur: &mut SendCursor,
+    ) -> Result<Progress<SendState>> {
         if let Some(e) = &self.gone {
             return Err(e.clone());
         }
@@ -41,7 +54,7 @@ impl Link for ShmPeer {
             Some(s) => (s.0, FLAG_SCALE),
             None => ([0u8; 8], 0),
         };
-        if msg.reply_at.is_some() {
+        if offer.reply_at.is_some() {
             flags |= FLAG_REPLY_AT;
         }
         let header = |kind, offset: usize, len: usize| SlotHeader {
@@ -99,9 +112,9 @@ impl Link for ShmPeer {
                 None => {}
             }
         }
-        let threshold = if msg.reply_at.is_some() || (msg.sender_busy && msg.copied) {
+        let threshold = if offer.reply_at.is_some() || (offer.sender_busy && offer.copied) {
             self.pull_threshold_copied
-        } else if msg.sender_busy {
+        } else if offer.sender_busy {
             self.pull_threshold_busy
         } else {
             self.pull_threshold
@@ -114,7 +127,7 @@ impl Link for ShmPeer {
                 });
             }
             // The reply's place, where the sender offers one, is the descriptor's word of data.
-            let reply_at = msg.reply_at.map(|at| at as u64);
+            let reply_at = offer.reply_at.map(|at| at as u64);
             self.publish(head, &header(KIND_PULL, 0, msg.len), reply_at);
             cur.started = true;
             cur.sent = msg.len;

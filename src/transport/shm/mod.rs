@@ -23,7 +23,7 @@
 //! forbid CMA fall back to the eager path cleanly.
 //!
 //! A pulled message may also carry the sender's leave to write the reply into its buffer
-//! (`OutMsg::reply_at`: a two-rank all-reduce receives the reduced half exactly where it sent
+//! (`Offer::reply_at`: a two-rank all-reduce receives the reduced half exactly where it sent
 //! its input from, in place, or at the same place of its receive buffer, out of place). A
 //! receiver that folds the message and sends the result straight back writes it there piece
 //! by piece (`process_vm_writev`) while the folded bytes are still in its cache, and its later

@@ -23,7 +23,7 @@ pub(super) struct Carried {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Carriage {
-    /// Written into the sender's buffer at `remote` (`OutMsg::reply_at`): the send is a
+    /// Written into the sender's buffer at `remote` (`Offer::reply_at`): the send is a
     /// notice.
     WrittenBack { remote: usize },
     /// The first `sent` bytes went into the FIFO's slots as they were folded
@@ -85,10 +85,10 @@ pub(crate) struct ShmPeer {
     pub(super) access: Access,
     pub(super) watch: Option<ProcessWatch>,
     pub(super) pull_threshold: usize,
-    /// The threshold for messages whose sender is busy (`OutMsg::sender_busy`).
+    /// The threshold for messages whose sender is busy (`Offer::sender_busy`).
     pub(super) pull_threshold_busy: usize,
     /// The threshold for a busy sender's messages that the receiver copies as they are
-    /// (`OutMsg::copied`) and for those that offer their buffer for the reply.
+    /// (`Offer::copied`) and for those that offer their buffer for the reply.
     pub(super) pull_threshold_copied: usize,
     pub(super) scratch: Mutex<Option<sys::HugeMem>>,
     /// Combined bytes this rank wrote back into the peer's buffer or forwarded through the

@@ -31,8 +31,8 @@ pub(super) const PULL_FROM_PROCESS: usize = 1 << 20;
 /// 1.1-1.5x slower when they pulled too (so they do not).
 pub(super) const PULL_FROM_BUSY_PROCESS: usize = 512 << 10;
 
-/// Lower when the receiver copies the bytes as they are (`OutMsg::copied`: nothing in the
-/// operation reduces) or may write its reply back (`OutMsg::reply_at`): the pull then replaces
+/// Lower when the receiver copies the bytes as they are (`Offer::copied`: nothing in the
+/// operation reduces) or may write its reply back (`Offer::reply_at`): the pull then replaces
 /// both slot copies with one. Below this the slots still win: their two copies pipeline, one
 /// on each core, while a pull pays a system call and a walk of the sender's pages, and (where
 /// a host has more ranks than CPUs) completes only once the receiver has been scheduled.
@@ -51,7 +51,7 @@ pub(super) const PULL_BUDGET: usize = 4 << 20;
 
 /// Pieces a CMA pull is cut into when the bytes must be combined rather than copied: small
 /// enough that the piece, the receiver's own bytes and the sender's lines all stay in L2
-/// between the copy, the reduction and a write-back (`OutMsg::reply_at`), large enough that
+/// between the copy, the reduction and a write-back (`Offer::reply_at`), large enough that
 /// the kernel's per-call cost (pinning pages) stays small. The scratch they land in is
 /// huge-page backed. A model of the two-rank all-reduce in place (two processes pulling,
 /// folding and writing back 32 MiB each) took 5.6-6.3 ms with 128-256 KiB pieces, 6.3 ms
@@ -79,7 +79,7 @@ pub(super) struct Pulling {
     pub(super) src: usize,
     pub(super) total: usize,
     pub(super) scale: Option<Scale>,
-    /// Where the sender lets the receiver write its reply (`OutMsg::reply_at`), in the
+    /// Where the sender lets the receiver write its reply (`Offer::reply_at`), in the
     /// sender's memory.
     pub(super) reply_at: Option<usize>,
 }
@@ -348,7 +348,7 @@ impl ShmPeer {
 }
 
 /// Where the receiver's combined bytes are and where they go in the sender, when it writes
-/// them there as it pulls: the sender offered a place (`OutMsg::reply_at`), the sink sends the
+/// them there as it pulls: the sender offered a place (`Offer::reply_at`), the sink sends the
 /// bytes straight back (`Sink::reply`) and would not rather forward them through the slots
 /// (`Reply::forward_first`: the executor's choice by measured times, whose measurements are in
 /// `exec::replies`). Below the sizes that forward, writing back wins: 512 KiB 115-130 us

@@ -30,12 +30,12 @@ pub(super) const KIND_EAGER: u32 = 1;
 pub(super) const KIND_PULL: u32 = 2;
 
 /// No bytes: the receiver of an earlier pulled message wrote this one's bytes into the buffer
-/// that message came from (`OutMsg::reply_at`), which is where this one lands (`src_addr`).
+/// that message came from (`Offer::reply_at`), which is where this one lands (`src_addr`).
 pub(super) const KIND_RETURNED: u32 = 3;
 
 pub(super) const FLAG_SCALE: u32 = 1;
 
-/// On a pull descriptor: the sender offers a place for the reply (`OutMsg::reply_at`), whose
+/// On a pull descriptor: the sender offers a place for the reply (`Offer::reply_at`), whose
 /// address is the descriptor's one word of data.
 pub(super) const FLAG_REPLY_AT: u32 = 2;
 

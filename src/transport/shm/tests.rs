@@ -15,7 +15,8 @@ use crate::reduce::Scale;
 use crate::sys::{self, ProcessWatch};
 use crate::topo::{Activity, Presence};
 use crate::transport::{
-    Closing, Doorbell, InExpect, Link, OutMsg, RecvCursor, Reply, SendCursor, SendState, Sink,
+    Closing, Doorbell, InExpect, Link, Offer, OutMsg, RecvCursor, Reply, SendCursor, SendState,
+    Sink,
 };
 use parking_lot::Mutex;
 use std::os::fd::AsRawFd;
@@ -192,9 +193,6 @@ fn out(data: &[u8], tag: u64, scale: Option<Scale>) -> OutMsg {
         len: data.len(),
         scale,
         tag,
-        sender_busy: false,
-        copied: false,
-        reply_at: None,
     }
 }
 
@@ -577,13 +575,16 @@ fn each_kind_of_message_is_pulled_from_its_own_threshold() {
     ];
     for (busy, copied, reply_here, pulled) in cases {
         let what = format!("busy {busy}, copied {copied}, reply_here {reply_here}");
-        let mut msg = out(&data, TAG, None);
-        msg.reply_at = reply_here.then_some(msg.src as usize);
-        (msg.sender_busy, msg.copied) = (busy, copied);
+        let msg = out(&data, TAG, None);
+        let offer = Offer {
+            sender_busy: busy,
+            copied,
+            reply_at: reply_here.then_some(msg.src as usize),
+        };
         let head = b.local.head(0).load(Ordering::Relaxed);
         let mut got = vec![0u8; data.len()];
         let mut sink = Fold::landing(&mut got);
-        let (first, r) = transfer(&a, &b, &msg, &mut sink);
+        let (first, r) = transfer(&a, &b, &msg, offer, &mut sink);
         r.unwrap();
         assert_eq!(first == SendState::Posted, pulled, "{what}");
         let slots = if pulled { 1 } else { 6 };
@@ -607,10 +608,13 @@ fn a_busy_senders_message_is_pulled_from_the_lower_threshold() {
         len: data.len(),
         tag: TAG,
     };
-    let mut msg = out(&data, TAG, None);
-    msg.sender_busy = true;
+    let msg = out(&data, TAG, None);
+    let mut offer = Offer {
+        sender_busy: true,
+        ..Offer::default()
+    };
     let mut sc = SendCursor::default();
-    let p = a.send(&msg, &mut sc).unwrap();
+    let p = a.send_offered(&msg, offer, &mut sc).unwrap();
     assert_eq!(
         (p.state, p.moved),
         (SendState::Posted, true),
@@ -625,11 +629,12 @@ fn a_busy_senders_message_is_pulled_from_the_lower_threshold() {
     assert!(b.recv(&expect, &mut rc, &mut sink).unwrap().state);
     assert_eq!(sink.buf, data);
     assert_eq!(sink.pieces, vec![(0, data.len())]);
-    assert_eq!(a.send(&msg, &mut sc).unwrap().state, SendState::Complete);
+    let p = a.send_offered(&msg, offer, &mut sc).unwrap();
+    assert_eq!(p.state, SendState::Complete);
 
-    msg.sender_busy = false;
+    offer.sender_busy = false;
     let mut sc = SendCursor::default();
-    let p = a.send(&msg, &mut sc).unwrap();
+    let p = a.send_offered(&msg, offer, &mut sc).unwrap();
     assert_eq!(
         p.state,
         SendState::Complete,
@@ -752,14 +757,20 @@ impl Sink for Fold {
 
 /// Sends `msg` on `tx` until it completes while `rx` receives it into `sink`; the send's
 /// first state and the receive's result.
-fn transfer(tx: &ShmPeer, rx: &ShmPeer, msg: &OutMsg, sink: &mut Fold) -> (SendState, Result<()>) {
+fn transfer(
+    tx: &ShmPeer,
+    rx: &ShmPeer,
+    msg: &OutMsg,
+    offer: Offer,
+    sink: &mut Fold,
+) -> (SendState, Result<()>) {
     let mut sc = SendCursor::default();
     let mut rc = RecvCursor::default();
     let expect = InExpect {
         len: msg.len,
         tag: msg.tag,
     };
-    let first = tx.send(msg, &mut sc).unwrap().state;
+    let first = tx.send_offered(msg, offer, &mut sc).unwrap().state;
     let mut state = first;
     for _ in 0..100_000 {
         match rx.recv(&expect, &mut rc, sink) {
@@ -768,7 +779,7 @@ fn transfer(tx: &ShmPeer, rx: &ShmPeer, msg: &OutMsg, sink: &mut Fold) -> (SendS
             Err(e) => return (first, Err(e)),
         }
         while state != SendState::Complete {
-            state = tx.send(msg, &mut sc).unwrap().state;
+            state = tx.send_offered(msg, offer, &mut sc).unwrap().state;
         }
         return (first, Ok(()));
     }
@@ -802,7 +813,7 @@ fn kernel_copies_at_a_slow_distance_land_all_the_same() {
         let (a, b) = pair(4, 4096, true, 32 << 10, Access::Cma(pid));
         let msg = out(&sbuf[s0..s0 + len], TAG, None);
         let mut land = Fold::landing(&mut rbuf[r0..r0 + len]);
-        let (first, r) = transfer(&a, &b, &msg, &mut land);
+        let (first, r) = transfer(&a, &b, &msg, Offer::default(), &mut land);
         r.unwrap();
         assert_eq!(first, SendState::Posted, "skew {skew}: pulled");
         assert!(rbuf[r0..r0 + len] == a0[..], "skew {skew}: pulled bytes");
@@ -812,10 +823,13 @@ fn kernel_copies_at_a_slow_distance_land_all_the_same() {
         rbuf.fill(0);
         fbuf[f0..f0 + len].copy_from_slice(&b0);
         let (a, b) = pair(4, 4096, true, 32 << 10, Access::Cma(pid));
-        let mut msg = out(&sbuf[s0..s0 + len], TAG, None);
-        msg.reply_at = Some(rbuf[r0..].as_ptr() as usize);
+        let msg = out(&sbuf[s0..s0 + len], TAG, None);
+        let offer = Offer {
+            reply_at: Some(rbuf[r0..].as_ptr() as usize),
+            ..Offer::default()
+        };
         let mut fold = Fold::returning(&mut fbuf[f0..f0 + len]);
-        let (first, r) = transfer(&a, &b, &msg, &mut fold);
+        let (first, r) = transfer(&a, &b, &msg, offer, &mut fold);
         r.unwrap();
         assert_eq!(first, SendState::Posted, "skew {skew}: folded");
         let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
@@ -856,16 +870,19 @@ fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
             let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
             let (mut abuf, mut bbuf) = (a0.clone(), b0.clone());
             let mut arecv = vec![0u8; len];
-            let mut msg = out(&abuf, TAG, None);
-            msg.reply_at = offered.map(|elsewhere| {
-                if elsewhere {
-                    arecv.as_ptr() as usize
-                } else {
-                    abuf.as_ptr() as usize
-                }
-            });
+            let msg = out(&abuf, TAG, None);
+            let offer = Offer {
+                reply_at: offered.map(|elsewhere| {
+                    if elsewhere {
+                        arecv.as_ptr() as usize
+                    } else {
+                        abuf.as_ptr() as usize
+                    }
+                }),
+                ..Offer::default()
+            };
             let mut fold = Fold::returning(&mut bbuf);
-            let (first, r) = transfer(&a, &b, &msg, &mut fold);
+            let (first, r) = transfer(&a, &b, &msg, offer, &mut fold);
             r.unwrap();
             assert_eq!(first, SendState::Posted, "{what}: pulled");
             assert_eq!(bbuf, folded, "{what}");
@@ -893,7 +910,7 @@ fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
                 &mut abuf
             };
             let mut land = Fold::landing(lands);
-            let (first, r) = transfer(&b, &a, &reply, &mut land);
+            let (first, r) = transfer(&b, &a, &reply, Offer::default(), &mut land);
             r.unwrap();
             let expect = if offered.is_some() {
                 SendState::Complete
@@ -909,14 +926,17 @@ fn a_folded_reply_is_written_back_and_its_send_is_a_notice() {
         // A notice whose address is not where the receive lands.
         let (a, b) = pair(4, 4096, true, 32 << 10, access);
         let (abuf, mut bbuf) = (pattern(len, 1), pattern(len, 2));
-        let mut msg = out(&abuf, TAG, None);
-        msg.reply_at = Some(msg.src as usize);
-        transfer(&a, &b, &msg, &mut Fold::returning(&mut bbuf))
+        let msg = out(&abuf, TAG, None);
+        let offer = Offer {
+            reply_at: Some(msg.src as usize),
+            ..Offer::default()
+        };
+        transfer(&a, &b, &msg, offer, &mut Fold::returning(&mut bbuf))
             .1
             .unwrap();
         let mut elsewhere = vec![0u8; len];
         let mut land = Fold::landing(&mut elsewhere);
-        let e = transfer(&b, &a, &out(&bbuf, TAG, None), &mut land)
+        let e = transfer(&b, &a, &out(&bbuf, TAG, None), Offer::default(), &mut land)
             .1
             .unwrap_err();
         assert_eq!(e.kind, crate::error::ErrorKind::Internal, "{}", e.msg);
@@ -951,7 +971,7 @@ fn a_forwarded_fold_goes_into_the_slots_as_it_folds_and_its_send_sends_the_rest(
         let mut fold = Fold::returning(&mut bbuf);
         fold.forwards = forwards;
         let before = b.remote.head(1).load(Ordering::Relaxed);
-        let (first, r) = transfer(&a, &b, &msg, &mut fold);
+        let (first, r) = transfer(&a, &b, &msg, Offer::default(), &mut fold);
         r.unwrap();
         assert_eq!(first, SendState::Posted, "{what}: pulled");
         assert!(bbuf == folded, "{what}");
@@ -1018,13 +1038,16 @@ fn an_offered_place_is_written_back_unless_the_sink_would_rather_forward() {
         let folded: Vec<u8> = a0.iter().zip(&b0).map(|(x, y)| x ^ y).collect();
         let mut bbuf = b0.clone();
         let arecv = vec![0u8; len];
-        let mut msg = out(&a0, TAG, None);
-        msg.reply_at = Some(arecv.as_ptr() as usize);
+        let msg = out(&a0, TAG, None);
+        let offer = Offer {
+            reply_at: Some(arecv.as_ptr() as usize),
+            ..Offer::default()
+        };
         let mut fold = Fold::returning(&mut bbuf);
         fold.forwards = true;
         fold.forward_first = first;
         let before = b.remote.head(1).load(Ordering::Relaxed);
-        transfer(&a, &b, &msg, &mut fold).1.unwrap();
+        transfer(&a, &b, &msg, offer, &mut fold).1.unwrap();
         let what = format!("forward first {first}, {access:?}");
         assert_eq!(bbuf, folded, "{what}: folded");
         let went = (b.remote.head(1).load(Ordering::Relaxed) - before) as usize;
