@@ -461,15 +461,13 @@ pub(crate) fn connect(
         let dialer = boot.dialer();
         let timeout = crate::bootstrap::init_timeout();
         for &p in peers {
-            let connect = on_demand::TcpConnect {
-                me,
-                peer: p,
-                count: count(p)?,
-                dialer: dialer.clone(),
-                arrivals: arrivals.clone(),
-                waker: waker.clone(),
-                timeout,
-                used: Mutex::new(None),
+            let connect = on_demand::Connector {
+                pair: on_demand::Pair::new(me, p, dialer.clone(), timeout, "TCP"),
+                ends: on_demand::TcpEnds {
+                    count: count(p)?,
+                    arrivals: arrivals.clone(),
+                    waker: waker.clone(),
+                },
             };
             links[p] = Some(Arc::new(OnDemand::new(Box::new(connect))));
         }
