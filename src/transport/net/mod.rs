@@ -27,9 +27,9 @@
 //! messages are cut across them (see `socket`). NCCL runs SOCKET_NTHREADS helper threads per
 //! connection; this transport starts none, so that knob only multiplies the socket count.
 //! `COMM_RUNTIME_CONNECT` / `NCCL_RUNTIME_CONNECT` (default 1): TCP links connect at first use;
-//! 0 connects every pair at init. InfiniBand (`ib`) connects every pair at init either way:
-//! its queue pairs are exchanged in one allgather at setup, and moving that exchange onto a
-//! service connection at first use is not done yet.
+//! 0 connects every pair at init. InfiniBand (`ib`) follows the same knob: at first use its
+//! lower rank dials to exchange the queue pairs' details (`ib::demand`), or every pair's are
+//! exchanged in one allgather at init.
 
 pub(crate) mod ib;
 mod on_demand;
@@ -390,6 +390,11 @@ pub(crate) fn connect(
             }
         );
     }
+    // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
+    // connections that a rank connecting on demand would make only at first use.
+    let eager: Vec<usize> = (0..nranks)
+        .filter(|&r| addrs[r].get(5) != Some(&1))
+        .collect();
     if use_ib {
         if let Some(d) = &device {
             crate::info!(
@@ -397,7 +402,7 @@ pub(crate) fn connect(
                 d.name()
             );
         }
-        let (links, world) = ib::connect(boot, peers, device, doorbell)?;
+        let (links, world) = ib::connect(boot, peers, device, doorbell, eager.is_empty())?;
         if peers.is_empty() {
             return Ok(None);
         }
@@ -440,11 +445,6 @@ pub(crate) fn connect(
         None => (Arc::new(Waker::new(Some(doorbell.clone()))?), true),
     };
     let mut links: Vec<Option<Arc<dyn Link>>> = (0..nranks).map(|_| None).collect();
-    // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
-    // connections that a rank connecting on demand would make only at first use.
-    let eager: Vec<usize> = (0..nranks)
-        .filter(|&r| addrs[r].get(5) != Some(&1))
-        .collect();
     let route = if eager.is_empty() {
         let mut expect = vec![0; nranks];
         for &p in peers.iter().filter(|&&p| p < me) {

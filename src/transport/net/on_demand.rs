@@ -43,7 +43,8 @@
 //!
 //! `Pair` and `Connector` hold what does not depend on TCP (who dials, the deadline from first
 //! use, the probe, the messages naming the peer); a transport brings its `Ends` (how the lower
-//! rank makes the link, where the higher rank finds it), TCP's being `TcpEnds`.
+//! rank makes the link, where the higher rank finds it). InfiniBand's links made at first use
+//! (`ib::demand`) share them.
 //!
 //! Rejected alternative: each sender dialling for its own direction would need a socket set per
 //! direction (twice the descriptors) or a protocol to merge two dials into one pair; with the
@@ -189,9 +190,9 @@ impl Arrivals {
     }
 }
 
-/// What a network connector made at first use knows of its pair, whatever carries the link:
-/// who dials, the deadline counted from the first use, the rate-limited probe of a peer this
-/// rank waits for, and how the peer is named.
+/// What a network connector made at first use knows of its pair, whatever carries the link
+/// (TCP here, InfiniBand in `ib::demand`): who dials, the deadline counted from the first use,
+/// the rate-limited probe of a peer this rank waits for, and how the peer is named.
 pub(super) struct Pair {
     pub(super) me: usize,
     pub(super) peer: usize,
