@@ -1731,15 +1731,21 @@ fn abort_on_a_half_connected_communicator_returns() {
 
 /// Resources per rank of an all-reduce-only job on the verbs model (bench/RESULTS.md,
 /// "InfiniBand on demand"): `cargo test --release --test ib -- --ignored --nocapture
-/// resources_per_rank`, for the rank counts in IB_BENCH_RANKS (default 8,32,128). Every
-/// rank is a thread of this process, and the slots are ordinary memory: at 128 ranks with
-/// every pair connected, set COMM_IB_SLOT_BYTES=4K to keep them within the machine's memory.
+/// resources_per_rank`, for the rank counts in IB_BENCH_RANKS (default 8,32,128) and the
+/// NCCL_RUNTIME_CONNECT values in IB_BENCH_CONNECT (default 0,1). Every rank is a thread of
+/// this process, and the slots are ordinary memory: at 128 ranks with every pair connected,
+/// set COMM_IB_SLOT_BYTES=4K to keep them within the machine's memory.
 #[test]
 #[ignore]
 fn resources_per_rank() {
-    let ranks = std::env::var("IB_BENCH_RANKS").unwrap_or_else(|_| "8,32,128".into());
-    for n in ranks.split(',').map(|r| r.trim().parse::<usize>().unwrap()) {
-        for rc in ["0", "1"] {
+    let list = |var: &str, default: &str| -> Vec<String> {
+        let v = std::env::var(var).unwrap_or_else(|_| default.into());
+        v.split(',').map(|x| x.trim().to_string()).collect()
+    };
+    for n in list("IB_BENCH_RANKS", "8,32,128") {
+        let n: usize = n.parse().unwrap();
+        for rc in list("IB_BENCH_CONNECT", "0,1") {
+            let rc = rc.as_str();
             let t0 = Instant::now();
             let (qps, bytes) = all_reduce_job(n, rc);
             println!(
