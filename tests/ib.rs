@@ -1474,3 +1474,287 @@ fn windows_without_dmabuf_refuse_device_memory() {
     );
     assert_eq!(fabric.dmabuf_ops(), (0, 0));
 }
+
+/// Sets `vars` for the length of `f` (under the lock `with_model` holds), then puts back
+/// what was there: the tests below choose NCCL_RUNTIME_CONNECT themselves, whatever the run's
+/// environment says.
+fn with_vars<T>(vars: &[(&str, &str)], f: impl FnOnce() -> T) -> T {
+    let before: Vec<_> = vars.iter().map(|(k, _)| std::env::var_os(k)).collect();
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    for ((k, _), old) in vars.iter().zip(before) {
+        match old {
+            Some(v) => std::env::set_var(k, v),
+            None => std::env::remove_var(k),
+        }
+    }
+    r.unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+/// Runs `f` on a thread of its own; panics if it has not returned within `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => std::panic::resume_unwind(e),
+        Err(_) => panic!("did not return within {limit:?}"),
+    }
+}
+
+/// Bytes the model still has registered, once they are all freed or 10 s passed: a thread
+/// that called a communicator keeps it (`ffi/lane.rs`) until it exits or calls another, so a
+/// rank thread may free its links a moment after destroy returned.
+fn registered_after_destroy(fabric: &Fabric) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        let alive: u64 = fabric.per_device().iter().map(|d| d.registered).sum();
+        if alive == 0 || t0.elapsed() > Duration::from_secs(10) {
+            return alive;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `n` communicators of this process (threads as ranks), as addresses that threads can share.
+fn init_all(n: usize) -> Vec<usize> {
+    let mut comms = vec![std::ptr::null_mut(); n];
+    let r = unsafe { ncclCommInitAll(comms.as_mut_ptr(), n as i32, std::ptr::null()) };
+    assert_eq!(r, OK, "ncclCommInitAll: {}", last_error());
+    comms.into_iter().map(|c| c as usize).collect()
+}
+
+/// What an all-reduce-only job of `n` ranks made on the model: each rank's queue pairs, and
+/// the registered bytes of the busiest rank. Ring and tree only (the tuner's one-shot
+/// all-reduce of small sizes reads from every rank up to 16); links made at first use
+/// (`runtime_connect` "1") or at init ("0").
+fn all_reduce_job(n: usize, runtime_connect: &str) -> (Vec<u32>, u64) {
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric.clone()), "ib", || {
+        with_vars(
+            &[
+                ("COMM_RUNTIME_CONNECT", runtime_connect),
+                ("COMM_ALGO", "ring,tree"),
+            ],
+            || {
+                with_threads(n, Duration::from_secs(300), |c, rank, n| {
+                    let ctx = Ctx { comm: c, rank, n };
+                    for count in [1001, (1 << 20) + 3] {
+                        run_case(&ctx, Coll::AllReduce, FLOAT, SUM, count, false)?;
+                    }
+                    Ok(())
+                })
+            },
+        )
+    });
+    let per = fabric.per_device();
+    assert_eq!(per.len(), n, "one device per rank");
+    let bytes = per.iter().map(|d| d.peak_registered).max().unwrap();
+    (per.iter().map(|d| d.queue_pairs).collect(), bytes)
+}
+
+/// An all-reduce-only job makes queue pairs only for each rank's ring and tree neighbours, at
+/// first use: a ring's two and a binomial tree's parent and children, so at most log2 N + 2
+/// for the tree's root and fewer than 4 a rank on average, at 8 ranks as at 32 (every pair
+/// would be N - 1 a rank).
+#[test]
+fn an_all_reduce_only_job_makes_queue_pairs_for_its_algorithms_peers_only() {
+    let mut mean = Vec::new();
+    for n in [8usize, 32] {
+        let (qps, _) = all_reduce_job(n, "1");
+        let most = n.ilog2() + 2;
+        assert!(
+            qps.iter().all(|&q| q <= most),
+            "{n} ranks: queue pairs per rank {qps:?}"
+        );
+        let avg = qps.iter().sum::<u32>() as f64 / n as f64;
+        assert!(avg <= 4.0, "{n} ranks: {avg} queue pairs per rank");
+        mean.push(avg);
+    }
+    assert!(
+        mean[1] <= mean[0] + 0.5,
+        "queue pairs per rank grew from {} at 8 ranks to {} at 32",
+        mean[0],
+        mean[1]
+    );
+}
+
+/// NCCL_RUNTIME_CONNECT=0: every pair's queue pair is made at init, before any call; with
+/// links made at first use, init makes none.
+#[test]
+fn runtime_connect_0_makes_every_queue_pair_at_init() {
+    for (rc, want) in [("0", 4 * 3), ("1", 0)] {
+        let fabric = Fabric::new(Faults::default());
+        with_model(Some(fabric.clone()), "ib", || {
+            with_vars(&[("COMM_RUNTIME_CONNECT", rc)], || {
+                let comms = init_all(4);
+                assert_eq!(
+                    fabric.queue_pairs(),
+                    want,
+                    "NCCL_RUNTIME_CONNECT={rc}: queue pairs after init"
+                );
+                for c in comms {
+                    assert_eq!(unsafe { ncclCommDestroy(c as ncclComm_t) }, OK);
+                }
+            })
+        });
+        let alive = registered_after_destroy(&fabric);
+        assert_eq!(alive, 0, "registered bytes left after destroy");
+    }
+}
+
+/// A job in which each rank only swaps with its partner (rank ^ 1) makes that one queue pair
+/// per rank and nothing else; destroy frees every registration.
+#[test]
+fn send_recv_pairs_make_only_their_queue_pair() {
+    let n = 8;
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric.clone()), "ib", || {
+        with_vars(&[("COMM_RUNTIME_CONNECT", "1")], || {
+            with_threads(n, Duration::from_secs(120), |c, me, _| {
+                for count in [16usize, 300_001] {
+                    swap(c, me, me ^ 1, count)?;
+                }
+                Ok(())
+            })
+        })
+    });
+    let per = fabric.per_device();
+    assert!(
+        per.iter().all(|d| d.queue_pairs == 1),
+        "queue pairs per rank: {:?}",
+        per.iter().map(|d| d.queue_pairs).collect::<Vec<_>>()
+    );
+    assert_eq!(registered_after_destroy(&fabric), 0, "{per:?}");
+}
+
+/// Rank 1 aborts its communicator before anyone used a link to it. Rank 0 (lower: it dials)
+/// and rank 2 (higher: it waits for rank 1's dial and probes its service) each fail their
+/// first call to it with ncclRemoteError naming rank 1, well before the init timeout.
+#[test]
+fn a_peer_gone_before_first_use_is_named() {
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric), "ib", || {
+        with_vars(
+            &[("COMM_RUNTIME_CONNECT", "1"), ("COMM_INIT_TIMEOUT", "120")],
+            || {
+                let comms = init_all(3);
+                assert_eq!(unsafe { ncclCommAbort(comms[1] as ncclComm_t) }, OK);
+                let t0 = Instant::now();
+                let waits: Vec<_> = [(0usize, true), (2, false)]
+                    .into_iter()
+                    .map(|(me, sends)| {
+                        let c = comms[me] as ncclComm_t as usize;
+                        std::thread::spawn(move || {
+                            let c = c as ncclComm_t;
+                            let mut x = vec![1f32; 16];
+                            let p = x.as_mut_ptr() as *mut c_void;
+                            let r = unsafe {
+                                if sends {
+                                    ncclSend(p, 16, FLOAT, 1, c, S)
+                                } else {
+                                    ncclRecv(p, 16, FLOAT, 1, c, S)
+                                }
+                            };
+                            (me, r, last_error())
+                        })
+                    })
+                    .collect();
+                for w in waits {
+                    let (me, r, msg) = within(Duration::from_secs(60), move || w.join().unwrap());
+                    assert_eq!(r, ncclResult_t::ncclRemoteError, "rank {me}: {msg}");
+                    assert!(msg.contains("rank 1"), "rank {me}: {msg}");
+                }
+                assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+                for c in [comms[0], comms[2]] {
+                    unsafe { ncclCommDestroy(c as ncclComm_t) };
+                }
+            },
+        )
+    });
+}
+
+/// Abort on a half-connected communicator: rank 0 sent to rank 2 (connected from rank 0's
+/// end, rank 2's end made but not yet taken), and rank 2 waits in a receive from rank 1, which
+/// never dials. Aborting rank 2 from another thread ends its receive and returns; rank 0 then
+/// learns from the link that rank 2 aborted.
+#[test]
+fn abort_on_a_half_connected_communicator_returns() {
+    let fabric = Fabric::new(Faults::default());
+    with_model(Some(fabric.clone()), "ib", || {
+        with_vars(
+            &[("COMM_RUNTIME_CONNECT", "1"), ("COMM_INIT_TIMEOUT", "120")],
+            || {
+                let comms = init_all(3);
+                let c0 = comms[0] as ncclComm_t;
+                let x = [1f32; 16];
+                let r = unsafe { ncclSend(x.as_ptr() as *const c_void, 16, FLOAT, 2, c0, S) };
+                assert_eq!(r, OK, "{}", last_error());
+                let c2 = comms[2];
+                let waiting = std::thread::spawn(move || {
+                    let mut y = vec![0f32; 16];
+                    let p = y.as_mut_ptr() as *mut c_void;
+                    let r = unsafe { ncclRecv(p, 16, FLOAT, 1, c2 as ncclComm_t, S) };
+                    (r, last_error())
+                });
+                std::thread::sleep(Duration::from_millis(500));
+                assert!(!waiting.is_finished(), "the receive from rank 1 returned");
+                within(Duration::from_secs(30), move || {
+                    assert_eq!(unsafe { ncclCommAbort(c2 as ncclComm_t) }, OK)
+                });
+                let (r, msg) = within(Duration::from_secs(30), move || waiting.join().unwrap());
+                assert_ne!(r, OK, "the receive succeeded: {msg}");
+                let c0 = comms[0];
+                let (r, msg) = within(Duration::from_secs(60), move || {
+                    let mut y = vec![0f32; 16];
+                    let p = y.as_mut_ptr() as *mut c_void;
+                    let r = unsafe { ncclRecv(p, 16, FLOAT, 2, c0 as ncclComm_t, S) };
+                    (r, last_error())
+                });
+                assert_eq!(r, ncclResult_t::ncclRemoteError, "{msg}");
+                assert!(msg.contains("rank 2") && msg.contains("abort"), "{msg}");
+                for c in [comms[0], comms[1]] {
+                    unsafe { ncclCommAbort(c as ncclComm_t) };
+                }
+            },
+        )
+    });
+    assert_eq!(fabric.queue_pairs(), 2, "only rank 0 and rank 2's link");
+    let alive = registered_after_destroy(&fabric);
+    assert_eq!(alive, 0, "registered bytes left after abort");
+}
+
+/// Resources per rank of an all-reduce-only job on the verbs model (bench/RESULTS.md,
+/// "InfiniBand on demand"): `cargo test --release --test ib -- --ignored --nocapture
+/// resources_per_rank`, for the rank counts in IB_BENCH_RANKS (default 8,32,128) and the
+/// NCCL_RUNTIME_CONNECT values in IB_BENCH_CONNECT (default 0,1). Every rank is a thread of
+/// this process, and the slots are ordinary memory: at 128 ranks with every pair connected,
+/// set COMM_IB_SLOT_BYTES=4K to keep them within the machine's memory.
+#[test]
+#[ignore]
+fn resources_per_rank() {
+    let list = |var: &str, default: &str| -> Vec<String> {
+        let v = std::env::var(var).unwrap_or_else(|_| default.into());
+        v.split(',').map(|x| x.trim().to_string()).collect()
+    };
+    for n in list("IB_BENCH_RANKS", "8,32,128") {
+        let n: usize = n.parse().unwrap();
+        for rc in list("IB_BENCH_CONNECT", "0,1") {
+            let rc = rc.as_str();
+            let t0 = Instant::now();
+            let (qps, bytes) = all_reduce_job(n, rc);
+            println!(
+                "ranks {n:4}  NCCL_RUNTIME_CONNECT={rc}  queue pairs/rank mean {:6.2} max {:4}  registered MiB, busiest rank {:8.1}  ({:.1} s)",
+                qps.iter().sum::<u32>() as f64 / n as f64,
+                qps.iter().max().unwrap(),
+                bytes as f64 / (1 << 20) as f64,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+}

@@ -12,6 +12,7 @@ mod common;
 
 use comm::ffi::types::*;
 use comm::ffi::*;
+use common::run::swap;
 use common::*;
 use std::os::raw::c_void;
 use std::time::{Duration, Instant};
@@ -33,34 +34,6 @@ fn mapped_peers(me: usize) -> Vec<usize> {
     ranks.sort_unstable();
     ranks.dedup();
     ranks
-}
-
-/// Send and receive `count` floats with `peer`, checking what arrives.
-fn swap(c: ncclComm_t, me: usize, peer: usize, count: usize) -> Result<(), String> {
-    let send = vec![me as f32; count];
-    let mut recv = vec![0f32; count];
-    nccl!(ncclGroupStart());
-    nccl!(ncclSend(
-        send.as_ptr() as *const c_void,
-        count,
-        FLOAT,
-        peer as i32,
-        c,
-        S
-    ));
-    nccl!(ncclRecv(
-        recv.as_mut_ptr() as *mut c_void,
-        count,
-        FLOAT,
-        peer as i32,
-        c,
-        S
-    ));
-    nccl!(ncclGroupEnd());
-    if recv.iter().any(|&v| v != peer as f32) {
-        return Err(format!("from rank {peer}: {:?}", &recv[..4]));
-    }
-    Ok(())
 }
 
 fn all_reduce(c: ncclComm_t, n: usize) -> Result<(), String> {

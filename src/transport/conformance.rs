@@ -340,10 +340,10 @@ fn closing(kind: Kind) {
     let pair = Pair::new(kind);
     let (mut a, mut b) = (pair.link(0), pair.link(1));
     let mut closer = 0;
-    if matches!(kind, Kind::Socket(_)) {
-        // TCP links connect at first use, the lower rank dialling; a lower rank that closes
-        // before it dialled tells nothing (see `net::on_demand`), a higher one answers the
-        // dial with its close.
+    if matches!(kind, Kind::Socket(_) | Kind::Ib(_)) {
+        // Network links connect at first use, the lower rank dialling; a lower rank that
+        // closes before it dialled tells nothing (see `net::on_demand`), a higher one answers
+        // the dial with its close.
         std::mem::swap(&mut a, &mut b);
         closer = 1;
     }

@@ -41,6 +41,8 @@ pub struct Faults {
 }
 
 struct Region {
+    /// The device (one per opening: a rank's communicator) that registered it.
+    device: u32,
     addr: u64,
     len: u64,
     key: u32,
@@ -84,6 +86,16 @@ struct State {
     /// Delayed operations: when, on which queue pair, what.
     later: VecDeque<(Instant, u32, SendWr)>,
     faults: Faults,
+    /// Per device opened so far: queue pairs created, bytes registered now and at most.
+    devices: Vec<DeviceUse>,
+}
+
+/// What one opened device (a rank's communicator) made.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceUse {
+    pub queue_pairs: u32,
+    pub registered: u64,
+    pub peak_registered: u64,
 }
 
 pub struct Fabric {
@@ -110,6 +122,7 @@ impl Fabric {
                 dmabuf_local: 0,
                 later: VecDeque::new(),
                 faults,
+                devices: Vec::new(),
             }),
             tick: Condvar::new(),
         });
@@ -123,6 +136,12 @@ impl Fabric {
     /// Queue pairs created so far.
     pub fn queue_pairs(&self) -> u32 {
         self.state.lock().unwrap().next_qpn - 0x100
+    }
+
+    /// What each device opened so far made, in the order they were opened (one per rank's
+    /// communicator: ranks that are threads open theirs in no particular order).
+    pub fn per_device(&self) -> Vec<DeviceUse> {
+        self.state.lock().unwrap().devices.clone()
     }
 
     /// Writes with data so far, over the whole fabric.
@@ -471,6 +490,10 @@ impl Mr for ModelMr {
 impl Drop for ModelMr {
     fn drop(&mut self) {
         let mut st = self.fabric.state.lock().unwrap();
+        if let Some(r) = st.regions.iter().find(|r| r.key == self.key) {
+            let (device, len) = (r.device, r.len as i64);
+            registered(&mut st, device, -len);
+        }
         st.regions.retain(|r| r.key != self.key);
         if let Some((at, len)) = self.map {
             // SAFETY: mapped by register_dmabuf, no region names it any more.
@@ -481,6 +504,14 @@ impl Drop for ModelMr {
 
 struct ModelDevice {
     fabric: Arc<Fabric>,
+    id: u32,
+}
+
+/// `device` registered `len` more bytes (fewer, when negative).
+fn registered(st: &mut State, device: u32, len: i64) {
+    let d = &mut st.devices[device as usize];
+    d.registered = (d.registered as i64 + len) as u64;
+    d.peak_registered = d.peak_registered.max(d.registered);
 }
 
 impl Device for ModelDevice {
@@ -492,7 +523,9 @@ impl Device for ModelDevice {
         let mut st = self.fabric.state.lock().unwrap();
         st.next_key += 1;
         let key = st.next_key;
+        registered(&mut st, self.id, len as i64);
         st.regions.push(Region {
+            device: self.id,
             addr: addr as u64,
             len: len as u64,
             key,
@@ -562,7 +595,9 @@ impl Device for ModelDevice {
         let mut st = self.fabric.state.lock().unwrap();
         st.next_key += 1;
         let key = st.next_key;
+        registered(&mut st, self.id, len as i64);
         st.regions.push(Region {
+            device: self.id,
             addr: iova,
             len: len as u64,
             key,
@@ -580,6 +615,7 @@ impl Device for ModelDevice {
         let mut st = self.fabric.state.lock().unwrap();
         st.next_qpn += 1;
         let qpn = st.next_qpn;
+        st.devices[self.id as usize].queue_pairs += 1;
         st.qps.insert(
             qpn,
             QpState {
@@ -607,7 +643,15 @@ pub struct ModelProvider {
 impl Provider for ModelProvider {
     fn open(&self) -> Result<std::result::Result<Arc<dyn Device>, String>> {
         Ok(match &self.fabric {
-            Some(f) => Ok(Arc::new(ModelDevice { fabric: f.clone() })),
+            Some(f) => {
+                let mut st = f.state.lock().unwrap();
+                st.devices.push(DeviceUse::default());
+                let id = st.devices.len() as u32 - 1;
+                Ok(Arc::new(ModelDevice {
+                    fabric: f.clone(),
+                    id,
+                }))
+            }
             None => Err("the model has no device".into()),
         })
     }

@@ -440,3 +440,34 @@ pub fn alltoallv_uneven(comm: ncclComm_t, rank: usize, n: usize) -> Result<(), S
     }
     Ok(())
 }
+
+/// Sends and receives `count` floats with `peer` in one group, checking that what arrives is
+/// `peer`'s rank.
+pub fn swap(c: ncclComm_t, me: usize, peer: usize, count: usize) -> Result<(), String> {
+    const FLOAT: i32 = 7;
+    let s: cudaStream_t = std::ptr::null_mut();
+    let send = vec![me as f32; count];
+    let mut recv = vec![0f32; count];
+    nccl!(ncclGroupStart());
+    nccl!(ncclSend(
+        send.as_ptr() as *const c_void,
+        count,
+        FLOAT,
+        peer as i32,
+        c,
+        s
+    ));
+    nccl!(ncclRecv(
+        recv.as_mut_ptr() as *mut c_void,
+        count,
+        FLOAT,
+        peer as i32,
+        c,
+        s
+    ));
+    nccl!(ncclGroupEnd());
+    if recv.iter().any(|&v| v != peer as f32) {
+        return Err(format!("from rank {peer}: {:?}", &recv[..4]));
+    }
+    Ok(())
+}

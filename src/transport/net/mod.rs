@@ -27,9 +27,9 @@
 //! messages are cut across them (see `socket`). NCCL runs SOCKET_NTHREADS helper threads per
 //! connection; this transport starts none, so that knob only multiplies the socket count.
 //! `COMM_RUNTIME_CONNECT` / `NCCL_RUNTIME_CONNECT` (default 1): TCP links connect at first use;
-//! 0 connects every pair at init. InfiniBand (`ib`) connects every pair at init either way:
-//! its queue pairs are exchanged in one allgather at setup, and moving that exchange onto a
-//! service connection at first use is not done yet.
+//! 0 connects every pair at init. InfiniBand (`ib`) follows the same knob: at first use its
+//! lower rank dials to exchange the queue pairs' details (`ib::demand`), or every pair's are
+//! exchanged in one allgather at init.
 
 pub(crate) mod ib;
 mod notes;
@@ -392,6 +392,11 @@ pub(crate) fn connect(
             }
         );
     }
+    // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
+    // connections that a rank connecting on demand would make only at first use.
+    let eager: Vec<usize> = (0..nranks)
+        .filter(|&r| addrs[r].get(5) != Some(&1))
+        .collect();
     if use_ib {
         if let Some(d) = &device {
             crate::info!(
@@ -399,7 +404,7 @@ pub(crate) fn connect(
                 d.name()
             );
         }
-        let (links, world) = ib::connect(boot, peers, device, doorbell)?;
+        let (links, world) = ib::connect(boot, peers, device, doorbell, eager.is_empty())?;
         if peers.is_empty() {
             return Ok(None);
         }
@@ -442,11 +447,6 @@ pub(crate) fn connect(
         None => (Arc::new(Waker::new(Some(doorbell.clone()))?), true),
     };
     let mut links: Vec<Option<Arc<dyn Link>>> = (0..nranks).map(|_| None).collect();
-    // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
-    // connections that a rank connecting on demand would make only at first use.
-    let eager: Vec<usize> = (0..nranks)
-        .filter(|&r| addrs[r].get(5) != Some(&1))
-        .collect();
     let notes = Arc::new(notes::Notes::new(boot.dialer()));
     let to = notes.clone();
     let mut routes = vec![boot.route(Purpose::Note, Box::new(move |c, s| to.deliver(c, s)))];
@@ -466,16 +466,14 @@ pub(crate) fn connect(
         let dialer = boot.dialer();
         let timeout = crate::bootstrap::init_timeout();
         for &p in peers {
-            let connect = on_demand::TcpConnect {
-                me,
-                peer: p,
-                count: count(p)?,
-                dialer: dialer.clone(),
-                arrivals: arrivals.clone(),
-                waker: waker.clone(),
-                notes: notes.clone(),
-                timeout,
-                used: Mutex::new(None),
+            let connect = on_demand::Connector {
+                pair: on_demand::Pair::new(me, p, dialer.clone(), timeout, "TCP"),
+                ends: on_demand::TcpEnds {
+                    count: count(p)?,
+                    arrivals: arrivals.clone(),
+                    waker: waker.clone(),
+                    notes: notes.clone(),
+                },
             };
             links[p] = Some(Arc::new(OnDemand::new(Box::new(connect))));
         }

@@ -3,7 +3,7 @@
 //! At init the transport only agrees on the socket count per pair (one allgather, as for
 //! eager setup) and registers a route for `Purpose::Net` with the bootstrap's connection
 //! service; every network peer gets an `OnDemand` link (`transport::demand`) whose connector is
-//! a `TcpConnect`. The rule both ends know without asking anyone: **the lower rank of a pair
+//! a `Connector` with TCP's `TcpEnds`. The rule both ends know without asking anyone: **the lower rank of a pair
 //! dials**, all of the pair's sockets (`Purpose::Net`, key = the socket's index), at its first
 //! send, receive or peek on the link; **the higher rank never dials**: the service routes the
 //! authenticated connections into a per-peer slot here as they come (ringing the
@@ -41,6 +41,11 @@
 //! on the operation, a timeout), which a link connected at init would have carried.
 //! Connections the service routed here that nobody took are held in the slots and closed
 //! with the communicator.
+//!
+//! `Pair` and `Connector` hold what does not depend on TCP (who dials, the deadline from first
+//! use, the probe, the messages naming the peer); a transport brings its `Ends` (how the lower
+//! rank makes the link, where the higher rank finds it). InfiniBand's links made at first use
+//! (`ib::demand`) share them.
 //!
 //! Rejected alternative: each sender dialling for its own direction would need a socket set per
 //! direction (twice the descriptors) or a protocol to merge two dials into one pair; with the
@@ -186,45 +191,60 @@ impl Arrivals {
     }
 }
 
-/// One network peer's connector; see the module doc.
-pub(super) struct TcpConnect {
+/// What a network connector made at first use knows of its pair, whatever carries the link
+/// (TCP here, InfiniBand in `ib::demand`): who dials, the deadline counted from the first use,
+/// the rate-limited probe of a peer this rank waits for, and how the peer is named.
+pub(super) struct Pair {
     pub(super) me: usize,
     pub(super) peer: usize,
-    pub(super) count: usize,
     pub(super) dialer: Dialer,
-    pub(super) arrivals: Arc<Arrivals>,
-    pub(super) waker: Arc<Waker>,
-    pub(super) notes: Arc<super::notes::Notes>,
     /// The init timeout, counted from the first use.
-    pub(super) timeout: Option<Duration>,
+    timeout: Option<Duration>,
+    /// What carries the link, for messages ("TCP", "InfiniBand").
+    over: &'static str,
     /// When the link was first used, and when the peer's service is next probed.
-    pub(super) used: Mutex<Option<(Instant, Instant)>>,
+    used: Mutex<Option<(Instant, Instant)>>,
 }
 
-impl TcpConnect {
-    fn dials(&self) -> bool {
+impl Pair {
+    pub(super) fn new(
+        me: usize,
+        peer: usize,
+        dialer: Dialer,
+        timeout: Option<Duration>,
+        over: &'static str,
+    ) -> Pair {
+        Pair {
+            me,
+            peer,
+            dialer,
+            timeout,
+            over,
+            used: Mutex::new(None),
+        }
+    }
+
+    /// The lower rank of a pair dials; see the module doc.
+    pub(super) fn dials(&self) -> bool {
         self.me < self.peer
     }
 
-    fn who(&self) -> String {
+    /// "rank 5 (10.0.0.2:4000)".
+    pub(super) fn who(&self) -> String {
         match self.dialer.addr(self.peer) {
             Some(a) => format!("rank {} ({a})", self.peer),
             None => format!("rank {}", self.peer),
         }
     }
 
-    fn named(&self, mut e: Error) -> Error {
+    /// `e`, blamed on the peer unless it names another rank.
+    pub(super) fn named(&self, mut e: Error) -> Error {
         e.lost.get_or_insert(self.peer);
         e
     }
 
-    fn link(&self, streams: Vec<TcpStream>) -> Result<Arc<dyn Link>> {
-        super::socket_link(self.me, self.peer, streams, &self.waker, &self.notes)
-    }
-}
-
-impl Connect for TcpConnect {
-    fn poll(&self) -> Result<Option<Arc<dyn Link>>> {
+    /// Records the first use (once) and returns the deadline it starts.
+    pub(super) fn first_use(&self) -> Option<Instant> {
         let started = self
             .used
             .lock()
@@ -233,47 +253,30 @@ impl Connect for TcpConnect {
                 (now, now + crate::bootstrap::PROBE_EVERY)
             })
             .0;
-        let deadline = self.timeout.map(|t| started + t);
-        if self.dials() {
-            let mut streams = Vec::with_capacity(self.count);
-            for i in 0..self.count {
-                let s = self
-                    .dialer
-                    .dial(self.peer, Purpose::Net, i as u64, deadline)
-                    .map_err(|e| {
-                        self.named(e.context(format!(
-                            "connecting to rank {} over TCP at first use (socket {i})",
-                            self.peer
-                        )))
-                    })?;
-                streams.push(s);
-            }
-            return self.link(streams).map(Some);
-        }
-        if let Some(streams) = self.arrivals.take(self.peer) {
-            return self.link(streams).map(Some);
-        }
+        self.timeout.map(|t| started + t)
+    }
+
+    /// The error of a higher rank whose lower peer has not connected by `deadline`.
+    pub(super) fn overdue(&self, deadline: Option<Instant>) -> Result<()> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             let mut e = Error::new(
                 crate::error::ErrorKind::Timeout,
                 format!(
-                    "{} did not connect over TCP within {} of this rank's first use of the link (it dials when it first sends to or receives from this rank)",
+                    "{} did not connect over {} within {} of this rank's first use of the link (it dials when it first sends to or receives from this rank)",
                     self.who(),
+                    self.over,
                     crate::log::limit(self.timeout)
                 ),
             );
             e.lost = Some(self.peer);
             return Err(e);
         }
-        Ok(None)
+        Ok(())
     }
 
-    fn check_peer(&self) -> Result<()> {
-        if self.dials() || self.arrivals.complete(self.peer) {
-            // The dial reports its own failures; arrived connections are taken at the next
-            // poll, whatever became of the peer since.
-            return Ok(());
-        }
+    /// While a higher rank waits for its peer's dial: probes the peer's service, at most
+    /// every `PROBE_EVERY` after the first use, so that a peer that is gone is named.
+    pub(super) fn probe(&self) -> Result<()> {
         {
             let mut used = self.used.lock();
             let Some((_, next)) = used.as_mut() else {
@@ -287,8 +290,8 @@ impl Connect for TcpConnect {
         }
         let told = self.dialer.check_state(self.peer).map_err(|e| {
             self.named(e.context(format!(
-                "waiting for rank {} to connect over TCP",
-                self.peer
+                "waiting for rank {} to connect over {}",
+                self.peer, self.over
             )))
         })?;
         match told.and_then(|(code, lost)| Some((Closing::from_code(code as u32)?, lost))) {
@@ -307,24 +310,124 @@ impl Connect for TcpConnect {
         }
     }
 
-    fn close(&self, how: Closing, lost: Option<usize>) {
+    /// "tcp to rank 5 (...), not connected yet (this rank dials)", `kind` being "tcp".
+    pub(super) fn describe(&self, kind: &str) -> String {
         if self.dials() {
-            // The peer may be waiting for this rank's dial: its probes hear how it ended.
-            self.dialer.tell_closed(how as u8, lost);
+            format!(
+                "{kind} to {}, not connected yet (this rank dials)",
+                self.who()
+            )
         } else {
-            self.arrivals.close(self.peer, how, lost);
+            format!(
+                "{kind} to {}, not connected yet (it dials at its first use)",
+                self.who()
+            )
+        }
+    }
+}
+
+/// What a network transport brings to a connector made at first use (`Connector` does the
+/// rest, the same for every transport).
+pub(super) trait Ends: Send + Sync {
+    /// "tcp", "ib": how `describe` names the link.
+    const KIND: &'static str;
+    /// The lower rank's first use: dials `pair.peer` and makes the link (the connector adds
+    /// who and what to an error).
+    fn dial(&self, pair: &Pair, deadline: Option<Instant>) -> Result<Arc<dyn Link>>;
+    /// The higher rank: the link once `peer`'s dial was served here, or why it was not.
+    fn take(&self, peer: usize) -> Result<Option<Arc<dyn Link>>>;
+    /// The higher rank: whether `peer`'s dial was served (the next `take` has the outcome).
+    fn served(&self, peer: usize) -> bool;
+    /// The higher rank's end was closed before it was connected.
+    fn close(&self, peer: usize, how: Closing, lost: Option<usize>);
+}
+
+/// One network peer's connector; see the module doc.
+pub(super) struct Connector<E> {
+    pub(super) pair: Pair,
+    pub(super) ends: E,
+}
+
+impl<E: Ends> Connect for Connector<E> {
+    fn poll(&self) -> Result<Option<Arc<dyn Link>>> {
+        let pair = &self.pair;
+        let deadline = pair.first_use();
+        if pair.dials() {
+            return self.ends.dial(pair, deadline).map(Some).map_err(|e| {
+                pair.named(e.context(format!(
+                    "connecting to rank {} over {} at first use",
+                    pair.peer, pair.over
+                )))
+            });
+        }
+        if let Some(link) = self.ends.take(pair.peer)? {
+            return Ok(Some(link));
+        }
+        pair.overdue(deadline)?;
+        Ok(None)
+    }
+
+    fn check_peer(&self) -> Result<()> {
+        if self.pair.dials() || self.ends.served(self.pair.peer) {
+            // The dial reports its own failures; what a served dial made is taken at the next
+            // poll, whatever became of the peer since.
+            return Ok(());
+        }
+        self.pair.probe()
+    }
+
+    fn close(&self, how: Closing, lost: Option<usize>) {
+        if self.pair.dials() {
+            // The peer may be waiting for this rank's dial: its probes hear how it ended.
+            self.pair.dialer.tell_closed(how as u8, lost);
+        } else {
+            self.ends.close(self.pair.peer, how, lost);
         }
     }
 
     fn describe(&self) -> String {
-        if self.dials() {
-            format!("tcp to {}, not connected yet (this rank dials)", self.who())
-        } else {
-            format!(
-                "tcp to {}, not connected yet (it dials at its first use)",
-                self.who()
-            )
+        self.pair.describe(E::KIND)
+    }
+}
+
+/// TCP's part of a connector: the pair's sockets.
+pub(super) struct TcpEnds {
+    pub(super) count: usize,
+    pub(super) arrivals: Arc<Arrivals>,
+    pub(super) waker: Arc<Waker>,
+    pub(super) notes: Arc<super::notes::Notes>,
+}
+
+impl Ends for TcpEnds {
+    const KIND: &'static str = "tcp";
+
+    fn dial(&self, pair: &Pair, deadline: Option<Instant>) -> Result<Arc<dyn Link>> {
+        let mut streams = Vec::with_capacity(self.count);
+        for i in 0..self.count {
+            let s = pair
+                .dialer
+                .dial(pair.peer, Purpose::Net, i as u64, deadline)
+                .map_err(|e| e.context(format!("socket {i}")))?;
+            streams.push(s);
         }
+        super::socket_link(pair.me, pair.peer, streams, &self.waker, &self.notes)
+    }
+
+    fn take(&self, peer: usize) -> Result<Option<Arc<dyn Link>>> {
+        self.arrivals
+            .take(peer)
+            .map(|streams| {
+                super::socket_link(self.arrivals.me, peer, streams, &self.waker, &self.notes)
+            })
+            .transpose()
+    }
+
+    fn served(&self, peer: usize) -> bool {
+        self.arrivals.complete(peer)
+    }
+
+    fn close(&self, peer: usize, how: Closing, lost: Option<usize>) {
+        self.arrivals.close(peer, how, lost);
     }
 }
 
@@ -340,6 +443,8 @@ mod tests {
         init_all(std::slice::from_ref(&id), 2)
     }
 
+    type TcpConnect = Connector<TcpEnds>;
+
     /// `b`'s connector for its link to `peer` (one socket), with its route.
     fn connector(b: &Bootstrap, peer: usize, timeout: Duration) -> (TcpConnect, Route) {
         let me = b.rank();
@@ -351,16 +456,14 @@ mod tests {
         let arrivals = Arc::new(Arrivals::new(me, expect, waker.clone(), waker.clone()));
         let to = arrivals.clone();
         let route = b.route(Purpose::Net, Box::new(move |c, s| to.deliver(c, s)));
-        let c = TcpConnect {
-            me,
-            peer,
-            count: 1,
-            dialer: b.dialer(),
-            arrivals,
-            notes: Arc::new(super::super::notes::Notes::new(b.dialer())),
-            waker,
-            timeout: Some(timeout),
-            used: Mutex::new(None),
+        let c = Connector {
+            pair: Pair::new(me, peer, b.dialer(), Some(timeout), "TCP"),
+            ends: TcpEnds {
+                count: 1,
+                arrivals,
+                waker,
+                notes: Arc::new(super::super::notes::Notes::new(b.dialer())),
+            },
         };
         (c, route)
     }

@@ -44,6 +44,14 @@ const DATA_WR: u64 = 1 << 63;
 /// memory registered with ncclCommRegister (a second work request beats a copy from here on).
 const ZERO_COPY_MIN: usize = 16 << 10;
 
+/// The error of a rank whose peer closed its end (`how`, having lost `lost`): named after
+/// the rank it lost, else the peer itself.
+pub(super) fn closed_error(peer: usize, how: Closing, lost: Option<usize>) -> Error {
+    let mut e = Error::lost_peer(lost.unwrap_or(peer), how.describe(peer, lost));
+    e.kind = how.kind();
+    e
+}
+
 /// Page-aligned memory that stays where it is while registered.
 pub(super) struct Buffer {
     ptr: *mut u8,
@@ -195,6 +203,11 @@ impl IbLink {
             qps,
             closed: AtomicBool::new(false),
         }
+    }
+
+    /// This rank and the peer.
+    pub(super) fn ends(&self) -> (usize, usize) {
+        (self.me, self.peer)
     }
 
     pub(super) fn qp_addrs(&self) -> Vec<super::verbs::QpAddr> {
@@ -379,11 +392,8 @@ impl IbLink {
     /// The peer closed its end: an error naming how, and the first rank lost (the one it
     /// said it lost, else itself).
     fn peer_gone(&self, st: &State) -> Option<Error> {
-        st.peer_closed.map(|(how, lost)| {
-            let mut e = Error::lost_peer(lost.unwrap_or(self.peer), how.describe(self.peer, lost));
-            e.kind = how.kind();
-            e
-        })
+        st.peer_closed
+            .map(|(how, lost)| closed_error(self.peer, how, lost))
     }
 
     fn give_credit(&self, st: &mut State) -> Result<()> {

@@ -8,14 +8,18 @@
 //! every rank has a usable device and active port, sockets otherwise, and an INFO line says
 //! which and why.
 //!
-//! Every pair's queue pair is made at init (an allgather of queue-pair numbers and slot
-//! addresses), whatever NCCL_RUNTIME_CONNECT says: unlike the TCP transport, InfiniBand does
-//! not connect at first use yet, so a rank holds a queue pair and its registered slots for
-//! every network peer. Doing it would mean exchanging the two ends' queue-pair info over a
-//! service connection at the link's first use instead.
+//! When links are made: with NCCL_RUNTIME_CONNECT=1 (the default, when every rank asks for
+//! it) at a link's first use (`demand.rs`): the lower rank dials the higher one's bootstrap
+//! service, and the two ends make their queue pairs and registered slots for that peer only
+//! and exchange what connects them over that authenticated connection, so a rank holds queue
+//! pairs and slots only for the peers its schedules use. With NCCL_RUNTIME_CONNECT=0 every
+//! pair's queue pairs are made at init and connected through one allgather of the same
+//! entries (`entry`: queue-pair numbers, PSN, LID, GID, MTU, the ring's address and key),
+//! followed by a barrier. `Maker` makes a link's end and `finish` connects it, either way.
 //!
 //! This transport has been tested against the model only, never on RDMA hardware.
 
+mod demand;
 mod libverbs;
 mod link;
 pub(crate) mod onesided;
@@ -77,6 +81,8 @@ type NetLinks = Vec<Option<Arc<dyn Link>>>;
 
 /// Keeps the device (held by the registrations) and, through the links, the queue pairs alive.
 pub(crate) struct IbWorld {
+    /// The exchanges of links made at first use (dropped first: it stops taking them).
+    _served: Option<demand::Served>,
     regs: Arc<Registered>,
 }
 
@@ -165,66 +171,110 @@ impl Registered {
     }
 }
 
-/// Connects this rank to `peers` over `device`. Collective over the bootstrap: every rank
-/// calls it (with or without peers of its own) once every rank chose IB.
-pub(super) fn connect(
-    boot: &Bootstrap,
-    peers: &[usize],
-    device: Option<Arc<dyn Device>>,
+/// What makes one peer's link, at init or at first use: the device, the registrations the
+/// links send from, the doorbell their completions ring, the slot size and queue pairs per
+/// connection.
+pub(super) struct Maker {
+    me: usize,
+    device: Arc<dyn Device>,
+    regs: Arc<Registered>,
     doorbell: Arc<dyn Doorbell>,
-) -> Result<(NetLinks, Option<IbWorld>)> {
-    let me = boot.rank();
-    let n = boot.nranks();
-    let slot = slot_bytes();
-    let mut made: Vec<Option<Arc<IbLink>>> = (0..n).map(|_| None).collect();
-    let device = match device {
-        Some(d) => Some(d),
-        None if peers.is_empty() => None,
-        None => return crate::internal_err!("InfiniBand chosen without a device"),
-    };
-    let regs = device
-        .as_ref()
-        .map(|d| Arc::new(Registered::new(d.clone())));
-    for &p in peers {
-        let device = device.as_ref().expect("checked");
-        let ring = Buffer::new(SLOTS * slot)?;
-        let staging = Buffer::new(SLOTS * slot)?;
-        let ring_mr = device.register(ring.ptr(), SLOTS * slot)?;
-        let staging_mr = device.register(staging.ptr(), SLOTS * slot)?;
-        let qps = (0..qps_per_connection())
+    slot: usize,
+    qps: usize,
+}
+
+impl Maker {
+    /// `peer`'s link, not connected yet: its queue pairs, and its ring and staging slots
+    /// registered with the device.
+    fn link(&self, peer: usize) -> Result<Arc<IbLink>> {
+        let bytes = SLOTS * self.slot;
+        let ring = Buffer::new(bytes)?;
+        let staging = Buffer::new(bytes)?;
+        let ring_mr = self.device.register(ring.ptr(), bytes)?;
+        let staging_mr = self.device.register(staging.ptr(), bytes)?;
+        let qps = (0..self.qps)
             .map(|_| {
-                let bell = doorbell.clone();
-                device.create_qp(2 * RECVS, Arc::new(move || bell.ring()))
+                let bell = self.doorbell.clone();
+                self.device
+                    .create_qp(2 * RECVS, Arc::new(move || bell.ring()))
             })
             .collect::<Result<Vec<_>>>()?;
-        made[p] = Some(Arc::new(IbLink::new(
-            me,
-            p,
-            device.name(),
-            slot,
+        Ok(Arc::new(IbLink::new(
+            self.me,
+            peer,
+            self.device.name(),
+            self.slot,
             qps,
             ring,
             staging,
             ring_mr,
             staging_mr,
-            regs.clone().expect("a device"),
-        )));
+            self.regs.clone(),
+        )))
     }
-    // For every rank: how many queue pairs connect us (0: it is no peer), their addresses,
-    // and our ring for it.
+}
+
+/// Connects `link` to the peer's end described by `theirs` (from `entry`): its queue pairs
+/// to ready-to-send, its receives posted.
+fn finish(link: &IbLink, theirs: (Vec<QpAddr>, Remote)) -> Result<()> {
+    let (me, peer) = link.ends();
+    link.connect(&theirs.0)
+        .map_err(|e| e.context(format!("connecting the queue pair to rank {peer}")))?;
+    link.start(theirs.1)?;
+    crate::info!("rank {me} -> rank {peer}: {}", link.describe());
+    Ok(())
+}
+
+/// Connects this rank to `peers` over `device`. Collective over the bootstrap: every rank
+/// calls it (with or without peers of its own) once every rank chose IB, with the same
+/// `at_first_use` (NCCL_RUNTIME_CONNECT as every rank asked for it).
+pub(super) fn connect(
+    boot: &Bootstrap,
+    peers: &[usize],
+    device: Option<Arc<dyn Device>>,
+    doorbell: Arc<dyn Doorbell>,
+    at_first_use: bool,
+) -> Result<(NetLinks, Option<IbWorld>)> {
+    let me = boot.rank();
+    let n = boot.nranks();
+    let device = match device {
+        Some(d) => d,
+        None if peers.is_empty() && at_first_use => return Ok((Vec::new(), None)),
+        None if peers.is_empty() => {
+            // Eager setup is collective: the others' allgather and barrier wait for this rank.
+            boot.allgather(&vec![0u8; n])?;
+            boot.barrier()?;
+            return Ok((Vec::new(), None));
+        }
+        None => return crate::internal_err!("InfiniBand chosen without a device"),
+    };
+    let maker = Arc::new(Maker {
+        me,
+        device: device.clone(),
+        regs: Arc::new(Registered::new(device)),
+        doorbell,
+        slot: slot_bytes(),
+        qps: qps_per_connection(),
+    });
+    if at_first_use {
+        let (links, served) = demand::links(boot, peers, maker.clone());
+        return Ok((
+            links,
+            Some(IbWorld {
+                _served: served,
+                regs: maker.regs.clone(),
+            }),
+        ));
+    }
+    let mut made: Vec<Option<Arc<IbLink>>> = (0..n).map(|_| None).collect();
+    for &p in peers {
+        made[p] = Some(maker.link(p)?);
+    }
+    // For every rank: its entry (0: it is no peer).
     let mut mine = Vec::new();
     for link in &made {
         match link {
-            Some(l) => {
-                let addrs = l.qp_addrs();
-                mine.push(addrs.len() as u8);
-                for a in &addrs {
-                    a.encode(&mut mine);
-                }
-                let k = l.ring_key();
-                mine.extend_from_slice(&k.addr.to_le_bytes());
-                mine.extend_from_slice(&k.rkey.to_le_bytes());
-            }
+            Some(l) => entry(l, &mut mine),
             None => mine.push(0),
         }
     }
@@ -236,11 +286,7 @@ pub(super) fn connect(
                 format!("rank {p} published no InfiniBand connection for rank {me}"),
             )
         })?;
-        let l = made[p].as_ref().expect("made above");
-        l.connect(&theirs.0)
-            .map_err(|e| e.context(format!("connecting the queue pair to rank {p}")))?;
-        l.start(theirs.1)?;
-        crate::info!("rank {me} -> rank {p}: {}", l.describe());
+        finish(made[p].as_ref().expect("made above"), theirs)?;
     }
     // Every queue pair is ready to receive before anyone sends.
     boot.barrier()?;
@@ -248,32 +294,61 @@ pub(super) fn connect(
         .into_iter()
         .map(|l| l.map(|l| l as Arc<dyn Link>))
         .collect();
-    Ok((links, regs.map(|regs| IbWorld { regs })))
+    Ok((
+        links,
+        Some(IbWorld {
+            _served: None,
+            regs: maker.regs.clone(),
+        }),
+    ))
 }
 
-/// Rank `of`'s entry in a published table: its queue pairs' addresses and its ring.
+/// What a peer needs to connect to `link`: how many queue pairs (at least one), their
+/// addresses, and the ring it writes into.
+fn entry(link: &IbLink, out: &mut Vec<u8>) {
+    let addrs = link.qp_addrs();
+    out.push(addrs.len() as u8);
+    for a in &addrs {
+        a.encode(out);
+    }
+    let k = link.ring_key();
+    out.extend_from_slice(&k.addr.to_le_bytes());
+    out.extend_from_slice(&k.rkey.to_le_bytes());
+}
+
+/// An `entry` at the start of `b`, and its length; None for a 0 (no peer) or a short one.
+fn decode_entry(b: &[u8]) -> Option<((Vec<QpAddr>, Remote), usize)> {
+    let nq = *b.first()? as usize;
+    if nq == 0 {
+        return None;
+    }
+    let len = 1 + nq * QpAddr::BYTES + 12;
+    let b = b.get(1..len)?;
+    let qps = (0..nq)
+        .map(|i| QpAddr::decode(&b[i * QpAddr::BYTES..]))
+        .collect::<Option<Vec<_>>>()?;
+    let k = &b[nq * QpAddr::BYTES..];
+    let addr = u64::from_le_bytes(k[0..8].try_into().ok()?);
+    let rkey = u32::from_le_bytes(k[8..12].try_into().ok()?);
+    Some(((qps, Remote { addr, rkey }), len))
+}
+
+/// Rank `of`'s entry in a published table: one `entry` (or a 0) per rank.
 fn entry_for(table: &[u8], of: usize) -> Option<(Vec<QpAddr>, Remote)> {
     let mut at = 0;
     for r in 0..=of {
-        let nq = *table.get(at)? as usize;
-        at += 1;
-        let entry = nq * QpAddr::BYTES + 12;
-        if r == of {
-            if nq == 0 {
+        if *table.get(at)? == 0 {
+            if r == of {
                 return None;
             }
-            let b = table.get(at..at + entry)?;
-            let qps = (0..nq)
-                .map(|i| QpAddr::decode(&b[i * QpAddr::BYTES..]))
-                .collect::<Option<Vec<_>>>()?;
-            let k = &b[nq * QpAddr::BYTES..];
-            let addr = u64::from_le_bytes(k[0..8].try_into().ok()?);
-            let rkey = u32::from_le_bytes(k[8..12].try_into().ok()?);
-            return Some((qps, Remote { addr, rkey }));
+            at += 1;
+            continue;
         }
-        if nq > 0 {
-            at += entry;
+        let (e, len) = decode_entry(&table[at..])?;
+        if r == of {
+            return Some(e);
         }
+        at += len;
     }
     None
 }
