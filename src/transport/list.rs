@@ -312,13 +312,23 @@ pub(crate) fn connect(
     }
     let mut on_host = vec![false; all.len()];
     let mut off_host = vec![false; all.len()];
+    let mut count = vec![0usize; all.len()];
     for (r, &p) in paths.iter().enumerate() {
+        count[of[r]] += 1;
         match p {
             Path::SelfRank => {}
             Path::Network => off_host[of[r]] = true,
             Path::SameHost | Path::SameProcess => on_host[of[r]] = true,
         }
     }
+    crate::info!(
+        "rank {me}: transports {}",
+        all.iter()
+            .zip(&count)
+            .map(|(t, &n)| format!("{} ({n} rank{})", t.name(), if n == 1 { "" } else { "s" }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let doorbell = setup
         .doorbell
         .unwrap_or_else(|| Arc::new(LocalDoorbell::default()));
