@@ -441,9 +441,14 @@ impl Kind for ShmKind {
             setup.deadline,
             shm::demand_wanted(),
         )?;
-        if setup.doorbell.is_none() {
-            setup.doorbell = Some(world.local.clone());
+        // Local peers ring the futex word in this rank's segment, so the executor must sleep
+        // on that and nothing else: shm comes before any transport with a bell of its own.
+        if setup.doorbell.is_some() {
+            return crate::internal_err!(
+                "shared memory set up after a transport that brought its own doorbell: its peers would ring a bell nobody sleeps on"
+            );
         }
+        setup.doorbell = Some(world.local.clone());
         Ok(Some(Box::new(world)))
     }
 }
@@ -584,6 +589,114 @@ mod tests {
         fn connect(&self, _: &mut Setup<'_>, _: &[usize]) -> Result<Option<Box<dyn Transport>>> {
             crate::internal_err!("a planning test connects nothing")
         }
+    }
+
+    /// A connected transport that records what it registered.
+    struct Fake {
+        name: &'static str,
+        hop: Option<Hop>,
+        refuse: bool,
+        held: parking_lot::Mutex<Vec<u64>>,
+    }
+
+    impl Fake {
+        fn new(name: &'static str, latency_us: f32, refuse: bool) -> Fake {
+            Fake {
+                name,
+                hop: Some(Hop {
+                    latency_us,
+                    bytes_per_us: 1.0,
+                }),
+                refuse,
+                held: Default::default(),
+            }
+        }
+    }
+
+    impl Transport for Fake {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+
+        fn link(&self, _: usize) -> Option<Arc<dyn Link>> {
+            None
+        }
+
+        fn figures(&self) -> Option<Hop> {
+            self.hop
+        }
+
+        fn register(&self, addr: *mut u8, _len: usize) -> Result<Option<u64>> {
+            if self.refuse {
+                return crate::invalid_arg!("{} refuses", self.name);
+            }
+            self.held.lock().push(addr as u64);
+            Ok(Some(addr as u64))
+        }
+
+        fn deregister(&self, id: u64) {
+            self.held.lock().retain(|&h| h != id);
+        }
+
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    fn fakes(all: Vec<Fake>, on_host: Vec<bool>, off_host: Vec<bool>) -> Transports {
+        Transports {
+            all: all
+                .into_iter()
+                .map(|f| Box::new(f) as Box<dyn Transport>)
+                .collect(),
+            on_host,
+            off_host,
+        }
+    }
+
+    fn fake(t: &Transports, i: usize) -> &Fake {
+        t.all[i].as_any().downcast_ref::<Fake>().expect("a fake")
+    }
+
+    #[test]
+    fn figures_come_from_the_transport_that_links_each_side() {
+        let t = fakes(
+            vec![Fake::new("near", 1.0, false), Fake::new("far", 9.0, false)],
+            vec![true, false],
+            vec![false, true],
+        );
+        assert_eq!(t.figures(true).map(|h| h.latency_us), Some(1.0));
+        assert_eq!(t.figures(false).map(|h| h.latency_us), Some(9.0));
+        // Without peers on other hosts the model keeps its own figures.
+        let t = fakes(vec![Fake::new("near", 1.0, false)], vec![true], vec![false]);
+        assert_eq!(t.figures(false), None);
+        assert!(t.find::<Fake>().is_some() && t.find::<shm::ShmWorld>().is_none());
+    }
+
+    #[test]
+    fn a_registration_one_transport_refuses_is_undone_on_the_others() {
+        let t = fakes(
+            vec![
+                Fake::new("takes", 1.0, false),
+                Fake::new("refuses", 1.0, true),
+            ],
+            vec![true, true],
+            vec![false, false],
+        );
+        let e = t
+            .register(0x1000 as *mut u8, 64)
+            .expect_err("one transport refuses");
+        assert!(e.msg.contains("refuses"), "{}", e.msg);
+        assert!(fake(&t, 0).held.lock().is_empty());
+        let t = fakes(
+            vec![Fake::new("a", 1.0, false), Fake::new("b", 1.0, false)],
+            vec![true, true],
+            vec![false, false],
+        );
+        let r = t.register(0x2000 as *mut u8, 64).expect("registered");
+        assert_eq!(t.registered_with(&r), ["a", "b"]);
+        t.deregister(&r);
+        assert!(fake(&t, 0).held.lock().is_empty() && fake(&t, 1).held.lock().is_empty());
     }
 
     fn choice() -> net::NetChoice {
