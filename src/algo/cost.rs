@@ -32,6 +32,25 @@ pub struct Link {
     pub bytes_per_us: f32,
 }
 
+impl Link {
+    /// Shared memory inside a host: a hop is a few cache-line hand-overs between cores (slot,
+    /// then flag) to a receiver that spins, and bytes move at one core's memcpy speed for
+    /// large buffers.
+    pub const SHARED_MEMORY: Link = Link {
+        latency_us: 0.5,
+        bytes_per_us: 8_000.0,
+    };
+
+    /// A network interface running at `bytes_per_us`: a hop is one way through two kernels'
+    /// network stacks (half a round trip of tens of microseconds).
+    pub const fn tcp(bytes_per_us: f32) -> Link {
+        Link {
+            latency_us: 10.0,
+            bytes_per_us,
+        }
+    }
+}
+
 /// What the model knows about the machines.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Fabric {
@@ -54,25 +73,17 @@ pub struct Fabric {
 
 impl Fabric {
     /// Host memory over shared memory inside a host and TCP between hosts, whose interface
-    /// runs at `net_bytes_per_us`: the constants `Comm::estimate_us` uses. Inside a host a hop
-    /// is a few cache-line hand-overs between cores (slot, then flag) to a receiver that
-    /// spins, and bytes move at one core's memcpy speed for large buffers; between hosts a hop
-    /// is one way through two kernels' TCP stacks (half a round trip of tens of
-    /// microseconds). A message costs its rank some bookkeeping besides.
+    /// runs at `net_bytes_per_us` (`Link::SHARED_MEMORY`, `Link::tcp`): the fabric
+    /// `Comm::estimate_us` starts from before its transports give their own figures. A
+    /// message costs its rank some bookkeeping besides.
     pub fn host_memory(
         net_bytes_per_us: f32,
         cores_per_host: usize,
         ranks_per_host: usize,
     ) -> Fabric {
         Fabric {
-            intra: Link {
-                latency_us: 0.5,
-                bytes_per_us: 8_000.0,
-            },
-            inter: Link {
-                latency_us: 10.0,
-                bytes_per_us: net_bytes_per_us,
-            },
+            intra: Link::SHARED_MEMORY,
+            inter: Link::tcp(net_bytes_per_us),
             nics_per_host: 1,
             message_us: 0.2,
             reduce_bytes_per_us: 8_000.0,

@@ -1,8 +1,8 @@
 //! Buffers registered with ncclCommRegister. Device memory is published to the peers on this
 //! host, which then read it in place instead of having it staged (`transport::reg`); host
-//! memory is registered with the InfiniBand device where the network links use one, so that
-//! they send from it without a copy, and needs nothing for the other transports. Handles are
-//! tracked so that deregistration is checked.
+//! memory is registered with every transport that wants to know of it (`Transport::register`:
+//! InfiniBand, so that its links send from it without a copy; the others need nothing).
+//! Handles are tracked so that deregistration is checked.
 
 use super::Comm;
 use crate::error::Result;
@@ -17,8 +17,8 @@ struct Registration {
     comm: Weak<Comm>,
     /// The communicator's registry entry, for device memory published to the peers.
     entry: Option<usize>,
-    /// The InfiniBand registration the network links send from.
-    net: Option<u64>,
+    /// The transports' registrations of host memory.
+    host: crate::transport::list::Registered,
 }
 
 static REGISTRATIONS: LazyLock<Mutex<HashMap<usize, Registration>>> =
@@ -29,36 +29,36 @@ impl Comm {
     /// Registers `size` bytes at `buff` (the caller checked that it is not NULL unless `size`
     /// is 0) and returns the handle that deregisters them.
     pub(crate) fn register_buffer(self: &Arc<Self>, buff: *mut u8, size: usize) -> Result<usize> {
-        let (mut entry, mut net) = (None, None);
+        let (mut entry, mut host) = (None, Default::default());
         match crate::cuda::classify(buff as *const std::ffi::c_void) {
             crate::cuda::MemKind::Device(ordinal) if size > 0 => {
-                match (&self.device, &self.shm, &self.registry) {
-                    (Some(w), _, _) if w.device.ordinal != ordinal => {
+                match (&self.device, &self.registry) {
+                    (Some(w), _) if w.device.ordinal != ordinal => {
                         return crate::invalid_arg!(
                             "buff is memory of GPU {ordinal} but this communicator was created on GPU {}",
                             w.device.ordinal
                         )
                     }
-                    (Some(w), Some(shm), Some(reg)) => {
-                        entry = reg.export(shm, &w.device, buff as u64, size)?;
+                    (Some(w), Some(reg)) => {
+                        entry = reg.export(&self.transports, &w.device, buff as u64, size)?;
                     }
                     _ => crate::info!(
                         "registered {size} bytes of device memory at {buff:p}; no peer on this host reads it in place (no device path, no local peers, or NCCL_LOCAL_REGISTER=0)"
                     ),
                 }
             }
-            // Host memory, with peers over InfiniBand: the links send from it without a copy.
+            // Host memory: the transports that send from it without a copy (InfiniBand).
             crate::cuda::MemKind::Host if size > 0 => {
-                if let Some(w) = &self.net {
-                    net = w.register(buff, size)?;
-                }
-                match net {
-                    Some(_) => crate::info!(
-                        "registered {size} bytes at {buff:p} with the InfiniBand device: sends from it skip the copy"
-                    ),
-                    None => crate::info!(
+                host = self.transports.register(buff, size)?;
+                if host.is_empty() {
+                    crate::info!(
                         "registered {size} bytes at {buff:p} (host memory, no InfiniBand peers: nothing to pin)"
-                    ),
+                    )
+                } else {
+                    crate::info!(
+                        "registered {size} bytes at {buff:p} with {}: sends from it skip the copy",
+                        self.transports.registered_with(&host).join(", ")
+                    )
                 }
             }
             _ => {}
@@ -69,7 +69,7 @@ impl Comm {
             Registration {
                 comm: Arc::downgrade(self),
                 entry,
-                net,
+                host,
             },
         );
         Ok(h)
@@ -81,12 +81,10 @@ impl Comm {
         let mut regs = REGISTRATIONS.lock();
         match regs.get(&handle) {
             Some(r) if std::ptr::eq(r.comm.as_ptr(), Arc::as_ptr(self)) => {
-                if let (Some(i), Some(shm), Some(reg)) = (r.entry, &self.shm, &self.registry) {
-                    reg.unexport(shm, i);
+                if let (Some(i), Some(reg)) = (r.entry, &self.registry) {
+                    reg.unexport(&self.transports, i);
                 }
-                if let (Some(id), Some(w)) = (r.net, &self.net) {
-                    w.deregister(id);
-                }
+                self.transports.deregister(&r.host);
                 regs.remove(&handle);
                 Ok(())
             }

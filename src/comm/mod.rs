@@ -13,7 +13,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::exec::host::Wiring;
 use crate::topo::{self, Path, Placement};
-use crate::transport::{shm, Closing};
+use crate::transport::Closing;
 use crate::wire::Reader;
 use config::Config;
 use ops::CustomOps;
@@ -54,9 +54,9 @@ pub(crate) struct Comm {
     /// How windows reach each rank: `paths`, or every other rank over the network with
     /// COMM_WIN_NET=1.
     pub window_paths: Vec<Path>,
-    pub shm: Option<shm::ShmWorld>,
-    /// The network links' progress thread (None without peers on other hosts).
-    pub net: Option<crate::transport::net::NetWorld>,
+    /// The transports that made `wiring.links` (shm, net, ...), asked for registration, the
+    /// cost model's figures and one transport's own capability (`Transports::find`).
+    pub transports: crate::transport::Transports,
     /// Device memory shared with the peers, when every rank has a usable GPU.
     pub device: Option<crate::transport::p2p::DeviceWorld>,
     /// Why there is no device path (this rank's own failure where it had one), for the error
@@ -264,8 +264,7 @@ impl Comm {
             presence,
             huge_pages,
             warm,
-            shm: shm_world,
-            net: net_world,
+            transports,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
         let (device_world, device_missing) = match crate::transport::p2p::DeviceWorld::connect(
             &boot,
@@ -276,9 +275,9 @@ impl Comm {
             Ok(w) => (Some(w), None),
             Err(why) => (None, Some(why)),
         };
-        let registry =
-            (shm_world.is_some() && device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
-                .then(|| crate::transport::reg::Registry::new(rank, nranks));
+        let registry = (device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
+            .then(|| crate::transport::reg::Registry::over(&transports, rank, nranks))
+            .flatten();
         let local_ranks = topo::ranks_on_host(&paths);
         // With more ranks than cores, spinning steals the core from the rank we wait for:
         // yield it instead, then sleep.
@@ -286,7 +285,7 @@ impl Comm {
         // A round trip over the network (tens of microseconds) outlasts a spin sized for shared
         // memory, and a rank that sleeps through it pays a wake-up on every small message:
         // with network peers, spin as long as a few round trips.
-        let spin_default = match (oversubscribed, net_world.is_some()) {
+        let spin_default = match (oversubscribed, transports.networked()) {
             (true, _) => 0,
             (false, true) => 1000,
             (false, false) => 50,
@@ -347,8 +346,7 @@ impl Comm {
                 })
                 .collect(),
             paths,
-            shm: shm_world,
-            net: net_world,
+            transports,
             device: device_world,
             device_missing,
             registry,
@@ -398,7 +396,7 @@ impl Comm {
             placements: &self.placements,
             paths: &self.window_paths,
             links: &self.wiring.links,
-            ib: self.net.as_ref().and_then(|n| n.ib()),
+            transports: &self.transports,
             abort: &self.wiring.abort,
             timeout: self.wiring.timeout.get(),
             spin: self.wiring.spin,

@@ -657,19 +657,18 @@ impl Comm {
                 scratch: scratch_base + *off as u64,
             })
             .collect();
-        let described = match (&self.registry, &self.shm) {
-            (Some(reg), Some(shm)) => Some(Described::agree(
+        let described = self.registry.as_ref().and_then(|reg| {
+            Described::agree(
                 reg,
-                shm,
+                &self.transports,
                 world,
                 &self.paths,
                 &self.placements,
                 &ops,
                 self.rank,
                 self.nranks,
-            )),
-            _ => None,
-        };
+            )
+        });
         let view = |peer: usize, addr: u64, len: usize| {
             described.as_ref().and_then(|d| d.view(peer, addr, len))
         };
@@ -862,30 +861,24 @@ impl Comm {
     }
 
     /// ncclGroupSimulateEnd's estimate for one call, in microseconds: the cost model of
-    /// `algo/cost.rs` on the schedules this call would run, with shared memory inside the host,
-    /// the network interface's speed between hosts, and this host's cores shared by its ranks.
-    /// Device buffers are priced as host memory.
+    /// `algo/cost.rs` on the schedules this call would run, with the figures of the transports
+    /// that link this rank to its peers inside its host and between hosts (`Transports::
+    /// figures`; the model's host-memory fabric where it has no such peers), and this host's
+    /// cores shared by its ranks. Device buffers are priced as host memory.
     pub(crate) fn estimate_us(&self, call: &Call) -> f32 {
         let (algo, _) = self.algorithm(call);
         let ranks_per_host = self.hosts.as_deref().map_or(self.nranks, |l| {
             l.members.iter().map(Vec::len).max().unwrap_or(1)
         });
-        let mut fabric = algo::cost::Fabric::host_memory(
-            self.net.as_ref().map_or(1250.0, |w| w.bytes_per_us),
-            crate::topo::usable_cpus(),
-            ranks_per_host,
-        );
-        // Ranks of one host that talk over the network (shared memory disabled, or out of
-        // reach) pay its link inside the host too.
-        let host = |r: usize| self.hosts.as_deref().map_or(0, |l| l.place[r].0);
-        let intra_over_net = self.net.as_ref().is_some_and(|w| {
-            w.links
-                .iter()
-                .enumerate()
-                .any(|(p, l)| l.is_some() && p != self.rank && host(p) == host(self.rank))
-        });
-        if intra_over_net {
-            fabric.intra = fabric.inter;
+        let mut fabric =
+            algo::cost::Fabric::host_memory(1250.0, crate::topo::usable_cpus(), ranks_per_host);
+        // Ranks of one host that talk over the network (shared memory disabled) pay its link
+        // inside the host too.
+        if let Some(hop) = self.transports.figures(true) {
+            fabric.intra = hop;
+        }
+        if let Some(hop) = self.transports.figures(false) {
+            fabric.inter = hop;
         }
         algo::cost::predict(
             &call.coll,

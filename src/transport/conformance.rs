@@ -78,7 +78,10 @@ impl Pair {
                             &super::net::NetChoice::resolve(None).expect("net"),
                         )
                         .expect("links");
-                        let mapped = links.shm.as_ref().map(|w| w.mapped());
+                        let mapped = links
+                            .transports
+                            .find::<crate::transport::shm::ShmWorld>()
+                            .map(|w| w.mapped());
                         match kind {
                             Kind::Shm => assert_eq!(mapped, Some(0), "nothing mapped before use"),
                             Kind::ShmAtInit => assert_eq!(mapped, Some(1)),

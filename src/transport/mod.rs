@@ -1,6 +1,7 @@
 //! Transports move messages between two ranks. Each peer is reached through one `Link`, made by
-//! the first transport that reaches it (`establish`): `loopback` for a rank's channel to itself,
-//! `shm` for ranks on one host (processes or threads), `net` (TCP) between hosts. Device buffers
+//! the first transport of the list that reaches it (`establish`, `list`): `loopback` for a
+//! rank's channel to itself, `shm` for ranks on one host (processes or threads), `net` (TCP or
+//! InfiniBand) between hosts. Device buffers
 //! travel as stream programs over `p2p`'s CUDA IPC mappings instead. The executor sleeps on a
 //! `Doorbell` that links ring.
 //!
@@ -13,6 +14,7 @@
 #[cfg(test)]
 mod conformance;
 pub(crate) mod demand;
+pub(crate) mod list;
 pub(crate) mod loopback;
 pub(crate) mod net;
 pub(crate) mod p2p;
@@ -22,7 +24,8 @@ pub(crate) mod shm;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::reduce::Scale;
-use crate::topo::{Path, Placement, Presence};
+use crate::topo::{Placement, Presence};
+pub(crate) use list::Transports;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -42,16 +45,15 @@ pub(crate) struct Links {
     /// What keeps the transports' small-message state warm between operations (None where
     /// no transport has such state).
     pub warm: Option<Arc<dyn Warm>>,
-    /// The shared-memory world, which device-buffer registration builds on.
-    pub shm: Option<shm::ShmWorld>,
-    /// Keeps the network links' progress thread alive.
-    pub net: Option<net::NetWorld>,
+    /// The transports that made the links, for what a communicator asks of them besides
+    /// (registration, figures, one transport's own capability); they live as long as it.
+    pub transports: Transports,
 }
 
-/// Connects this rank to every peer with the first transport of [loopback, shm, net] that
-/// reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE), the network for the rest.
-/// Collective: every rank derives the same plan from the placements, so each transport's setup
-/// runs on all ranks or on none.
+/// Connects this rank to every peer with the first transport of the list (`list::kinds`:
+/// loopback, shm, net) that reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE),
+/// the network for the rest. Collective: every rank derives the same plan from the
+/// placements, so each transport's setup runs on all ranks or on none.
 pub(crate) fn establish(
     boot: &Bootstrap,
     placements: &[Placement],
@@ -72,90 +74,13 @@ pub(crate) fn establish_with(
     shm_on: bool,
     net: &net::NetChoice,
 ) -> Result<Links> {
-    let me = boot.rank();
-    let n = placements.len();
-    let local = |p: Path| matches!(p, Path::SameHost | Path::SameProcess);
-    let path = |a: usize, b: usize| placements[a].path_to(&placements[b], a == b);
-    let by_shm = |p: Path| shm_on && local(p);
-    let by_net = |p: Path| p == Path::Network || (local(p) && !shm_on);
-    let pairs = || (0..n).flat_map(move |a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)));
-    let any_shm = pairs().any(|(a, b)| by_shm(path(a, b)));
-    let any_net = pairs().any(|(a, b)| by_net(path(a, b)));
-    let paths: Vec<Path> = (0..n).map(|r| path(me, r)).collect();
-
-    let shm_paths: Vec<Path> = paths
-        .iter()
-        .map(|&p| {
-            if local(p) && !shm_on {
-                Path::Network
-            } else {
-                p
-            }
-        })
-        .collect();
-    let shm_world = if any_shm {
-        Some(shm::connect_as(
-            boot,
-            &shm_paths,
-            placements,
-            comm_tag,
-            reg::area_bytes(n),
-            deadline,
-            shm::demand_wanted(),
-        )?)
-    } else {
-        None
-    };
-    // Without shared-memory peers, a rank sleeps in epoll on its sockets (see `net::Waker`).
-    let direct = if shm_world.is_none() && any_net {
-        Some(Arc::new(net::Waker::direct()?))
-    } else {
-        None
-    };
-    let doorbell: Arc<dyn Doorbell> = match (&shm_world, &direct) {
-        (Some(w), _) => w.local.clone(),
-        (None, Some(d)) => d.clone(),
-        (None, None) => Arc::new(LocalDoorbell::default()),
-    };
-    let net_peers: Vec<usize> = (0..n).filter(|&r| by_net(paths[r])).collect();
-    let net_world = if any_net {
-        net::connect(
-            boot,
-            &net_peers,
-            doorbell.clone(),
-            direct,
-            comm_tag,
-            deadline,
-            net,
-        )?
-    } else {
-        None
-    };
-    let mut links: Vec<Arc<dyn Link>> = Vec::with_capacity(n);
-    for (r, &p) in paths.iter().enumerate() {
-        let link: Option<Arc<dyn Link>> = if p == Path::SelfRank {
-            Some(Arc::new(loopback::Loopback::default()))
-        } else if by_shm(p) {
-            shm_world.as_ref().and_then(|w| w.link(r))
-        } else {
-            net_world.as_ref().and_then(|w| w.links[r].clone())
-        };
-        match link {
-            Some(l) => links.push(l),
-            None => return crate::internal_err!("no transport reaches rank {r}"),
-        }
-    }
-    Ok(Links {
-        links,
-        doorbell,
-        presence: shm_world
-            .as_ref()
-            .map(|w| w.presence() as Arc<dyn Presence>),
-        huge_pages: shm_world.as_ref().is_some_and(|w| w.prefers_huge_pages()),
-        warm: shm_world.as_ref().map(|w| w.warm() as Arc<dyn Warm>),
-        shm: shm_world,
-        net: net_world,
-    })
+    list::connect(
+        &list::kinds(shm_on, net),
+        boot,
+        placements,
+        comm_tag,
+        deadline,
+    )
 }
 
 /// An outgoing message. `src` stays valid and unmodified until the send reports `Complete`.

@@ -26,6 +26,7 @@
 //!   in this rank.
 
 use super::shm::{Segment, ShmWorld};
+use super::Transports;
 use crate::cuda::share::{self, Imported, Shareable};
 use crate::cuda::{Device, Event, Stream};
 use crate::error::Result;
@@ -298,7 +299,19 @@ pub(crate) struct Plan {
     exports: Vec<(u64, u64, u64, u64, usize)>,
 }
 
+/// The shared-memory world whose segments hold the registry tables, among a communicator's
+/// transports.
+pub(crate) fn tables(transports: &Transports) -> Option<&ShmWorld> {
+    transports.find::<ShmWorld>()
+}
+
 impl Registry {
+    /// A communicator's registry, where its transports share memory with peers (the tables
+    /// live in the shared-memory segments); None otherwise.
+    pub(crate) fn over(transports: &Transports, me: usize, nranks: usize) -> Option<Registry> {
+        tables(transports).map(|_| Registry::new(me, nranks))
+    }
+
     pub(crate) fn new(me: usize, nranks: usize) -> Registry {
         Registry {
             me,
@@ -331,11 +344,14 @@ impl Registry {
     /// table is full (the buffer is still registered, but staged).
     pub(crate) fn export(
         &self,
-        shm: &ShmWorld,
+        transports: &Transports,
         device: &Arc<Device>,
         ptr: u64,
         len: usize,
     ) -> Result<Option<usize>> {
+        let Some(shm) = tables(transports) else {
+            return crate::internal_err!("a registry without shared-memory segments");
+        };
         if self.state.lock().exports.iter().all(|e| e.is_some()) {
             return Ok(self.publish(shm, ptr, len, None));
         }
@@ -407,7 +423,13 @@ impl Registry {
 
     /// Withdraws an export. Programs enqueued before keep reading it; the peers let go of
     /// their mappings once those are done.
-    pub(crate) fn unexport(&self, shm: &ShmWorld, index: usize) {
+    pub(crate) fn unexport(&self, transports: &Transports, index: usize) {
+        if let Some(shm) = tables(transports) {
+            self.retract(shm, index);
+        }
+    }
+
+    fn retract(&self, shm: &ShmWorld, index: usize) {
         let mut st = self.state.lock();
         if let Some(e) = st.exports[index].take() {
             // Dead first, then the descriptor closes (when `e` drops): a peer that duplicated
@@ -739,7 +761,7 @@ mod tests {
         assert_eq!(p0.peer_view(&w[0].0, 0, 2, buf, 4096), Some(buf));
         // Deregistered: no view any more, and rank 1 withdraws its acknowledgement and keeps
         // the old mapping until the programs that might use it are enqueued.
-        regs[0].unexport(&w[0].0, i);
+        regs[0].retract(&w[0].0, i);
         let p0 = plan(0, &[1], &[]);
         assert_eq!(p0.peer_view(&w[0].0, 0, 1, buf, 64), None);
         let p1 = plan(1, &[], &[0]);
@@ -771,7 +793,7 @@ mod tests {
             reg.publish(&w[0].0, 0x9000_0000, 64, Some(fake(0x9000_0000, 64))),
             None
         );
-        reg.unexport(&w[0].0, 5);
+        reg.retract(&w[0].0, 5);
         assert_eq!(
             reg.publish(&w[0].0, 0x9000_0000, 64, Some(fake(0x9000_0000, 64))),
             Some(5)

@@ -57,7 +57,9 @@ use crate::topo::Placement;
 use crate::transport::net::ib::onesided::{Exposed, OneSided};
 use crate::transport::net::ib::verbs::Remote;
 use crate::transport::net::ib::IbWorld;
+use crate::transport::net::NetWorld;
 use crate::transport::Link;
+use crate::transport::Transports;
 use ctl::Ctl;
 use parking_lot::Mutex;
 use remote::NetSide;
@@ -94,8 +96,16 @@ pub(crate) struct Members<'a> {
     pub spin: Duration,
     /// The communicator's GPU, when it has a device path (device-memory windows need it).
     pub device: Option<Arc<Device>>,
-    /// The InfiniBand side of the network transport, where it is InfiniBand.
-    pub ib: Option<&'a IbWorld>,
+    /// The communicator's transports, asked for the capabilities windows build on.
+    pub transports: &'a Transports,
+}
+
+impl<'a> Members<'a> {
+    /// The InfiniBand side of the network transport, where it is InfiniBand (windows reach
+    /// peers on other hosts with its one-sided operations).
+    pub(crate) fn ib(&self) -> Option<&'a IbWorld> {
+        self.transports.find::<NetWorld>()?.ib()
+    }
 }
 
 /// What keeps a peer's part mapped in this process.

@@ -131,13 +131,13 @@ fn other_hosts(
     stop: &Arc<AtomicBool>,
 ) -> Result<(Option<RdmaSide>, Option<NetSide>)> {
     let remote_peers = c.paths.contains(&Path::Network);
-    let can_rdma = remote_peers && c.ib.is_some();
+    let can_rdma = remote_peers && c.ib().is_some();
     let use_rdma = c
         .boot
         .allgather(&[u8::from(can_rdma)])?
         .iter()
         .all(|v| v.first() == Some(&1));
-    match c.ib.filter(|_| use_rdma) {
+    match c.ib().filter(|_| use_rdma) {
         Some(ib) => rdma_side(c, ib, own).map(|r| (Some(r), None)),
         None if remote_peers => net_side(c, own, stop).map(|n| (None, Some(n))),
         None => c.boot.allgather(&[]).map(|_| (None, None)),
@@ -636,7 +636,7 @@ pub(super) fn device_part(c: &Members, buff: usize) -> Result<Option<share::Expo
             dev.ordinal
         );
     }
-    if c.paths.contains(&Path::Network) && c.ib.is_none() {
+    if c.paths.contains(&Path::Network) && c.ib().is_none() {
         return crate::invalid_usage!("{}", ACROSS_HOSTS_NEEDS_IB);
     }
     share::export(dev, buff as u64).map(Some)

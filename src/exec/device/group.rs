@@ -7,8 +7,9 @@ use crate::cuda::{Event, Stream};
 use crate::error::Result;
 use crate::topo::{Path, Placement};
 use crate::transport::p2p::DeviceWorld;
-use crate::transport::reg::{Plan, Registry};
+use crate::transport::reg::{tables, Plan, Registry};
 use crate::transport::shm::ShmWorld;
+use crate::transport::Transports;
 
 /// The streams of a group's calls. The program runs on the first; the others join it before
 /// and wait for it after, as NCCL does with the streams of a group.
@@ -87,17 +88,19 @@ pub(crate) struct Described<'a> {
 }
 
 impl<'a> Described<'a> {
+    /// None where the transports share no memory with peers (no registry tables to read).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn agree(
         reg: &'a Registry,
-        shm: &'a ShmWorld,
+        transports: &'a Transports,
         world: &DeviceWorld,
         paths: &[Path],
         placements: &[Placement],
         ops: &[DeviceOp],
         rank: usize,
         nranks: usize,
-    ) -> Described<'a> {
+    ) -> Option<Described<'a>> {
+        let shm = tables(transports)?;
         let (sends_to, recvs_from) = peers_of(ops, nranks);
         let plan = reg.plan(
             shm,
@@ -107,7 +110,7 @@ impl<'a> Described<'a> {
             &sends_to,
             &recvs_from,
         );
-        Described { shm, rank, plan }
+        Some(Described { shm, rank, plan })
     }
 
     /// Where `peer` reads `len` bytes of this rank's memory at `addr` in place, if it can.

@@ -1574,7 +1574,7 @@ fn a_link_maps_its_peers_segment_at_first_use_and_no_other() {
     let w = on_demand(3);
     for (_, l) in &w {
         assert_eq!(
-            l.shm.as_ref().unwrap().mapped(),
+            l.transports.find::<super::ShmWorld>().unwrap().mapped(),
             0,
             "nothing mapped at init"
         );
@@ -1593,7 +1593,7 @@ fn a_link_maps_its_peers_segment_at_first_use_and_no_other() {
     );
     let mapped: Vec<usize> = w
         .iter()
-        .map(|(_, l)| l.shm.as_ref().unwrap().mapped())
+        .map(|(_, l)| l.transports.find::<super::ShmWorld>().unwrap().mapped())
         .collect();
     assert_eq!(mapped, [1, 1, 0]);
     assert_eq!(link(0, 1).describe(), "shm/direct");
@@ -1631,7 +1631,21 @@ fn a_peer_that_closed_an_unused_link_is_named_at_first_use() {
     assert!(!r.unwrap().state, "nothing arrives");
     let e = link(0, 2).check_peer().unwrap_err();
     assert!(e.msg.contains("rank 2 aborted"), "{}", e.msg);
-    assert_eq!(w[0].1.shm.as_ref().unwrap().mapped(), 2);
+    assert_eq!(
+        w[0].1
+            .transports
+            .find::<super::ShmWorld>()
+            .unwrap()
+            .mapped(),
+        2
+    );
     // An abort maps the peers to leave each a note of how it ended (a destroy would not).
-    assert_eq!(w[2].1.shm.as_ref().unwrap().mapped(), 2);
+    assert_eq!(
+        w[2].1
+            .transports
+            .find::<super::ShmWorld>()
+            .unwrap()
+            .mapped(),
+        2
+    );
 }
