@@ -57,7 +57,7 @@ if [ -n "$base" ]; then
   trap 'rm -rf "$base"' EXIT
   ln -s "$given/libcomm.so" "$base/libcomm.so"
   ln -s "$given/libcomm.so" "$base/libnccl.so.2"
-  LD_LIBRARY_PATH=$base ldd "$bin/all_reduce_perf" | grep -q "libnccl.so.2 => $base/" || {
+  LD_LIBRARY_PATH=$base ldd "$bin/all_reduce_perf" | grep "libnccl.so.2 => $base/" >/dev/null || {
     echo "COMPARE_BASELINE: $bin/all_reduce_perf does not load the library in $given" >&2
     exit 2
   }

@@ -76,7 +76,7 @@ for v in "${variants[@]}"; do
   for e in "${kv[@]}"; do
     [[ $e == LD_LIBRARY_PATH=* ]] || continue
     dir=${e#LD_LIBRARY_PATH=}
-    LD_LIBRARY_PATH=$dir ldd "$bin/all_reduce_perf" 2>/dev/null | grep -q "libnccl.so.2 => $dir/" || {
+    LD_LIBRARY_PATH=$dir ldd "$bin/all_reduce_perf" 2>/dev/null | grep "libnccl.so.2 => $dir/" >/dev/null || {
       echo "bench_hosts.sh: --env $v: $bin/all_reduce_perf does not load libnccl.so.2 from $dir (link the old libcomm.so there under that name)" >&2
       exit 2
     }
