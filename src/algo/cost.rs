@@ -36,14 +36,14 @@ impl Link {
     /// Shared memory inside a host: a hop is a few cache-line hand-overs between cores (slot,
     /// then flag) to a receiver that spins, and bytes move at one core's memcpy speed for
     /// large buffers.
-    pub const SHARED_MEMORY: Link = Link {
+    pub(crate) const SHARED_MEMORY: Link = Link {
         latency_us: 0.5,
         bytes_per_us: 8_000.0,
     };
 
     /// A network interface running at `bytes_per_us`: a hop is one way through two kernels'
     /// network stacks (half a round trip of tens of microseconds).
-    pub const fn tcp(bytes_per_us: f32) -> Link {
+    pub(crate) const fn tcp(bytes_per_us: f32) -> Link {
         Link {
             latency_us: 10.0,
             bytes_per_us,

@@ -645,6 +645,17 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
+    /// The header of a plain message of `len` bytes.
+    fn a_message_of(len: u64) -> Header {
+        Header {
+            magic: MAGIC_MSG,
+            flags: 0,
+            tag: 7,
+            len,
+            scale: [0; 8],
+        }
+    }
+
     /// A peer that sent a message and then went away: its end of stream waits behind the
     /// message, so `check_peer` still finds the peer alive, but the hang-up is already known
     /// to the kernel and `hung_up_reason` names it (an error about another rank then says
@@ -657,13 +668,7 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let link = SocketLink::new(1, vec![ours], Arc::new(Waker::direct().unwrap()));
         assert!(link.hung_up_reason().is_none(), "nothing happened yet");
-        let h = Header {
-            magic: MAGIC_MSG,
-            flags: 0,
-            tag: 7,
-            len: 64,
-            scale: [0; 8],
-        };
+        let h = a_message_of(64);
         std::io::Write::write_all(&mut theirs, &h.encode()).unwrap();
         std::io::Write::write_all(&mut theirs, &[5u8; 16]).unwrap();
         drop(theirs);
@@ -702,13 +707,7 @@ mod tests {
         let _route = b[1].route(Purpose::Note, Box::new(move |c, s| to.deliver(c, s)));
         let sender = SocketLink::new(1, vec![theirs], waker.clone()).with_notes(notes[0].clone());
         let receiver = SocketLink::new(0, vec![ours], waker).with_notes(notes[1].clone());
-        let h = Header {
-            magic: MAGIC_MSG,
-            flags: 0,
-            tag: 7,
-            len: 64,
-            scale: [0; 8],
-        };
+        let h = a_message_of(64);
         assert!(matches!(
             sender.write(0, &[&h.encode()]),
             Ok(Io::Moved(HEADER))
