@@ -133,6 +133,18 @@ pub(crate) struct Bootstrap {
     listener: Listener,
     rounds: Mutex<Rounds>,
     abort: Arc<AtomicBool>,
+    formed: Formed,
+}
+
+/// How long a rank's bootstrap took to form, for the init timings line (zero for a
+/// sub-communicator's, which has no root).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Formed {
+    /// From the start of init until the root answered this rank's check-in: the wait for
+    /// every rank of its block to arrive.
+    pub check_in: Duration,
+    /// The ceil(log2 N) rounds that make the connections and gather the listener addresses.
+    pub rounds: Duration,
 }
 
 /// The communicator's secret and tag, the same on every rank that holds the same ids.
@@ -264,6 +276,7 @@ impl Bootstrap {
             );
         };
         drop((session, announce));
+        let checked_in = started.elapsed();
 
         let ctx = |from: usize, to: usize| PeerCtx {
             tag,
@@ -310,7 +323,7 @@ impl Bootstrap {
             rounds.forming_round(k, seq, &mut known, w)?;
         }
         known.rotate_right(rank);
-        let boot = Bootstrap::built(
+        let mut boot = Bootstrap::built(
             rank,
             nranks,
             tag,
@@ -320,6 +333,10 @@ impl Bootstrap {
             rounds,
             abort.clone(),
         )?;
+        boot.formed = Formed {
+            check_in: checked_in,
+            rounds: started.elapsed().saturating_sub(checked_in),
+        };
         if rank == 0 {
             crate::info!(
                 "bootstrap: {nranks} ranks connected in {:.3} s (root {})",
@@ -377,6 +394,7 @@ impl Bootstrap {
             listener,
             rounds: Mutex::new(rounds),
             abort,
+            formed: Formed::default(),
         })
     }
 
@@ -503,6 +521,11 @@ impl Bootstrap {
     }
 
     /// The transports reuse it to authenticate their own connections.
+    /// How long this bootstrap took to form (zero for a sub-communicator's).
+    pub(crate) fn formed(&self) -> Formed {
+        self.formed
+    }
+
     pub(crate) fn secret(&self) -> &[u8; 32] {
         &self.secret
     }

@@ -202,21 +202,26 @@ impl Comm {
         if rank >= nranks {
             return crate::invalid_arg!("rank {rank} is out of range for {nranks} ranks");
         }
+        let started = Instant::now();
         let timeout = crate::bootstrap::init_timeout();
         let boot = Bootstrap::init(ids, rank, nranks, timeout)?;
         let tag = hash_tag(("comm", boot.secret(), nranks));
-        Comm::establish(boot, config, tag, device, timeout)
+        Comm::establish(boot, config, tag, device, timeout, started)
     }
 
     /// Everything after the bootstrap: where the peers are, and the transports to reach them.
+    /// `started`: when the communicator's setup began (its bootstrap included), for the
+    /// timings line.
     fn establish(
         boot: Bootstrap,
         config: Config,
         tag: u64,
         device: i32,
         timeout: Option<Duration>,
+        started: Instant,
     ) -> Result<Comm> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let bootstrapped = Instant::now();
+        let deadline = timeout.map(|t| bootstrapped + t);
         let rank = boot.rank();
         let nranks = boot.nranks();
         let _scope = crate::log::rank_scope(rank as i32);
@@ -243,6 +248,7 @@ impl Comm {
             })
             .collect::<Result<Vec<_>>>()?;
         check_agreement(&settings)?;
+        let exchanged = Instant::now();
         let paths: Vec<Path> = placements
             .iter()
             .enumerate()
@@ -271,6 +277,7 @@ impl Comm {
             shm: shm_world,
             net: net_world,
         } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
+        let transported = Instant::now();
         let (device_world, device_missing) = match crate::transport::p2p::DeviceWorld::connect(
             &boot,
             (device >= 0 && crate::cuda::device_count() > 0).then_some(device),
@@ -280,6 +287,7 @@ impl Comm {
             Ok(w) => (Some(w), None),
             Err(why) => (None, Some(why)),
         };
+        let devices_done = Instant::now();
         let registry =
             (shm_world.is_some() && device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
                 .then(|| crate::transport::reg::Registry::new(rank, nranks));
@@ -326,6 +334,21 @@ impl Comm {
                 .as_deref()
                 .map(|n| format!(", \"{n}\""))
                 .unwrap_or_default()
+        );
+        // One line per rank at INFO (INIT), as NCCL's "Init timings": where the setup's time
+        // went, to find what grows faster than the rank count.
+        let formed = boot.formed();
+        let s = |d: Duration| format!("{:.3}", d.as_secs_f64());
+        crate::info!(
+            "init timings: rank {rank}/{nranks} total {} s: bootstrap {} (check-in {}, rounds {}), placements allgather {}, transports {}, device world {}, rest {}",
+            s(started.elapsed()),
+            s(bootstrapped - started),
+            s(formed.check_in),
+            s(formed.rounds),
+            s(exchanged - bootstrapped),
+            s(transported - exchanged),
+            s(devices_done - transported),
+            s(devices_done.elapsed())
         );
         Ok(Comm {
             rank,
@@ -588,10 +611,11 @@ impl Comm {
     /// A communicator of `members` (ranks of this one, in their new order) under `tag`; the
     /// config is this communicator's unless one is given.
     fn child(&self, members: &[usize], tag: u64, config: Option<Config>) -> Result<Comm> {
+        let started = Instant::now();
         let timeout = crate::bootstrap::init_timeout();
         let boot = self.boot.sub(members, tag, timeout)?;
         let config = config.unwrap_or_else(|| self.config.clone());
-        Comm::establish(boot, config, tag, self.cuda_device, timeout)
+        Comm::establish(boot, config, tag, self.cuda_device, timeout, started)
     }
 
     /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the
