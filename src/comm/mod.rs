@@ -227,27 +227,44 @@ impl Comm {
         let _scope = crate::log::rank_scope(rank as i32);
         crate::log::version_once();
         let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
+        let net_offer = crate::transport::net::Offer::probe(&net);
+        // One allgather for the setup of the host transports: each rank's placement, its AGREED
+        // settings and what its network transport offers. Each round of an allgather waits for
+        // the slowest rank, so the transports take their parts of this one instead of each
+        // running its own.
         let me = topo::this_process();
         let mut mine = Vec::new();
         me.encode(&mut mine);
+        let mut settings = Vec::new();
         for v in agreed_settings() {
-            crate::wire::put_blob(&mut mine, v.as_bytes());
+            crate::wire::put_blob(&mut settings, v.as_bytes());
         }
-        let mut settings = Vec::with_capacity(nranks);
-        let placements = boot
-            .allgather(&mine)?
-            .iter()
-            .map(|b| {
-                let mut r = Reader::new(b);
-                let p = Placement::decode(&mut r)?;
-                let s = (0..AGREED.len())
-                    .map(|_| r.string())
-                    .collect::<Result<Vec<_>>>()?;
-                settings.push(s);
-                Ok(p)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        check_agreement(&settings)?;
+        crate::wire::put_blob(&mut mine, &settings);
+        net_offer.hello.encode(&mut mine);
+        let gathered = boot.allgather(&mine)?;
+        let mut placements = Vec::with_capacity(nranks);
+        let mut net_hellos = Vec::with_capacity(nranks);
+        let mut all_settings = Vec::with_capacity(nranks);
+        for b in &gathered {
+            let mut r = Reader::new(b);
+            placements.push(Placement::decode(&mut r)?);
+            let len = r.u32()? as usize;
+            all_settings.push(r.bytes(len)?);
+            net_hellos.push(crate::transport::net::Hello::decode(&mut r)?);
+        }
+        // The settings are read one by one only where some rank's differ, to name them.
+        if all_settings.iter().any(|s| *s != settings.as_slice()) {
+            let settings = all_settings
+                .iter()
+                .map(|b| {
+                    let mut r = Reader::new(b);
+                    (0..AGREED.len())
+                        .map(|_| r.string())
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            check_agreement(&settings)?;
+        }
         let exchanged = Instant::now();
         let paths: Vec<Path> = placements
             .iter()
@@ -276,7 +293,7 @@ impl Comm {
             warm,
             shm: shm_world,
             net: net_world,
-        } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
+        } = crate::transport::establish(&boot, &placements, net_offer, &net_hellos, tag, deadline)?;
         let transported = Instant::now();
         let (device_world, device_missing) = match crate::transport::p2p::DeviceWorld::connect(
             &boot,

@@ -51,19 +51,25 @@ pub(crate) struct Links {
 /// Connects this rank to every peer with the first transport of [loopback, shm, net] that
 /// reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE), the network for the rest.
 /// Collective: every rank derives the same plan from the placements, so each transport's setup
-/// runs on all ranks or on none.
+/// runs on all ranks or on none. `net_hellos`: every rank's network `Hello`, gathered with the
+/// placements; `offer`: this rank's.
 pub(crate) fn establish(
     boot: &Bootstrap,
     placements: &[Placement],
+    offer: net::Offer,
+    net_hellos: &[net::Hello],
     comm_tag: u64,
     deadline: Option<Instant>,
-    net: &net::NetChoice,
 ) -> Result<Links> {
     let shm_on = !crate::env::SHM_DISABLE.flag();
-    establish_with(boot, placements, comm_tag, deadline, shm_on, net)
+    establish_from(
+        boot, placements, offer, net_hellos, comm_tag, deadline, shm_on,
+    )
 }
 
-/// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says.
+/// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says,
+/// the network's hellos gathered in an allgather of their own (the transport tests' way in).
+#[cfg(test)]
 pub(crate) fn establish_with(
     boot: &Bootstrap,
     placements: &[Placement],
@@ -72,15 +78,36 @@ pub(crate) fn establish_with(
     shm_on: bool,
     net: &net::NetChoice,
 ) -> Result<Links> {
+    let offer = net::Offer::probe(net);
+    let hellos = offer.exchange(boot)?;
+    establish_from(boot, placements, offer, &hellos, comm_tag, deadline, shm_on)
+}
+
+fn establish_from(
+    boot: &Bootstrap,
+    placements: &[Placement],
+    offer: net::Offer,
+    net_hellos: &[net::Hello],
+    comm_tag: u64,
+    deadline: Option<Instant>,
+    shm_on: bool,
+) -> Result<Links> {
     let me = boot.rank();
     let n = placements.len();
     let local = |p: Path| matches!(p, Path::SameHost | Path::SameProcess);
     let path = |a: usize, b: usize| placements[a].path_to(&placements[b], a == b);
     let by_shm = |p: Path| shm_on && local(p);
     let by_net = |p: Path| p == Path::Network || (local(p) && !shm_on);
-    let pairs = || (0..n).flat_map(move |a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)));
-    let any_shm = pairs().any(|(a, b)| by_shm(path(a, b)));
-    let any_net = pairs().any(|(a, b)| by_net(path(a, b)));
+    // Whether any pair shares a host or any two hosts differ, from the host count: every
+    // rank derives the same, without looking at all N^2 pairs.
+    let hosts = placements
+        .iter()
+        .map(|p| p.host_hash)
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    let shared_host = hosts < n;
+    let any_shm = shm_on && shared_host;
+    let any_net = hosts > 1 || (!shm_on && shared_host);
     let paths: Vec<Path> = (0..n).map(|r| path(me, r)).collect();
 
     let shm_paths: Vec<Path> = paths
@@ -122,11 +149,12 @@ pub(crate) fn establish_with(
         net::connect(
             boot,
             &net_peers,
+            offer,
+            net_hellos,
             doorbell.clone(),
             direct,
             comm_tag,
             deadline,
-            net,
         )?
     } else {
         None
