@@ -182,6 +182,34 @@ fn check_agreement(settings: &[Vec<String>]) -> Result<()> {
     Ok(())
 }
 
+/// What a rank tells the others of itself at setup, one record: its placement (host and
+/// process), its `AGREED` settings and its network transport's `Hello`; with this rank's
+/// network offer (the device it found) and its settings alone, to compare.
+struct Card {
+    bytes: Vec<u8>,
+    settings: Vec<u8>,
+    net_offer: crate::transport::net::Offer,
+}
+
+impl Card {
+    fn new(net: &crate::transport::net::NetChoice) -> Card {
+        let net_offer = crate::transport::net::Offer::probe(net);
+        let mut bytes = Vec::new();
+        topo::this_process().encode(&mut bytes);
+        let mut settings = Vec::new();
+        for v in agreed_settings() {
+            crate::wire::put_blob(&mut settings, v.as_bytes());
+        }
+        crate::wire::put_blob(&mut bytes, &settings);
+        net_offer.hello.encode(&mut bytes);
+        Card {
+            bytes,
+            settings,
+            net_offer,
+        }
+    }
+}
+
 /// How long waits may last, from COMM_TIMEOUT (seconds; unset or 0 = no limit).
 fn op_timeout() -> Option<Duration> {
     crate::env::TIMEOUT.seconds()
@@ -204,14 +232,40 @@ impl Comm {
         }
         let started = Instant::now();
         let timeout = crate::bootstrap::init_timeout();
-        let boot = Bootstrap::init(ids, rank, nranks, timeout)?;
+        // This rank's card rides on the bootstrap's rounds, which gather every rank's without
+        // an allgather of their own. A network name that is none of ours still fails after
+        // the bootstrap, as before: the others learn it from the card this rank leaves empty.
+        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref());
+        let card = net.as_ref().ok().map(Card::new);
+        let (boot, cards) = Bootstrap::init_with(
+            ids,
+            rank,
+            nranks,
+            timeout,
+            card.as_ref().map_or(&[][..], |c| &c.bytes),
+        )?;
+        net?;
+        let Some(card) = card else {
+            return crate::internal_err!("no setup record although the network name resolved");
+        };
         let tag = hash_tag(("comm", boot.secret(), nranks));
-        Comm::establish(boot, config, tag, device, timeout, started)
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            device,
+            timeout,
+            started,
+            card,
+            Some(cards),
+        )
     }
 
     /// Everything after the bootstrap: where the peers are, and the transports to reach them.
     /// `started`: when the communicator's setup began (its bootstrap included), for the
-    /// timings line.
+    /// timings line. `gathered`: every rank's card, where the bootstrap brought them; else
+    /// they are gathered here.
+    #[allow(clippy::too_many_arguments)]
     fn establish(
         boot: Bootstrap,
         config: Config,
@@ -219,6 +273,8 @@ impl Comm {
         device: i32,
         timeout: Option<Duration>,
         started: Instant,
+        card: Card,
+        gathered: Option<Vec<Vec<u8>>>,
     ) -> Result<Comm> {
         let bootstrapped = Instant::now();
         let deadline = timeout.map(|t| bootstrapped + t);
@@ -226,32 +282,34 @@ impl Comm {
         let nranks = boot.nranks();
         let _scope = crate::log::rank_scope(rank as i32);
         crate::log::version_once();
-        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
-        let net_offer = crate::transport::net::Offer::probe(&net);
-        // One allgather for the setup of the host transports: each rank's placement, its AGREED
-        // settings and what its network transport offers. Each round of an allgather waits for
-        // the slowest rank, so the transports take their parts of this one instead of each
-        // running its own.
-        let me = topo::this_process();
-        let mut mine = Vec::new();
-        me.encode(&mut mine);
-        let mut settings = Vec::new();
-        for v in agreed_settings() {
-            crate::wire::put_blob(&mut settings, v.as_bytes());
-        }
-        crate::wire::put_blob(&mut mine, &settings);
-        net_offer.hello.encode(&mut mine);
-        let gathered = boot.allgather(&mine)?;
+        // Every rank's card: brought by the bootstrap's rounds at init, gathered here for a
+        // communicator made from another. Each round of an allgather waits for the slowest
+        // rank, so the transports take their parts of the cards instead of each running one.
+        let Card {
+            bytes: mine,
+            settings,
+            net_offer,
+        } = card;
+        let gathered = match gathered {
+            Some(g) => g,
+            None => boot.allgather(&mine)?,
+        };
         let mut placements = Vec::with_capacity(nranks);
         let mut net_hellos = Vec::with_capacity(nranks);
         let mut all_settings = Vec::with_capacity(nranks);
-        for b in &gathered {
-            let mut r = Reader::new(b);
-            placements.push(Placement::decode(&mut r)?);
-            let len = r.u32()? as usize;
-            all_settings.push(r.bytes(len)?);
-            net_hellos.push(crate::transport::net::Hello::decode(&mut r)?);
+        for (r, b) in gathered.iter().enumerate() {
+            if b.is_empty() {
+                return crate::invalid_usage!(
+                    "rank {r} could not describe itself for setup (its own error says why)"
+                );
+            }
+            let mut rd = Reader::new(b);
+            placements.push(Placement::decode(&mut rd)?);
+            let len = rd.u32()? as usize;
+            all_settings.push(rd.bytes(len)?);
+            net_hellos.push(crate::transport::net::Hello::decode(&mut rd)?);
         }
+        let me = placements[rank].clone();
         // The settings are read one by one only where some rank's differ, to name them.
         if all_settings.iter().any(|s| *s != settings.as_slice()) {
             let settings = all_settings
@@ -357,7 +415,7 @@ impl Comm {
         let formed = boot.formed();
         let s = |d: Duration| format!("{:.3}", d.as_secs_f64());
         crate::info!(
-            "init timings: rank {rank}/{nranks} total {} s: bootstrap {} (check-in {}, rounds {}), placements allgather {}, transports {}, device world {}, rest {}",
+            "init timings: rank {rank}/{nranks} total {} s: bootstrap {} (check-in {}, rounds {}), cards {}, transports {}, device world {}, rest {}",
             s(started.elapsed()),
             s(bootstrapped - started),
             s(formed.check_in),
@@ -632,7 +690,18 @@ impl Comm {
         let timeout = crate::bootstrap::init_timeout();
         let boot = self.boot.sub(members, tag, timeout)?;
         let config = config.unwrap_or_else(|| self.config.clone());
-        Comm::establish(boot, config, tag, self.cuda_device, timeout, started)
+        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
+        let card = Card::new(&net);
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            self.cuda_device,
+            timeout,
+            started,
+            card,
+            None,
+        )
     }
 
     /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the

@@ -2,8 +2,8 @@
 //! service and proves it knows the communicator's secret.
 //!
 //! Setup is collective: every rank publishes whether it has a usable InfiniBand device, how many
-//! sockets it wants per peer and whether it connects on demand (its `Hello`, carried by the
-//! allgather of placements at init, `Comm::establish`); then the lower rank of each pair that
+//! sockets it wants per peer and whether it connects on demand (its `Hello`, carried with its
+//! placement in its card, `comm::Card`); then the lower rank of each pair that
 //! talks over the network opens that many connections (the smaller of the two ranks' counts) to the higher
 //! one: at the link's first use (`on_demand`, NCCL_RUNTIME_CONNECT=1, the default, when every
 //! rank asks for it) or at once for every pair (NCCL_RUNTIME_CONNECT=0). The connections go
@@ -333,7 +333,7 @@ impl Drop for NetWorld {
 
 /// What a rank's network transport tells the others at init: whether it can use InfiniBand,
 /// its sockets per peer and whether it connects at first use. It travels with the rank's
-/// placement in the allgather of placements at init (`Comm::establish`), so that the
+/// placement in its card (`comm::Card`, brought by the bootstrap's rounds), so that the
 /// transport needs no round of its own; every rank then derives the same choices from all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Hello {
@@ -368,8 +368,8 @@ pub(crate) struct Offer {
 }
 
 impl Offer {
-    /// Looks for an InfiniBand device unless sockets were asked for. Done before the setup's
-    /// allgather, whose answer is still to say whether this rank has network peers at all,
+    /// Looks for an InfiniBand device unless sockets were asked for. Done before the cards
+    /// are exchanged, which are still to say whether this rank has network peers at all,
     /// so a communicator within one host looks too (as NCCL initialises its network for
     /// every communicator); the device is dropped unused there.
     pub(crate) fn probe(choice: &NetChoice) -> Offer {
@@ -395,7 +395,7 @@ impl Offer {
         }
     }
 
-    /// Every rank's `Hello` in an allgather of its own, for callers without the setup's one
+    /// Every rank's `Hello` in an allgather of its own, for callers without the cards
     /// (transport tests).
     #[cfg(test)]
     pub(crate) fn exchange(&self, boot: &Bootstrap) -> Result<Vec<Hello>> {
