@@ -1,6 +1,6 @@
 /* scale: how init, split and the first collectives grow with the number of ranks.
  *
- *   scale -n N [-r ROOTS] [-H hosts] [-c] [-S] [-p] [-b BASE:COUNT]
+ *   scale -n N [-r ROOTS] [-H hosts] [-c] [-S] [-p] [-I] [-b BASE:COUNT]
  *
  * Starts N ranks as processes (fork), each its own simulated host (COMM_HOSTID=scale-<rank>)
  * unless -H says how many hosts the ranks share (-H 1: all on one host, shared memory; rank r
@@ -12,10 +12,13 @@
  * Each rank prints one line: times of init, of a split in two (color = rank % 2), of the first
  * and the tenth 8-byte all-reduce, then its peak descriptors (/proc/self/fd), threads and peak
  * RSS (VmHWM, KiB), its sockets and the shared-memory segments it maps, all sampled after the
- * tenth all-reduce. With -c every collective runs once with small counts and its result is
+ * tenth all-reduce, then the CPU time its process spent in init (every thread) and when init
+ * began and ended (CLOCK_MONOTONIC, ms: the job's init runs from the first start to the last
+ * end, forks of late ranks included). With -c every collective runs once with small counts and its result is
  * checked ("check ok" or "check FAILED" in the line). -S skips the split (a job of one
  * communicator and all-reduces only); -p replaces the all-reduces with a send/recv between
- * ranks 2k and 2k+1 (N even; no split), a job in which each rank talks to one peer. The line
+ * ranks 2k and 2k+1 (N even; no split), a job in which each rank talks to one peer; -I runs
+ * init and destroy only (no split, no collective: a profile of init alone). The line
  * also carries the rank's pid, which the library's log lines name. scripts/scale_bench.sh
  * aggregates the lines.
  *
@@ -54,6 +57,13 @@ struct shared {
 static double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* CPU time of this process (every thread: the library's service and progress threads too). */
+static double cpu_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
@@ -199,7 +209,7 @@ static long pair_exchange(ncclComm_t comm, int rank, double *x, double *y) {
 }
 
 static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, int check,
-                    int split, int pairs, int external) {
+                    int split, int pairs, int external, int init_only) {
   char host[64];
   ncclUniqueId own;
   ncclUniqueId *ids = sh->ids;
@@ -225,20 +235,21 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
     while (!__atomic_load_n(&sh->ready[b], __ATOMIC_ACQUIRE)) usleep(1000);
 
   ncclComm_t comm;
-  double t0 = now_ms();
+  double c0 = cpu_ms();
+  double t0 = now_ms(), init_start = t0;
   if (nroots == 1) {
     CHECK("ncclCommInitRank", ncclCommInitRank(&comm, n, ids[0], rank));
   } else {
     CHECK("ncclCommInitRankScalable",
           ncclCommInitRankScalable(&comm, n, rank, nroots, ids, NULL));
   }
-  double t_init = now_ms() - t0;
+  double init_end = now_ms(), t_init = init_end - t0, c_init = cpu_ms() - c0;
 
   double x = rank, y = 0;
   double want = (double)n * (n - 1) / 2;
   long bad = 0;
   double t_first = 0, t_tenth = 0;
-  for (int i = 1; i <= 10; i++) {
+  for (int i = 1; i <= 10 && !init_only; i++) {
     t0 = now_ms();
     if (pairs) {
       bad += pair_exchange(comm, rank, &x, &y);
@@ -278,16 +289,18 @@ static int run_rank(struct shared *sh, int rank, int n, int nroots, int hosts, i
   double t_destroy = now_ms() - t0;
 
   printf("scale rank=%d n=%d roots=%d init_ms=%.3f split_ms=%.3f first_ms=%.3f tenth_ms=%.3f "
-         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d segs=%d pid=%d check=%s\n",
+         "destroy_ms=%.3f fds=%d threads=%ld rss_kib=%ld sockets=%d segs=%d pid=%d "
+         "init_cpu_ms=%.3f init_start=%.3f init_end=%.3f check=%s\n",
          rank, n, nroots, t_init, t_split, t_first, t_tenth, t_destroy, fds, threads, hwm,
-         sockets, segs, (int)getpid(), bad ? "FAILED" : "ok");
+         sockets, segs, (int)getpid(), c_init, init_start, init_end, bad ? "FAILED" : "ok");
   fflush(stdout);
   return bad ? 3 : 0;
 }
 
 int main(int argc, char **argv) {
-  int n = 2, nroots = 1, hosts = 0, check = 0, split = 1, pairs = 0, base = 0, count = -1, opt;
-  while ((opt = getopt(argc, argv, "n:r:H:cSpb:")) != -1) {
+  int n = 2, nroots = 1, hosts = 0, check = 0, split = 1, pairs = 0, init_only = 0, base = 0;
+  int count = -1, opt;
+  while ((opt = getopt(argc, argv, "n:r:H:cSpIb:")) != -1) {
     switch (opt) {
       case 'n': n = atoi(optarg); break;
       case 'r': nroots = atoi(optarg); break;
@@ -295,11 +308,12 @@ int main(int argc, char **argv) {
       case 'c': check = 1; break;
       case 'S': split = 0; break;
       case 'p': pairs = 1; split = 0; break;
+      case 'I': init_only = 1; split = 0; break;
       case 'b':
         if (sscanf(optarg, "%d:%d", &base, &count) != 2) count = -2;
         break;
       default:
-        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c] [-S] [-p] [-b BASE:COUNT]\n",
+        fprintf(stderr, "usage: %s -n N [-r ROOTS] [-H HOSTS] [-c] [-S] [-p] [-I] [-b BASE:COUNT]\n",
                 argv[0]);
         return 64;
     }
@@ -308,6 +322,10 @@ int main(int argc, char **argv) {
   if (!external) count = n;
   if (n < 1 || nroots < 1 || nroots > MAX_ROOTS || nroots > n || hosts < 0 || hosts > n) {
     fprintf(stderr, "scale: need 1 <= ROOTS <= min(N, %d) and 0 <= HOSTS <= N\n", MAX_ROOTS);
+    return 64;
+  }
+  if (init_only && (pairs || check)) {
+    fprintf(stderr, "scale: -I runs no collective: no -p or -c\n");
     return 64;
   }
   if (pairs && (n % 2 || check)) {
@@ -339,7 +357,7 @@ int main(int argc, char **argv) {
     if (p == 0) {
       /* A child whose parent died goes too. */
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      _exit(run_rank(sh, r, n, nroots, hosts, check, split, pairs, external));
+      _exit(run_rank(sh, r, n, nroots, hosts, check, split, pairs, external, init_only));
     }
     pids[r] = p;
   }

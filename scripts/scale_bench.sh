@@ -10,9 +10,10 @@
 # (at most N). -c checks every collective once (small counts). Each run is under `timeout`
 # (-t, default 600 s); a run that fails leaves no child behind (the driver kills its ranks, and
 # they die with it). -a passes more arguments to bench/scale.c (-S: no split, an all-reduce-only
-# job). The ranks inherit the environment (NCCL_RUNTIME_CONNECT, COMM_ALGO, ...). Prints one
+# job; -I: init and destroy only). The ranks inherit the environment (NCCL_RUNTIME_CONNECT, COMM_ALGO, ...). Prints one
 # markdown row per (mode, N, repetition): median and max over the ranks; the raw lines go to
-# $SCALE_OUT (default target/scale) for later study.
+# $SCALE_OUT (default target/scale) for later study. With COMM_DEBUG=INFO COMM_DEBUG_SUBSYS=INIT
+# each rank logs where its init's time went: `python3 scripts/scale_phases.py $SCALE_OUT/*.err`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 sizes="2 8 32 64 128"
@@ -31,7 +32,7 @@ while getopts "n:m:r:R:ct:a:" o; do
     c) check=-c ;;
     t) limit=$OPTARG ;;
     a) extra=$OPTARG ;;
-    *) sed -n '2,15p' "$0" >&2; exit 64 ;;
+    *) sed -n '2,17p' "$0" >&2; exit 64 ;;
   esac
 done
 
@@ -57,8 +58,8 @@ if [ -n "${hi:-}" ] && [ $((hi - lo)) -lt $((max * 4)) ]; then
   echo "warning: ephemeral ports $lo-$hi may be short for $max ranks" >&2
 fi
 
-echo "| mode | N | roots | init ms med/max | split ms med/max | 1st all-reduce ms med/max | 10th ms med/max | fds/rank med/max | threads/rank max | RSS MiB/rank max | connections | check |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| mode | N | roots | init ms med/max | split ms med/max | 1st all-reduce ms med/max | 10th ms med/max | fds/rank med/max | threads/rank max | RSS MiB/rank max | connections | init CPU ms/rank med/max | job: init span ms, init CPU s | check |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for mode in $modes; do
   case $mode in
     hosts) hflag="" ;;

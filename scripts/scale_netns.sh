@@ -45,8 +45,8 @@ trap cleanup EXIT INT TERM
 "$netns" up "$prefix" "$hosts"
 root_addr=$("$netns" addr "$prefix" 0)
 
-echo "| mode | N | roots | init ms med/max | split ms med/max | 1st all-reduce ms med/max | 10th ms med/max | fds/rank med/max | threads/rank max | RSS MiB/rank max | connections | check |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| mode | N | roots | init ms med/max | split ms med/max | 1st all-reduce ms med/max | 10th ms med/max | fds/rank med/max | threads/rank max | RSS MiB/rank max | connections | init CPU ms/rank med/max | job: init span ms, init CPU s | check |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 mode=netns:$hosts
 for n in $sizes; do
   [ "$n" -ge "$hosts" ] || { echo "skipping N=$n: fewer ranks than hosts" >&2; continue; }

@@ -23,5 +23,15 @@ else:
 conns = int(sum(col("sockets")) / 2) if rows else "-"
 thr = int(max(col("threads"))) if rows else "-"
 rss = "{:.1f}".format(max(col("rss_kib")) / 1024) if rows else "-"
+# The job's init: from the first rank's start to the last rank's end (the late ranks' forks
+# included), and the CPU time of every rank's init together (less disturbed by other work on
+# the machine than the times).
+if rows and "init_start" in rows[0]:
+    job = "{:.0f}, {:.2f}".format(max(col("init_end")) - min(col("init_start")),
+                                  sum(col("init_cpu_ms")) / 1e3)
+    cpu = mm("init_cpu_ms")
+else:
+    job = cpu = "-"
 print(f"| {mode} | {n} | {roots} | {mm('init_ms')} | {mm('split_ms')} | {mm('first_ms')} | "
-      f"{mm('tenth_ms', '{:.2f}')} | {mm('fds', '{:.0f}')} | {thr} | {rss} | {conns} | {status} |")
+      f"{mm('tenth_ms', '{:.2f}')} | {mm('fds', '{:.0f}')} | {thr} | {rss} | {conns} | "
+      f"{cpu} | {job} | {status} |")

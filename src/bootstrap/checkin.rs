@@ -13,7 +13,7 @@ use super::UniqueId;
 use crate::error::{Error, ErrorKind, Result};
 
 /// What a rank tells its root.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CheckIn {
     pub rank: u32,
     pub nranks: u32,
@@ -21,6 +21,9 @@ pub(crate) struct CheckIn {
     pub root_index: u32,
     pub tag: u64,
     pub listen: SocketAddr,
+    /// The rank's record for the others (opaque here; empty if none), which travels with its
+    /// address: to its predecessor through the root, then through the rounds to everyone.
+    pub card: Vec<u8>,
 }
 
 impl CheckIn {
@@ -31,7 +34,8 @@ impl CheckIn {
             .u32(self.nroots)
             .u32(self.root_index)
             .u64(self.tag)
-            .addr(&self.listen);
+            .addr(&self.listen)
+            .blob(&self.card);
         e.0
     }
 
@@ -44,6 +48,7 @@ impl CheckIn {
             root_index: d.u32()?,
             tag: d.u64()?,
             listen: d.addr()?,
+            card: d.blob()?,
         };
         d.finish()?;
         Ok(c)
@@ -58,11 +63,14 @@ impl CheckIn {
 /// the previous root's answer to its announcement (see [`announced_prev`]), which it waits for anyway;
 /// so every rank gets both without an extra round trip.
 ///
-/// Wire format: next address, then a presence byte (0 or 1) and, when 1, the prev address.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Wire format: next address, then a presence byte (0 or 1) and, when 1, the prev address, then
+/// the successor's card.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Ready {
     pub next: SocketAddr,
     pub prev: Option<SocketAddr>,
+    /// The successor's card (see `CheckIn::card`).
+    pub next_card: Vec<u8>,
 }
 
 impl Ready {
@@ -73,6 +81,7 @@ impl Ready {
             Some(p) => e.u8(1).addr(p),
             None => e.u8(0),
         };
+        e.blob(&self.next_card);
         e.0
     }
 
@@ -88,8 +97,13 @@ impl Ready {
                 )
             }
         };
+        let next_card = d.blob()?;
         d.finish()?;
-        Ok(Ready { next, prev })
+        Ok(Ready {
+            next,
+            prev,
+            next_card,
+        })
     }
 }
 

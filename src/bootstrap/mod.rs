@@ -10,7 +10,10 @@
 //! them as they go: before round k a rank knows the addresses of ranks r .. r + 2^k, the one it
 //! connects to in that round included, and the round doubles that (see [`rounds`], which also
 //! runs the later allgathers, barriers and broadcasts on the same connections in as many
-//! rounds). No step of init waits on an O(N) chain of ranks. While a rank waits for its round's
+//! rounds). A rank may give a card of its own to `init_with`: it travels with the rank's address
+//! (to the root at check-in, from the root to the predecessor, then through the rounds), so
+//! every rank ends with every card and the communicator needs no allgather of them. No step
+//! of init waits on an O(N) chain of ranks. While a rank waits for its round's
 //! connection it watches the connections it already has, and in the first round it probes its
 //! predecessor's listener, so a dead or failed peer ends the wait at once. Every connection, to
 //! the root or between ranks, opens with the HMAC challenge/response of [`auth`], bound to what
@@ -133,6 +136,18 @@ pub(crate) struct Bootstrap {
     listener: Listener,
     rounds: Mutex<Rounds>,
     abort: Arc<AtomicBool>,
+    formed: Formed,
+}
+
+/// How long a rank's bootstrap took to form, for the init timings line (zero for a
+/// sub-communicator's, which has no root).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Formed {
+    /// From the start of init until the root answered this rank's check-in: the wait for
+    /// every rank of its block to arrive.
+    pub check_in: Duration,
+    /// The ceil(log2 N) rounds that make the connections and gather the listener addresses.
+    pub rounds: Duration,
 }
 
 /// The communicator's secret and tag, the same on every rank that holds the same ids.
@@ -165,12 +180,27 @@ impl Bootstrap {
     /// With several ids (ncclCommInitRankScalable) rank r checks in with root r * ids.len() / nranks.
     /// Fails after `timeout` with ErrorKind::Timeout naming the ranks that never arrived, or Remote
     /// when the root or a peer vanished.
+    #[cfg(test)]
     pub(crate) fn init(
         ids: &[UniqueId],
         rank: usize,
         nranks: usize,
         timeout: Option<Duration>,
     ) -> Result<Bootstrap> {
+        Bootstrap::init_with(ids, rank, nranks, timeout, &[]).map(|(b, _)| b)
+    }
+
+    /// `init`, gathering every rank's `card` (a record of its own for the others) on the way:
+    /// each card travels with its rank's listener address, to the predecessor through the root
+    /// and then through the rounds, so it costs no allgather of its own. Returns the cards in
+    /// rank order.
+    pub(crate) fn init_with(
+        ids: &[UniqueId],
+        rank: usize,
+        nranks: usize,
+        timeout: Option<Duration>,
+        card: &[u8],
+    ) -> Result<(Bootstrap, Vec<Vec<u8>>)> {
         if ids.is_empty() {
             return crate::invalid_arg!("no unique id given");
         }
@@ -225,6 +255,7 @@ impl Bootstrap {
             root_index: my_root as u32,
             tag,
             listen: listener.addr(),
+            card: card.to_vec(),
         };
         let session = RootSession::open(id, root::CHECK_IN, &me, w)?;
         crate::fault::point("init:checked-in");
@@ -234,7 +265,7 @@ impl Bootstrap {
             let prev_root = root::root_of((rank + nranks - 1) % nranks, nranks, nroots);
             let announcement = CheckIn {
                 root_index: prev_root as u32,
-                ..me
+                ..me.clone()
             };
             Some(RootSession::open(
                 &ids[prev_root],
@@ -264,6 +295,7 @@ impl Bootstrap {
             );
         };
         drop((session, announce));
+        let checked_in = started.elapsed();
 
         let ctx = |from: usize, to: usize| PeerCtx {
             tag,
@@ -277,9 +309,10 @@ impl Bootstrap {
         // round k a rank knows the addresses of ranks r .. r + 2^k, the one it connects to
         // in that round included (the root named the successor, r + 1).
         let seq = rounds.begin_forming();
+        // Each entry: a listener address, then that rank's card.
         let mut known = vec![
-            net::encode_addr(&listener.addr()).to_vec(),
-            net::encode_addr(&next_addr).to_vec(),
+            [&net::encode_addr(&listener.addr())[..], card].concat(),
+            [&net::encode_addr(&next_addr)[..], &ready.next_card].concat(),
         ];
         known.truncate(nranks);
         for k in 0..rounds_for(nranks) {
@@ -310,7 +343,11 @@ impl Bootstrap {
             rounds.forming_round(k, seq, &mut known, w)?;
         }
         known.rotate_right(rank);
-        let boot = Bootstrap::built(
+        let cards = known
+            .iter()
+            .map(|e| e.get(net::ADDR_BYTES..).unwrap_or_default().to_vec())
+            .collect();
+        let mut boot = Bootstrap::built(
             rank,
             nranks,
             tag,
@@ -320,6 +357,10 @@ impl Bootstrap {
             rounds,
             abort.clone(),
         )?;
+        boot.formed = Formed {
+            check_in: checked_in,
+            rounds: started.elapsed().saturating_sub(checked_in),
+        };
         if rank == 0 {
             crate::info!(
                 "bootstrap: {nranks} ranks connected in {:.3} s (root {})",
@@ -327,7 +368,7 @@ impl Bootstrap {
                 ids[0].root
             );
         }
-        Ok(boot)
+        Ok((boot, cards))
     }
 
     /// Exchanges listener addresses over freshly made connections and wraps everything up.
@@ -377,6 +418,7 @@ impl Bootstrap {
             listener,
             rounds: Mutex::new(rounds),
             abort,
+            formed: Formed::default(),
         })
     }
 
@@ -503,6 +545,11 @@ impl Bootstrap {
     }
 
     /// The transports reuse it to authenticate their own connections.
+    /// How long this bootstrap took to form (zero for a sub-communicator's).
+    pub(crate) fn formed(&self) -> Formed {
+        self.formed
+    }
+
     pub(crate) fn secret(&self) -> &[u8; 32] {
         &self.secret
     }

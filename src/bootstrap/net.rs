@@ -470,8 +470,11 @@ impl Enc {
         self
     }
     pub(super) fn text(&mut self, s: &str) -> &mut Enc {
-        self.u32(s.len() as u32);
-        self.0.extend_from_slice(s.as_bytes());
+        self.blob(s.as_bytes())
+    }
+    pub(super) fn blob(&mut self, b: &[u8]) -> &mut Enc {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
         self
     }
 }
@@ -508,8 +511,11 @@ impl<'a> Dec<'a> {
         }
     }
     pub(super) fn text(&mut self) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.blob()?).into_owned())
+    }
+    pub(super) fn blob(&mut self) -> Result<Vec<u8>> {
         let n = self.u32()? as usize;
-        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+        Ok(self.take(n)?.to_vec())
     }
     pub(super) fn finish(&self) -> Result<()> {
         if self.b.is_empty() {

@@ -702,6 +702,7 @@ struct Member {
     stream: TcpStream,
     peer: SocketAddr,
     listen: SocketAddr,
+    card: Vec<u8>,
     reader: FrameReader,
 }
 
@@ -838,6 +839,7 @@ impl Session {
                     stream,
                     peer,
                     listen: c.listen,
+                    card: c.card,
                     reader: FrameReader::new(ROOT_FRAME_LIMIT),
                 };
                 if h.kind == CHECK_IN {
@@ -1036,10 +1038,10 @@ impl Session {
         let Some(p) = self.plan else { return };
         for (&r, m) in &self.members {
             let next = (r + 1) % p.nranks;
-            let next_addr = match self.members.get(&next) {
-                Some(n) => n.listen,
+            let successor = match self.members.get(&next) {
+                Some(n) => n,
                 None => match &self.announcer {
-                    Some((a, n)) if *a == next => n.listen,
+                    Some((a, n)) if *a == next => n,
                     _ => {
                         let _ = send_fail(&m.stream, ErrorKind::Internal, "successor unknown");
                         continue;
@@ -1050,8 +1052,9 @@ impl Session {
             // learns it from the previous root, which answers its announcement below.
             let prev_addr = self.members.get(&((r + p.nranks - 1) % p.nranks));
             let ready = Ready {
-                next: next_addr,
+                next: successor.listen,
                 prev: prev_addr.map(|m| m.listen),
+                next_card: successor.card.clone(),
             };
             if let Err(e) = send(&m.stream, READY, &ready.encode(), &format!("rank {r}")) {
                 crate::warn!(

@@ -347,13 +347,14 @@ fn neighbours_from_the_roots(
                         root_index: k as u32,
                         tag,
                         listen: listen(r),
+                        card: Vec::new(),
                     };
                     let own = RootSession::open(&ids[k], root::CHECK_IN, &me, w).unwrap();
                     let announce = (nroots > 1 && r == root::first_of(k, n, nroots)).then(|| {
                         let prev_root = root::root_of((r + n - 1) % n, n, nroots);
                         let a = CheckIn {
                             root_index: prev_root as u32,
-                            ..me
+                            ..me.clone()
                         };
                         RootSession::open(&ids[prev_root], root::ANNOUNCE, &a, w).unwrap()
                     });
@@ -639,6 +640,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
                 root_index: 0,
                 tag: tag ^ 1,
                 listen: nobody,
+                card: Vec::new(),
             },
         );
         assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
@@ -652,6 +654,7 @@ fn hostile_connections_are_refused_and_the_rendezvous_goes_on() {
                 root_index: 0,
                 tag,
                 listen: nobody,
+                card: Vec::new(),
             },
         );
         assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.msg);
@@ -722,6 +725,7 @@ fn a_rank_declaring_another_rank_count_fails_the_rendezvous_at_once() {
                 root_index: 0,
                 tag,
                 listen: nobody,
+                card: Vec::new(),
             },
         );
         assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
@@ -800,6 +804,7 @@ fn duplicate_rank_is_refused_and_the_rendezvous_goes_on() {
                 root_index: 0,
                 tag,
                 listen: "127.0.0.1:9".parse().unwrap(),
+                card: Vec::new(),
             },
         );
         assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);
@@ -1325,6 +1330,7 @@ fn two_ids_rendezvous_at_once_on_one_service() {
                 root_index: 0,
                 tag: tag_b,
                 listen: "127.0.0.1:9".parse().unwrap(),
+                card: Vec::new(),
             },
         );
         assert_eq!(e.kind, ErrorKind::InvalidUsage, "{}", e.msg);

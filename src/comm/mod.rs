@@ -182,6 +182,34 @@ fn check_agreement(settings: &[Vec<String>]) -> Result<()> {
     Ok(())
 }
 
+/// What a rank tells the others of itself at setup, one record: its placement (host and
+/// process), its `AGREED` settings and its network transport's `Hello`; with this rank's
+/// network offer (the device it found) and its settings alone, to compare.
+struct Card {
+    bytes: Vec<u8>,
+    settings: Vec<u8>,
+    net_offer: crate::transport::net::Offer,
+}
+
+impl Card {
+    fn new(net: &crate::transport::net::NetChoice) -> Card {
+        let net_offer = crate::transport::net::Offer::probe(net);
+        let mut bytes = Vec::new();
+        topo::this_process().encode(&mut bytes);
+        let mut settings = Vec::new();
+        for v in agreed_settings() {
+            crate::wire::put_blob(&mut settings, v.as_bytes());
+        }
+        crate::wire::put_blob(&mut bytes, &settings);
+        net_offer.hello.encode(&mut bytes);
+        Card {
+            bytes,
+            settings,
+            net_offer,
+        }
+    }
+}
+
 /// How long waits may last, from COMM_TIMEOUT (seconds; unset or 0 = no limit).
 fn op_timeout() -> Option<Duration> {
     crate::env::TIMEOUT.seconds()
@@ -202,47 +230,100 @@ impl Comm {
         if rank >= nranks {
             return crate::invalid_arg!("rank {rank} is out of range for {nranks} ranks");
         }
+        let started = Instant::now();
         let timeout = crate::bootstrap::init_timeout();
-        let boot = Bootstrap::init(ids, rank, nranks, timeout)?;
+        // This rank's card rides on the bootstrap's rounds, which gather every rank's without
+        // an allgather of their own. A network name that is none of ours still fails after
+        // the bootstrap, as before: the others learn it from the card this rank leaves empty.
+        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref());
+        let card = net.as_ref().ok().map(Card::new);
+        let (boot, cards) = Bootstrap::init_with(
+            ids,
+            rank,
+            nranks,
+            timeout,
+            card.as_ref().map_or(&[][..], |c| &c.bytes),
+        )?;
+        net?;
+        let Some(card) = card else {
+            return crate::internal_err!("no setup record although the network name resolved");
+        };
         let tag = hash_tag(("comm", boot.secret(), nranks));
-        Comm::establish(boot, config, tag, device, timeout)
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            device,
+            timeout,
+            started,
+            card,
+            Some(cards),
+        )
     }
 
     /// Everything after the bootstrap: where the peers are, and the transports to reach them.
+    /// `started`: when the communicator's setup began (its bootstrap included), for the
+    /// timings line. `gathered`: every rank's card, where the bootstrap brought them; else
+    /// they are gathered here.
+    #[allow(clippy::too_many_arguments)]
     fn establish(
         boot: Bootstrap,
         config: Config,
         tag: u64,
         device: i32,
         timeout: Option<Duration>,
+        started: Instant,
+        card: Card,
+        gathered: Option<Vec<Vec<u8>>>,
     ) -> Result<Comm> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let bootstrapped = Instant::now();
+        let deadline = timeout.map(|t| bootstrapped + t);
         let rank = boot.rank();
         let nranks = boot.nranks();
         let _scope = crate::log::rank_scope(rank as i32);
         crate::log::version_once();
-        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
-        let me = topo::this_process();
-        let mut mine = Vec::new();
-        me.encode(&mut mine);
-        for v in agreed_settings() {
-            crate::wire::put_blob(&mut mine, v.as_bytes());
+        // Every rank's card: brought by the bootstrap's rounds at init, gathered here for a
+        // communicator made from another. Each round of an allgather waits for the slowest
+        // rank, so the transports take their parts of the cards instead of each running one.
+        let Card {
+            bytes: mine,
+            settings,
+            net_offer,
+        } = card;
+        let gathered = match gathered {
+            Some(g) => g,
+            None => boot.allgather(&mine)?,
+        };
+        let mut placements = Vec::with_capacity(nranks);
+        let mut net_hellos = Vec::with_capacity(nranks);
+        let mut all_settings = Vec::with_capacity(nranks);
+        for (r, b) in gathered.iter().enumerate() {
+            if b.is_empty() {
+                return crate::invalid_usage!(
+                    "rank {r} could not describe itself for setup (its own error says why)"
+                );
+            }
+            let mut rd = Reader::new(b);
+            placements.push(Placement::decode(&mut rd)?);
+            let len = rd.u32()? as usize;
+            all_settings.push(rd.bytes(len)?);
+            net_hellos.push(crate::transport::net::Hello::decode(&mut rd)?);
         }
-        let mut settings = Vec::with_capacity(nranks);
-        let placements = boot
-            .allgather(&mine)?
-            .iter()
-            .map(|b| {
-                let mut r = Reader::new(b);
-                let p = Placement::decode(&mut r)?;
-                let s = (0..AGREED.len())
-                    .map(|_| r.string())
-                    .collect::<Result<Vec<_>>>()?;
-                settings.push(s);
-                Ok(p)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        check_agreement(&settings)?;
+        let me = placements[rank].clone();
+        // The settings are read one by one only where some rank's differ, to name them.
+        if all_settings.iter().any(|s| *s != settings.as_slice()) {
+            let settings = all_settings
+                .iter()
+                .map(|b| {
+                    let mut r = Reader::new(b);
+                    (0..AGREED.len())
+                        .map(|_| r.string())
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            check_agreement(&settings)?;
+        }
+        let exchanged = Instant::now();
         let paths: Vec<Path> = placements
             .iter()
             .enumerate()
@@ -265,7 +346,8 @@ impl Comm {
             huge_pages,
             warm,
             transports,
-        } = crate::transport::establish(&boot, &placements, tag, deadline, &net)?;
+        } = crate::transport::establish(&boot, &placements, net_offer, &net_hellos, tag, deadline)?;
+        let transported = Instant::now();
         let (device_world, device_missing) = match crate::transport::p2p::DeviceWorld::connect(
             &boot,
             (device >= 0 && crate::cuda::device_count() > 0).then_some(device),
@@ -275,6 +357,7 @@ impl Comm {
             Ok(w) => (Some(w), None),
             Err(why) => (None, Some(why)),
         };
+        let devices_done = Instant::now();
         let registry = (device_world.is_some() && crate::env::LOCAL_REGISTER.flag())
             .then(|| crate::transport::reg::Registry::over(&transports, rank, nranks))
             .flatten();
@@ -321,6 +404,21 @@ impl Comm {
                 .as_deref()
                 .map(|n| format!(", \"{n}\""))
                 .unwrap_or_default()
+        );
+        // One line per rank at INFO (INIT), as NCCL's "Init timings": where the setup's time
+        // went, to find what grows faster than the rank count.
+        let formed = boot.formed();
+        let s = |d: Duration| format!("{:.3}", d.as_secs_f64());
+        crate::info!(
+            "init timings: rank {rank}/{nranks} total {} s: bootstrap {} (check-in {}, rounds {}), cards {}, transports {}, device world {}, rest {}",
+            s(started.elapsed()),
+            s(bootstrapped - started),
+            s(formed.check_in),
+            s(formed.rounds),
+            s(exchanged - bootstrapped),
+            s(transported - exchanged),
+            s(devices_done - transported),
+            s(devices_done.elapsed())
         );
         Ok(Comm {
             rank,
@@ -582,10 +680,22 @@ impl Comm {
     /// A communicator of `members` (ranks of this one, in their new order) under `tag`; the
     /// config is this communicator's unless one is given.
     fn child(&self, members: &[usize], tag: u64, config: Option<Config>) -> Result<Comm> {
+        let started = Instant::now();
         let timeout = crate::bootstrap::init_timeout();
         let boot = self.boot.sub(members, tag, timeout)?;
         let config = config.unwrap_or_else(|| self.config.clone());
-        Comm::establish(boot, config, tag, self.cuda_device, timeout)
+        let net = crate::transport::net::NetChoice::resolve(config.raw.net_name.as_deref())?;
+        let card = Card::new(&net);
+        Comm::establish(
+            boot,
+            config,
+            tag,
+            self.cuda_device,
+            timeout,
+            started,
+            card,
+            None,
+        )
     }
 
     /// ncclCommShrink: a new communicator of every rank not in `exclude`, built without the

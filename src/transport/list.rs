@@ -26,6 +26,7 @@ use crate::algo::cost::Link as Hop;
 use crate::bootstrap::Bootstrap;
 use crate::error::Result;
 use crate::topo::{Path, Placement};
+use parking_lot::Mutex;
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -95,12 +96,15 @@ pub(crate) trait Transport: Send + Sync {
 /// The kinds a communicator tries, in order: loopback for a rank's own channel, shared memory
 /// for ranks of this host (unless `shm_on` is false), the network (TCP or InfiniBand, as
 /// `net` says) for every other peer.
-pub(crate) fn kinds(shm_on: bool, net: &net::NetChoice) -> Vec<Box<dyn Kind>> {
+pub(crate) fn kinds(shm_on: bool, offer: net::Offer, hellos: &[net::Hello]) -> Vec<Box<dyn Kind>> {
     let mut all: Vec<Box<dyn Kind>> = vec![Box::new(LoopbackKind)];
     if shm_on {
         all.push(Box::new(ShmKind));
     }
-    all.push(Box::new(NetKind(net.clone())));
+    all.push(Box::new(NetKind {
+        offer: Mutex::new(Some(offer)),
+        hellos: hellos.to_vec(),
+    }));
     all
 }
 
@@ -483,8 +487,12 @@ impl Transport for shm::ShmWorld {
     }
 }
 
-/// The network between hosts (`transport::net`: TCP, or InfiniBand as `.0` says).
-struct NetKind(net::NetChoice);
+/// The network between hosts (`transport::net`: TCP, or InfiniBand as the offer and every
+/// rank's hello agree); its setup takes the offer, so it runs once.
+struct NetKind {
+    offer: Mutex<Option<net::Offer>>,
+    hellos: Vec<net::Hello>,
+}
 
 impl Kind for NetKind {
     fn name(&self) -> &'static str {
@@ -510,14 +518,18 @@ impl Kind for NetKind {
             }
         };
         setup.doorbell = Some(doorbell.clone());
+        let Some(offer) = self.offer.lock().take() else {
+            return crate::internal_err!("the network transport was set up twice");
+        };
         let world = net::connect(
             setup.boot,
             peers,
+            offer,
+            &self.hellos,
             doorbell,
             direct,
             setup.comm_tag,
             setup.deadline,
-            &self.0,
         )?;
         Ok(world.map(|w| Box::new(w) as Box<dyn Transport>))
     }
@@ -699,8 +711,8 @@ mod tests {
         assert!(fake(&t, 0).held.lock().is_empty() && fake(&t, 1).held.lock().is_empty());
     }
 
-    fn choice() -> net::NetChoice {
-        net::NetChoice::resolve(Some("socket")).expect("socket is a network")
+    fn offer() -> net::Offer {
+        net::Offer::probe(&net::NetChoice::resolve(Some("socket")).expect("socket is a network"))
     }
 
     #[test]
@@ -708,14 +720,14 @@ mod tests {
         // Rank 0 and 1 are threads of one process, 2 another process of their host, 3 on
         // another host.
         let placements = [at(1, 10), at(1, 10), at(1, 11), at(2, 20)];
-        let kinds = kinds(true, &choice());
+        let kinds = kinds(true, offer(), &[]);
         let p = plan(&kinds, &placements, 0).expect("plan");
         assert_eq!(names(&kinds, &p), ["loopback", "shm", "shm", "net"]);
         assert_eq!(p.used, [true, true, true]);
         let p = plan(&kinds, &placements, 3).expect("plan");
         assert_eq!(names(&kinds, &p), ["net", "net", "net", "loopback"]);
         // Without shared memory, the ranks of one host go over the network too.
-        let kinds = super::kinds(false, &choice());
+        let kinds = super::kinds(false, offer(), &[]);
         let p = plan(&kinds, &placements, 2).expect("plan");
         assert_eq!(names(&kinds, &p), ["net", "net", "loopback", "net"]);
     }
@@ -725,7 +737,7 @@ mod tests {
         // Rank 0 alone on its host: it has no shared-memory peer, but ranks 1 and 2 do, so
         // rank 0 takes part in shm's setup too (it is collective).
         let placements = [at(1, 10), at(2, 20), at(2, 21)];
-        let kinds = kinds(true, &choice());
+        let kinds = kinds(true, offer(), &[]);
         let p = plan(&kinds, &placements, 0).expect("plan");
         assert_eq!(names(&kinds, &p), ["loopback", "net", "net"]);
         assert_eq!(p.used, [true, true, true]);

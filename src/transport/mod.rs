@@ -53,19 +53,25 @@ pub(crate) struct Links {
 /// Connects this rank to every peer with the first transport of the list (`list::kinds`:
 /// loopback, shm, net) that reaches it: shm for ranks of this host (unless COMM_SHM_DISABLE),
 /// the network for the rest. Collective: every rank derives the same plan from the
-/// placements, so each transport's setup runs on all ranks or on none.
+/// placements, so each transport's setup runs on all ranks or on none. `net_hellos`: every
+/// rank's network `Hello`, gathered with the placements; `offer`: this rank's.
 pub(crate) fn establish(
     boot: &Bootstrap,
     placements: &[Placement],
+    offer: net::Offer,
+    net_hellos: &[net::Hello],
     comm_tag: u64,
     deadline: Option<Instant>,
-    net: &net::NetChoice,
 ) -> Result<Links> {
     let shm_on = !crate::env::SHM_DISABLE.flag();
-    establish_with(boot, placements, comm_tag, deadline, shm_on, net)
+    establish_from(
+        boot, placements, offer, net_hellos, comm_tag, deadline, shm_on,
+    )
 }
 
-/// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says.
+/// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says,
+/// the network's hellos gathered in an allgather of their own (the transport tests' way in).
+#[cfg(test)]
 pub(crate) fn establish_with(
     boot: &Bootstrap,
     placements: &[Placement],
@@ -74,8 +80,22 @@ pub(crate) fn establish_with(
     shm_on: bool,
     net: &net::NetChoice,
 ) -> Result<Links> {
+    let offer = net::Offer::probe(net);
+    let hellos = offer.exchange(boot)?;
+    establish_from(boot, placements, offer, &hellos, comm_tag, deadline, shm_on)
+}
+
+fn establish_from(
+    boot: &Bootstrap,
+    placements: &[Placement],
+    offer: net::Offer,
+    net_hellos: &[net::Hello],
+    comm_tag: u64,
+    deadline: Option<Instant>,
+    shm_on: bool,
+) -> Result<Links> {
     list::connect(
-        &list::kinds(shm_on, net),
+        &list::kinds(shm_on, offer, net_hellos),
         boot,
         placements,
         comm_tag,

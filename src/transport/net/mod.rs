@@ -1,9 +1,10 @@
 //! Transports between hosts. `socket` is TCP; every connection goes through the bootstrap's
 //! service and proves it knows the communicator's secret.
 //!
-//! Setup is collective: every rank publishes, over the bootstrap, how many sockets it wants per
-//! peer and whether it connects on demand; then the lower rank of each pair that talks over the
-//! network opens that many connections (the smaller of the two ranks' counts) to the higher
+//! Setup is collective: every rank publishes whether it has a usable InfiniBand device, how many
+//! sockets it wants per peer and whether it connects on demand (its `Hello`, carried with its
+//! placement in its card, `comm::Card`); then the lower rank of each pair that
+//! talks over the network opens that many connections (the smaller of the two ranks' counts) to the higher
 //! one: at the link's first use (`on_demand`, NCCL_RUNTIME_CONNECT=1, the default, when every
 //! rank asks for it) or at once for every pair (NCCL_RUNTIME_CONNECT=0). The connections go
 //! through the bootstrap's connection service (`Bootstrap::dial` / `Bootstrap::accept`): the
@@ -37,7 +38,7 @@ mod on_demand;
 mod socket;
 
 use crate::bootstrap::{Bootstrap, Purpose};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::transport::demand::OnDemand;
 use crate::transport::{Doorbell, Link};
 use parking_lot::Mutex;
@@ -332,39 +333,113 @@ impl Drop for NetWorld {
     }
 }
 
-/// Connects this rank to every rank in `peers` over TCP. Collective: every rank of the
-/// bootstrap calls it, in the same order relative to the other setup collectives, even with
-/// no peers of its own.
+/// What a rank's network transport tells the others at init: whether it can use InfiniBand,
+/// its sockets per peer and whether it connects at first use. It travels with the rank's
+/// placement in its card (`comm::Card`, brought by the bootstrap's rounds), so that the
+/// transport needs no round of its own; every rank then derives the same choices from all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Hello {
+    /// A usable InfiniBand device, and no socket transport asked for.
+    ib: bool,
+    sockets: u32,
+    on_demand: bool,
+}
+
+impl Hello {
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        out.push(self.ib as u8);
+        crate::wire::put_u32(out, self.sockets);
+        out.push(self.on_demand as u8);
+    }
+
+    pub(crate) fn decode(r: &mut crate::wire::Reader<'_>) -> Result<Hello> {
+        Ok(Hello {
+            ib: r.bytes(1)? == [1],
+            sockets: r.u32()?,
+            on_demand: r.bytes(1)? == [1],
+        })
+    }
+}
+
+/// This rank's `Hello`, with the InfiniBand device it found (or why none) and what was asked.
+pub(crate) struct Offer {
+    pub(crate) hello: Hello,
+    device: Option<Arc<dyn ib::verbs::Device>>,
+    why: String,
+    choice: NetChoice,
+}
+
+impl Offer {
+    /// Looks for an InfiniBand device unless sockets were asked for. Done before the cards
+    /// are exchanged, which are still to say whether this rank has network peers at all,
+    /// so a communicator within one host looks too (as NCCL initialises its network for
+    /// every communicator); the device is dropped unused there.
+    pub(crate) fn probe(choice: &NetChoice) -> Offer {
+        let (device, why) = if choice.net == Net::Socket {
+            (None, choice.from.clone())
+        } else if crate::env::IB_DISABLE.flag() {
+            (None, "COMM_IB_DISABLE=1".to_string())
+        } else {
+            match ib::probe() {
+                Ok(d) => (Some(d), String::new()),
+                Err(why) => (None, why),
+            }
+        };
+        Offer {
+            hello: Hello {
+                ib: device.is_some(),
+                sockets: sockets_per_peer() as u32,
+                on_demand: crate::env::RUNTIME_CONNECT.flag(),
+            },
+            device,
+            why,
+            choice: choice.clone(),
+        }
+    }
+
+    /// Every rank's `Hello` in an allgather of its own, for callers without the cards
+    /// (transport tests).
+    #[cfg(test)]
+    pub(crate) fn exchange(&self, boot: &Bootstrap) -> Result<Vec<Hello>> {
+        let mut mine = Vec::new();
+        self.hello.encode(&mut mine);
+        boot.allgather(&mine)?
+            .iter()
+            .map(|b| Hello::decode(&mut crate::wire::Reader::new(b)))
+            .collect()
+    }
+}
+
+/// Connects this rank to every rank in `peers` over TCP or InfiniBand, from every rank's
+/// `hellos` (in rank order) and this rank's `offer`. Collective: every rank of the bootstrap
+/// calls it where any rank has network peers, and then every rank has some.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn connect(
     boot: &Bootstrap,
     peers: &[usize],
+    offer: Offer,
+    hellos: &[Hello],
     doorbell: Arc<dyn Doorbell>,
     direct: Option<Arc<Waker>>,
     comm_tag: u64,
     deadline: Option<Instant>,
-    choice: &NetChoice,
 ) -> Result<Option<NetWorld>> {
     let me = boot.rank();
     let nranks = boot.nranks();
+    let Offer {
+        hello: _,
+        device,
+        why,
+        choice,
+    } = offer;
     let want = choice.net;
-    // Every rank votes: 2 without network peers (either will do), 1 with a usable InfiniBand
-    // device, 0 without one (or with sockets asked for).
-    let (vote, device, why) = if peers.is_empty() {
-        (2u8, None, String::new())
-    } else if want == Net::Socket {
-        (0, None, choice.from.clone())
-    } else if crate::env::IB_DISABLE.flag() {
-        (0, None, "COMM_IB_DISABLE=1".to_string())
-    } else {
-        match ib::probe() {
-            Ok(d) => (1, Some(d), String::new()),
-            Err(why) => (0, None, why),
-        }
-    };
     let sockets = sockets_per_peer();
-    let mut mine = vec![vote];
-    mine.extend_from_slice(&(sockets as u32).to_le_bytes());
-    mine.push(crate::env::RUNTIME_CONNECT.flag() as u8);
+    if hellos.len() != nranks {
+        return crate::internal_err!(
+            "{} network transport settings for {nranks} ranks",
+            hellos.len()
+        );
+    }
     if peers.iter().any(|&p| p < me) {
         crate::info!(
             "rank {me}: TCP transport of communicator {comm_tag:016x} takes its connections through the bootstrap's service of communicator {:016x}, listening on {}",
@@ -372,13 +447,10 @@ pub(crate) fn connect(
             boot.service_addr()
         );
     }
-    let addrs = boot.allgather(&mine)?;
     // A failure test can freeze this rank here, with every listener open and nobody connected.
     crate::fault::point("net:published");
-    let without: Vec<usize> = (0..nranks)
-        .filter(|&r| addrs[r].first() == Some(&0))
-        .collect();
-    let use_ib = without.is_empty() && addrs.iter().any(|a| a.first() == Some(&1));
+    let without: Vec<usize> = (0..nranks).filter(|&r| !hellos[r].ib).collect();
+    let use_ib = without.is_empty() && nranks > 1;
     if want == Net::Ib && !use_ib && !without.is_empty() {
         return crate::invalid_usage!(
             "{}, but {} {} no usable InfiniBand device{}",
@@ -394,9 +466,7 @@ pub(crate) fn connect(
     }
     // On demand only when every rank asks for it: a rank connecting eagerly waits at init for
     // connections that a rank connecting on demand would make only at first use.
-    let eager: Vec<usize> = (0..nranks)
-        .filter(|&r| addrs[r].get(5) != Some(&1))
-        .collect();
+    let eager: Vec<usize> = (0..nranks).filter(|&r| !hellos[r].on_demand).collect();
     if use_ib {
         if let Some(d) = &device {
             crate::info!(
@@ -431,16 +501,9 @@ pub(crate) fn connect(
     }
     // Each pair uses the smaller of the two ranks' counts, so both ends agree.
     let count = |p: usize| -> Result<usize> {
-        let theirs = addrs[p]
-            .get(1..5)
-            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Internal,
-                    format!("rank {p} published no TCP transport settings"),
-                )
-            })?;
-        Ok(sockets.min(theirs).clamp(1, MAX_SOCKETS))
+        Ok(sockets
+            .min(hellos[p].sockets as usize)
+            .clamp(1, MAX_SOCKETS))
     };
     let (waker, thread_needed) = match direct {
         Some(w) => (w, false),
