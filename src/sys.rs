@@ -415,10 +415,7 @@ impl ProcessWatch {
         // SAFETY: as in take_fd.
         let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
         if new < 0 {
-            return Err(Error::last_os(format!(
-                "pidfd_getfd(pid {}, fd {fd})",
-                self.pid
-            )));
+            return Err(getfd_failed(self.pid, fd));
         }
         // SAFETY: a fresh descriptor that we own.
         Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
@@ -648,10 +645,24 @@ pub(crate) fn take_fd(pid: u32, fd: RawFd) -> Result<OwnedFd> {
     // (close-on-exec) descriptor or -1.
     let new = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
     if new < 0 {
-        return Err(Error::last_os(format!("pidfd_getfd(pid {pid}, fd {fd})")));
+        return Err(getfd_failed(pid, fd));
     }
     // SAFETY: a fresh descriptor that we own.
     Ok(unsafe { OwnedFd::from_raw_fd(new as RawFd) })
+}
+
+/// The error of a pidfd_getfd that just failed: ncclRemoteError when the process is exiting
+/// (ESRCH comes as soon as it has let go of its descriptors, before its pidfd says it ended),
+/// a system error otherwise.
+fn getfd_failed(pid: u32, fd: RawFd) -> Error {
+    let os = std::io::Error::last_os_error();
+    if os.raw_os_error() == Some(libc::ESRCH) {
+        return Error::new(
+            crate::error::ErrorKind::Remote,
+            format!("pidfd_getfd(pid {pid}, fd {fd}): the process is exiting or gone"),
+        );
+    }
+    Error::from_io(format!("pidfd_getfd(pid {pid}, fd {fd})"), os)
 }
 
 /// Whether this process may duplicate the descriptors of process `pid` with `take_fd`, asked
@@ -746,6 +757,32 @@ impl FutexBell<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process that has exited (a zombie, not reaped yet) answers pidfd_getfd with ESRCH
+    /// before anyone is told it ended: that is a peer gone (ncclRemoteError), not a fault of
+    /// this system.
+    #[test]
+    fn taking_a_descriptor_of_an_exited_process_is_a_remote_error() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            let state = stat.rsplit(')').next().unwrap().split_whitespace().next();
+            if state == Some("Z") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never exited"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let e = take_fd(pid, 0).expect_err("an exited process has no descriptors");
+        child.wait().unwrap();
+        assert_eq!(e.kind, crate::error::ErrorKind::Remote, "{}", e.msg);
+        assert!(e.msg.contains("exiting or gone"), "{}", e.msg);
+    }
 
     /// A buffer's huge pages are advised the first time it comes, collapsed the second, and
     /// left alone after; a range reaching into pages not seen before starts over for them.

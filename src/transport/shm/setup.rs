@@ -161,7 +161,8 @@ impl Peers {
         // freed the segment with its communicator (destroy, abort, a failed init), which its
         // segment would have said had this rank mapped it before.
         let gone = |e: Error| {
-            let exited = watch.as_ref().is_some_and(|w| !w.alive());
+            let exited = e.kind == crate::error::ErrorKind::Remote
+                || watch.as_ref().is_some_and(|w| !w.alive());
             if exited {
                 Error::lost_peer(
                     r,
@@ -189,6 +190,8 @@ impl Peers {
                     .as_ref()
                     .map_or_else(|| sys::take_fd(pid, reach.fd), |w| w.take_fd(reach.fd))
                     .map_err(|e| match e.kind {
+                        // The process is exiting.
+                        crate::error::ErrorKind::Remote => gone(e),
                         // Not permitted (the pid now belongs to another process, say).
                         crate::error::ErrorKind::System
                             if sys::may_take_fds(pid)
