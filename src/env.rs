@@ -132,7 +132,7 @@ knobs! {
     DIRECT_MAX_BYTES: Size "COMM_DIRECT_MAX_BYTES" = "",
         "largest all-reduce done one-shot (default 64K up to 2 ranks, 32K up to 4, 8K up to 16, none beyond; set, at any rank count)";
     TREE_MAX_BYTES: Size "COMM_TREE_MAX_BYTES" = "262144",
-        "largest message that prefers the tree to the ring";
+        "largest message that prefers the tree to the ring (past 16 hosts, times hosts/16)";
     SHM_SLOTS: Int "COMM_SHM_SLOTS" = "16",
         "slots per shared-memory FIFO (2-1024)";
     SHM_SLOT_BYTES: Size "COMM_SHM_SLOT_BYTES" = "65536",

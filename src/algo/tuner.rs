@@ -153,6 +153,20 @@ impl Tuner {
         }
     }
 
+    /// The largest all-reduce that takes the tree. Past `ONE_SHOT_MAX_PEERS` hosts the
+    /// alternatives cross between hosts around a ring of them, 2(H-1) dependent hops, so the
+    /// size from which their bandwidth pays grows with the host count H: the bound is
+    /// `tree_max` times H / `ONE_SHOT_MAX_PEERS` there (the cost model's crossover on 128 and
+    /// 1024 hosts of 8 lies between 2 and 32 MiB, on NIC-class and TCP links alike).
+    fn tree_max_between_hosts(&self) -> usize {
+        if self.hosts > super::ONE_SHOT_MAX_PEERS {
+            self.tree_max
+                .saturating_mul(self.hosts / super::ONE_SHOT_MAX_PEERS)
+        } else {
+            self.tree_max
+        }
+    }
+
     pub(crate) fn choose(&self, coll: &Collective, bytes: usize, nranks: usize) -> Algorithm {
         let ok = |a: Algorithm| self.allowed.contains(&a);
         match coll {
@@ -163,6 +177,7 @@ impl Tuner {
                 // Several hosts with several ranks each: beyond one-shot sizes, only one
                 // share per rank crosses between hosts.
                 let hier = self.hosts > 1 && self.per_host.is_some_and(|p| p > 1);
+                let tree_max = self.tree_max_between_hosts();
                 if ok(Algorithm::Direct)
                     && bytes <= self.direct_max
                     && nranks <= self.direct_max_ranks
@@ -171,13 +186,13 @@ impl Tuner {
                 } else if hier
                     && ok(Algorithm::Hier)
                     && (self.hosts <= super::ONE_SHOT_MAX_PEERS
-                        || bytes > self.tree_max
+                        || bytes > tree_max
                         || !ok(Algorithm::Tree))
                 {
                     // Past a few hosts, the hierarchy's exchange between hosts is a ring of
                     // them (2(H-1) dependent hops): small messages take the tree.
                     Algorithm::Hier
-                } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= self.tree_max {
+                } else if ok(Algorithm::Tree) && nranks > 2 && bytes <= tree_max {
                     Algorithm::Tree
                 } else if ok(Algorithm::Ring) {
                     Algorithm::Ring
@@ -350,8 +365,16 @@ mod tests {
         assert_eq!(few.choose(&ar, 64 << 20, n), Algorithm::Hier);
         let many = spread(128);
         assert_eq!(many.choose(&ar, 8, 1024), Algorithm::Tree);
-        assert_eq!(many.choose(&ar, 256 << 10, 1024), Algorithm::Tree);
-        assert_eq!(many.choose(&ar, (256 << 10) + 1, 1024), Algorithm::Hier);
+        // The tree's bound grows with the hosts: 128 / 16 times 256 KiB.
+        assert_eq!(many.choose(&ar, 2 << 20, 1024), Algorithm::Tree);
+        assert_eq!(many.choose(&ar, (2 << 20) + 1, 1024), Algorithm::Hier);
+        assert_eq!(few.choose(&ar, (256 << 10) + 1, n), Algorithm::Hier);
+        let flat = Tuner {
+            per_host: Some(1),
+            ..many.clone()
+        };
+        assert_eq!(flat.choose(&ar, 2 << 20, 1024), Algorithm::Tree);
+        assert_eq!(flat.choose(&ar, (2 << 20) + 1, 1024), Algorithm::Ring);
         assert_eq!(many.choose(&ag, 8, 1024), Algorithm::Ring);
         assert_eq!(spread(2).choose(&ag, 8, 16), Algorithm::Direct);
         assert_eq!(
