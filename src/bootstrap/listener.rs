@@ -337,9 +337,9 @@ struct Shared {
     closed: Mutex<Option<Closed>>,
 }
 
-/// A communicator's end as a probe answers it: a transport's closing code and the rank it
-/// lost (plus one; 0: none), little-endian.
-pub(crate) type Closed = [u8; 5];
+/// A communicator's end as a probe answers it: a transport's own 8-byte code for how it closed
+/// (`transport::net::notes`), little-endian.
+pub(crate) type Closed = [u8; 8];
 
 impl Shared {
     /// Hands an authenticated connection to its purpose's handler, or stashes it.
@@ -688,8 +688,8 @@ impl Dialer {
     /// its communicator was destroyed or aborted. A peer that answers, or cannot be reached
     /// within a second (a slow host), counts as alive; the caller's deadline covers those.
     /// Otherwise Ok with how `peer`'s communicator ended if a transport of it said so
-    /// (`tell_closed`): the closing code and the rank it lost.
-    pub(crate) fn check_state(&self, peer: usize) -> Result<Option<(u8, Option<usize>)>> {
+    /// (`tell_closed`), in that transport's code.
+    pub(crate) fn check_state(&self, peer: usize) -> Result<Option<u64>> {
         let Some(addr) = self.addr(peer) else {
             return crate::internal_err!("rank {peer} is no rank of this communicator");
         };
@@ -704,21 +704,13 @@ impl Dialer {
                 to: peer as u32,
             },
         };
-        let told = watch.state(peer, &self.abort)?;
-        Ok(told.map(|b| {
-            let lost = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
-            (b[0], lost.checked_sub(1).map(|l| l as usize))
-        }))
+        Ok(watch.state(peer, &self.abort)?.map(u64::from_le_bytes))
     }
 
     /// Records how this rank's communicator ended (the first call wins), for the probes of
     /// ranks still waiting for a connection from it.
-    pub(crate) fn tell_closed(&self, code: u8, lost: Option<usize>) {
-        let lost = lost.map_or(0, |l| l as u32 + 1).to_le_bytes();
-        self.service
-            .closed
-            .lock()
-            .get_or_insert([code, lost[0], lost[1], lost[2], lost[3]]);
+    pub(crate) fn tell_closed(&self, code: u64) {
+        self.service.closed.lock().get_or_insert(code.to_le_bytes());
     }
 }
 

@@ -644,7 +644,7 @@ impl Watch {
             crate::trace!("liveness probe of {who}: {}", e.msg);
             return Ok(None);
         }
-        let mut told: listener::Closed = [0; 5];
+        let mut told: listener::Closed = Default::default();
         Ok(net::read_exact(&stream, &mut told, w, &who)
             .ok()
             .map(|_| told))

@@ -64,9 +64,8 @@ pub(crate) fn establish(
     deadline: Option<Instant>,
 ) -> Result<Links> {
     let shm_on = !crate::env::SHM_DISABLE.flag();
-    establish_from(
-        boot, placements, offer, net_hellos, comm_tag, deadline, shm_on,
-    )
+    let kinds = list::kinds(shm_on, offer, net_hellos);
+    list::connect(&kinds, boot, placements, comm_tag, deadline)
 }
 
 /// `establish` with shared memory allowed (`shm_on`) or not, whatever the environment says,
@@ -82,25 +81,8 @@ pub(crate) fn establish_with(
 ) -> Result<Links> {
     let offer = net::Offer::probe(net);
     let hellos = offer.exchange(boot)?;
-    establish_from(boot, placements, offer, &hellos, comm_tag, deadline, shm_on)
-}
-
-fn establish_from(
-    boot: &Bootstrap,
-    placements: &[Placement],
-    offer: net::Offer,
-    net_hellos: &[net::Hello],
-    comm_tag: u64,
-    deadline: Option<Instant>,
-    shm_on: bool,
-) -> Result<Links> {
-    list::connect(
-        &list::kinds(shm_on, offer, net_hellos),
-        boot,
-        placements,
-        comm_tag,
-        deadline,
-    )
+    let kinds = list::kinds(shm_on, offer, &hellos);
+    list::connect(&kinds, boot, placements, comm_tag, deadline)
 }
 
 /// An outgoing message. `src` stays valid and unmodified until the send reports `Complete`.

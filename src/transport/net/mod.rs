@@ -427,13 +427,13 @@ pub(crate) fn connect(
     let me = boot.rank();
     let nranks = boot.nranks();
     let Offer {
-        hello: _,
+        hello,
         device,
         why,
         choice,
     } = offer;
     let want = choice.net;
-    let sockets = sockets_per_peer();
+    let sockets = hello.sockets as usize;
     if hellos.len() != nranks {
         return crate::internal_err!(
             "{} network transport settings for {nranks} ranks",
@@ -500,10 +500,10 @@ pub(crate) fn connect(
         }
     }
     // Each pair uses the smaller of the two ranks' counts, so both ends agree.
-    let count = |p: usize| -> Result<usize> {
-        Ok(sockets
+    let count = |p: usize| {
+        sockets
             .min(hellos[p].sockets as usize)
-            .clamp(1, MAX_SOCKETS))
+            .clamp(1, MAX_SOCKETS)
     };
     let (waker, thread_needed) = match direct {
         Some(w) => (w, false),
@@ -516,7 +516,7 @@ pub(crate) fn connect(
     if eager.is_empty() {
         let mut expect = vec![0; nranks];
         for &p in peers.iter().filter(|&&p| p < me) {
-            expect[p] = count(p)?;
+            expect[p] = count(p);
         }
         let arrivals = Arc::new(on_demand::Arrivals::new(
             me,
@@ -532,7 +532,7 @@ pub(crate) fn connect(
             let connect = on_demand::Connector {
                 pair: on_demand::Pair::new(me, p, dialer.clone(), timeout, "TCP"),
                 ends: on_demand::TcpEnds {
-                    count: count(p)?,
+                    count: count(p),
                     arrivals: arrivals.clone(),
                     waker: waker.clone(),
                     notes: notes.clone(),
@@ -552,7 +552,7 @@ pub(crate) fn connect(
                 crate::bootstrap::describe_ranks(&eager)
             );
         }
-        connect_all(boot, peers, &count, deadline, (&waker, &notes), &mut links)?;
+        connect_all(boot, peers, &count, deadline, &waker, &notes, &mut links)?;
     }
     let thread = if thread_needed {
         let w = waker.clone();
@@ -579,9 +579,10 @@ pub(crate) fn connect(
 fn connect_all(
     boot: &Bootstrap,
     peers: &[usize],
-    count: &dyn Fn(usize) -> Result<usize>,
+    count: &dyn Fn(usize) -> usize,
     deadline: Option<Instant>,
-    (waker, notes): (&Arc<Waker>, &Arc<notes::Notes>),
+    waker: &Arc<Waker>,
+    notes: &Arc<notes::Notes>,
     links: &mut [Option<Arc<dyn Link>>],
 ) -> Result<()> {
     let me = boot.rank();
@@ -589,7 +590,7 @@ fn connect_all(
     // The lower rank of each pair dials; the higher one's service takes the connection and
     // runs the handshake on its own thread, so dialling never waits for the peer's own setup.
     for &p in peers.iter().filter(|&&p| p > me) {
-        for i in 0..count(p)? {
+        for i in 0..count(p) {
             let s = boot
                 .dial(p, Purpose::Net, i as u64, deadline)
                 .map_err(|e| e.context(format!("connecting to rank {p} over TCP (socket {i})")))?;
@@ -597,7 +598,7 @@ fn connect_all(
         }
     }
     for &p in peers.iter().filter(|&&p| p < me) {
-        for i in 0..count(p)? {
+        for i in 0..count(p) {
             let what = format!("over TCP (socket {i})");
             streams[p].push(boot.accept(p, Purpose::Net, i as u64, deadline, &what)?);
         }

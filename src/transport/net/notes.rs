@@ -33,11 +33,13 @@ pub(crate) struct Notes {
     got: Mutex<HashMap<usize, (Closing, Option<usize>)>>,
 }
 
-fn encode(how: Closing, lost: Option<usize>) -> u64 {
+/// The one code for how a link closed and whom it lost: the key of a note, and what a rank's
+/// service answers probes with once it closed (`Dialer::tell_closed`).
+pub(super) fn encode(how: Closing, lost: Option<usize>) -> u64 {
     how as u64 | (lost.map_or(0, |l| l as u64 + 1) << 8)
 }
 
-fn decode(key: u64) -> Option<(Closing, Option<usize>)> {
+pub(super) fn decode(key: u64) -> Option<(Closing, Option<usize>)> {
     let how = Closing::from_code((key & 0xff) as u32)?;
     let lost = (key >> 8).checked_sub(1).map(|l| l as usize);
     Some((how, lost))

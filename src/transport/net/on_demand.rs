@@ -294,7 +294,7 @@ impl Pair {
                 self.peer, self.over
             )))
         })?;
-        match told.and_then(|(code, lost)| Some((Closing::from_code(code as u32)?, lost))) {
+        match told.and_then(super::notes::decode) {
             Some((how, lost)) => {
                 let mut e = Error::lost_peer(
                     lost.unwrap_or(self.peer),
@@ -379,7 +379,9 @@ impl<E: Ends> Connect for Connector<E> {
     fn close(&self, how: Closing, lost: Option<usize>) {
         if self.pair.dials() {
             // The peer may be waiting for this rank's dial: its probes hear how it ended.
-            self.pair.dialer.tell_closed(how as u8, lost);
+            self.pair
+                .dialer
+                .tell_closed(super::notes::encode(how, lost));
         } else {
             self.ends.close(self.pair.peer, how, lost);
         }
